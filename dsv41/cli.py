@@ -8,8 +8,8 @@ import sys
 COMMANDS = {
     "config": ("dsv41.config", "cli_main", "read a config (either released layout), print its shape and verify it"),
     "audit": ("dsv41.audit", "cli_main", "header-only audit of a checkpoint directory (never reads a payload)"),
-    "make-tiny": ("dsv41.tiny", "cli_make_tiny", "write the embedded tiny checkpoint in the exact release format"),
-    "make-headers": ("dsv41.tiny", "cli_make_headers", "synthesize the released checkpoint's 48 shard headers (no payload)"),
+    "make-tiny": ("dsv41.tiny", "cli_main", "write the embedded tiny checkpoint in the exact release format"),
+    "make-headers": ("dsv41.headers", "cli_main", "synthesize the released checkpoint's 48 shard headers (no payload)"),
     "engram": ("dsv41.engram", "cli_main", "Engram layout, multipliers and hash ids for a config (and tokenizer)"),
 }
 

@@ -1,0 +1,612 @@
+"""One frozen schema over both released config layouts.
+
+The checkpoint describes itself twice: `config.json` (nested: text_config, vision_config,
+quantization_config; Transformers names) and `inference/config.json` (one flat level, the reference
+runtime's names). Canonical field names here are the flat ones. Each file is silent on something the
+other states; a field a file does not state is None, never a guessed default.
+
+The dtype trap: the nested top-level `dtype` is the *storage* dtype of unquantized tensors
+(`bfloat16`, canonical name `param_dtype`), while the flat `dtype` is the *quantization* dtype of the
+dense linears (`fp8`), which the nested file states as `quantization_config.quant_method`.
+
+Standard library only: the header audit imports this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+T, V, Q = "text_config", "vision_config", "quantization_config"
+
+# (canonical = flat key, path in the nested config.json), in the released flat file's key order.
+FLAT_ALIASES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("vocab_size", (T, "vocab_size")),
+    ("dim", (T, "hidden_size")),
+    ("moe_inter_dim", (T, "moe_intermediate_size")),
+    ("n_layers", (T, "num_hidden_layers")),
+    ("n_mtp_layers", (T, "num_nextn_predict_layers")),
+    ("dspark_block_size", (T, "dspark_block_size")),
+    ("dspark_noise_token_id", (T, "dspark_noise_token_id")),
+    ("dspark_target_layer_ids", (T, "dspark_target_layer_ids")),
+    ("dspark_markov_rank", (T, "dspark_markov_rank")),
+    ("dspark_n_routed_experts", (T, "dspark_n_routed_experts")),
+    ("dspark_n_activated_experts", (T, "dspark_num_experts_per_tok")),
+    ("n_heads", (T, "num_attention_heads")),
+    ("n_routed_experts", (T, "n_routed_experts")),
+    ("n_shared_experts", (T, "n_shared_experts")),
+    ("n_activated_experts", (T, "num_experts_per_tok")),
+    ("score_func", (T, "scoring_func")),
+    ("route_scale", (T, "routed_scaling_factor")),
+    ("swiglu_limit", (T, "swiglu_limit")),
+    ("q_lora_rank", (T, "q_lora_rank")),
+    ("head_dim", (T, "head_dim")),
+    ("rope_head_dim", (T, "qk_rope_head_dim")),
+    ("norm_eps", (T, "rms_norm_eps")),
+    ("o_groups", (T, "o_groups")),
+    ("o_lora_rank", (T, "o_lora_rank")),
+    ("window_size", (T, "sliding_window")),
+    ("kv_source_layers", (T, "kv_source_layer_ids")),
+    ("index_source_layers", (T, "index_source_layer_ids")),
+    ("original_seq_len", (T, "rope_scaling", "original_max_position_embeddings")),
+    ("rope_theta", (T, "rope_theta")),
+    ("rope_factor", (T, "rope_scaling", "factor")),
+    ("beta_fast", (T, "rope_scaling", "beta_fast")),
+    ("beta_slow", (T, "rope_scaling", "beta_slow")),
+    ("index_n_heads", (T, "index_n_heads")),
+    ("index_head_dim", (T, "index_head_dim")),
+    ("index_topk", (T, "index_topk")),
+    ("candidate_source_layer", (T, "candidate_source_layer_id")),
+    ("candidate_topk_blocks", (T, "candidate_topk_blocks")),
+    ("candidate_block_size", (T, "candidate_block_size")),
+    ("hc_mult", (T, "hc_mult")),
+    ("hc_sinkhorn_iters", (T, "hc_sinkhorn_iters")),
+    ("hc_eps", (T, "hc_eps")),
+    ("engram_layer_ids", (T, "engram_layer_ids")),
+    ("engram_vocab_size", (T, "engram_vocab_size")),
+    ("engram_num_embeddings", (T, "engram_num_embeddings")),
+    ("engram_max_ngram_size", (T, "engram_max_ngram_size")),
+    ("engram_pad_id", (T, "engram_pad_token_id")),
+    ("engram_compressed_vocab_size", (T, "engram_compressed_vocab_size")),
+    ("dtype", (Q, "quant_method")),
+    ("expert_dtype", (Q, "expert_dtype")),
+    ("compress_rope_theta", (T, "compress_rope_theta")),
+    ("compress_ratios", (T, "compress_ratios")),
+    ("vision_n_layers", (V, "num_hidden_layers")),
+    ("vision_dim", (V, "hidden_size")),
+    ("vision_n_heads", (V, "num_attention_heads")),
+    ("vision_inter_dim", (V, "intermediate_size")),
+    ("vision_patch_size", (V, "patch_size")),
+    ("vision_downsample_ratio", (V, "downsample_ratio")),
+    ("vision_max_n_token", (V, "max_image_tokens")),
+    ("vision_min_pixels", (V, "min_pixels")),
+    ("vision_max_wh_ratio", (V, "max_wh_ratio")),
+    ("image_token_id", ("image_token_id",)),
+    ("engram_n_heads", (T, "engram_n_heads")),
+    ("engram_head_dim", (T, "engram_head_dim")),
+    ("vision_rope_theta", (V, "rope_theta")),
+)
+
+# Fields only the nested (Transformers) file states; the flat file never had them.
+NESTED_ONLY: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("model_type", ("model_type",)),
+    ("architectures", ("architectures",)),
+    ("param_dtype", ("dtype",)),
+    ("bos_token_id", ("bos_token_id",)),
+    ("eos_token_id", ("eos_token_id",)),
+    ("pad_token_id", ("pad_token_id",)),
+    ("hidden_act", (T, "hidden_act")),
+    ("max_position_embeddings", (T, "max_position_embeddings")),
+    ("num_key_value_heads", (T, "num_key_value_heads")),
+    ("tie_word_embeddings", (T, "tie_word_embeddings")),
+    ("topk_method", (T, "topk_method")),
+    ("norm_topk_prob", (T, "norm_topk_prob")),
+)
+
+# Nested keys that carry format facts, not model facts: kept verbatim for the round trip back to
+# config.json and checked by verify(), but not fields of the schema.
+NESTED_FORMAT_DEFAULTS: dict[tuple[str, ...], Any] = {
+    ("transformers_version",): "5.6.0",
+    (Q, "activation_scheme"): "dynamic",
+    (Q, "weight_block_size"): [32, 32],
+    (Q, "scale_fmt"): "ue8m0",
+    (T, "model_type"): "deepseek_v41_text",
+    (T, "attention_bias"): False,
+    (T, "attention_dropout"): 0.0,
+    (T, "initializer_range"): 0.02,
+    (T, "use_cache"): True,
+    (T, "rope_scaling", "rope_type"): "yarn",
+    (V, "model_type"): "deepseek_v41_vision",
+}
+
+FLAT_KEYS = tuple(name for name, _ in FLAT_ALIASES)
+NESTED_ONLY_KEYS = tuple(name for name, _ in NESTED_ONLY)
+# vision_max_wh_ratio is legitimately null in the release: "no limit".
+NULLABLE = frozenset({"vision_max_wh_ratio"})
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be read as either released layout."""
+
+
+@dataclass(frozen=True)
+class Config:
+    # --- flat-layout fields (the reference runtime's names), in the released order
+    vocab_size: int | None = None
+    dim: int | None = None
+    moe_inter_dim: int | None = None
+    n_layers: int | None = None
+    n_mtp_layers: int | None = None
+    dspark_block_size: int | None = None
+    dspark_noise_token_id: int | None = None
+    dspark_target_layer_ids: tuple[int, ...] | None = None
+    dspark_markov_rank: int | None = None
+    dspark_n_routed_experts: int | None = None
+    dspark_n_activated_experts: int | None = None
+    n_heads: int | None = None
+    n_routed_experts: int | None = None
+    n_shared_experts: int | None = None
+    n_activated_experts: int | None = None
+    score_func: str | None = None
+    route_scale: float | None = None
+    swiglu_limit: float | None = None
+    q_lora_rank: int | None = None
+    head_dim: int | None = None
+    rope_head_dim: int | None = None
+    norm_eps: float | None = None
+    o_groups: int | None = None
+    o_lora_rank: int | None = None
+    window_size: int | None = None
+    kv_source_layers: tuple[int, ...] | None = None
+    index_source_layers: tuple[int, ...] | None = None
+    original_seq_len: int | None = None
+    rope_theta: float | None = None
+    rope_factor: float | None = None
+    beta_fast: int | None = None
+    beta_slow: int | None = None
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_topk: int | None = None
+    candidate_source_layer: int | None = None
+    candidate_topk_blocks: int | None = None
+    candidate_block_size: int | None = None
+    hc_mult: int | None = None
+    hc_sinkhorn_iters: int | None = None
+    hc_eps: float | None = None
+    engram_layer_ids: tuple[int, ...] | None = None
+    engram_vocab_size: int | None = None
+    engram_num_embeddings: tuple[int, ...] | None = None
+    engram_max_ngram_size: int | None = None
+    engram_pad_id: int | None = None
+    engram_compressed_vocab_size: int | None = None
+    dtype: str | None = None  # quantization dtype of the dense linears ("fp8" / "bf16")
+    expert_dtype: str | None = None  # routed experts ("fp4")
+    compress_rope_theta: float | None = None
+    compress_ratios: tuple[int, ...] | None = None
+    vision_n_layers: int | None = None
+    vision_dim: int | None = None
+    vision_n_heads: int | None = None
+    vision_inter_dim: int | None = None
+    vision_patch_size: int | None = None
+    vision_downsample_ratio: int | None = None
+    vision_max_n_token: int | None = None
+    vision_min_pixels: int | None = None
+    vision_max_wh_ratio: float | None = None
+    image_token_id: int | None = None
+    engram_n_heads: int | None = None
+    engram_head_dim: int | None = None
+    vision_rope_theta: float | None = None
+    # --- fields only the nested file states
+    model_type: str | None = None
+    architectures: tuple[str, ...] | None = None
+    param_dtype: str | None = None  # storage dtype of unquantized tensors ("bfloat16")
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    hidden_act: str | None = None
+    max_position_embeddings: int | None = None
+    num_key_value_heads: int | None = None
+    tie_word_embeddings: bool | None = None
+    topk_method: str | None = None
+    norm_topk_prob: bool | None = None
+    # --- provenance, not model facts
+    layout: str | None = dataclasses.field(default=None, compare=False)  # "nested" | "flat" | None
+    source: str | None = dataclasses.field(default=None, compare=False)
+    nested_format: tuple[tuple[tuple[str, ...], Any], ...] = dataclasses.field(default=(), compare=False)
+    unknown_keys: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+
+    # ------------------------------------------------------------------ reading
+    @classmethod
+    def from_dict(cls, data: dict, source: str | None = None) -> "Config":
+        """Read either layout; the nested one is recognised by its `text_config`."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source or 'config'}: expected a JSON object, got {type(data).__name__}")
+        if "text_config" in data:
+            return cls._from_nested(data, source)
+        return cls._from_flat(data, source)
+
+    @classmethod
+    def _from_flat(cls, data: dict, source: str | None) -> "Config":
+        values = {key: _freeze(data[key]) for key in FLAT_KEYS if key in data}
+        unknown = tuple(sorted(set(data) - set(FLAT_KEYS)))
+        return cls(**values, layout="flat", source=source, unknown_keys=unknown)
+
+    @classmethod
+    def _from_nested(cls, data: dict, source: str | None) -> "Config":
+        values, seen = {}, set()
+        for name, path in FLAT_ALIASES + NESTED_ONLY:
+            found, value = _lookup(data, path)
+            if found:
+                values[name] = _freeze(value)
+                seen.add(path)
+        fmt = []
+        for path in NESTED_FORMAT_DEFAULTS:
+            found, value = _lookup(data, path)
+            if found:
+                fmt.append((path, value))
+                seen.add(path)
+        unknown = tuple(sorted(".".join(p) for p in _leaf_paths(data) if p not in seen))
+        return cls(**values, layout="nested", source=source, nested_format=tuple(fmt), unknown_keys=unknown)
+
+    # ------------------------------------------------------------------ writing
+    def as_reference_dict(self) -> dict:
+        """The flat `inference/config.json` this config corresponds to (64 keys, release order)."""
+        return {key: _thaw(getattr(self, key)) for key in FLAT_KEYS}
+
+    def as_nested_dict(self) -> dict:
+        """The nested `config.json` (Transformers layout), in the release's key arrangement."""
+        missing = [k for k in FLAT_KEYS + NESTED_ONLY_KEYS if getattr(self, k) is None and k not in NULLABLE]
+        if missing:
+            raise ConfigError(f"cannot write the nested layout: fields not set: {', '.join(missing)}")
+        fmt = dict(NESTED_FORMAT_DEFAULTS)
+        fmt.update(dict(self.nested_format))
+        out: dict = {}
+        top_order = ("architectures", "model_type", "dtype", "transformers_version", "bos_token_id",
+                     "eos_token_id", "pad_token_id", "image_token_id")
+        pairs = {path: _thaw(getattr(self, name)) for name, path in FLAT_ALIASES + NESTED_ONLY}
+        pairs.update(fmt)
+        for key in top_order:
+            _assign(out, (key,), pairs.pop((key,)))
+        for section in (Q, T, V):
+            out[section] = {}
+        # model_type first inside each section, as the release writes it
+        for path in sorted(pairs, key=lambda p: (p[0], p[-1] != "model_type")):
+            _assign(out, path, pairs[path])
+        return out
+
+    # ------------------------------------------------------------------ comparing
+    def differs_from(self, other: "Config") -> list[str]:
+        """Every field the two configs disagree on or one of them is silent on, one line each."""
+        lines = []
+        for field in FLAT_KEYS + NESTED_ONLY_KEYS:
+            a, b = getattr(self, field), getattr(other, field)
+            if a != b:
+                lines.append(f"{field}: {_show(a)} vs {_show(b)}")
+        return lines
+
+    # ------------------------------------------------------------------ derived facts
+    @property
+    def n_total_layers(self) -> int:
+        return self.n_layers + self.n_mtp_layers
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest context: max_position_embeddings where stated, else the YaRN-extended length."""
+        if self.max_position_embeddings is not None:
+            return self.max_position_embeddings
+        return int(self.original_seq_len * self.rope_factor)
+
+    @property
+    def n_hash_cols(self) -> int:
+        """Engram hash ids per position and layer: one per (n-gram size >= 2, head)."""
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
+    @property
+    def fp8_block(self) -> tuple[int, int]:
+        fmt = dict(NESTED_FORMAT_DEFAULTS)
+        fmt.update(dict(self.nested_format))
+        rows, cols = fmt[(Q, "weight_block_size")]
+        return int(rows), int(cols)
+
+    def layer_mode(self, layer: int) -> str:
+        """CSA2 mode: 'full' owns compressor and indexer keys, 'reindex' re-ranks with its own
+        queries, 'reuse' reads what the last source published (pure window layers included)."""
+        if layer in self.kv_source_layers:
+            return "full"
+        if layer in self.index_source_layers:
+            return "reindex"
+        return "reuse"
+
+    @property
+    def layer_modes(self) -> tuple[str, ...]:
+        return tuple(self.layer_mode(i) for i in range(self.n_layers))
+
+    def source_at_or_before(self, layer: int, sources: tuple[int, ...]) -> int | None:
+        """The latest of `sources` at or before `layer` (the one whose published state it reads)."""
+        candidates = [s for s in sources if s <= layer]
+        return max(candidates) if candidates else None
+
+    def moe_shape(self, layer: int) -> tuple[int, int]:
+        """(routed experts, activated experts) for a backbone or MTP layer."""
+        if layer < self.n_layers:
+            return self.n_routed_experts, self.n_activated_experts
+        return (self.dspark_n_routed_experts or self.n_routed_experts,
+                self.dspark_n_activated_experts or self.n_activated_experts)
+
+    def summary(self) -> str:
+        s = (f"{self.n_layers} layers + {self.n_mtp_layers} draft, dim {self.dim}, {self.n_heads} heads of "
+             f"{self.head_dim}, {self.n_routed_experts} experts ({self.n_activated_experts} active)")
+        s += f"; Engram on layers {list(self.engram_layer_ids or ())}"
+        s += f", vision {self.vision_n_layers} layers" if self.vision_n_layers else ", no vision"
+        s += f", DSpark block {self.dspark_block_size} over layers {list(self.dspark_target_layer_ids or ())}"
+        return s
+
+    def replace(self, **changes) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ checking
+    def verify(self) -> list[str]:
+        """Relationships between fields that a consumer would otherwise hold in its head.
+        Returns one sentence per problem; empty means self-consistent."""
+        problems: list[str] = []
+        required = [k for k in FLAT_KEYS if k not in NULLABLE]
+        if self.layout == "nested":
+            required += list(NESTED_ONLY_KEYS)
+        missing = [k for k in required if getattr(self, k) is None]
+        if missing:
+            problems.append(f"required fields missing: {', '.join(missing)}")
+            return problems  # the relationships below need them
+
+        n, n_all = self.n_layers, self.n_total_layers
+        ratios = self.compress_ratios
+        if len(ratios) != n_all:
+            problems.append(f"compress_ratios has {len(ratios)} entries, expected n_layers + n_mtp_layers = {n_all}")
+        if any(r < 0 for r in ratios) or not any(ratios):
+            problems.append("compress_ratios must be non-negative and not all zero")
+        if any(ratios[n:]):
+            problems.append(f"MTP layers must not read compressed positions: compress_ratios[{n}:] = {list(ratios[n:])}")
+
+        for name in ("kv_source_layers", "index_source_layers", "engram_layer_ids", "dspark_target_layer_ids"):
+            ids = getattr(self, name)
+            if list(ids) != sorted(set(ids)):
+                problems.append(f"{name} must be distinct and ascending: {list(ids)}")
+            if any(not 0 <= i < n for i in ids):
+                problems.append(f"{name} must lie inside the backbone [0, {n}): {list(ids)}")
+        if not set(self.kv_source_layers) <= set(self.index_source_layers):
+            problems.append("every KV source must also be an index source")
+        for layer in range(min(n, len(ratios))):
+            r = ratios[layer]
+            if layer in self.index_source_layers and r == 0:
+                problems.append(f"source layer {layer} has compress ratio 0: it has nothing to compress or index")
+            if r == 0:
+                continue
+            for kind, sources in (("KV", self.kv_source_layers), ("index", self.index_source_layers)):
+                src = self.source_at_or_before(layer, sources)
+                if src is None:
+                    problems.append(f"layer {layer} reads compressed positions (ratio {r}) but no {kind} source is at or before it")
+                elif src < len(ratios) and ratios[src] != r:
+                    problems.append(f"layer {layer} (ratio {r}) reads the {kind} source {src}, which compresses at ratio {ratios[src]}")
+
+        if self.candidate_source_layer >= 0:
+            if self.candidate_source_layer not in self.index_source_layers:
+                problems.append(f"candidate_source_layer {self.candidate_source_layer} is not an index source")
+            if self.candidate_topk_blocks <= 0 or self.candidate_block_size <= 0:
+                problems.append("candidate_topk_blocks and candidate_block_size must be positive when a candidate source is set")
+        if self.index_topk <= 0 or self.window_size <= 0:
+            problems.append("index_topk and window_size must be positive")
+
+        expected_targets = tuple(range(n - self.n_mtp_layers, n))
+        if self.n_mtp_layers and self.dspark_target_layer_ids != expected_targets:
+            problems.append(f"dspark_target_layer_ids {list(self.dspark_target_layer_ids)} are not the last "
+                            f"{self.n_mtp_layers} backbone layers {list(expected_targets)}")
+
+        if len(self.engram_num_embeddings) != len(self.engram_layer_ids):
+            problems.append(f"{len(self.engram_num_embeddings)} Engram row counts for {len(self.engram_layer_ids)} Engram layers")
+        if self.engram_layer_ids and (self.engram_compressed_vocab_size <= 0 or self.engram_max_ngram_size < 2
+                                      or self.engram_n_heads <= 0):
+            problems.append("Engram layers need a positive compressed vocabulary, n_heads and an n-gram size of at least 2")
+
+        token_ids = {"image_token_id": self.image_token_id, "dspark_noise_token_id": self.dspark_noise_token_id,
+                     "engram_pad_id": self.engram_pad_id, "bos_token_id": self.bos_token_id,
+                     "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id}
+        for name, value in token_ids.items():
+            if value is not None and not 0 <= value < self.vocab_size:
+                problems.append(f"{name} {value} is outside the vocabulary [0, {self.vocab_size})")
+        if self.pad_token_id is not None and self.engram_pad_id != self.pad_token_id:
+            problems.append(f"engram_pad_id {self.engram_pad_id} differs from the tokenizer's pad_token_id {self.pad_token_id}")
+
+        if self.rope_head_dim > self.head_dim or self.rope_head_dim % 2:
+            problems.append(f"rope_head_dim {self.rope_head_dim} must be even and at most head_dim {self.head_dim}")
+        if (self.n_heads * self.head_dim) % self.o_groups:
+            problems.append(f"n_heads * head_dim = {self.n_heads * self.head_dim} is not divisible by o_groups {self.o_groups}")
+        if self.n_activated_experts > self.n_routed_experts:
+            problems.append("n_activated_experts exceeds n_routed_experts")
+        if self.vision_n_layers:
+            if self.vision_dim % self.vision_n_heads:
+                problems.append(f"vision_dim {self.vision_dim} is not divisible by vision_n_heads {self.vision_n_heads}")
+            elif (self.vision_dim // self.vision_n_heads) % 4:
+                problems.append("the vision head dim must divide by 4 for its 2D rotary embedding")
+        if self.dtype not in ("fp8", "bf16"):
+            problems.append(f"dtype (quantization dtype) {self.dtype!r} is not 'fp8' or 'bf16'")
+        if self.expert_dtype not in ("fp4", "fp8", None):
+            problems.append(f"expert_dtype {self.expert_dtype!r} is not 'fp4' or 'fp8'")
+        if self.layout == "nested" and self.param_dtype not in ("bfloat16", "float32", "float16"):
+            problems.append(f"nested dtype (the storage dtype) {self.param_dtype!r} is not a torch float dtype")
+        block = self.fp8_block
+        if block != (32, 32):
+            problems.append(f"weight_block_size {list(block)} is not the [32, 32] the release uses")
+        return problems
+
+
+# ---------------------------------------------------------------------- presets
+RELEASED = Config(
+    vocab_size=129280, dim=5120, moe_inter_dim=2304, n_layers=40, n_mtp_layers=3,
+    dspark_block_size=5, dspark_noise_token_id=128799, dspark_target_layer_ids=(37, 38, 39),
+    dspark_markov_rank=256, dspark_n_routed_experts=128, dspark_n_activated_experts=3,
+    n_heads=64, n_routed_experts=384, n_shared_experts=1, n_activated_experts=6,
+    score_func="sqrtsoftplus", route_scale=1.5, swiglu_limit=10.0, q_lora_rank=1280, head_dim=512,
+    rope_head_dim=64, norm_eps=1e-20, o_groups=8, o_lora_rank=1024, window_size=128,
+    kv_source_layers=(2, 8, 14, 20), index_source_layers=(2, 8, 14, 20, 24, 28, 32, 36),
+    original_seq_len=65536, rope_theta=10000, rope_factor=16, beta_fast=32, beta_slow=1,
+    index_n_heads=32, index_head_dim=128, index_topk=512, candidate_source_layer=20,
+    candidate_topk_blocks=2048, candidate_block_size=8, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-06,
+    engram_layer_ids=(1, 14), engram_vocab_size=16000000, engram_num_embeddings=(384006168, 384016682),
+    engram_max_ngram_size=4, engram_pad_id=2, engram_compressed_vocab_size=99092,
+    dtype="fp8", expert_dtype="fp4", compress_rope_theta=160000,
+    compress_ratios=(0, 0) + (2,) * 18 + (1,) * 20 + (0, 0, 0),
+    vision_n_layers=32, vision_dim=1024, vision_n_heads=16, vision_inter_dim=2816, vision_patch_size=14,
+    vision_downsample_ratio=3, vision_max_n_token=1024, vision_min_pixels=295936, vision_max_wh_ratio=None,
+    image_token_id=129264, engram_n_heads=8, engram_head_dim=256, vision_rope_theta=10000,
+    model_type="deepseek_v41", architectures=("DeepseekV41ForCausalLM",), param_dtype="bfloat16",
+    bos_token_id=0, eos_token_id=1, pad_token_id=2, hidden_act="silu", max_position_embeddings=1048576,
+    num_key_value_heads=1, tie_word_embeddings=False, topk_method="noaux_tc", norm_topk_prob=True,
+    layout="nested",
+)
+
+# The embedded default's geometry: tiny, every dim a multiple of 32 so every quantization applies,
+# and every branch present: pure window layers (0, 1, 7), a ratio-2 KV source (2) with a Reuse
+# reader (3), a ratio-1 KV source that is also the candidate source (4), a Reuse layer (5), a
+# Reindex layer (6), Engram on a plain layer (1) and on a Full layer (2), three MTP layers, vision.
+# engram_num_embeddings and engram_compressed_vocab_size are derived when the checkpoint is
+# written (from the prime layout and the tokenizer), so the preset leaves them unset.
+TINY = Config(
+    vocab_size=1024, dim=128, moe_inter_dim=64, n_layers=8, n_mtp_layers=3,
+    dspark_block_size=5, dspark_noise_token_id=1000, dspark_target_layer_ids=(5, 6, 7),
+    dspark_markov_rank=32, dspark_n_routed_experts=8, dspark_n_activated_experts=2,
+    n_heads=4, n_routed_experts=16, n_shared_experts=1, n_activated_experts=4,
+    score_func="sqrtsoftplus", route_scale=1.5, swiglu_limit=10.0, q_lora_rank=64, head_dim=64,
+    rope_head_dim=32, norm_eps=1e-20, o_groups=2, o_lora_rank=32, window_size=8,
+    kv_source_layers=(2, 4), index_source_layers=(2, 4, 6),
+    original_seq_len=256, rope_theta=10000, rope_factor=16, beta_fast=32, beta_slow=1,
+    index_n_heads=2, index_head_dim=32, index_topk=8, candidate_source_layer=4,
+    candidate_topk_blocks=4, candidate_block_size=2, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-06,
+    engram_layer_ids=(1, 2), engram_vocab_size=1000, engram_num_embeddings=None,
+    engram_max_ngram_size=4, engram_pad_id=2, engram_compressed_vocab_size=None,
+    dtype="fp8", expert_dtype="fp4", compress_rope_theta=160000,
+    compress_ratios=(0, 0, 2, 2, 1, 1, 1, 0, 0, 0, 0),
+    vision_n_layers=2, vision_dim=64, vision_n_heads=2, vision_inter_dim=96, vision_patch_size=14,
+    vision_downsample_ratio=3, vision_max_n_token=64, vision_min_pixels=3136, vision_max_wh_ratio=None,
+    image_token_id=1001, engram_n_heads=2, engram_head_dim=32, vision_rope_theta=10000,
+    model_type="deepseek_v41", architectures=("DeepseekV41ForCausalLM",), param_dtype="bfloat16",
+    bos_token_id=0, eos_token_id=1, pad_token_id=2, hidden_act="silu", max_position_embeddings=4096,
+    num_key_value_heads=1, tie_word_embeddings=False, topk_method="noaux_tc", norm_topk_prob=True,
+    layout="nested",
+)
+
+
+# ---------------------------------------------------------------------- files
+def resolve_config_path(path: str) -> str:
+    """A directory resolves to its config.json, falling back to inference/config.json."""
+    if os.path.isdir(path):
+        for candidate in ("config.json", os.path.join("inference", "config.json")):
+            full = os.path.join(path, candidate)
+            if os.path.isfile(full):
+                return full
+        raise ConfigError(f"{path}: no config.json or inference/config.json in this directory")
+    if not os.path.exists(path):
+        raise ConfigError(f"{path}: no such file or directory")
+    return path
+
+
+def load_config(path: str) -> Config:
+    """Read a config file (either layout) or a checkpoint directory."""
+    path = resolve_config_path(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from None
+    return Config.from_dict(data, source=path)
+
+
+def write_config_pair(config: Config, directory: str) -> tuple[str, str]:
+    """Write config.json (nested) and inference/config.json (flat) as the release lays them out."""
+    os.makedirs(os.path.join(directory, "inference"), exist_ok=True)
+    nested = os.path.join(directory, "config.json")
+    flat = os.path.join(directory, "inference", "config.json")
+    with open(nested, "w", encoding="utf-8") as f:
+        json.dump(config.as_nested_dict(), f, indent=2)
+        f.write("\n")
+    with open(flat, "w", encoding="utf-8") as f:
+        json.dump(config.as_reference_dict(), f, indent=4)
+        f.write("\n")
+    return nested, flat
+
+
+# ---------------------------------------------------------------------- helpers
+def _freeze(value):
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value):
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    return value
+
+
+def _lookup(data: dict, path: tuple[str, ...]):
+    node = data
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return False, None
+        node = node[key]
+    return True, node
+
+
+def _assign(out: dict, path: tuple[str, ...], value) -> None:
+    node = out
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+
+
+def _leaf_paths(data: dict, prefix: tuple[str, ...] = ()):
+    for key, value in data.items():
+        if isinstance(value, dict):
+            yield from _leaf_paths(value, prefix + (key,))
+        else:
+            yield prefix + (key,)
+
+
+def _show(value) -> str:
+    return "(absent)" if value is None else json.dumps(_thaw(value))
+
+
+# ---------------------------------------------------------------------- CLI
+def cli_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dsv41 config", description=(
+        "Read a config in either released layout (a directory resolves to config.json, then "
+        "inference/config.json), print its shape and check its internal relationships."))
+    parser.add_argument("path", help="config file or checkpoint directory")
+    parser.add_argument("--json", metavar="OUT", help="write the flat form, the nested-only fields and the problems here")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.path)
+    except ConfigError as exc:
+        print(f"dsv41 config: {exc}", file=sys.stderr)
+        return 1
+    problems = cfg.verify()
+    print(f"{cfg.source} ({cfg.layout})")
+    if not any(p.startswith("required fields missing") for p in problems):
+        print(f"  {cfg.summary()}")
+    if cfg.unknown_keys:
+        print(f"  note: keys this schema does not model, ignored: {', '.join(cfg.unknown_keys)}")
+    for p in problems:
+        print(f"  [problem] {p}")
+    print("  [ok] the config is self-consistent" if not problems else f"  [fail] {len(problems)} problem(s)")
+    if args.json:
+        report = {"source": cfg.source, "layout": cfg.layout, "flat": cfg.as_reference_dict(),
+                  "nested_only": {k: _thaw(getattr(cfg, k)) for k in NESTED_ONLY_KEYS},
+                  "unknown_keys": list(cfg.unknown_keys), "problems": problems}
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    return 1 if problems else 0
