@@ -1,0 +1,207 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dsv41.config import (FLAT_KEYS, NESTED_ONLY_KEYS, RELEASED, TINY, Config, ConfigError, load_config,
+                          resolve_config_path, write_config_pair)
+
+RELEASE_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference", "deepseek-v4.1-flash")
+NESTED_FILE = os.path.join(RELEASE_DIR, "config.json")
+FLAT_FILE = os.path.join(RELEASE_DIR, "inference", "config.json")
+
+needs_release = pytest.mark.skipif(not os.path.isfile(NESTED_FILE),
+                                   reason="the released config pair is not beside this checkout (../shared/reference)")
+
+# Written by hand from the Transformers layout, not derived from the alias table, so the tests
+# below check the table rather than agree with it.
+TOY_NESTED = {
+    "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "dtype": "bfloat16",
+    "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "image_token_id": 250,
+    "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32], "expert_dtype": "fp4"},
+    "text_config": {
+        "vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 4,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "qk_rope_head_dim": 16,
+        "q_lora_rank": 32, "o_lora_rank": 16, "o_groups": 2, "hidden_act": "silu", "swiglu_limit": 10.0,
+        "rms_norm_eps": 1e-20, "tie_word_embeddings": False, "max_position_embeddings": 2048,
+        "rope_theta": 10000, "rope_scaling": {"rope_type": "yarn", "factor": 8, "beta_fast": 32, "beta_slow": 1,
+                                               "original_max_position_embeddings": 256},
+        "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 1.5, "sliding_window": 4,
+        "compress_ratios": [0, 2, 1, 1, 0], "compress_rope_theta": 160000, "kv_source_layer_ids": [1, 2],
+        "index_source_layer_ids": [1, 2, 3], "index_n_heads": 2, "index_head_dim": 32, "index_topk": 4,
+        "candidate_source_layer_id": 2, "candidate_topk_blocks": 2, "candidate_block_size": 2, "hc_mult": 4,
+        "hc_sinkhorn_iters": 20, "hc_eps": 1e-06, "engram_layer_ids": [0, 2], "engram_num_embeddings": [10, 20],
+        "engram_max_ngram_size": 3, "engram_vocab_size": 5, "engram_n_heads": 1, "engram_head_dim": 32,
+        "engram_pad_token_id": 2, "engram_compressed_vocab_size": 200, "num_nextn_predict_layers": 1,
+        "dspark_block_size": 3, "dspark_noise_token_id": 251, "dspark_target_layer_ids": [3],
+        "dspark_markov_rank": 16, "dspark_n_routed_experts": 4, "dspark_num_experts_per_tok": 1,
+    },
+    "vision_config": {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
+                      "patch_size": 14, "rope_theta": 10000, "downsample_ratio": 3, "max_image_tokens": 16,
+                      "min_pixels": 784, "max_wh_ratio": None},
+}
+
+
+def toy() -> Config:
+    return Config.from_dict(json.loads(json.dumps(TOY_NESTED)))
+
+
+def test_toy_nested_reads_every_field_and_verifies():
+    cfg = toy()
+    assert cfg.layout == "nested"
+    assert cfg.dim == 64 and cfg.n_activated_experts == 2 and cfg.window_size == 4
+    assert cfg.original_seq_len == 256 and cfg.rope_factor == 8
+    assert cfg.candidate_source_layer == 2 and cfg.engram_pad_id == 2
+    assert cfg.dtype == "fp8" and cfg.param_dtype == "bfloat16"  # the dtype trap, modelled
+    assert cfg.verify() == []
+
+
+def test_flat_round_trip_of_toy_reads_identically():
+    cfg = toy()
+    flat = Config.from_dict(cfg.as_reference_dict())
+    assert flat.layout == "flat"
+    assert flat.as_reference_dict() == cfg.as_reference_dict()
+    assert sorted(line.split(":")[0] for line in cfg.differs_from(flat)) == sorted(NESTED_ONLY_KEYS)
+    # the nested-only fields are absent on the flat side, not defaulted
+    assert flat.param_dtype is None and flat.bos_token_id is None
+    assert flat.verify() == []
+
+
+def test_nested_writer_round_trips():
+    cfg = toy()
+    again = Config.from_dict(cfg.as_nested_dict())
+    assert again == cfg and again.differs_from(cfg) == []
+
+
+@needs_release
+def test_released_pair_round_trips_to_the_flat_file_exactly():
+    with open(FLAT_FILE) as f:
+        flat_json = json.load(f)
+    assert len(flat_json) == 64 and set(flat_json) == set(FLAT_KEYS)
+    nested, flat = load_config(NESTED_FILE), load_config(FLAT_FILE)
+    assert nested.as_reference_dict() == flat_json
+    assert flat.as_reference_dict() == flat_json
+    assert nested.unknown_keys == () and flat.unknown_keys == ()
+
+
+@needs_release
+def test_released_pair_differs_only_in_transformers_fields():
+    nested, flat = load_config(NESTED_FILE), load_config(FLAT_FILE)
+    fields = [line.split(":")[0] for line in nested.differs_from(flat)]
+    assert sorted(fields) == sorted(NESTED_ONLY_KEYS) and len(fields) == 12
+
+
+@needs_release
+def test_released_preset_equals_the_shared_files():
+    nested = load_config(NESTED_FILE)
+    assert nested == RELEASED, nested.differs_from(RELEASED)
+    with open(NESTED_FILE) as f:
+        assert RELEASED.as_nested_dict() == json.load(f)
+    assert nested.verify() == [] and load_config(FLAT_FILE).verify() == []
+
+
+def test_released_preset_modes_partition_the_backbone():
+    modes = RELEASED.layer_modes
+    assert [i for i, m in enumerate(modes) if m == "full"] == [2, 8, 14, 20]
+    assert [i for i, m in enumerate(modes) if m == "reindex"] == [24, 28, 32, 36]
+    assert modes.count("reuse") == 32
+    assert RELEASED.max_seq_len == 1048576 and RELEASED.n_hash_cols == 24
+
+
+def test_flat_config_derives_max_seq_len_from_yarn():
+    flat = Config.from_dict(RELEASED.as_reference_dict())
+    assert flat.max_position_embeddings is None
+    assert flat.max_seq_len == RELEASED.original_seq_len * RELEASED.rope_factor == 1048576
+
+
+def test_tiny_preset_exercises_every_branch():
+    cfg = TINY.replace(engram_num_embeddings=(1, 1), engram_compressed_vocab_size=10)
+    assert cfg.verify() == []
+    modes = cfg.layer_modes
+    assert {"full", "reindex", "reuse"} == set(modes)
+    ratios = cfg.compress_ratios[:cfg.n_layers]
+    assert 0 in ratios and {cfg.compress_ratios[s] for s in cfg.kv_source_layers} == {1, 2}
+    assert cfg.candidate_source_layer in cfg.index_source_layers
+    assert any(cfg.layer_mode(i) == "full" for i in cfg.engram_layer_ids)
+    assert any(cfg.layer_mode(i) != "full" for i in cfg.engram_layer_ids)
+    assert cfg.n_mtp_layers == 3 and cfg.vision_n_layers > 0
+    for field in ("dim", "moe_inter_dim", "q_lora_rank", "head_dim", "rope_head_dim", "o_lora_rank",
+                  "index_head_dim", "engram_head_dim", "vision_dim", "vocab_size"):
+        assert getattr(cfg, field) % 32 == 0, field
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"candidate_source_layer": 0}, "not an index source"),
+    ({"compress_ratios": (0, 2, 2, 1, 0)}, "compresses at ratio"),
+    ({"compress_ratios": (2, 2, 1, 1, 0)}, "no KV source is at or before it"),
+    ({"compress_ratios": (0, 2, 1, 1)}, "expected n_layers + n_mtp_layers"),
+    ({"compress_ratios": (0, 2, 1, 1, 1)}, "MTP layers must not read"),
+    ({"engram_layer_ids": (2, 0)}, "distinct and ascending"),
+    ({"engram_layer_ids": (0, 9)}, "inside the backbone"),
+    ({"engram_num_embeddings": (10,)}, "Engram row counts"),
+    ({"image_token_id": 256}, "outside the vocabulary"),
+    ({"engram_pad_id": 3}, "pad_token_id"),
+    ({"vision_n_heads": 3}, "not divisible"),
+    ({"index_source_layers": (1, 3)}, "every KV source must also be an index source"),
+    ({"dspark_target_layer_ids": (2,)}, "last 1 backbone layers"),
+    ({"dim": None}, "required fields missing: dim"),
+])
+def test_verify_reports_broken_relationships(change, fragment):
+    problems = toy().replace(**change).verify()
+    assert any(fragment in p for p in problems), problems
+
+
+def test_nested_only_fields_are_required_only_for_nested_layout():
+    cfg = toy().replace(topk_method=None)
+    assert any("topk_method" in p for p in cfg.verify())
+    flat = Config.from_dict(cfg.as_reference_dict())
+    assert flat.verify() == []
+
+
+def test_unknown_keys_are_reported_not_fatal():
+    data = dict(RELEASED.as_reference_dict(), some_future_key=1)
+    cfg = Config.from_dict(data)
+    assert cfg.unknown_keys == ("some_future_key",) and cfg.verify() == []
+
+
+def test_directory_resolution_prefers_nested_then_flat(tmp_path):
+    nested, flat = write_config_pair(toy(), str(tmp_path))
+    assert resolve_config_path(str(tmp_path)) == nested
+    os.remove(nested)
+    assert resolve_config_path(str(tmp_path)) == flat
+    assert load_config(str(tmp_path)).layout == "flat"
+    os.remove(flat)
+    with pytest.raises(ConfigError, match="no config.json or inference/config.json"):
+        resolve_config_path(str(tmp_path))
+
+
+def test_bad_json_is_one_sentence(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(str(bad))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "dsv41", "config", *args], capture_output=True, text=True)
+
+
+def test_cli_prints_layout_summary_and_verdict(tmp_path):
+    write_config_pair(toy(), str(tmp_path))
+    run = _cli(str(tmp_path), "--json", str(tmp_path / "report.json"))
+    assert run.returncode == 0, run.stderr
+    assert "(nested)" in run.stdout and "[ok] the config is self-consistent" in run.stdout
+    assert "4 layers + 1 draft, dim 64" in run.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["problems"] == [] and report["flat"]["dim"] == 64
+
+
+def test_cli_fails_only_when_verify_finds_something(tmp_path):
+    write_config_pair(toy().replace(candidate_source_layer=0), str(tmp_path))
+    run = _cli(str(tmp_path / "inference" / "config.json"))
+    assert run.returncode == 1 and "(flat)" in run.stdout and "not an index source" in run.stdout
+    missing = _cli(str(tmp_path / "nope"))
+    assert missing.returncode == 1 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
