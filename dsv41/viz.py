@@ -1,0 +1,224 @@
+"""House style and the one export every figure goes through.
+
+Regression runs compare numbers, not pixels: `export_figure` writes a PNG, an SVG and a JSON sidecar
+of the numbers plotted. Both images are byte-identical when the same figure is exported again (no
+dates or version strings in their metadata, a fixed SVG hash salt), so a diff of an `outputs/` run
+shows only what changed.
+
+Figures are plain `matplotlib.figure.Figure` objects (not pyplot-managed): nothing is shown or kept
+alive behind the caller's back, and `show` decides how a notebook displays one — the static figure
+when headless (papermill), the widget when a person is looking.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from typing import Any, Iterator
+
+# Style: DejaVu ships with matplotlib, so the glyphs (and the SVG paths drawn from them) are the same
+# on every machine. Colors: a short qualitative cycle that stays legible in grey.
+PALETTE = ("#3b6ea5", "#d9843b", "#4f9a5b", "#b8474a", "#7c65a9", "#8c6d4f", "#c46aa8", "#7f7f7f")
+
+HOUSE_STYLE: dict[str, Any] = {
+    "font.family": "DejaVu Sans",
+    "font.size": 9.0,
+    "axes.titlesize": 10.0,
+    "axes.labelsize": 9.0,
+    "xtick.labelsize": 8.0,
+    "ytick.labelsize": 8.0,
+    "legend.fontsize": 8.0,
+    "figure.titlesize": 11.0,
+    "figure.figsize": (6.4, 3.6),
+    "figure.dpi": 100,
+    "figure.facecolor": "white",
+    "axes.facecolor": "white",
+    "axes.edgecolor": "#444444",
+    "axes.grid": True,
+    "axes.axisbelow": True,
+    "grid.color": "#dddddd",
+    "grid.linewidth": 0.6,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.prop_cycle": None,  # filled in below (needs cycler, imported lazily)
+    "image.cmap": "viridis",
+}
+
+# What saving reads; fixed here so the bytes do not depend on the caller's rcParams.
+_SAVE_RC: dict[str, Any] = {
+    "svg.hashsalt": "dsv41",
+    "svg.fonttype": "path",
+    "savefig.dpi": 100,
+    "savefig.facecolor": "white",
+    "savefig.edgecolor": "white",
+    "savefig.bbox": "tight",
+    "savefig.pad_inches": 0.05,
+    "path.simplify": True,
+}
+
+# No dates, no version strings: the same figure gives the same bytes on any day.
+_PNG_METADATA = {"Software": None}
+_SVG_METADATA = {"Date": None, "Creator": "dsv41.viz"}
+
+
+def _style_rc() -> dict[str, Any]:
+    from cycler import cycler
+
+    rc = dict(HOUSE_STYLE)
+    rc["axes.prop_cycle"] = cycler(color=list(PALETTE))
+    return rc
+
+
+@contextlib.contextmanager
+def style() -> Iterator[None]:
+    """Context in which figures are built in the house style (fonts, sizes, colors, grid)."""
+    import matplotlib
+
+    with matplotlib.rc_context(_style_rc()):
+        yield
+
+
+def use_house_style() -> None:
+    """Apply the house style for the rest of the session (a notebook's first cell calls this)."""
+    import matplotlib
+
+    matplotlib.rcParams.update(_style_rc())
+
+
+def new_figure(nrows: int = 1, ncols: int = 1, figsize: tuple[float, float] | None = None, **subplot_kw):
+    """(figure, axes) in the house style; a plain Figure, so nothing is displayed until `show`."""
+    from matplotlib.figure import Figure
+
+    with style():
+        fig = Figure(figsize=figsize, layout="constrained")
+        axes = fig.subplots(nrows, ncols, squeeze=True, **subplot_kw)
+    return fig, axes
+
+
+# ---------------------------------------------------------------------- sidecars
+def to_jsonable(value: Any) -> Any:
+    """Plain JSON data from numpy/torch scalars and arrays, tuples, sets and dataclasses.
+
+    Dict keys become strings (so keys sort); non-finite floats become the strings "NaN",
+    "Infinity", "-Infinity" rather than invalid JSON.
+    """
+    import dataclasses
+
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        if math.isinf(value):
+            return "Infinity" if value > 0 else "-Infinity"
+        return value
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return [to_jsonable(v) for v in sorted(value)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return to_jsonable(dataclasses.asdict(value))
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    # numpy scalars and arrays, torch tensors: all have tolist() (item() for 0-d gives a Python scalar)
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        return to_jsonable(tolist())
+    raise TypeError(f"cannot write a {type(value).__name__} into a figure sidecar; convert it to numbers first")
+
+
+def write_sidecar(data: dict, path: str) -> str:
+    """Write `data` as JSON with sorted keys and a trailing newline; returns the path."""
+    if not isinstance(data, dict):
+        raise TypeError(f"a figure sidecar takes a dict of the plotted numbers, got {type(data).__name__}")
+    text = json.dumps(to_jsonable(data), sort_keys=True, indent=2, allow_nan=False)
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        f.write(text + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------- export
+def export_figure(fig, name: str, out_dir: str, data: dict) -> dict[str, str]:
+    """Write `<out_dir>/<name>.png`, `.svg` and `.json` (the plotted numbers); returns their paths.
+
+    Exporting the same figure twice gives identical bytes; a figure with a layout engine keeps the
+    positions of its first export (see `_freeze_layout`). `name` is a file stem (letters, digits,
+    `_`, `-`, `.`); notebooks prefix theirs with their number so one run folder holds them all.
+    """
+    import matplotlib
+
+    if not name or any(not (c.isalnum() or c in "_-.") for c in name) or name.startswith("."):
+        raise ValueError(f"figure name {name!r}: use letters, digits, '_', '-' and '.' only")
+    _freeze_layout(fig)
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {ext: os.path.join(out_dir, f"{name}.{ext}") for ext in ("png", "svg", "json")}
+    with matplotlib.rc_context(_SAVE_RC):
+        fig.savefig(paths["png"], format="png", metadata=_PNG_METADATA)
+        fig.savefig(paths["svg"], format="svg", metadata=_SVG_METADATA)
+    write_sidecar(data, paths["json"])
+    return paths
+
+
+def _freeze_layout(fig) -> None:
+    """Run the figure's layout engine once more and then keep those positions.
+
+    Constrained/tight layout re-solves on every draw and drifts in the last float digits; the SVG
+    clip-path ids hash those floats, so a second export would differ. Freezing makes every later
+    export (and display) of this figure draw the same positions.
+    """
+    from matplotlib.layout_engine import PlaceHolderLayoutEngine
+
+    engine = fig.get_layout_engine()
+    if engine is not None and not isinstance(engine, PlaceHolderLayoutEngine):
+        fig.draw_without_rendering()
+        fig.set_layout_engine("none")
+
+
+# ---------------------------------------------------------------------- notebooks
+HEADLESS_ENV = "DSV41_HEADLESS"
+
+
+def is_headless() -> bool:
+    """True under papermill (the runner sets DSV41_HEADLESS=1) or outside a Jupyter kernel."""
+    flag = os.environ.get(HEADLESS_ENV)
+    if flag is not None:
+        return flag.strip().lower() not in ("", "0", "false", "no")
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return True
+    shell = get_ipython()
+    return shell is None or type(shell).__name__ != "ZMQInteractiveShell"
+
+
+def show(fig=None, widget=None) -> None:
+    """Display a figure in a notebook: the widget when interactive and one is given, else the static
+    figure (headless runs keep a rendered image in the executed notebook). Outside IPython: nothing."""
+    try:
+        from IPython.display import display
+    except ImportError:
+        return
+    if widget is not None and not is_headless():
+        display(widget)
+    elif fig is not None:
+        display(_png_image(fig))
+
+
+def _png_image(fig):
+    """The figure as an IPython PNG image, rendered exactly as `export_figure` renders it (so the
+    executed notebook holds the same bytes, and no pyplot backend needs to be set up)."""
+    import io
+
+    import matplotlib
+    from IPython.display import Image
+
+    buf = io.BytesIO()
+    with matplotlib.rc_context(_SAVE_RC):
+        fig.savefig(buf, format="png", metadata=_PNG_METADATA)
+    return Image(data=buf.getvalue(), format="png")
