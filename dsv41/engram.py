@@ -549,15 +549,19 @@ def engram_report(cfg: Any, tokenizer=None, text: str | None = None, tokenizer_l
     return report
 
 
+def _size(gib: float) -> str:
+    return f"{gib:.2f} GiB" if gib >= 0.01 else f"{gib * 1024:.2f} MiB"
+
+
 def _print_report(report: dict) -> None:
     print(f"config: {report['config']}")
     for e in report["layers"]:
         declared = "not declared" if e["declared_rows"] is None else f"declared {e['declared_rows']:,}"
         diff = "" if e["difference"] is None else f" (difference {e['difference']:+,})"
         print(f"Engram layer {e['layer']}: {declared} rows, derived {e['derived_rows']:,}{diff}")
-        gib = f"  {e['derived_gib']:.2f} GiB FP8 + {e['derived_scale_gib']:.2f} GiB E8M0 scales (derived)"
+        gib = f"  {_size(e['derived_gib'])} FP8 + {_size(e['derived_scale_gib'])} E8M0 scales (derived)"
         if e["declared_gib"] is not None and e["difference"]:
-            gib += f"; {e['declared_gib']:.2f} GiB FP8 as declared"
+            gib += f"; {_size(e['declared_gib'])} FP8 as declared"
         print(gib)
         print(f"  {e['n_primes']} primes {e['prime_first']:,} .. {e['prime_last']:,}")
         if e["multipliers"] is not None:
