@@ -1,0 +1,12 @@
+"""Shared fixtures."""
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> str:
+    """The embedded default checkpoint (seed 0), written once per test session into a pytest temp
+    folder (never the user cache). Treat it as read-only: other tests share it."""
+    from dsv41.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "checkpoint", seed=0, progress=False)
