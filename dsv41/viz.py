@@ -134,10 +134,12 @@ def to_jsonable(value: Any) -> Any:
 
 
 def write_sidecar(data: dict, path: str) -> str:
-    """Write `data` as JSON with sorted keys and a trailing newline; returns the path."""
+    """Write `data` as JSON with sorted keys and a trailing newline (a figure's sidecar, or the facts
+    a notebook states that no figure plots); returns the path."""
     if not isinstance(data, dict):
         raise TypeError(f"a figure sidecar takes a dict of the plotted numbers, got {type(data).__name__}")
     text = json.dumps(to_jsonable(data), sort_keys=True, indent=2, allow_nan=False)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8", newline="\n") as f:
         f.write(text + "\n")
     return path
@@ -178,6 +180,65 @@ def _freeze_layout(fig) -> None:
     if engine is not None and not isinstance(engine, PlaceHolderLayoutEngine):
         fig.draw_without_rendering()
         fig.set_layout_engine("none")
+
+
+# ---------------------------------------------------------------------- tables
+class Table:
+    """A small table a notebook shows: HTML in Jupyter, aligned text elsewhere (and in the executed
+    notebook's text/plain output). Numbers get thousands separators; `title` goes above."""
+
+    def __init__(self, rows, columns=None, title: str | None = None):
+        rows = list(rows)
+        if rows and isinstance(rows[0], dict):
+            columns = list(columns or rows[0].keys())
+            rows = [[row.get(c) for c in columns] for row in rows]
+        self.columns = [str(c) for c in (columns or [])]
+        self.rows = [[_cell(v) for v in row] for row in rows]
+        self.title = title
+
+    def __repr__(self) -> str:
+        grid = ([self.columns] if self.columns else []) + self.rows
+        widths = [max(len(r[i]) for r in grid if i < len(r)) for i in range(max(map(len, grid), default=0))]
+        lines = [self.title] if self.title else []
+        for k, row in enumerate(grid):
+            lines.append("  ".join(v.rjust(w) if _numeric(v) else v.ljust(w) for v, w in zip(row, widths)).rstrip())
+            if k == 0 and self.columns:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        def tr(cells, tag):
+            return "<tr>" + "".join(
+                f'<{tag} style="text-align:{"right" if _numeric(c) else "left"}">{escape(c)}</{tag}>'
+                for c in cells) + "</tr>"
+
+        head = tr(self.columns, "th") if self.columns else ""
+        caption = f"<caption style='text-align:left'><b>{escape(self.title)}</b></caption>" if self.title else ""
+        return f"<table>{caption}{head}{''.join(tr(r, 'td') for r in self.rows)}</table>"
+
+
+def table(rows, columns=None, title: str | None = None) -> Table:
+    """A `Table` from a list of dicts (columns from the first) or of lists with `columns`."""
+    return Table(rows, columns, title)
+
+
+def _cell(value) -> str:
+    if isinstance(value, bool) or value is None:
+        return "" if value is None else ("yes" if value else "no")
+    if isinstance(value, int) or type(value).__name__.startswith(("int", "uint")):
+        return f"{int(value):,}"
+    if isinstance(value, float) or type(value).__name__.startswith("float"):
+        value = float(value)
+        return f"{value:,.4g}" if abs(value) < 1e6 else f"{value:,.0f}"
+    if isinstance(value, (list, tuple)):  # ids and multipliers: no thousands separators inside a list
+        return "[" + ", ".join(str(v) if isinstance(v, int) else _cell(v) for v in value) + "]"
+    return str(value)
+
+
+def _numeric(text: str) -> bool:
+    return bool(text) and text.replace(",", "").replace(".", "").replace("-", "").replace("+", "").replace("e", "").isdigit()
 
 
 # ---------------------------------------------------------------------- notebooks

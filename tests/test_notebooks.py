@@ -1,0 +1,211 @@
+"""`dsv41 notebooks`: the papermill runner on throwaway notebooks, and (slow) notebooks 01 and 02 in
+smoke mode with assertions on the numbers their sidecars carry."""
+
+import json
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from dsv41 import notebooks as runner
+from dsv41.cli import main as dsv41_main
+
+REPO = Path(__file__).resolve().parent.parent
+
+PARAMETERS = '''checkpoint = None
+prompt = "default prompt"
+device = "cpu"
+output_dir = "."
+smoke = False'''
+
+
+def _write(path: Path, *cells, n_parameter_cells: int = 1):
+    nb = new_notebook(cells=[new_markdown_cell("# a throwaway notebook")])
+    for _ in range(n_parameter_cells):
+        nb.cells.append(new_code_cell(PARAMETERS, metadata={"tags": ["parameters"]}))
+    nb.cells += [new_code_cell(src) for src in cells]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(path))
+
+
+@pytest.fixture(scope="module")
+def notebook_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("nbs")
+    # 01 fails in its third code cell; 02 runs after it and exports a figure; 03 breaks the contract
+    _write(d / "01_fails.ipynb", "x = 1", "y = 2", "z = x / (y - 2)  # boom", "never = True")
+    _write(d / "02_plots.ipynb",
+           "import os, sys\nfrom dsv41 import viz",
+           "fig, ax = viz.new_figure()\nax.plot([0, 1, 2], [0, 1, 4])\nviz.show(fig)",
+           "paths = viz.export_figure(fig, '02_square', output_dir, {'x': [0, 1, 2], 'y': [0, 1, 4], "
+           "'smoke': smoke, 'prompt': prompt, 'checkpoint': checkpoint, 'headless': viz.is_headless(), "
+           "'python': sys.executable})")
+    _write(d / "03_two_parameter_cells.ipynb", "pass", n_parameter_cells=2)
+    (d / "notes.ipynb").write_text("not numbered, never run")
+    return d
+
+
+@pytest.fixture(scope="module")
+def first_run(notebook_dir, tmp_path_factory):
+    out_root = tmp_path_factory.mktemp("outputs")
+    code = dsv41_main(["notebooks", "--notebooks", str(notebook_dir), "--outputs-root", str(out_root),
+                       "-p", "smoke", "true", "-p", "prompt", "hello there"])
+    return code, out_root
+
+
+def test_failing_notebook_is_reported_and_the_others_still_run(first_run):
+    code, out_root = first_run
+    assert code == 1
+    run = out_root / "run-001"
+    summary = json.loads((run / "summary.json").read_text())
+    assert [n["name"] for n in summary["notebooks"]] == ["01_fails", "02_plots", "03_two_parameter_cells"]
+    assert summary["ok"] is False and summary["n_ok"] == 1 and summary["n_failed"] == 2
+    fails, plots, two = summary["notebooks"]
+    assert fails["status"] == "failed"
+    # source cells: 0 markdown, 1 parameters, 2 "x = 1", 3 "y = 2", 4 the division
+    assert fails["failed_cell"] == 4
+    # the executed file has papermill's error banner, its parameters cell and an error anchor before it
+    assert fails["failed_cell_executed"] == 7
+    assert fails["failed_cell_source"] == "z = x / (y - 2)  # boom"
+    assert fails["error"].startswith("ZeroDivisionError")
+    assert (run / "01_fails.ipynb").is_file()  # the executed notebook is kept, with the traceback
+    assert plots["status"] == "ok" and plots["error"] is None and plots["duration_s"] > 0
+    assert two["status"] == "failed" and "2 cells tagged 'parameters'" in two["error"]
+
+
+def test_parameters_pass_through_and_figures_land_in_the_run(first_run):
+    _, out_root = first_run
+    run = out_root / "run-001"
+    summary = json.loads((run / "summary.json").read_text())
+    plots = summary["notebooks"][1]
+    assert sorted(plots["outputs"]) == ["02_square.json", "02_square.png", "02_square.svg"]
+    sidecar = json.loads((run / "02_square.json").read_text())
+    assert sidecar["smoke"] is True  # "true" parsed as JSON
+    assert sidecar["prompt"] == "hello there"  # not JSON: passed as text
+    assert sidecar["checkpoint"] is None  # no --checkpoint: the notebook's own default stays
+    assert sidecar["headless"] is True
+    assert sidecar["y"] == [0, 1, 4]
+    assert summary["parameters"]["output_dir"] == str(run.resolve())
+    executed = nbformat.read(str(run / "02_plots.ipynb"), as_version=4)
+    images = [o for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    assert images, "viz.show left no static figure in the executed notebook"
+
+
+def test_runs_are_numbered_and_never_overwritten(first_run, notebook_dir):
+    _, out_root = first_run
+    first = out_root / "run-001"
+    before = {p: p.read_bytes() for p in first.rglob("*") if p.is_file()}
+    code = dsv41_main(["notebooks", "--notebooks", str(notebook_dir), "--outputs-root", str(out_root),
+                       "--only", "02"])
+    assert code == 0
+    second = json.loads((out_root / "run-002" / "summary.json").read_text())
+    assert [n["name"] for n in second["notebooks"]] == ["02_plots"] and second["ok"] is True
+    assert {p: p.read_bytes() for p in first.rglob("*") if p.is_file()} == before
+    # an explicit --out that holds an earlier run is refused, and left as it was
+    assert dsv41_main(["notebooks", "--notebooks", str(notebook_dir), "--out", str(first)]) == 2
+    assert {p: p.read_bytes() for p in first.rglob("*") if p.is_file()} == before
+
+
+def test_bad_usage_exits_2(notebook_dir, tmp_path, capsys):
+    base = ["notebooks", "--notebooks", str(notebook_dir), "--outputs-root", str(tmp_path)]
+    assert dsv41_main(base + ["--only", "99"]) == 2
+    assert "no such notebook" in capsys.readouterr().err
+    assert dsv41_main(base + ["-p", "promt", "x"]) == 2
+    assert "no notebook declares" in capsys.readouterr().err
+    assert dsv41_main(base + ["-p", "output_dir", "x"]) == 2
+    assert dsv41_main(["notebooks", "--notebooks", str(tmp_path / "missing")]) == 2
+    assert not any(tmp_path.iterdir()), "a refused run still created a folder"
+
+
+def test_selection_and_values():
+    assert runner.parse_value("3") == 3 and runner.parse_value("true") is True
+    assert runner.parse_value("null") is None and runner.parse_value("[1, 2]") == [1, 2]
+    assert runner.parse_value("hello") == "hello" and runner.parse_value('"7"') == "7"
+
+
+def test_selection_by_prefix(notebook_dir):
+    names = [p.stem for p in runner.find_notebooks(notebook_dir, ["02", "01_fails"])]
+    assert names == ["01_fails", "02_plots"]
+    assert [p.stem for p in runner.find_notebooks(notebook_dir)] == ["01_fails", "02_plots",
+                                                                      "03_two_parameter_cells"]
+
+
+# ---------------------------------------------------------------------- the real notebooks
+def test_every_notebook_has_one_parameters_cell_and_no_outputs():
+    found = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert found, "no notebooks in notebooks/"
+    for path in found:
+        assert runner.parameters_cell_problem(path) is None
+        assert set(runner.STANDARD_PARAMETERS) <= runner.declared_parameters(path), path.name
+        nb = nbformat.read(str(path), as_version=4)
+        nbformat.validate(nb)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert not cell.outputs and cell.execution_count is None, f"{path.name}: committed outputs"
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """Notebooks 01 and 02 executed in smoke mode on the embedded default, once for these tests."""
+    run = tmp_path_factory.mktemp("smoke") / "run"
+    code = dsv41_main(["notebooks", "--only", SMOKE_NOTEBOOKS, "--out", str(run), "-p", "smoke", "true"])
+    summary = json.loads((run / "summary.json").read_text())
+    failures = [f"{n['name']} cell {n['failed_cell']}: {n['error']}" for n in summary["notebooks"] if n["status"] != "ok"]
+    assert code == 0 and not failures, failures
+    return run
+
+
+SMOKE_NOTEBOOKS = "02"
+
+
+def _sidecar(run: Path, name: str) -> dict:
+    return json.loads((run / f"{name}.json").read_text())
+
+
+@pytest.mark.slow
+def test_engram_notebook_numbers(smoke_run):
+    layout = _sidecar(smoke_run, "02_prime_layout")
+    assert layout["derived_rows"] == [384_006_168, 384_016_682]
+    assert layout["declared_rows"] == layout["derived_rows"] and layout["problems"] == []
+    assert (layout["primes"][0][0], layout["primes"][0][-1]) == (16_000_057, 16_000_463)
+    assert (layout["primes"][1][0], layout["primes"][1][-1]) == (16_000_477, 16_000_889)
+    for row, starts in zip(layout["primes"], layout["offsets"]):  # buckets tile each table
+        assert starts == [sum(row[:c]) for c in range(len(row))]
+
+    facts = _sidecar(smoke_run, "02_engram_facts")
+    assert facts["smoke"] is True
+    assert facts["multipliers"]["released"] == {
+        "1": [76632096046245, 4839876093313, 35959672319349, 73987337458391],
+        "14": [67716810739261, 51510806800915, 30921347202721, 82619226485591]}
+    assert facts["folding"]["Café"] == facts["folding"]["cafe"] == "cafe"
+    assert facts["folding"][" HELLO"] == "hello" and facts["folding"][" "] == " "
+    tok = facts["tokenizer"]
+    assert tok["compressed_size"] == tok["config_compressed_size"] < tok["n_ids"]
+    assert facts["split"]["n_splits"] == len(facts["prompt"]["token_ids"]) - 1 > 5
+    assert all(facts["split"]["equal"]) and facts["split"]["matches_report"]
+    assert facts["prompt"]["inside_tables"] is True and facts["prompt"]["problems"] == []
+
+    hashes = _sidecar(smoke_run, "02_prompt_hash_ids")
+    assert all(0 <= w < 1 for pos in hashes["within_bucket"] for layer in pos for w in layer)
+    for pos in hashes["hash_ids"]:
+        for k, layer in enumerate(pos):
+            assert all(0 <= h < hashes["num_embeddings"][k] for h in layer)
+
+
+@pytest.mark.slow
+def test_engram_notebook_dead_tokens_and_load(smoke_run):
+    dead = _sidecar(smoke_run, "02_dead_tokens")
+    j = dead["dead_at"]
+    # (position t, n-gram size n) changes exactly when the n-gram ending at t reaches back to j
+    expected = [[t - (n - 1) <= j <= t for n in dead["ngram_sizes"]] for t in range(dead["n_positions"])]
+    assert dead["changed"] == expected
+
+    load = _sidecar(smoke_run, "02_bucket_load")
+    assert load["inside_tables"] is True
+    n_cols = 6  # tiny: (max_ngram_size 4 - 1) x 2 heads
+    for hist, stats in zip(load["load_histogram"], load["stats"]):
+        assert sum(hist) == stats["rows"]  # every bucket row counted once
+        assert sum(n * rows for n, rows in enumerate(hist)) == load["n_positions"] * n_cols
+        assert stats["rows used"] == stats["rows"] - hist[0]
