@@ -18,6 +18,8 @@ Everything here is exact arithmetic on fixed inputs, so the bytes are the same o
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 E4M3_MAX = 448.0
@@ -230,3 +232,11 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict
             raise ValueError(f"{name}: dtype {t.dtype} is not one the release stores")
     save_file({name: t.contiguous() for name, t in tensors.items()}, path,
               metadata={"format": "pt"} if metadata is None else metadata)
+    # the library creates the file owner-only; give it the mode any other file written here gets
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

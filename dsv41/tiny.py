@@ -181,14 +181,22 @@ def write_tiny_checkpoint(out_dir, seed: int = 0, progress: bool | None = False)
     for spec in specs:
         per_shard[spec.shard].append(spec)
 
-    if progress is None:
-        progress = sys.stderr.isatty()
+    import torch
     from tqdm import tqdm
 
-    with tqdm(total=len(shards), desc="make-tiny", unit="shard", file=sys.stderr, disable=not progress) as bar:
-        for shard in shards:
-            save_safetensors(_shard_tensors(per_shard[shard], by_name, seed), str(out / shard))
-            bar.update(1)
+    if progress is None:
+        progress = sys.stderr.isatty()
+    # Every tensor here is small, so intra-op threads cost more in hand-offs than they win, and on a
+    # busy machine several times more; one thread, restored afterwards. The bytes do not depend on it.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tqdm(total=len(shards), desc="make-tiny", unit="shard", file=sys.stderr, disable=not progress) as bar:
+            for shard in shards:
+                save_safetensors(_shard_tensors(per_shard[shard], by_name, seed), str(out / shard))
+                bar.update(1)
+    finally:
+        torch.set_num_threads(threads)
 
     write_index(str(out), specs)
     write_config_pair(cfg, str(out))
@@ -206,20 +214,20 @@ def write_tiny_checkpoint(out_dir, seed: int = 0, progress: bool | None = False)
 def content_version() -> str:
     """A short tag that changes whenever anything the checkpoint is built from changes: the
     writer version, the sources of the modules that decide its bytes, the corpus and the library
-    versions that serialize it."""
-    import numpy
-    import safetensors
-    import tokenizers
-    import torch
+    versions that serialize it. Imports nothing heavy, so finding a cached checkpoint is cheap."""
+    from importlib.metadata import PackageNotFoundError, version
 
     here = Path(__file__).resolve().parent
     h = hashlib.sha256(f"writer {WRITER_VERSION}".encode())
-    for rel in ("config.py", "inventory.py", "engram.py", "tokenizer.py", "formats.py", "tiny.py",
-                "kernels/codecs.py", "data/corpus.txt"):
+    for rel in ("config.py", "inventory.py", "headers.py", "engram.py", "tokenizer.py", "formats.py", "tiny.py",
+                "data/corpus.txt"):
         path = here / rel
         h.update(rel.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"(absent)") + b"\0")
-    for lib in (torch, numpy, tokenizers, safetensors):
-        h.update(f"{lib.__name__} {lib.__version__}\0".encode())
+    for lib in ("torch", "numpy", "tokenizers", "safetensors"):
+        try:  # read from the installed metadata: no import, so a cache hit stays cheap
+            h.update(f"{lib} {version(lib)}\0".encode())
+        except PackageNotFoundError:
+            h.update(f"{lib} (not installed)\0".encode())
     return f"v{WRITER_VERSION}-{h.hexdigest()[:10]}"
 
 
@@ -229,6 +237,12 @@ def cache_root() -> Path:
         return Path(os.environ[CACHE_ENV]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "dsv41"
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def default_checkpoint(seed: int = 0, progress: bool | None = None) -> str:
@@ -244,6 +258,7 @@ def default_checkpoint(seed: int = 0, progress: bool | None = None) -> str:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=root))
     try:
         write_tiny_checkpoint(tmp, seed=seed, progress=progress)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp made it owner-only
         try:
             os.rename(tmp, final)
         except OSError:
