@@ -1,0 +1,205 @@
+"""Small building blocks shared by the attention layers and the backbone.
+
+RMSNorm, a weight-holding `Linear` over the op layer's `linear`, YaRN rotary frequencies and the
+interleaved-pair rotation, weight quantizers for random initialisation, and `init_random_`, which
+fills every parameter of a module tree from one seed. Inference only: parameters are created with
+requires_grad=False.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kernels import E4M3_MAX, e8m0_decode, e8m0_encode, fp4_act_quant, linear, pow2_ceil, to_e4m3
+
+# One FP8 weight scale per 32 x 32 block, one FP4 weight scale per 32 elements along K.
+WEIGHT_BLOCK = 32
+
+QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float4_e2m1fn_x2)
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def linear_dtype(cfg) -> torch.dtype:
+    """Storage dtype of the dense linears the config quantizes (`cfg.dtype`: 'fp8' or 'bf16')."""
+    return torch.float8_e4m3fn if cfg.dtype == "fp8" else torch.bfloat16
+
+
+def activation_dtype(cfg) -> torch.dtype:
+    """Dtype of activations, norms and caches: the checkpoint's storage dtype, bf16 by default."""
+    return getattr(torch, cfg.param_dtype) if cfg.param_dtype else torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------- modules
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and returned in the input's dtype."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.weight = _param(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
+        # the (bf16) weight multiplies the float32 value; one rounding at the end
+        return (self.weight * x32).to(x.dtype)
+
+    def _random_init_(self, gen: torch.Generator) -> None:
+        noise = torch.randn(self.dim, generator=gen) * 0.1
+        self.weight.copy_((1.0 + noise).to(self.weight.dtype))
+
+
+class Linear(nn.Module):
+    """y = x @ W^T with W stored as FP8 (+ 32x32 E8M0 scales), packed FP4 (+ 1x32 E8M0 scales),
+    BF16 or FP32. Quantized weights go through the op layer's `linear`, which quantizes the
+    activation to FP8 over blocks of 32 first, as the reference runtime does."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float8_e4m3fn):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        if dtype == torch.float4_e2m1fn_x2:
+            # logically [out, in]; two values per byte
+            self.weight = _param(torch.zeros(out_features, in_features // 2, dtype=dtype))
+            self.scale = _param(torch.zeros(out_features, in_features // WEIGHT_BLOCK, dtype=torch.float8_e8m0fnu))
+        elif dtype == torch.float8_e4m3fn:
+            self.weight = _param(torch.zeros(out_features, in_features, dtype=dtype))
+            blocks = (-(-out_features // WEIGHT_BLOCK), -(-in_features // WEIGHT_BLOCK))
+            self.scale = _param(torch.zeros(blocks, dtype=torch.float8_e8m0fnu))
+        else:
+            self.weight = _param(torch.zeros(out_features, in_features, dtype=dtype))
+            self.register_parameter("scale", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.float32:
+            return _rows_padded_fp32_linear(x, self.weight)
+        return linear(x, self.weight, self.scale)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, dtype={self.weight.dtype}"
+
+    def _random_init_(self, gen: torch.Generator) -> None:
+        w = torch.randn(self.out_features, self.in_features, generator=gen) / math.sqrt(self.in_features)
+        if self.weight.dtype == torch.float8_e4m3fn:
+            values, scale = quantize_weight_fp8(w)
+            self.weight.copy_(values)
+            self.scale.copy_(scale)
+        elif self.weight.dtype == torch.float4_e2m1fn_x2:
+            values, scale = quantize_weight_fp4(w)
+            self.weight.copy_(values)
+            self.scale.copy_(scale)
+        else:
+            self.weight.copy_(w.to(self.weight.dtype))
+
+
+# CPU BLAS picks a different float32 kernel for the last (M mod 4) rows of a GEMM, so a token's
+# output would depend on how many tokens were projected with it, and a prefill would not match the
+# same tokens decoded one at a time. Padding the row count to a multiple of 8 keeps every row on
+# the same kernel. Only the float32 path needs it (the compressor's pooling projections); the
+# bf16 and quantized paths measure row-count invariant here.
+_ROW_PAD = 8
+
+
+def _rows_padded_fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.size(-1))  # [M, K]
+    pad = -rows.size(0) % _ROW_PAD
+    if pad:
+        rows = F.pad(rows, (0, 0, 0, pad))
+    out = linear(rows, weight)[: rows.size(0) - pad]  # [M, N]
+    return out.reshape(*x.shape[:-1], weight.size(0))
+
+
+# ---------------------------------------------------------------------------------- weights
+def quantize_weight_fp8(w: torch.Tensor, block: int = WEIGHT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (float8_e4m3fn [N, K], E8M0 scales [ceil(N/block), ceil(K/block)]), the
+    checkpoint's layout: one power-of-two scale per block x block tile."""
+    n, k = w.shape
+    padded = F.pad(w.float(), (0, -k % block, 0, -n % block))
+    tiles = padded.unflatten(0, (-1, block)).unflatten(2, (-1, block))  # [N/b, b, K/b, b]
+    amax = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-4)  # [N/b, K/b]
+    scale = pow2_ceil(amax / E4M3_MAX)
+    values = to_e4m3(tiles / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:n, :k]
+    return values.contiguous(), e8m0_encode(scale)
+
+
+def dequantize_weight_fp8(values: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16,
+                          block: int = WEIGHT_BLOCK) -> torch.Tensor:
+    """Inverse of quantize_weight_fp8 (what a loader does to wo_a, held in BF16 at runtime)."""
+    n, k = values.shape
+    s = e8m0_decode(scale) if scale.dtype == torch.float8_e8m0fnu else scale.float()
+    s = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return (values.float() * s).to(dtype)
+
+
+def quantize_weight_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (packed float4_e2m1fn_x2 [N, K/2], E8M0 scales [N, K/32])."""
+    return fp4_act_quant(w.float(), WEIGHT_BLOCK, scale_dtype=torch.float8_e8m0fnu)
+
+
+def init_random_(module: nn.Module, seed: int) -> nn.Module:
+    """Fill every parameter of `module` (and its children) from `seed`, well scaled: linears
+    ~ N(0, 1/in_features) then quantized to their storage format, norms 1 + N(0, 0.01).
+    Modules opt in with a `_random_init_(generator)` method for their own direct parameters;
+    a parameter no module claims raises, so nothing is silently left at zero."""
+    gen = torch.Generator().manual_seed(seed)
+    claimed: set[int] = set()
+    with torch.no_grad():
+        for m in module.modules():
+            init = getattr(m, "_random_init_", None)
+            if init is not None:
+                init(gen)
+                claimed.update(id(p) for p in m.parameters(recurse=False))
+    missing = [name for name, p in module.named_parameters() if id(p) not in claimed]
+    if missing:
+        raise TypeError(f"init_random_: no _random_init_ covers {', '.join(missing)}")
+    return module
+
+
+# ---------------------------------------------------------------------------------- rotary
+def yarn_inv_freq(dim: int, original_seq_len: int, base: float, factor: float,
+                  beta_fast: float, beta_slow: float) -> torch.Tensor:
+    """float32 [dim/2] rotary frequencies; YaRN-corrected when original_seq_len > 0.
+
+    Dimensions that turn more than beta_fast times over the training context keep their
+    frequency, those turning fewer than beta_slow times are divided by `factor`, and a linear
+    ramp (over dimension index) blends the band between. No attention-temperature (mscale)
+    correction: the reference runtime applies none."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if original_seq_len <= 0:
+        return inv_freq
+
+    def dim_for_turns(turns: float) -> float:
+        # the (fractional) dimension index whose wavelength fits `turns` times in the context
+        return dim * math.log(original_seq_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(dim_for_turns(beta_fast)), 0)
+    high = min(math.ceil(dim_for_turns(beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    keep = 1 - ramp  # 1: keep the frequency, 0: divide it by factor
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def precompute_freqs_cis(dim: int, seqlen: int, original_seq_len: int, base: float, factor: float,
+                         beta_fast: float, beta_slow: float) -> torch.Tensor:
+    """complex64 [seqlen, dim/2]: e^(i * position * inv_freq), one row per position."""
+    inv_freq = yarn_inv_freq(dim, original_seq_len, base, factor, beta_fast, beta_slow)
+    angles = torch.outer(torch.arange(seqlen, dtype=torch.float32), inv_freq)  # [seqlen, dim/2]
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate x in place and return it. x: [b, s, d] or [b, s, h, d], adjacent pairs (2i, 2i+1)
+    as complex numbers; freqs_cis: [s, d/2]. `inverse` rotates by the conjugate, which is how the
+    attention output has its query-position rotation taken off again."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # [b, s, (h,) d/2]
+    rot = freqs_cis.conj() if inverse else freqs_cis
+    rot = rot.view(1, x.size(1), *([1] * (x.dim() - 3)), x.size(-1) // 2)
+    x.copy_(torch.view_as_real(pairs * rot).flatten(-2))
+    return x

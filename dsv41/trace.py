@@ -1,0 +1,121 @@
+"""Plain data a forward fills when handed a trace object; nothing here reaches into modules.
+
+Pass a `Trace` to a forward (`AttentionStack.forward(x, pos, trace=t)`, `Attention.forward(...,
+trace=t)`); each attention layer call appends one `AttentionRecord`. Tensors are detached CPU
+copies, so a trace can be kept across calls, pickled or plotted without holding the model's
+memory. Repeated calls (a prefill, then decode steps) append records in call order; use
+`Trace.attention_by_layer` to regroup them per layer and query position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class AttentionRecord:
+    """One attention layer's forward over queries at positions start_pos .. start_pos + s - 1.
+
+    Score fields are float32 [b, s]; index fields int [b, s, width] with -1 for "none".
+    `kth_score` / `next_score` are the k-th and (k+1)-th largest index scores among the
+    positions the query can reach (k = index_topk); both are NaN where the query reaches no more
+    than k positions, i.e. where nothing is truncated. kth == next is a tie at the cut: which of
+    the tied positions survive is up to the top-k implementation, and can differ between a
+    prefill and the same tokens decoded one at a time.
+    """
+
+    layer: int
+    mode: str  # 'full' | 'reindex' | 'reuse'
+    compress_ratio: int
+    start_pos: int
+    seqlen: int
+    # compressed positions each query attends to (no window offset), padded with -1 to index_topk
+    selected: Optional[torch.Tensor] = None
+    # the layer whose indexer produced `selected` (itself for Full / Reindex layers)
+    selected_by: Optional[int] = None
+    # how many compressed positions each query can reach: (position + 1) // ratio, [s]
+    reachable: Optional[torch.Tensor] = None
+    # --- index-source layers only
+    kth_score: Optional[torch.Tensor] = None
+    next_score: Optional[torch.Tensor] = None
+    index_scores: Optional[torch.Tensor] = None  # [b, s, T] float32, when Trace.keep_index_scores
+    # the layer whose published index keys were scored against (differs from the owner on the
+    # reference's stale-key decode steps)
+    index_keys_from: Optional[int] = None
+    # --- the candidate source and the Reindex layers reading its mask
+    candidate_blocks: Optional[torch.Tensor] = None  # [b, s, n_blocks] bool, blocks kept
+    candidates_from: Optional[int] = None
+    # candidate source only: k-th / (k+1)-th block scores (k = candidate_topk_blocks), NaN where
+    # the query reaches no more than k blocks; the pinned (still filling) block scores +inf
+    candidate_kth_score: Optional[torch.Tensor] = None
+    candidate_next_score: Optional[torch.Tensor] = None
+    # whether this layer's compressor completed a group (wrote compressed KV) in this call
+    wrote_compressed: bool = False
+    output: Optional[torch.Tensor] = None  # [b, s, dim], when Trace.keep_outputs
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return torch.arange(self.start_pos, self.start_pos + self.seqlen)
+
+    def ties(self) -> Optional[torch.Tensor]:
+        """bool [b, s]: the k-th and (k+1)-th index scores are equal (a tie at the top-k cut)."""
+        if self.kth_score is None:
+            return None
+        return self.kth_score == self.next_score  # NaN compares unequal: no truncation, no tie
+
+    def candidate_ties(self) -> Optional[torch.Tensor]:
+        if self.candidate_kth_score is None:
+            return None
+        return self.candidate_kth_score == self.candidate_next_score
+
+
+@dataclass
+class Trace:
+    """What a forward records when asked. Options say how much to keep."""
+
+    keep_index_scores: bool = False
+    keep_outputs: bool = False
+    attention: list[AttentionRecord] = field(default_factory=list)
+
+    def attention_by_layer(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Per layer, the records' per-query fields concatenated along the query axis (in call
+        order): {'positions': [n], 'selected': [b, n, k], 'kth_score': [b, n], ...}. Fields a
+        layer never filled are absent."""
+        grouped: dict[int, list[AttentionRecord]] = {}
+        for rec in self.attention:
+            grouped.setdefault(rec.layer, []).append(rec)
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for layer, recs in grouped.items():
+            fields: dict[str, torch.Tensor] = {"positions": torch.cat([r.positions for r in recs])}
+            for name in ("selected", "kth_score", "next_score", "candidate_blocks",
+                         "candidate_kth_score", "candidate_next_score", "output"):
+                parts = [getattr(r, name) for r in recs]
+                if all(p is not None for p in parts):
+                    fields[name] = _cat_queries(parts)
+            if all(r.reachable is not None for r in recs):
+                fields["reachable"] = torch.cat([r.reachable for r in recs])
+            out[layer] = fields
+        return out
+
+    def clear(self) -> None:
+        self.attention.clear()
+
+
+def _cat_queries(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate [b, s, ...] along s, right-padding a trailing width that grows between calls
+    (candidate block masks widen as the context grows) with False / -1 / NaN."""
+    if parts[0].dim() <= 2:
+        return torch.cat(parts, dim=1)
+    width = max(p.size(-1) for p in parts)
+    padded = []
+    for p in parts:
+        if p.size(-1) < width:
+            fill = False if p.dtype == torch.bool else (float("nan") if p.is_floating_point() else -1)
+            grown = p.new_full((*p.shape[:-1], width), fill)
+            grown[..., : p.size(-1)] = p
+            p = grown
+        padded.append(p)
+    return torch.cat(padded, dim=1)
