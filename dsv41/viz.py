@@ -224,6 +224,18 @@ def table(rows, columns=None, title: str | None = None) -> Table:
     return Table(rows, columns, title)
 
 
+def ranges(ids) -> str:
+    """[1, 2, 3, 7, 9, 10] -> "1-3, 7, 9-10": layer and shard numbers in a table cell."""
+    ids = sorted(int(i) for i in ids)
+    parts, start = [], None
+    for k, v in enumerate(ids):
+        start = v if start is None else start
+        if k + 1 == len(ids) or ids[k + 1] != v + 1:
+            parts.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ", ".join(parts)
+
+
 def _cell(value) -> str:
     if isinstance(value, bool) or value is None:
         return "" if value is None else ("yes" if value else "no")

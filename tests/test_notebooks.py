@@ -157,11 +157,56 @@ def smoke_run(tmp_path_factory):
     return run
 
 
-SMOKE_NOTEBOOKS = "02"
+SMOKE_NOTEBOOKS = "01,02"
 
 
 def _sidecar(run: Path, name: str) -> dict:
     return json.loads((run / f"{name}.json").read_text())
+
+
+@pytest.mark.slow
+def test_audit_notebook_numbers(smoke_run):
+    facts = _sidecar(smoke_run, "01_audit_facts")
+    tiny = facts["tiny"]
+    assert tiny["exit_code"] == 0 and tiny["failed"] == 0 and tiny["undecided"] == 0
+    assert tiny["passed"] == tiny["checks"] >= 39 and tiny["tensors"] == tiny["expected_tensors"]
+    for name, layouts in facts["config"].items():
+        assert layouts["flat file from nested"] and layouts["flat file from flat"], name
+        assert layouts["nested round trip"] and layouts["verify problems"] == [], name
+        assert layouts["dtype (quantization)"] == "fp8" and layouts["param_dtype (storage)"] == "bfloat16"
+    # the released pair differs exactly by the fields only the nested (Transformers) file states
+    assert sorted(line.split(":")[0] for line in facts["config"]["released"]["differs"]) == sorted(
+        ["model_type", "architectures", "param_dtype", "bos_token_id", "eos_token_id", "pad_token_id",
+         "hidden_act", "max_position_embeddings", "num_key_value_heads", "tie_word_embeddings",
+         "topk_method", "norm_topk_prob"])
+
+    released = facts["released"]
+    assert (released["tensors"], released["bytes"], released["shards"]) == (96_085, 510_286_023_000, 48)
+    assert released["exit_code"] == 0 and released["failed"] == released["undecided"] == 0
+    assert released["categories"]["routed experts"]["tensors"] == 94_464
+    assert released["categories"]["Engram"]["tensors"] == 12
+    assert sum(c["bytes"] for c in released["categories"].values()) == 510_286_023_000
+    assert released["layer_modes"]["full"] == [2, 8, 14, 20]
+    assert released["layer_modes"]["reindex"] == [24, 28, 32, 36]
+
+    bars = _sidecar(smoke_run, "01_bytes_by_category")
+    assert (bars["total_tensors"], bars["total_bytes"]) == (96_085, 510_286_023_000)
+    assert bars["bytes"] == bars["expected_bytes"] and sum(bars["bytes"]) == bars["total_bytes"]
+    modes = _sidecar(smoke_run, "01_layer_modes")
+    assert modes["modes_from_headers"] == modes["modes_from_config"] and len(modes["modes_from_config"]) == 40
+
+    partial = facts["partial"]
+    on_disk = set(partial["shards_on_disk"])
+    assert on_disk == set(range(1, 21)) | {44}
+    assert partial["failed"] == 0 and partial["exit_code"] == 0 and partial["undecided"]
+    for check, waits in partial["undecided"].items():
+        assert waits and not on_disk & set(waits), check  # waits only on shards that are not there
+    assert partial["undecided"]["engram.dtype"] == [47, 48]  # the Engram tables' shards
+    assert _sidecar(smoke_run, "01_partial_download")["undecided"] == partial["undecided"]
+
+    negative = facts["negative_control"]
+    assert negative["engram_n_heads"] == 7 and negative["exit_code"] == 1
+    assert "engram.rows" in negative["failed"] and "384006168" in negative["failed"]["engram.rows"]
 
 
 @pytest.mark.slow
