@@ -1,0 +1,505 @@
+"""The backbone above attention: mixture of experts, hyper-connections, the Engram consumer, the head.
+
+A block carries its residual stream as `hc_mult` parallel copies. Each of its two sites (attention,
+then the FFN) collapses the copies into one input with a `pre` weighting, runs the sublayer, and
+expands back with `post` and a doubly stochastic `comb` mix of the old copies. The three
+coefficient sets come from one projection of the site's own input (`hc_mixes`), but the `pre` a
+site computes is used one site later: the attention collapse uses the `pre` the previous block's
+FFN site produced, the FFN collapse uses the one this block's attention site produced, and the
+last block's FFN `pre` collapses the stream before the final norm. There is no separate head mix.
+
+Dtypes follow the released runtime: activations bf16 between sublayers, every mix, norm statistic,
+router score and the head in float32. Quantized linears quantize their input to FP8 first (the op
+layer's `linear`). Routed experts stay packed FP4 and are reached through a `RoutedExperts` object
+that a store (the loader's expert cache, or a dict in tests) feeds; Engram tables likewise stay
+wherever the store keeps them and are read a row at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional, Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Attention, AttentionRuntime
+from .kernels import e8m0_decode, hc_split_sinkhorn, linear as qlinear
+from .layers import Linear, RMSNorm, activation_dtype, linear_dtype
+from .trace import Trace
+
+# Added to the top-k routing weight sum before dividing; a training constant, not norm_eps.
+ROUTE_SUM_EPS = 1e-20
+# Floor on |dot| before the Engram gate's signed square root.
+ENGRAM_GATE_FLOOR = 1e-6
+# CPU BLAS computes the last (rows mod 4) rows of a float32 GEMM with a different kernel, so a
+# token's router scores and mixes would depend on how many tokens share the call. Padding the row
+# count keeps one kernel for every row, and a prefill equal to the same tokens decoded one by one.
+_F32_ROW_PAD = 8
+
+
+def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 x [..., K] @ weight[N, K]^T with the row count padded (see _F32_ROW_PAD)."""
+    rows = x.float().reshape(-1, x.size(-1))  # [M, K]
+    pad = -rows.size(0) % _F32_ROW_PAD
+    if pad:
+        rows = F.pad(rows, (0, 0, 0, pad))
+    out = F.linear(rows, weight.float())[: rows.size(0) - pad]  # [M, N]
+    return out.reshape(*x.shape[:-1], weight.size(0))
+
+
+# ---------------------------------------------------------------------- routing
+def expert_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Router logits -> affinities. The release uses sqrtsoftplus: sqrt(softplus(logit))."""
+    if score_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if score_func == "sigmoid":
+        return logits.sigmoid()
+    if score_func == "softmax":
+        return logits.softmax(dim=-1)
+    raise ValueError(f"unknown score_func {score_func!r}")
+
+
+def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, norm_topk_prob: bool,
+          route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [n, E] float32 -> (weights [n, k] float32, expert ids [n, k] int64).
+
+    The bias only chooses which experts run; the weights are the unbiased scores of the chosen
+    ones, normalized to sum to one (norm_topk_prob, k > 1) and then scaled by route_scale."""
+    ids = (scores + bias).topk(topk, dim=-1).indices
+    weights = scores.gather(-1, ids)
+    if norm_topk_prob and topk > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + ROUTE_SUM_EPS)
+    return weights * route_scale, ids
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(gate) * up in float32; with limit > 0, up is clamped to [-limit, limit] and gate from
+    above only, as in training."""
+    gate, up = gate.float(), up.float()
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    return F.silu(gate) * up
+
+
+class PackedExpert(NamedTuple):
+    """One routed expert as stored: packed FP4 weights [out, in/2] with E8M0 scales [out, in/32]."""
+
+    w1: torch.Tensor
+    w1_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w3: torch.Tensor
+    w3_scale: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self)
+
+    def to(self, device) -> "PackedExpert":
+        return PackedExpert(*(t.to(device) for t in self))
+
+
+def expert_ffn(x: torch.Tensor, w1, s1, w3, s3, w2, s2, limit: float,
+               weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One SwiGLU expert on x [n, dim] (bf16) -> [n, dim] in x's dtype. `weights` [n, 1] scales the
+    activation before the down projection, as the runtime applies routing weights."""
+    h = clamped_swiglu(qlinear(x, w1, s1), qlinear(x, w3, s3), limit)  # [n, inter] float32
+    if weights is not None:
+        h = weights * h
+    return qlinear(h.to(x.dtype), w2, s2)
+
+
+class ExpertStore(Protocol):
+    """What RoutedExperts reads packed experts from (the loader's cache, or a dict in tests)."""
+
+    def fetch(self, layer: int, expert_ids: Sequence[int]) -> list[PackedExpert]: ...
+
+
+class DictExpertStore:
+    """A store over experts already in memory: {(layer, expert): PackedExpert}."""
+
+    def __init__(self, experts: dict[tuple[int, int], PackedExpert]):
+        self.experts = experts
+
+    def fetch(self, layer: int, expert_ids: Sequence[int]) -> list[PackedExpert]:
+        return [self.experts[(layer, e)] for e in expert_ids]
+
+
+class RoutedExperts:
+    """The routed half of one MoE layer: y = sum_k weight_k * expert_{id_k}(x), float32.
+
+    The one interface a faster implementation replaces: `forward(x [n, dim], expert_ids [n, k],
+    weights [n, k]) -> float32 [n, dim]`. This one is the reference path: for each selected expert
+    (ascending id, the runtime's accumulation order) its tokens are gathered, quantized to FP8 and
+    multiplied against the packed FP4 weights; nothing is ever expanded to bf16. The expert runs
+    on whatever device the store placed its packed weights on."""
+
+    def __init__(self, layer: int, store: ExpertStore, swiglu_limit: float):
+        self.layer, self.store, self.swiglu_limit = layer, store, swiglu_limit
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [n, dim]
+        selected = torch.unique(expert_ids).tolist()  # sorted ascending
+        packed = self.store.fetch(self.layer, selected)
+        for e, p in zip(selected, packed):
+            rows, slot = torch.where(expert_ids == e)  # a token selects an expert at most once
+            dev = p.w1.device
+            out = expert_ffn(x[rows].to(dev), *_ffn_args(p), self.swiglu_limit, weights[rows, slot, None].to(dev))
+            y.index_add_(0, rows, out.to(y.device, torch.float32))
+        return y
+
+    __call__ = forward
+
+
+def _ffn_args(p: PackedExpert):
+    return p.w1, p.w1_scale, p.w3, p.w3_scale, p.w2, p.w2_scale
+
+
+# ---------------------------------------------------------------------- trace records
+@dataclass
+class RoutingRecord:
+    """One MoE layer's routing for one forward call: expert ids and weights per token."""
+
+    layer: int
+    start_pos: int
+    expert_ids: torch.Tensor  # [b, s, k] int64
+    weights: torch.Tensor  # [b, s, k] float32 (normalized and scaled)
+    cache_hits: int = 0
+    cache_misses: int = 0
+
+
+@dataclass
+class EngramRecord:
+    """One Engram layer's gate values for one forward call."""
+
+    layer: int
+    start_pos: int
+    gate: torch.Tensor  # [b, s, hc_mult] float32 in (0, 1); 0 where the token mask shuts it
+
+
+@dataclass
+class ForwardTrace(Trace):
+    """A Trace that the backbone also fills: routing per MoE layer and gate values per Engram layer,
+    on top of the attention records. Records append in call order (a prefill, then decode steps)."""
+
+    routing: list[RoutingRecord] = field(default_factory=list)
+    engram: list[EngramRecord] = field(default_factory=list)
+
+    def clear(self) -> None:
+        super().clear()
+        self.routing.clear()
+        self.engram.clear()
+
+    def routing_by_layer(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Per layer: 'positions' [n], 'expert_ids' [b, n, k], 'weights' [b, n, k] over all calls."""
+        return _by_layer(self.routing, ("expert_ids", "weights"))
+
+    def engram_by_layer(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Per Engram layer: 'positions' [n], 'gate' [b, n, hc] over all calls."""
+        return _by_layer(self.engram, ("gate",))
+
+
+def _by_layer(records, names) -> dict[int, dict[str, torch.Tensor]]:
+    grouped: dict[int, list] = {}
+    for rec in records:
+        grouped.setdefault(rec.layer, []).append(rec)
+    out = {}
+    for layer, recs in sorted(grouped.items()):
+        positions = [torch.arange(r.start_pos, r.start_pos + getattr(r, names[0]).size(1)) for r in recs]
+        out[layer] = {"positions": torch.cat(positions)}
+        for name in names:
+            out[layer][name] = torch.cat([getattr(r, name) for r in recs], dim=1)
+    return out
+
+
+# ---------------------------------------------------------------------- modules
+class Gate(nn.Module):
+    """The router `ffn.gate`: bf16 weight [E, dim], float32 selection bias [E], and (with a vision
+    tower) `bias_vl` [E], the selection bias of image-span tokens. Text never applies bias_vl."""
+
+    def __init__(self, cfg, n_experts: int, topk: int, dtype=torch.bfloat16):
+        super().__init__()
+        self.topk, self.score_func = topk, cfg.score_func
+        self.norm_topk_prob = True if cfg.norm_topk_prob is None else bool(cfg.norm_topk_prob)
+        self.route_scale = float(cfg.route_scale)
+        self.weight = _param(torch.zeros(n_experts, cfg.dim, dtype=dtype))
+        self.bias = _param(torch.zeros(n_experts, dtype=torch.float32))
+        self.bias_vl = _param(torch.zeros(n_experts, dtype=torch.float32)) if cfg.vision_n_layers else None
+
+    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None):
+        """x [n, dim] -> (weights [n, k] float32, ids [n, k]); image_mask [n] bool selects bias_vl."""
+        scores = expert_scores(f32_linear(x, self.weight), self.score_func)  # [n, E]
+        bias = self.bias
+        if image_mask is not None and self.bias_vl is not None:
+            bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias)
+        return route(scores, bias, self.topk, self.norm_topk_prob, self.route_scale)
+
+
+class SharedExpert(nn.Module):
+    """The always-on expert `ffn.shared_experts`: FP8 w1 (gate) / w3 (up) / w2 (down)."""
+
+    def __init__(self, dim: int, inter_dim: int, swiglu_limit: float, dtype=torch.float8_e4m3fn):
+        super().__init__()
+        self.w1 = Linear(dim, inter_dim, dtype)
+        self.w2 = Linear(inter_dim, dim, dtype)
+        self.w3 = Linear(dim, inter_dim, dtype)
+        self.swiglu_limit = swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = clamped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit)
+        return self.w2(h.to(x.dtype))
+
+
+class MoE(nn.Module):
+    """Routed experts (top-k of E, through `experts`) plus the shared expert, summed in float32."""
+
+    def __init__(self, cfg, layer: int):
+        super().__init__()
+        n_experts, topk = cfg.moe_shape(layer)
+        self.layer, self.dim = layer, cfg.dim
+        self.gate = Gate(cfg, n_experts, topk)
+        self.shared_experts = SharedExpert(cfg.dim, cfg.moe_inter_dim, float(cfg.swiglu_limit or 0.0),
+                                           linear_dtype(cfg))
+        self.experts: Optional[RoutedExperts] = None  # attached by the loader (not a parameter)
+
+    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None, trace=None,
+                start_pos: int = 0) -> torch.Tensor:
+        if self.experts is None:
+            raise RuntimeError(f"layer {self.layer}: no routed experts attached (load the model with dsv41.load)")
+        shape = x.shape
+        flat = x.reshape(-1, self.dim)  # [n, dim]
+        weights, ids = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
+        stats = getattr(self.experts.store, "counters", None)
+        before = stats.totals(self.layer) if stats is not None else (0, 0)
+        y = self.experts.forward(flat, ids, weights)  # [n, dim] float32
+        y = y + self.shared_experts(flat)
+        if trace is not None and hasattr(trace, "routing"):
+            after = stats.totals(self.layer) if stats is not None else (0, 0)
+            trace.routing.append(RoutingRecord(
+                self.layer, start_pos, ids.reshape(*shape[:-1], -1).cpu(),
+                weights.reshape(*shape[:-1], -1).detach().cpu(),
+                cache_hits=after[0] - before[0], cache_misses=after[1] - before[1]))
+        return y.to(x.dtype).reshape(shape)
+
+
+class EngramTable(Protocol):
+    """Where an Engram layer's rows live: `gather(ids) -> (FP8 rows [..., D], E8M0 scales [..., D/32])`."""
+
+    def gather(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class TensorEngramTable:
+    """An Engram table already in memory (resident, or a test's)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor):
+        self.weight, self.scale = weight, scale
+
+    def gather(self, ids: torch.Tensor):
+        return self.weight[ids], self.scale[ids]
+
+
+def dequantize_rows(rows: torch.Tensor, scales: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """FP8 rows [..., D] with E8M0 scales [..., D/block] -> bf16, through float32."""
+    values = rows.float().unflatten(-1, (-1, block)) * e8m0_decode(scales).unsqueeze(-1)
+    return values.flatten(-2).to(torch.bfloat16)
+
+
+class Engram(nn.Module):
+    """Adds an n-gram lookup into the residual stream, gated per hyper-connection copy.
+
+    The layer's hash ids pick one table row per column; `wkv` maps the concatenated rows to one
+    key per copy plus one shared value. Each copy's gate is sigmoid(signed sqrt(d)) of d, the
+    RMS-normalized dot product of the copy with its key (normalized per copy over dim), and the
+    copy receives gate * value."""
+
+    def __init__(self, cfg, layer: int, n_hash_cols: int):
+        super().__init__()
+        self.layer, self.dim, self.hc_mult, self.eps = layer, cfg.dim, cfg.hc_mult, cfg.norm_eps
+        self.head_dim = cfg.engram_head_dim
+        self.wkv = Linear(n_hash_cols * cfg.engram_head_dim, cfg.dim * (cfg.hc_mult + 1), linear_dtype(cfg))
+        act = activation_dtype(cfg)
+        self.q_weight = _param(torch.ones(cfg.hc_mult, cfg.dim, dtype=act))
+        self.k_weight = _param(torch.ones(cfg.hc_mult, cfg.dim, dtype=act))
+        self.table: Optional[EngramTable] = None  # attached by the loader (not a parameter)
+
+    def forward(self, x: torch.Tensor, hash_ids: torch.Tensor, token_mask: Optional[torch.Tensor] = None,
+                trace=None, start_pos: int = 0) -> torch.Tensor:
+        """x [b, s, hc, dim]; hash_ids [b, s, n_hash_cols]; token_mask [b, s] (False: no update)."""
+        if self.table is None:
+            raise RuntimeError(f"layer {self.layer}: no Engram table attached (load the model with dsv41.load)")
+        rows, scales = self.table.gather(hash_ids.to(torch.long))  # [b, s, cols, D], [b, s, cols, D/32]
+        emb = dequantize_rows(rows.to(x.device), scales.to(x.device))  # [b, s, cols, D] bf16
+        kv = self.wkv(emb.flatten(-2))  # [b, s, (hc + 1) * dim] bf16
+        key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)
+        key = key.float().unflatten(-1, (self.hc_mult, self.dim))  # [b, s, hc, dim]
+        gate = engram_gate(x, key, self.q_weight.float() * self.k_weight.float(), self.eps)  # [b, s, hc]
+        if token_mask is not None:
+            gate = gate.masked_fill(~token_mask.unsqueeze(-1), 0)
+        if trace is not None and hasattr(trace, "engram"):
+            trace.engram.append(EngramRecord(self.layer, start_pos, gate.detach().cpu()))
+        return (x.float() + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(x.dtype)
+
+
+def engram_gate(x: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, key [b, s, hc, dim], weight [hc, dim] -> gate [b, s, hc] float32."""
+    h = x.float()
+    dim = h.size(-1)
+    rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)  # [b, s, hc]
+    dot = (h * weight * key).sum(-1) * rstd * dim ** -0.5
+    return torch.sigmoid(torch.copysign(dot.abs().clamp_min(ENGRAM_GATE_FLOOR).sqrt(), dot))
+
+
+# ---------------------------------------------------------------------- hyper-connections
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
+             iters: int, hc_eps: float, norm_eps: float):
+    """x [b, s, hc, dim] -> float32 (pre [b, s, hc], post [b, s, hc], comb [b, s, hc, hc]).
+
+    One projection of the whole flattened stream, RMS-normalized with one statistic per token."""
+    flat = x.flatten(2).float()  # [b, s, hc * dim]
+    rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = f32_linear(flat, fn) * rstd  # [b, s, (2 + hc) * hc]
+    return hc_split_sinkhorn(mixes, scale, base, hc_mult, iters, hc_eps)
+
+
+def hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Collapse [b, s, hc, dim] to [b, s, dim]: sum_i pre_i * x_i in float32, back in x's dtype."""
+    return (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype)
+
+
+def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Expand a sublayer output [b, s, dim] back to copies: y_j = post_j * out + sum_i comb_ij * residual_i."""
+    mixed = (comb.unsqueeze(-1) * residual.unsqueeze(-2)).sum(dim=2)  # [b, s, hc(j), dim]
+    return (post.unsqueeze(-1) * out.unsqueeze(-2) + mixed).to(out.dtype)
+
+
+def identity_pre(batch: int, seq: int, hc_mult: int, device=None) -> torch.Tensor:
+    """The first block's collapse weights: copy 0 only (all copies are equal at the embedding)."""
+    pre = torch.zeros(batch, seq, hc_mult, dtype=torch.float32, device=device)
+    pre[..., 0] = 1.0
+    return pre
+
+
+# ---------------------------------------------------------------------- the stack
+class Block(nn.Module):
+    """Engram (at its layers), then attention and the MoE, each between a hyper-connection
+    collapse and expansion. Parameter names are the checkpoint's (`layers.N.` + name)."""
+
+    def __init__(self, cfg, layer: int, *, max_batch_size: int = 1, max_seq_len: int = 4096):
+        super().__init__()
+        self.layer, self.hc_mult = layer, cfg.hc_mult
+        self.norm_eps, self.hc_eps, self.hc_iters = cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
+        act = activation_dtype(cfg)
+        self.attn = Attention(cfg, layer, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+        self.ffn = MoE(cfg, layer)
+        engram_layers = tuple(cfg.engram_layer_ids or ())
+        self.engram = None
+        if layer in engram_layers:
+            self.engram = Engram(cfg, layer, (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads)
+            self.engram_index = engram_layers.index(layer)  # its column block in the hash ids
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=act)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=act)
+        mix, width = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.dim
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", _param(torch.zeros(mix, width, dtype=torch.float32)))
+            setattr(self, f"hc_{site}_base", _param(torch.zeros(mix, dtype=torch.float32)))
+            setattr(self, f"hc_{site}_scale", _param(torch.zeros(3, dtype=torch.float32)))
+
+    def mixes(self, x: torch.Tensor, site: str):
+        return hc_mixes(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
+                        getattr(self, f"hc_{site}_base"), self.hc_mult, self.hc_iters, self.hc_eps, self.norm_eps)
+
+    def forward(self, x: torch.Tensor, start_pos: int, pre: torch.Tensor, runtime: AttentionRuntime,
+                hash_ids: Optional[torch.Tensor] = None, image_mask: Optional[torch.Tensor] = None,
+                trace=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [b, s, hc, dim], pre [b, s, hc] (from the previous block) -> (x, the next block's pre).
+
+        hash_ids [b, s, n_hash_cols] for an Engram layer; image_mask [b, s] True inside image spans
+        (their routing uses bias_vl and they get no Engram update)."""
+        if self.engram is not None:
+            if hash_ids is None:
+                raise ValueError(f"layer {self.layer} is an Engram layer and needs its hash ids")
+            x = self.engram(x, hash_ids, None if image_mask is None else ~image_mask, trace, start_pos)
+
+        residual = x
+        attn_pre, post, comb = self.mixes(x, "attn")
+        h = self.attn_norm(hc_pre(x, pre))  # [b, s, dim]
+        h = self.attn(h, start_pos, runtime, trace)
+        x = hc_post(h, residual, post, comb)  # [b, s, hc, dim]
+
+        residual = x
+        ffn_pre, post, comb = self.mixes(x, "ffn")
+        h = self.ffn_norm(hc_pre(x, attn_pre))
+        h = self.ffn(h, image_mask, trace, start_pos)
+        x = hc_post(h, residual, post, comb)
+        return x, ffn_pre
+
+    def reset_state(self) -> None:
+        self.attn.reset_state()
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, dim: int, dtype=torch.bfloat16):
+        super().__init__()
+        self.weight = _param(torch.zeros(vocab_size, dim, dtype=dtype))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class Head(nn.Module):
+    """The output projection, held in float32 (stored bf16) so the logits come out float32."""
+
+    def __init__(self, vocab_size: int, dim: int):
+        super().__init__()
+        self.weight = _param(torch.zeros(vocab_size, dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
+        """x [b, s, dim] -> float32 [b, vocab] for the last position ([b, s, vocab] with all_positions)."""
+        if not all_positions:
+            x = x[:, -1]
+        return f32_linear(x, self.weight)
+
+
+class Backbone(nn.Module):
+    """Embedding, the blocks, the final collapse (with the last block's FFN pre), norm and head.
+
+    Holds only dense parameters; routed experts and Engram tables are attached by the loader as
+    `layers[i].ffn.experts` and `layers[i].engram.table`. `max_batch_size` and `max_seq_len` size the
+    attention caches."""
+
+    def __init__(self, cfg, *, max_batch_size: int = 1, max_seq_len: int = 4096):
+        super().__init__()
+        self.cfg, self.hc_mult = cfg, cfg.hc_mult
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.embed = Embedding(cfg.vocab_size, cfg.dim, activation_dtype(cfg))
+        self.layers = nn.ModuleList(Block(cfg, i, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+                                    for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=activation_dtype(cfg))
+        self.head = Head(cfg.vocab_size, cfg.dim)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, start_pos: int, runtime: AttentionRuntime,
+                hash_ids: Optional[torch.Tensor] = None, image_mask: Optional[torch.Tensor] = None,
+                trace=None, all_positions: bool = False) -> torch.Tensor:
+        """input_ids [b, s] -> float32 logits [b, vocab] of the last position ([b, s, vocab] with
+        all_positions). hash_ids [b, s, n_engram_layers, n_hash_cols] from the n-gram hasher."""
+        bsz, seqlen = input_ids.shape
+        h = self.embed(input_ids)  # [b, s, dim]
+        h = h.unsqueeze(2).repeat(1, 1, self.hc_mult, 1)  # [b, s, hc, dim]: equal copies
+        pre = identity_pre(bsz, seqlen, self.hc_mult, h.device)
+        for block in self.layers:
+            ids = hash_ids[:, :, block.engram_index] if block.engram is not None and hash_ids is not None else None
+            h, pre = block(h, start_pos, pre, runtime, ids, image_mask, trace)
+        h = self.norm(hc_pre(h, pre))  # the last block's FFN pre is the final collapse
+        return self.head(h, all_positions)
+
+    def reset_state(self) -> None:
+        for block in self.layers:
+            block.reset_state()
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
