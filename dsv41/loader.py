@@ -1,0 +1,635 @@
+"""Loading a checkpoint: mapped shards, the dense tree filled, experts and Engram left where they are.
+
+`dsv41.load(path)` reads the config, checks every tensor header against `dsv41.inventory` (a missing
+or mis-shaped tensor is an error naming it), builds the backbone and fills its dense parameters by
+name, in the dtypes the released runtime holds them (`runtime_dtype`). Two families never enter
+memory at load time: the routed experts, which an `ExpertCache` reads per layer on demand and keeps
+packed (FP4 bytes and E8M0 scales, never expanded), and the Engram tables, whose rows are gathered
+from the mapped shard on each forward (or from RAM with `resident_engram=True`). The MTP / DSpark
+layers and the vision tower are left in the shards on purpose; nothing here runs them.
+
+What the load did is returned as a `LoadReport`: every checkpoint tensor is accounted for as loaded,
+left on disk on purpose, or unexpected, with the parameter count, the dequantizations and the bytes
+retained, next to the bytes `predict_retained_bytes` derives from the inventory alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .config import Config, ConfigError, load_config
+from .headers import INDEX_NAME, HeaderError, read_header
+from .inventory import DTYPE_SIZES, expected_tensors
+
+# Default number of packed experts a layer keeps between forwards.
+DEFAULT_EXPERT_CACHE = 16
+# Attention caches are sized for this many positions unless asked otherwise (the released config
+# allows a million, whose caches alone would not fit a host).
+DEFAULT_MAX_SEQ_LEN = 4096
+
+LOADED, ROUTED, ENGRAM, MTP, VISION, UNEXPECTED = (
+    "loaded", "routed experts (read on demand)", "Engram tables (rows gathered on demand)",
+    "MTP / DSpark (not run)", "vision tower (not run)", "unexpected")
+ON_DISK = (ROUTED, ENGRAM, MTP, VISION)
+
+_STORAGE_TORCH = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "BF16": torch.bfloat16,
+                  "F32": torch.float32, "F16": torch.float16, "I8": torch.int8, "U8": torch.uint8}
+_TORCH_NAMES = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e8m0fnu: "F8_E8M0", torch.bfloat16: "BF16",
+                torch.float32: "F32", torch.float16: "F16", torch.int8: "I8", torch.uint8: "U8",
+                torch.float4_e2m1fn_x2: "I8"}
+
+
+class LoadError(ValueError):
+    """A checkpoint that cannot be loaded; the message is one sentence naming the file or tensor."""
+
+
+# ---------------------------------------------------------------------- what stays where
+def disposition(name: str) -> str:
+    """Which report bucket a checkpoint tensor belongs to when the model is complete: LOADED or one
+    of the on-disk reasons. (Whether it was actually read is checked separately.)"""
+    if name.startswith(("vision.", "aligner.", "image_")):
+        return VISION
+    if name.startswith("mtp."):
+        return MTP
+    if ".ffn.experts." in name:
+        return ROUTED
+    if ".engram.embed." in name:
+        return ENGRAM
+    return LOADED
+
+
+def runtime_dtype(name: str, stored: str, cfg: Config) -> Optional[str]:
+    """The dtype (safetensors name) a loaded tensor is held in at runtime, or None when it is a
+    scale consumed by dequantizing its weight. The released runtime dequantizes `attn.wo_a` to the
+    activation dtype (it is applied by a grouped einsum, not a quantized GEMM), promotes the
+    ratio > 1 compressor projections to float32 (the pooling runs in float32) and holds the head in
+    float32 (so the logits come out float32). Everything else is held as stored."""
+    act = _TORCH_NAMES[_activation(cfg)]
+    if name.endswith("attn.wo_a.scale"):
+        return None
+    if name.endswith("attn.wo_a.weight"):
+        return act
+    if ".attn.compressor.w" in name and name.endswith(".weight"):
+        layer = int(name.split(".")[1])
+        return "F32" if cfg.compress_ratios[layer] > 1 else stored
+    if name == "head.weight":
+        return "F32"
+    return stored
+
+
+def predict_retained_bytes(cfg: Config) -> dict:
+    """What loading retains, from the inventory and `runtime_dtype` alone (no model is built):
+    {'bytes', 'tensors' (parameters), 'by_category' {category: bytes}, 'on_disk_bytes'}."""
+    total, count, by_category, on_disk = 0, 0, {}, 0
+    for spec in expected_tensors(cfg):
+        if disposition(spec.name) != LOADED:
+            on_disk += spec.nbytes
+            continue
+        rt = runtime_dtype(spec.name, spec.dtype, cfg)
+        if rt is None:
+            continue
+        nbytes = math.prod(spec.shape) * DTYPE_SIZES[rt]
+        total += nbytes
+        count += 1
+        by_category[spec.category] = by_category.get(spec.category, 0) + nbytes
+    return {"bytes": total, "tensors": count, "by_category": by_category, "on_disk_bytes": on_disk}
+
+
+def _activation(cfg: Config) -> torch.dtype:
+    return getattr(torch, cfg.param_dtype) if cfg.param_dtype else torch.bfloat16
+
+
+# ---------------------------------------------------------------------- the mapped checkpoint
+class Checkpoint:
+    """The shards of a checkpoint directory, headers parsed, payloads mapped and read by name.
+
+    `read(name)` copies one whole tensor out of the mapping; `rows(name, ids)` gathers rows of a 2-D
+    tensor without touching the others. Nothing is read until asked for."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        index = os.path.join(self.path, INDEX_NAME)
+        if os.path.isfile(index):
+            try:
+                with open(index, encoding="utf-8") as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError) as exc:
+                raise LoadError(f"{index}: not a readable safetensors index ({exc})") from None
+            files = sorted(set(weight_map.values()))
+        else:
+            weight_map = None
+            files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
+        if not files:
+            raise LoadError(f"{self.path}: no .safetensors shards and no {INDEX_NAME}")
+        self.entries = {}  # name -> (shard path, HeaderEntry, data start)
+        for file in files:
+            shard = os.path.join(self.path, file)
+            if not os.path.isfile(shard):
+                raise LoadError(f"{shard}: listed in {INDEX_NAME} but missing; download it again")
+            try:
+                header = read_header(shard)
+            except HeaderError as exc:
+                raise LoadError(str(exc)) from None
+            for name, entry in header.entries.items():
+                if entry.end + header.data_start > header.file_size:
+                    raise LoadError(f"{shard}: tensor {name} runs past the end of the file; the shard is truncated")
+                self.entries[name] = (shard, entry, header.data_start)
+        if weight_map is not None:
+            for name, file in weight_map.items():
+                got = self.entries.get(name)
+                if got is None or os.path.basename(got[0]) != file:
+                    raise LoadError(f"{index}: tensor {name} is listed in {file}, but that shard does not hold it")
+        self._open: dict[str, object] = {}
+        self._maps: dict[str, np.memmap] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def dtype(self, name: str) -> str:
+        return self.entries[name][1].dtype
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name][1].shape
+
+    def nbytes(self, name: str) -> int:
+        return self.entries[name][1].nbytes
+
+    def read(self, name: str) -> torch.Tensor:
+        """One tensor, copied out of the mapping (packed FP4 comes back as int8, as stored)."""
+        from safetensors import safe_open
+
+        shard = self.entries[name][0]
+        handle = self._open.get(shard)
+        if handle is None:
+            handle = self._open[shard] = safe_open(shard, framework="pt")
+        return handle.get_tensor(name)
+
+    def rows(self, name: str, ids: np.ndarray) -> torch.Tensor:
+        """Rows `ids` (any shape, int) of a 2-D tensor -> [*ids.shape, cols], read through a memory
+        map: only the pages holding those rows are touched."""
+        shard, entry, start = self.entries[name]
+        table = self._maps.get(name)
+        if table is None:
+            row_bytes = math.prod(entry.shape[1:]) * DTYPE_SIZES[entry.dtype]
+            table = np.memmap(shard, dtype=np.uint8, mode="r", offset=start + entry.begin,
+                              shape=(entry.shape[0], row_bytes))
+            self._maps[name] = table
+        flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if flat.size and (flat.min() < 0 or flat.max() >= entry.shape[0]):
+            raise IndexError(f"{name}: row ids must lie in [0, {entry.shape[0]}), got {flat.min()}..{flat.max()}")
+        out = torch.from_numpy(np.ascontiguousarray(table[flat]))  # [n, row_bytes] uint8
+        return out.view(_STORAGE_TORCH[entry.dtype]).reshape(*np.shape(ids), *entry.shape[1:])
+
+
+# ---------------------------------------------------------------------- routed experts
+@dataclass
+class CacheCounters:
+    """Expert-cache hits and misses: totals per layer, and per step (one forward call)."""
+
+    hits: dict[int, int] = field(default_factory=dict)
+    misses: dict[int, int] = field(default_factory=dict)
+    steps: list[dict] = field(default_factory=list)  # {'start_pos', 'seqlen', 'layers': {layer: [hits, misses]}}
+
+    def begin_step(self, start_pos: int, seqlen: int) -> None:
+        self.steps.append({"start_pos": start_pos, "seqlen": seqlen, "layers": {}})
+
+    def count(self, layer: int, hit: bool) -> None:
+        bucket = self.hits if hit else self.misses
+        bucket[layer] = bucket.get(layer, 0) + 1
+        if self.steps:
+            per = self.steps[-1]["layers"].setdefault(layer, [0, 0])
+            per[0 if hit else 1] += 1
+
+    def totals(self, layer: int) -> tuple[int, int]:
+        return self.hits.get(layer, 0), self.misses.get(layer, 0)
+
+    def reset(self) -> None:
+        self.hits.clear()
+        self.misses.clear()
+        self.steps.clear()
+
+
+class ExpertCache:
+    """Routed experts read from the checkpoint on demand, with a bounded LRU window per layer.
+
+    Experts are kept exactly as stored: packed FP4 weights (viewed as float4_e2m1fn_x2) and E8M0
+    scales, about a quarter of their bf16 size; `capacity` experts per layer (0 keeps none), placed
+    on `device`. Each requested expert counts as a hit or a miss for its layer and the current step."""
+
+    def __init__(self, checkpoint: Checkpoint, capacity: int = DEFAULT_EXPERT_CACHE, device="cpu"):
+        if capacity < 0:
+            raise ValueError(f"expert cache capacity must be >= 0, got {capacity}")
+        self.checkpoint, self.capacity, self.device = checkpoint, int(capacity), torch.device(device)
+        self.counters = CacheCounters()
+        self._lru: dict[int, OrderedDict] = {}
+
+    def fetch(self, layer: int, expert_ids: Sequence[int]):
+        from .model import PackedExpert
+
+        window = self._lru.setdefault(layer, OrderedDict())
+        out = []
+        for e in expert_ids:
+            packed = window.get(e)
+            self.counters.count(layer, packed is not None)
+            if packed is not None:
+                window.move_to_end(e)
+            else:
+                packed = self._read(layer, e)
+                if self.capacity:
+                    window[e] = packed
+                    while len(window) > self.capacity:
+                        window.popitem(last=False)
+            out.append(packed)
+        return out
+
+    def _read(self, layer: int, expert: int):
+        from .model import PackedExpert
+
+        prefix = f"layers.{layer}.ffn.experts.{expert}."
+        parts = []
+        for w in ("w1", "w2", "w3"):
+            weight, scale = self.checkpoint.read(prefix + w + ".weight"), self.checkpoint.read(prefix + w + ".scale")
+            if weight.dtype in (torch.int8, torch.uint8):
+                weight = weight.view(torch.float4_e2m1fn_x2)  # the stored bytes, two E2M1 values each
+            parts += [weight.to(self.device), scale.to(self.device)]
+        return PackedExpert(*parts)
+
+    def cached(self, layer: int) -> list[int]:
+        """Expert ids a layer currently holds, least recently used first."""
+        return list(self._lru.get(layer, ()))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for window in self._lru.values() for p in window.values())
+
+    def clear(self) -> None:
+        self._lru.clear()
+
+
+# ---------------------------------------------------------------------- Engram tables
+class MappedEngramTable:
+    """An Engram table left in its shard: each gather reads only the rows asked for."""
+
+    def __init__(self, checkpoint: Checkpoint, layer: int):
+        self.checkpoint = checkpoint
+        self.weight_name = f"layers.{layer}.engram.embed.weight"
+        self.scale_name = f"layers.{layer}.engram.embed.scale"
+        self.rows_read = 0
+
+    def gather(self, ids: torch.Tensor):
+        idx = ids.detach().cpu().numpy()
+        self.rows_read += idx.size
+        return self.checkpoint.rows(self.weight_name, idx), self.checkpoint.rows(self.scale_name, idx)
+
+
+class ResidentEngramTable:
+    """An Engram table copied into RAM once (`resident_engram=True`); gathers are plain indexing."""
+
+    def __init__(self, checkpoint: Checkpoint, layer: int):
+        self.weight = checkpoint.read(f"layers.{layer}.engram.embed.weight")
+        self.scale = checkpoint.read(f"layers.{layer}.engram.embed.scale")
+        self.rows_read = 0
+
+    def gather(self, ids: torch.Tensor):
+        ids = ids.to(torch.long).cpu()
+        self.rows_read += ids.numel()
+        return self.weight[ids], self.scale[ids]
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scale.nbytes
+
+
+# ---------------------------------------------------------------------- the report
+@dataclass
+class LoadReport:
+    """What a load did. `tensors` maps every checkpoint tensor to LOADED, an ON_DISK reason, or
+    UNEXPECTED; `dequantized` lists (name, stored dtype, runtime dtype) for every conversion."""
+
+    checkpoint: str
+    parameters_filled: int = 0
+    tensors_read: int = 0
+    bytes_read: int = 0
+    bytes_retained: int = 0  # dense parameters as held (measured on the built model)
+    predicted_bytes_retained: int = 0  # from the inventory and runtime_dtype alone
+    state_bytes: int = 0  # attention caches and RoPE tables (sized by max_seq_len; not weights)
+    resident_engram_bytes: int = 0
+    dequantized: list[tuple[str, str, str]] = field(default_factory=list)
+    tensors: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def names(self, bucket: str) -> list[str]:
+        return [n for n, b in self.tensors.items() if b == bucket]
+
+    def counts(self) -> dict[str, int]:
+        out = {}
+        for bucket in self.tensors.values():
+            out[bucket] = out.get(bucket, 0) + 1
+        return out
+
+    @property
+    def unexpected(self) -> list[str]:
+        return self.names(UNEXPECTED)
+
+    def summary(self) -> str:
+        gib = 2 ** 30
+        lines = [f"{self.checkpoint}: {self.parameters_filled} parameters filled from {self.tensors_read} "
+                 f"tensors ({self.bytes_read / gib:.3f} GiB read) in {self.seconds:.1f} s",
+                 f"  retained {self.bytes_retained:,} bytes ({self.bytes_retained / gib:.3f} GiB); "
+                 f"predicted {self.predicted_bytes_retained:,}; caches {self.state_bytes:,} bytes",
+                 f"  {len(self.dequantized)} conversions at load: "
+                 + _conversion_summary(self.dequantized)]
+        for bucket, n in self.counts().items():
+            lines.append(f"  {bucket}: {n} tensors")
+        if self.resident_engram_bytes:
+            lines.append(f"  resident Engram tables: {self.resident_engram_bytes:,} bytes")
+        return "\n".join(lines)
+
+
+def _conversion_summary(items) -> str:
+    kinds = {}
+    for _, src, dst in items:
+        kinds[(src, dst)] = kinds.get((src, dst), 0) + 1
+    return ", ".join(f"{n} x {src} -> {dst}" for (src, dst), n in sorted(kinds.items())) or "none"
+
+
+# ---------------------------------------------------------------------- loading
+def check_tensors(cfg: Config, ckpt: Checkpoint) -> dict[str, str]:
+    """Compare every header against the inventory; returns name -> bucket for the checkpoint's
+    tensors (UNEXPECTED for names the inventory does not list). Missing, mis-typed or mis-shaped
+    tensors raise LoadError naming them."""
+    try:
+        specs = expected_tensors(cfg)
+    except ValueError as exc:
+        raise LoadError(f"{cfg.source}: {exc}") from None
+    problems = []
+    for spec in specs:
+        if spec.name not in ckpt:
+            problems.append(f"tensor {spec.name} is missing (expected in {spec.shard})")
+        elif ckpt.shape(spec.name) != spec.shape or ckpt.dtype(spec.name) != spec.dtype:
+            problems.append(f"tensor {spec.name} is {ckpt.dtype(spec.name)} {list(ckpt.shape(spec.name))}, "
+                            f"the config implies {spec.dtype} {list(spec.shape)}")
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise LoadError(f"{ckpt.path}: " + "; ".join(problems[:3]) + more)
+    expected = {spec.name for spec in specs}
+    return {name: (disposition(name) if name in expected else UNEXPECTED) for name in ckpt.names()}
+
+
+def load_tokenizer(path: str, cfg: Config):
+    """The checkpoint's tokenizer.json (and tokenizer_config.json), checked against the config."""
+    from tokenizers import Tokenizer
+
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        raise LoadError(f"{path}: no tokenizer.json beside the shards; the Engram hash needs the checkpoint's tokenizer")
+    try:
+        tok = Tokenizer.from_file(file)
+    except Exception as exc:  # the tokenizers library raises its own exception types
+        raise LoadError(f"{file}: not a tokenizer this tokenizers version can read ({exc})") from None
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size > cfg.vocab_size:
+        raise LoadError(f"{file}: the tokenizer has {size} ids but the config's vocab_size is {cfg.vocab_size}; "
+                        f"they belong to different models")
+    meta = {}
+    meta_file = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(meta_file):
+        with open(meta_file, encoding="utf-8") as f:
+            meta = json.load(f)
+    for role in ("bos", "eos", "pad"):
+        text, want = meta.get(f"{role}_token"), getattr(cfg, f"{role}_token_id")
+        if isinstance(text, dict):
+            text = text.get("content")
+        if text is None or want is None:
+            continue
+        got = tok.token_to_id(text)
+        if got != want:
+            raise LoadError(f"{file}: the {role} token {text!r} has id {got} but the config says {role}_token_id "
+                            f"{want}; the tokenizer and the config disagree")
+    return tok, meta
+
+
+def _unique_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def load(path: Optional[str] = None, *, expert_cache: int = DEFAULT_EXPERT_CACHE, expert_device="cpu",
+         resident_engram: bool = False, max_seq_len: Optional[int] = None, max_batch_size: int = 1,
+         fix_stale_index_keys: bool = False, quiet: bool = False):
+    """Load a checkpoint directory (default: the embedded tiny one) -> `Model`.
+
+    expert_cache: packed experts kept per layer; expert_device: where routed experts are held and
+    computed; resident_engram: copy the Engram tables into RAM instead of gathering from the shards;
+    max_seq_len (default min(config, 4096)) and max_batch_size size the attention caches;
+    fix_stale_index_keys: the Transformers port's fix (off: the released runtime's behaviour);
+    quiet: no progress bar. Raises LoadError with one sentence on a bad checkpoint."""
+    from tqdm import tqdm
+
+    from .engram import EngramError, NgramHasher
+    from .model import Backbone, RoutedExperts
+    from .attention import AttentionRuntime
+
+    began = time.perf_counter()
+    if path is None:
+        from .tiny import default_checkpoint
+
+        path = default_checkpoint(progress=not quiet)
+    if not os.path.isdir(path):
+        raise LoadError(f"{path}: not a checkpoint directory")
+    try:
+        cfg = load_config(path)
+    except ConfigError as exc:
+        raise LoadError(str(exc)) from None
+    problems = cfg.verify()
+    if problems:
+        raise LoadError(f"{cfg.source}: {problems[0]}" + (f" (and {len(problems) - 1} more problems)"
+                                                          if len(problems) > 1 else ""))
+    ckpt = Checkpoint(path)
+    buckets = check_tensors(cfg, ckpt)
+    tokenizer, tok_meta = load_tokenizer(path, cfg)
+    try:
+        hasher = NgramHasher.from_tokenizer(cfg, tokenizer) if cfg.engram_layer_ids else None
+    except EngramError as exc:
+        raise LoadError(f"{path}: {exc}") from None
+
+    max_seq_len = int(max_seq_len or min(cfg.max_seq_len, DEFAULT_MAX_SEQ_LEN))
+    report = LoadReport(checkpoint=ckpt.path)
+    with torch.no_grad():
+        backbone = Backbone(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+        params = dict(backbone.named_parameters())
+        read: set[str] = set()
+        bar = tqdm(total=len(params), desc="loading", unit="tensor", file=sys.stderr, disable=quiet, leave=False)
+        for name, param in params.items():
+            if name not in ckpt:
+                raise LoadError(f"{ckpt.path}: the model needs tensor {name}, which the checkpoint does not hold")
+            stored = ckpt.read(name)
+            read.add(name)
+            report.bytes_read += ckpt.nbytes(name)
+            if stored.dtype in (torch.int8, torch.uint8) and param.dtype == torch.float4_e2m1fn_x2:
+                stored = stored.view(torch.float4_e2m1fn_x2)
+            if stored.dtype != param.dtype:
+                scale_name = name[: -len("weight")] + "scale" if name.endswith(".weight") else None
+                if stored.dtype == torch.float8_e4m3fn and scale_name in ckpt and scale_name not in params:
+                    from .formats import dequantize
+
+                    stored = dequantize(stored, ckpt.read(scale_name), dtype=param.dtype)
+                    read.add(scale_name)
+                    report.bytes_read += ckpt.nbytes(scale_name)
+                    report.dequantized.append((name, ckpt.dtype(name), _TORCH_NAMES[param.dtype]))
+                elif stored.is_floating_point() and stored.element_size() >= 2 and param.is_floating_point():
+                    stored = stored.to(param.dtype)  # a promotion (bf16 -> float32), exact
+                    report.dequantized.append((name, ckpt.dtype(name), _TORCH_NAMES[param.dtype]))
+                else:
+                    raise LoadError(f"{ckpt.path}: tensor {name} is {ckpt.dtype(name)} but the model holds it as "
+                                    f"{param.dtype}, and there is no conversion between them")
+            if tuple(stored.shape) != tuple(param.shape):
+                raise LoadError(f"{ckpt.path}: tensor {name} has shape {list(stored.shape)}, the model "
+                                f"expects {list(param.shape)}")
+            param.copy_(stored)
+            report.parameters_filled += 1
+            bar.update(1)
+        bar.close()
+
+    expert_store = ExpertCache(ckpt, expert_cache, expert_device)
+    tables = {}
+    for block in backbone.layers:
+        block.ffn.experts = RoutedExperts(block.layer, expert_store, float(cfg.swiglu_limit or 0.0))
+        if block.engram is not None:
+            table = ResidentEngramTable(ckpt, block.layer) if resident_engram else MappedEngramTable(ckpt, block.layer)
+            block.engram.table = tables[block.layer] = table
+            if resident_engram:
+                report.resident_engram_bytes += table.nbytes
+                for suffix in ("weight", "scale"):
+                    report.bytes_read += ckpt.nbytes(f"layers.{block.layer}.engram.embed.{suffix}")
+
+    for name in read:
+        if buckets.get(name) != LOADED:
+            buckets[name] = LOADED if name in buckets else UNEXPECTED
+    for name, bucket in buckets.items():
+        if bucket == LOADED and name not in read:
+            buckets[name] = UNEXPECTED  # the inventory lists it as dense, yet the model has no use for it
+    report.tensors = buckets
+    report.tensors_read = len(read)
+    report.bytes_retained = _unique_bytes(backbone.parameters())
+    report.predicted_bytes_retained = predict_retained_bytes(cfg)["bytes"]
+    report.state_bytes = _unique_bytes(backbone.buffers())
+    report.seconds = time.perf_counter() - began
+
+    runtime = AttentionRuntime(fix_stale_index_keys=fix_stale_index_keys)
+    model = Model(cfg, backbone, runtime, hasher, tokenizer, tok_meta, expert_store, tables, report, ckpt)
+    if not quiet:
+        print(report.summary(), file=sys.stderr)
+    return model
+
+
+# ---------------------------------------------------------------------- the loaded model
+class Model:
+    """A loaded checkpoint: `model(input_ids, start_pos)` -> float32 logits [batch, vocab] of the last
+    position. Prefill at start_pos 0 (which starts a new sequence), then one call per new token at
+    the next position. `reset()` forgets the sequence. The generation verbs (`prefill`, `decode_one`,
+    `decode_n`, `generate`, `compare_prefill_decode`) are those of `dsv41.generate`."""
+
+    def __init__(self, cfg, backbone, runtime, hasher, tokenizer, tokenizer_meta, experts: ExpertCache,
+                 engram_tables: dict, report: LoadReport, checkpoint: Checkpoint):
+        self.cfg, self.backbone, self.runtime, self.hasher = cfg, backbone, runtime, hasher
+        self.tokenizer, self.tokenizer_meta = tokenizer, tokenizer_meta
+        self.experts, self.engram_tables, self.report, self.checkpoint = experts, engram_tables, report, checkpoint
+        self.position = 0  # positions consumed since the last reset
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.backbone.max_seq_len
+
+    def reset(self) -> None:
+        """Start a new sequence: attention caches, the shared runtime and the n-gram look-back."""
+        self.backbone.reset_state()
+        self.runtime.reset()
+        if self.hasher is not None:
+            self.hasher.reset()
+        self.position = 0
+
+    def __call__(self, input_ids, start_pos: int = 0, *, trace=None, image_mask=None,
+                 all_positions: bool = False) -> torch.Tensor:
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        bsz, seqlen = ids.shape
+        if seqlen == 0:
+            raise ValueError("no input ids")
+        if start_pos == 0:
+            self.reset()
+        elif start_pos != self.position:
+            raise ValueError(f"start_pos {start_pos}, but this sequence has {self.position} positions; continue "
+                             f"at {self.position} or start again at 0")
+        if start_pos + seqlen > self.max_seq_len:
+            raise ValueError(f"positions up to {start_pos + seqlen} exceed max_seq_len {self.max_seq_len}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        hash_ids = None
+        if self.hasher is not None:
+            mask = None if image_mask is None else ~torch.as_tensor(image_mask, dtype=torch.bool)
+            hash_ids = self.hasher(ids, mask)  # [b, s, n_engram_layers, n_hash_cols]
+        self.experts.counters.begin_step(start_pos, seqlen)
+        logits = self.backbone(ids, start_pos, self.runtime, hash_ids, image_mask, trace, all_positions)
+        self.position = start_pos + seqlen
+        return logits
+
+    # ------------------------------------------------------------------ text
+    @property
+    def add_bos(self) -> bool:
+        return bool(self.tokenizer_meta.get("add_bos_token", True)) and self.cfg.bos_token_id is not None
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return ([self.cfg.bos_token_id] if self.add_bos else []) + ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ generation verbs
+    def prefill(self, prompt_ids, **kw):
+        from .generate import prefill
+
+        return prefill(self, prompt_ids, **kw)
+
+    def decode_one(self, token_id, **kw):
+        from .generate import decode_one
+
+        return decode_one(self, token_id, **kw)
+
+    def decode_n(self, token_id, n: int, **kw):
+        from .generate import decode_n
+
+        return decode_n(self, token_id, n, **kw)
+
+    def generate(self, prompt, **kw):
+        from .generate import generate
+
+        return generate(self, prompt, **kw)
+
+    def compare_prefill_decode(self, prompt, **kw):
+        from .generate import compare_prefill_decode
+
+        return compare_prefill_decode(self, prompt, **kw)
+
+    def __repr__(self) -> str:
+        return f"Model({self.report.checkpoint!r}, {self.cfg.summary()})"

@@ -1,0 +1,256 @@
+"""Loading the embedded tiny checkpoint: every tensor accounted for, strict errors, runtime dtypes,
+retained bytes against the inventory-only prediction, the packed expert cache, Engram gathers."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dsv41
+from dsv41.config import RELEASED
+from dsv41.inventory import expected_tensors
+from dsv41.loader import (
+    ENGRAM,
+    LOADED,
+    MTP,
+    ROUTED,
+    VISION,
+    Checkpoint,
+    ExpertCache,
+    LoadError,
+    load,
+    predict_retained_bytes,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return load(tiny_checkpoint, quiet=True)
+
+
+def _copy(src, dst):
+    """A writable copy of a checkpoint folder (the tiny one is a few MB)."""
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def _rewrite_shard(folder, name, change):
+    """Rewrite the shard holding `name` with `change(tensors)` applied; keep the index in step."""
+    from safetensors.torch import load_file, save_file
+
+    index_file = os.path.join(folder, "model.safetensors.index.json")
+    with open(index_file) as f:
+        index = json.load(f)
+    shard = os.path.join(folder, index["weight_map"][name])
+    tensors = load_file(shard)
+    change(tensors)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in tensors or v != index["weight_map"][name]}
+    with open(index_file, "w") as f:
+        json.dump(index, f)
+
+
+# ---------------------------------------------------------------------- accounting
+def test_every_tensor_is_accounted_for(model, tiny_checkpoint):
+    report = model.report
+    on_disk = set(Checkpoint(tiny_checkpoint).names())
+    assert set(report.tensors) == on_disk
+    assert report.unexpected == []
+    cfg = model.cfg
+    counts = report.counts()
+    assert counts[ROUTED] == cfg.n_layers * cfg.n_routed_experts * 6  # w1/w2/w3, weight + scale
+    assert counts[ENGRAM] == 2 * len(cfg.engram_layer_ids)
+    assert counts[MTP] == sum(1 for n in on_disk if n.startswith("mtp."))  # its experts included: MTP never runs
+    assert counts[VISION] == sum(1 for n in on_disk if n.startswith(("vision.", "aligner.", "image_")))
+    # the dense tree: everything else, each read exactly as the inventory lists it
+    dense = {s.name for s in expected_tensors(cfg)} - set(report.names(ROUTED) + report.names(ENGRAM)
+                                                            + report.names(MTP) + report.names(VISION))
+    assert set(report.names(LOADED)) == dense
+    assert report.tensors_read == len(dense)
+    assert "layers.0.ffn.gate.bias_vl" in dense  # read and kept for image spans
+    assert report.parameters_filled == len(list(model.backbone.parameters()))
+
+
+def test_runtime_dtypes_and_conversions(model):
+    bb, cfg = model.backbone, model.cfg
+    conversions = {name: (src, dst) for name, src, dst in model.report.dequantized}
+    for i, block in enumerate(bb.layers):
+        assert block.attn.wo_a.weight.dtype == torch.bfloat16
+        assert conversions[f"layers.{i}.attn.wo_a.weight"] == ("F8_E4M3", "BF16")
+        assert block.attn.wq_a.weight.dtype == torch.float8_e4m3fn  # dense FP8 linears stay FP8
+        assert block.ffn.shared_experts.w2.weight.dtype == torch.float8_e4m3fn
+        assert block.hc_attn_fn.dtype == torch.float32 and block.ffn.gate.bias.dtype == torch.float32
+        if block.attn.compressor is not None:
+            want = torch.float32 if cfg.compress_ratios[i] > 1 else torch.bfloat16
+            assert block.attn.compressor.wkv.weight.dtype == want
+    assert bb.head.weight.dtype == torch.float32 and conversions["head.weight"] == ("BF16", "F32")
+    # wo_a dequantized exactly: weight * power-of-two block scale
+    ckpt = Checkpoint(model.report.checkpoint)
+    from dsv41.formats import dequantize_fp8_blocks
+
+    want = dequantize_fp8_blocks(ckpt.read("layers.3.attn.wo_a.weight"), ckpt.read("layers.3.attn.wo_a.scale"))
+    assert torch.equal(bb.layers[3].attn.wo_a.weight.float(), want)
+
+
+def test_retained_bytes_match_the_inventory_prediction(model):
+    measured = sum(p.numel() * p.element_size() for p in model.backbone.parameters())
+    assert model.report.bytes_retained == measured
+    assert model.report.predicted_bytes_retained == measured == predict_retained_bytes(model.cfg)["bytes"]
+    # nothing of the routed experts or the Engram tables was allocated
+    assert model.experts.nbytes == 0
+    specs = {s.name: s for s in expected_tensors(model.cfg)}
+    tensors = list(model.backbone.parameters()) + list(model.backbone.buffers())
+    assert not any(t.dtype in (torch.float4_e2m1fn_x2, torch.int8) for t in tensors)  # no packed expert
+    assert not any(tuple(t.shape) == specs["layers.1.engram.embed.weight"].shape for t in tensors)
+
+
+def test_released_prediction_leaves_experts_and_engram_on_disk():
+    pred = predict_retained_bytes(RELEASED)
+    # the dense tree as the runtime holds it: FP8 linears, bf16 wo_a / norms / embedding, fp32 head
+    assert pred["bytes"] == 12_542_899_648  # 11.68 GiB
+    assert pred["tensors"] == 1214
+    assert "routed experts" not in pred["by_category"]
+    total = sum(s.nbytes for s in expected_tensors(RELEASED))
+    assert pred["on_disk_bytes"] > 0.97 * total  # experts, Engram tables, MTP and vision
+
+
+def test_loading_never_reads_experts_or_engram_tables(tiny_checkpoint, monkeypatch):
+    names = []
+    original = Checkpoint.read
+
+    def recording(self, name):
+        names.append(name)
+        return original(self, name)
+
+    monkeypatch.setattr(Checkpoint, "read", recording)
+    load(tiny_checkpoint, quiet=True)
+    assert names and not any(".ffn.experts." in n or ".engram.embed." in n or n.startswith("mtp.") for n in names)
+
+
+# ---------------------------------------------------------------------- strict errors
+def test_missing_tensor_is_an_error_naming_it(tiny_checkpoint, tmp_path):
+    folder = _copy(tiny_checkpoint, tmp_path / "ck")
+    _rewrite_shard(folder, "layers.3.attn.wq_a.scale", lambda t: t.pop("layers.3.attn.wq_a.scale"))
+    with pytest.raises(LoadError, match=r"layers\.3\.attn\.wq_a\.scale is missing"):
+        load(folder, quiet=True)
+
+
+def test_misshaped_tensor_is_an_error_naming_it(tiny_checkpoint, tmp_path):
+    folder = _copy(tiny_checkpoint, tmp_path / "ck")
+    name = "layers.0.attn_norm.weight"
+
+    def grow(t):
+        t[name] = torch.ones(t[name].numel() + 1, dtype=t[name].dtype)
+
+    _rewrite_shard(folder, name, grow)
+    with pytest.raises(LoadError, match=r"layers\.0\.attn_norm\.weight is BF16 \[129\]"):
+        load(folder, quiet=True)
+
+
+def test_unexpected_tensor_is_reported_not_loaded(tiny_checkpoint, tmp_path):
+    folder = _copy(tiny_checkpoint, tmp_path / "ck")
+
+    def add(t):
+        t["layers.0.attn.mystery"] = torch.zeros(3)
+
+    _rewrite_shard(folder, "layers.0.attn_norm.weight", add)
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    index["weight_map"]["layers.0.attn.mystery"] = index["weight_map"]["layers.0.attn_norm.weight"]
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    report = load(folder, quiet=True).report
+    assert report.unexpected == ["layers.0.attn.mystery"]
+
+
+# ---------------------------------------------------------------------- the expert cache
+def test_expert_cache_holds_packed_bytes_and_counts(tiny_checkpoint):
+    ckpt = Checkpoint(tiny_checkpoint)
+    cache = ExpertCache(ckpt, capacity=2)
+    per_expert = sum(ckpt.nbytes(f"layers.0.ffn.experts.0.{w}.{k}") for w in ("w1", "w2", "w3")
+                     for k in ("weight", "scale"))
+    cache.counters.begin_step(0, 1)
+    cache.fetch(0, [1, 2])  # two misses
+    cache.counters.begin_step(1, 1)
+    cache.fetch(0, [1])  # hit
+    cache.fetch(0, [3])  # miss; evicts 2, the least recently used
+    cache.fetch(0, [2])  # miss again
+    cache.fetch(5, [1])  # another layer has its own window
+    assert cache.counters.totals(0) == (1, 4) and cache.counters.totals(5) == (0, 1)
+    assert cache.counters.steps[0]["layers"] == {0: [0, 2]}
+    assert cache.counters.steps[1]["layers"] == {0: [1, 2], 5: [0, 1]}
+    assert cache.cached(0) == [3, 2]
+    assert cache.nbytes == 3 * per_expert  # packed: one byte per two weights plus the scales
+    for packed in (p for window in cache._lru.values() for p in window.values()):
+        assert {t.dtype for t in packed} == {torch.float4_e2m1fn_x2, torch.float8_e8m0fnu}
+    # capacity 0 keeps nothing: every fetch misses
+    none = ExpertCache(ckpt, capacity=0)
+    none.fetch(0, [1])
+    none.fetch(0, [1])
+    assert none.counters.totals(0) == (0, 2) and none.nbytes == 0
+
+
+def test_forward_counts_cache_traffic_per_layer_and_step(model):
+    ids = model.encode("The cache sees every expert once.")
+    model(ids, 0)
+    first = model.experts.counters.steps[-1]
+    k = model.cfg.n_activated_experts
+    for layer in range(model.cfg.n_layers):
+        hits, misses = first["layers"][layer]
+        assert k <= hits + misses <= model.cfg.n_routed_experts
+    model([ids[-1]], len(ids))
+    step = model.experts.counters.steps[-1]
+    assert step["start_pos"] == len(ids) and all(sum(v) == k for v in step["layers"].values())
+    assert model.experts.nbytes <= model.cfg.n_layers * 16 * model.experts._lru[0][next(iter(model.experts._lru[0]))].nbytes
+
+
+# ---------------------------------------------------------------------- Engram and the contract
+def test_engram_gathers_mapped_rows_and_resident_gives_same_logits(model, tiny_checkpoint):
+    table = model.engram_tables[1]
+    ckpt = Checkpoint(tiny_checkpoint)
+    ids = torch.tensor([[0, 5, 17], [99, 3, 5]])
+    rows, scales = table.gather(ids)
+    full_w = ckpt.read("layers.1.engram.embed.weight")
+    full_s = ckpt.read("layers.1.engram.embed.scale")
+    assert rows.dtype == torch.float8_e4m3fn and scales.dtype == torch.float8_e8m0fnu
+    assert torch.equal(rows.view(torch.uint8), full_w[ids].view(torch.uint8))
+    assert torch.equal(scales.view(torch.uint8), full_s[ids].view(torch.uint8))
+
+    prompt = model.encode("Engram rows, mapped or resident.")
+    mapped = model(prompt, 0)
+    resident = load(tiny_checkpoint, quiet=True, resident_engram=True)
+    assert resident.report.resident_engram_bytes == sum(
+        ckpt.nbytes(f"layers.{i}.engram.embed.{k}") for i in model.cfg.engram_layer_ids for k in ("weight", "scale"))
+    assert torch.equal(resident(prompt, 0), mapped)
+
+
+def test_call_contract(model):
+    ids = model.encode("Contract.")
+    logits = model(ids, 0)
+    assert logits.dtype == torch.float32 and logits.shape == (1, model.cfg.vocab_size)
+    assert torch.isfinite(logits).all()
+    nxt = model([int(logits.argmax())], len(ids))
+    assert nxt.shape == (1, model.cfg.vocab_size) and model.position == len(ids) + 1
+    with pytest.raises(ValueError, match="start_pos"):
+        model([1], len(ids) + 5)
+    # a prefill at 0 starts over: the same prompt gives the same logits
+    assert torch.equal(model(ids, 0), logits)
+
+
+def test_package_import_stays_light():
+    code = "import sys, dsv41; assert 'torch' not in sys.modules; assert callable(dsv41.load); print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert dsv41.load is load
