@@ -11,6 +11,7 @@ COMMANDS = {
     "make-tiny": ("dsv41.tiny", "cli_main", "write the embedded tiny checkpoint in the exact release format"),
     "make-headers": ("dsv41.headers", "cli_main", "synthesize the released checkpoint's 48 shard headers (no payload)"),
     "engram": ("dsv41.engram", "cli_main", "Engram layout, multipliers and hash ids for a config (and tokenizer)"),
+    "generate": ("dsv41.generate", "cli_main", "generate text from a checkpoint (default: the embedded tiny one)"),
     "notebooks": ("dsv41.notebooks", "cli_main", "execute every notebook with papermill into a new outputs/run-NNN (figures, sidecars, summary)"),
 }
 

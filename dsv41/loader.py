@@ -417,8 +417,8 @@ def load_tokenizer(path: str, cfg: Config):
             continue
         got = tok.token_to_id(text)
         if got != want:
-            raise LoadError(f"{file}: the {role} token {text!r} has id {got} but the config says {role}_token_id "
-                            f"{want}; the tokenizer and the config disagree")
+            raise LoadError(f"{meta_file}: the {role} token {text!r} has id {got} in tokenizer.json but the config "
+                            f"says {role}_token_id {want}; the tokenizer and the config disagree")
     return tok, meta
 
 

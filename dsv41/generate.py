@@ -1,0 +1,387 @@
+"""Generation over a loaded model: prefill, decode one, decode n, sampling, and what a run recorded.
+
+The prompt is one forward at position 0; its last row gives the first new token, then every new
+token is one forward at the next position. Greedy is the default and breaks ties to the lowest id.
+With temperature > 0 a token is drawn with the Gumbel-max trick (argmax of softmax(logits / T)
+divided by Exponential(1) noise) from a seeded `torch.Generator`, so a seed reproduces a run on the
+same torch build; `torch.multinomial` is never used.
+
+`compare_prefill_decode` runs a prompt both ways — one prefill over every position, and the same
+tokens fed one at a time — and reports where the logits, the indexer selections and the expert
+routing first part. A prefill and a decode of the same tokens agree exactly until some top-k
+(indexer, candidate blocks, routing) has to break a tie or cut between values that differ by
+rounding; the report says at which position and layer that happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+# ---------------------------------------------------------------------- sampling
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim; among equal maxima the lowest id (torch.argmax's documented rule)."""
+    return logits.argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Next ids [b] from logits [b, vocab]: greedy at temperature 0, else Gumbel-max from `generator`."""
+    if temperature <= 0:
+        return greedy(logits)
+    probs = torch.softmax(logits.float() / max(temperature, 1e-5), dim=-1)
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def top2_margin(logits: torch.Tensor) -> float:
+    """Largest minus second-largest logit of the first row (0.0 is an exact tie)."""
+    top = logits.reshape(-1, logits.size(-1))[0].float().topk(2).values
+    return float(top[0] - top[1])
+
+
+# ---------------------------------------------------------------------- records
+@dataclass
+class StepRecord:
+    """One produced token: the position it was predicted at, its id, and the logit margin there."""
+
+    position: int  # position of the logits row it was taken from (the token goes at position + 1)
+    token: int
+    margin: float  # top-1 minus top-2 logit
+    seconds: float
+
+
+@dataclass
+class GenerationTrace:
+    """Everything a traced run recorded, as plain data.
+
+    forward: the backbone's ForwardTrace (attention records: indexer selections and candidate blocks;
+    routing records: expert ids and weights per layer and token; Engram gate values); steps: per
+    produced token its logit margin; cache: per forward call the expert-cache hits and misses by layer."""
+
+    forward: object
+    steps: list[StepRecord] = field(default_factory=list)
+    cache: list[dict] = field(default_factory=list)
+
+    @property
+    def margins(self) -> list[float]:
+        return [s.margin for s in self.steps]
+
+    def routing(self) -> dict[int, dict[str, torch.Tensor]]:
+        return self.forward.routing_by_layer()
+
+    def engram_gates(self) -> dict[int, dict[str, torch.Tensor]]:
+        return self.forward.engram_by_layer()
+
+    def attention(self) -> dict[int, dict[str, torch.Tensor]]:
+        return self.forward.attention_by_layer()
+
+    def to_dict(self) -> dict:
+        """Nested lists and numbers only (JSON-ready)."""
+        def plain(groups):
+            return {str(layer): {k: v.tolist() for k, v in fields.items()} for layer, fields in groups.items()}
+
+        return {"steps": [vars(s) for s in self.steps], "cache": self.cache,
+                "routing": plain(self.routing()), "engram": plain(self.engram_gates()),
+                "attention": plain(self.attention())}
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    ids: list[int]  # generated ids only
+    text: str  # the generated ids decoded
+    timings: dict  # prefill_s, decode_s, per_token_s (list), tokens_per_s
+    finish_reason: str  # 'length' | 'eos' | 'callback'
+    trace: Optional[GenerationTrace] = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.ids
+
+
+# ---------------------------------------------------------------------- the three verbs
+def prefill(model, prompt_ids, *, trace=None) -> torch.Tensor:
+    """Run the prompt [b, s] (or [s]) from position 0 (a new sequence) -> float32 logits [b, vocab]."""
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long)
+    return model(ids.unsqueeze(0) if ids.dim() == 1 else ids, 0, trace=trace)
+
+
+def decode_one(model, token_id, *, trace=None) -> torch.Tensor:
+    """Feed one token per row at the next position -> float32 logits [b, vocab]."""
+    ids = torch.as_tensor(token_id, dtype=torch.long).reshape(-1, 1)
+    return model(ids, model.position, trace=trace)
+
+
+def decode_n(model, token_id, n: int, *, temperature: float = 0.0, generator: Optional[torch.Generator] = None,
+             callback: Optional[Callable[[int, int, torch.Tensor], Optional[bool]]] = None,
+             stop_ids: Sequence[int] = (), trace=None, steps: Optional[list] = None) -> list[int]:
+    """Feed `token_id` (batch 1) and keep going for up to `n` tokens, sampling each from the last
+    logits. Returns the produced ids (the fed token excluded). `callback(step, token, logits)` runs
+    after each token; returning False stops. A token in `stop_ids` is kept and stops the loop."""
+    out: list[int] = []
+    token = int(token_id)
+    for step in range(n):
+        began = time.perf_counter()
+        logits = decode_one(model, token, trace=trace)
+        token = int(sample(logits, temperature, generator)[0])
+        out.append(token)
+        if steps is not None:
+            steps.append(StepRecord(model.position - 1, token, top2_margin(logits), time.perf_counter() - began))
+        if callback is not None and callback(step, token, logits) is False:
+            break
+        if token in stop_ids:
+            break
+    return out
+
+
+def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.0, seed: int = 0,
+             trace: bool = False, callback: Optional[Callable] = None, stop_at_eos: bool = True) -> GenerationResult:
+    """Generate from `prompt` (text, or a list of token ids) -> GenerationResult.
+
+    Greedy at temperature 0 (ties to the lowest id); otherwise seeded Gumbel-max. `trace=True`
+    records the run (see GenerationTrace). `callback(step, token, logits)` as in decode_n."""
+    from .model import ForwardTrace
+
+    prompt_ids = model.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if len(prompt_ids) + max_new_tokens > model.max_seq_len:
+        raise ValueError(f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new ones exceed max_seq_len "
+                         f"{model.max_seq_len}")
+    generator = torch.Generator().manual_seed(int(seed)) if temperature > 0 else None
+    ftrace = ForwardTrace() if trace else None
+    steps: list[StepRecord] = []
+    stop_ids = (model.cfg.eos_token_id,) if stop_at_eos and model.cfg.eos_token_id is not None else ()
+    steps_before = len(model.experts.counters.steps)
+
+    began = time.perf_counter()
+    logits = prefill(model, prompt_ids, trace=ftrace)
+    ids: list[int] = []
+    finish = "length"
+    if max_new_tokens > 0:
+        first = int(sample(logits, temperature, generator)[0])
+        ids.append(first)
+        steps.append(StepRecord(len(prompt_ids) - 1, first, top2_margin(logits), time.perf_counter() - began))
+        if callback is not None and callback(0, first, logits) is False:
+            finish = "callback"
+        elif first in stop_ids:
+            finish = "eos"
+    prefill_s = time.perf_counter() - began
+
+    began = time.perf_counter()
+    if finish == "length" and max_new_tokens > 1:
+        wrapped = None
+        if callback is not None:
+            def wrapped(step, token, lg):
+                return callback(step + 1, token, lg)
+        more = decode_n(model, ids[-1], max_new_tokens - 1, temperature=temperature, generator=generator,
+                        callback=wrapped, stop_ids=stop_ids, trace=ftrace, steps=steps)
+        ids += more
+        if more and more[-1] in stop_ids:
+            finish = "eos"
+        elif len(ids) < max_new_tokens:
+            finish = "callback"
+    decode_s = time.perf_counter() - began
+
+    per_token = [s.seconds for s in steps]
+    timings = {"prefill_s": prefill_s, "decode_s": decode_s, "per_token_s": per_token,
+               "tokens_per_s": (len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else None,
+               "prompt_tokens": len(prompt_ids)}
+    gtrace = None
+    if trace:
+        gtrace = GenerationTrace(ftrace, steps, [dict(s, layers={k: list(v) for k, v in s["layers"].items()})
+                                                 for s in model.experts.counters.steps[steps_before:]])
+    return GenerationResult(prompt_ids, ids, model.decode(ids), timings, finish, gtrace)
+
+
+# ---------------------------------------------------------------------- prefill vs decode
+@dataclass
+class PrefillDecodeComparison:
+    """Where a one-call prefill and a token-by-token run of the same prompt part.
+
+    max_abs_diff[p]: max |logit difference| at position p; first_logit_divergence: first p with a
+    nonzero difference (None: bit-identical); first_argmax_divergence: first p where the greedy
+    token differs; selections / routing: per layer, the first position whose indexer selection /
+    routed expert ids differ (layers that never differ are absent)."""
+
+    positions: int
+    max_abs_diff: list[float]
+    max_abs_logit: float
+    first_logit_divergence: Optional[int]
+    first_argmax_divergence: Optional[int]
+    selections: dict[int, int]
+    routing: dict[int, int]
+    prefill_logits: torch.Tensor  # [s, vocab]
+    decode_logits: torch.Tensor  # [s, vocab]
+
+    @property
+    def identical(self) -> bool:
+        return self.first_logit_divergence is None
+
+    def summary(self) -> str:
+        if self.identical:
+            return f"prefill and decode agree bit for bit over {self.positions} positions"
+        worst = max(self.max_abs_diff)
+        parts = [f"logits first differ at position {self.first_logit_divergence} (max |diff| {worst:.3g}, "
+                 f"{100 * worst / max(self.max_abs_logit, 1e-30):.3g}% of max |logit|)"]
+        parts.append("greedy tokens agree everywhere" if self.first_argmax_divergence is None
+                     else f"greedy tokens first differ at position {self.first_argmax_divergence}")
+        if self.selections:
+            parts.append("indexer selections part at " + ", ".join(f"layer {k}: position {v}"
+                                                                   for k, v in sorted(self.selections.items())))
+        if self.routing:
+            parts.append("routing parts at " + ", ".join(f"layer {k}: position {v}"
+                                                         for k, v in sorted(self.routing.items())))
+        return "; ".join(parts)
+
+
+def compare_prefill_decode(model, prompt) -> PrefillDecodeComparison:
+    """Run `prompt` (text or ids) as one prefill over all positions and as one token per call, and
+    report where logits, indexer selections and routing first differ. Leaves the model reset."""
+    from .model import ForwardTrace
+
+    ids = model.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+    if not ids:
+        raise ValueError("the prompt is empty")
+    one, step = ForwardTrace(), ForwardTrace()
+    full = model(torch.tensor([ids]), 0, trace=one, all_positions=True)[0]  # [s, vocab]
+    rows = [model(torch.tensor([ids[:1]]), 0, trace=step)[0]]
+    for p in range(1, len(ids)):
+        rows.append(model(torch.tensor([[ids[p]]]), p, trace=step)[0])
+    model.reset()
+    stepwise = torch.stack(rows)  # [s, vocab]
+    diff = (full - stepwise).abs().amax(dim=-1)
+    nonzero = torch.nonzero(diff).flatten()
+    argmax_diff = torch.nonzero(full.argmax(-1) != stepwise.argmax(-1)).flatten()
+    return PrefillDecodeComparison(
+        positions=len(ids), max_abs_diff=diff.tolist(), max_abs_logit=float(full.abs().max()),
+        first_logit_divergence=int(nonzero[0]) if len(nonzero) else None,
+        first_argmax_divergence=int(argmax_diff[0]) if len(argmax_diff) else None,
+        selections=_first_parting(one.attention_by_layer(), step.attention_by_layer(), "selected"),
+        routing=_first_parting(one.routing_by_layer(), step.routing_by_layer(), "expert_ids"),
+        prefill_logits=full, decode_logits=stepwise)
+
+
+def _first_parting(a: dict, b: dict, name: str) -> dict[int, int]:
+    """Per layer, the first query position whose `name` rows differ (as sets for selections)."""
+    out = {}
+    for layer in a:
+        if name not in a[layer] or layer not in b or name not in b[layer]:
+            continue
+        x, y = a[layer][name][0], b[layer][name][0]  # [n, width], batch row 0
+        width = max(x.size(-1), y.size(-1))
+        x = torch.nn.functional.pad(x, (0, width - x.size(-1)), value=-1).sort(-1).values
+        y = torch.nn.functional.pad(y, (0, width - y.size(-1)), value=-1).sort(-1).values
+        differ = torch.nonzero((x != y).any(-1)).flatten()
+        if len(differ):
+            out[layer] = int(a[layer]["positions"][differ[0]])
+    return out
+
+
+# ---------------------------------------------------------------------- the command
+def cli_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dsv41 generate", description=(
+        "Generate from a checkpoint (default: the embedded tiny one, random-weighted, so its text is not "
+        "meaningful). The generated text goes to stdout; the load report, timings and errors to stderr."))
+    parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded tiny one)")
+    parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument("--max-new-tokens", type=int, default=16, metavar="N")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default) is greedy")
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (temperature > 0)")
+    parser.add_argument("--expert-cache", type=int, default=None, metavar="N", help="packed experts kept per layer")
+    parser.add_argument("--resident-engram", action="store_true", help="copy the Engram tables into RAM first")
+    parser.add_argument("--expert-device", default="cpu", metavar="DEV", help="where routed experts run (cpu, cuda, ...)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or report on stderr")
+    args = parser.parse_args(argv)
+
+    def fail(message: str) -> int:
+        print(f"dsv41 generate: {message}", file=sys.stderr)
+        return 1
+
+    if not args.prompt:
+        return fail("the prompt is empty; pass some text with --prompt")
+    if args.max_new_tokens < 0:
+        return fail(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        return fail(f"--temperature must be >= 0, got {args.temperature}")
+    if args.expert_cache is not None and args.expert_cache < 0:
+        return fail(f"--expert-cache must be >= 0, got {args.expert_cache}")
+    try:
+        device = torch.device(args.expert_device)
+    except RuntimeError:
+        return fail(f"--expert-device {args.expert_device!r} is not a torch device name (try cpu or cuda)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return fail(f"--expert-device {args.expert_device} asked for, but this torch build sees no CUDA device")
+
+    from .config import ConfigError, load_config
+    from .loader import DEFAULT_EXPERT_CACHE, LoadError, load
+
+    path = args.checkpoint
+    if path is None:
+        from .tiny import default_checkpoint
+
+        path = default_checkpoint(progress=not args.quiet)
+    problem = _audit_problem(path)
+    if problem:
+        return fail(problem)
+    try:
+        cfg = load_config(path)
+    except ConfigError as exc:
+        return fail(str(exc))
+
+    try:
+        model = load(path, expert_cache=DEFAULT_EXPERT_CACHE if args.expert_cache is None else args.expert_cache,
+                     expert_device=device, resident_engram=args.resident_engram, quiet=args.quiet,
+                     max_seq_len=None)
+    except LoadError as exc:
+        return fail(str(exc))
+
+    ids = model.encode(args.prompt)
+    limit = cfg.max_seq_len
+    if len(ids) > limit:
+        return fail(f"the prompt is {len(ids)} tokens, longer than the model's {limit}-token maximum")
+    if len(ids) + args.max_new_tokens > model.max_seq_len:
+        return fail(f"{len(ids)} prompt tokens + {args.max_new_tokens} new ones exceed the {model.max_seq_len} "
+                    f"positions the caches were sized for")
+
+    if not args.quiet:
+        print(f"prompt: {len(ids)} tokens; generating {args.max_new_tokens} "
+              f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}, seed {args.seed}'})",
+              file=sys.stderr)
+    result = generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      seed=args.seed)
+    print(result.text)
+    if not args.quiet:
+        t = result.timings
+        rate = f", {t['tokens_per_s']:.2f} tokens/s decoding" if t["tokens_per_s"] else ""
+        hits = sum(model.experts.counters.hits.values())
+        misses = sum(model.experts.counters.misses.values())
+        print(f"{len(result.ids)} tokens ({result.finish_reason}); prefill {t['prefill_s']:.2f} s, decode "
+              f"{t['decode_s']:.2f} s{rate}; expert cache {hits} hits / {misses} misses", file=sys.stderr)
+    return 0
+
+
+def _audit_problem(path: str) -> Optional[str]:
+    """The header audit's verdict on `path` as one sentence when it fails (or cannot start), else None."""
+    from .audit import AuditError, run_audit
+
+    try:
+        report = run_audit(path, require_complete=True)
+    except AuditError as exc:
+        return str(exc)
+    if report.unreadable:
+        file, why = report.unreadable[0]
+        return f"{file}: {why}"
+    failed = [c for c in report.checks if c.status == "fail"]
+    if failed:
+        first = failed[0]
+        more = f" ({len(failed) - 1} more checks fail; run `dsv41 audit {path}`)" if len(failed) > 1 else ""
+        return f"{path}: the checkpoint audit fails {first.id} ({first.title}): {first.detail}{more}"
+    return None

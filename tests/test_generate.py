@@ -1,0 +1,197 @@
+"""Generation: greedy determinism and tie-breaking, seeded Gumbel-max sampling, prefill against
+token-by-token decoding, the trace, and `dsv41 generate` on good and bad input."""
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+from dsv41.generate import cli_main, compare_prefill_decode, decode_n, decode_one, greedy, prefill, sample
+from dsv41.loader import load
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return load(tiny_checkpoint, quiet=True)
+
+
+# ---------------------------------------------------------------------- sampling
+def test_greedy_breaks_ties_to_the_lowest_id():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 3.0], [5.0, 5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -1.0, -3.0, 0.5]])
+    assert greedy(logits).tolist() == [1, 0, 4]
+    assert sample(logits, temperature=0.0).tolist() == [1, 0, 4]
+
+
+def test_gumbel_max_is_seeded_and_follows_the_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    draw = lambda seed: [int(sample(logits, 1.0, g)) for g in [torch.Generator().manual_seed(seed)] for _ in range(4000)]
+    first, again = draw(7), draw(7)
+    assert first == again  # the same seed reproduces the draws
+    freq = torch.bincount(torch.tensor(first), minlength=4).float() / len(first)
+    want = torch.softmax(logits[0], -1)
+    assert torch.allclose(freq, want, atol=0.03)
+    # temperature flattens: at T = 2 the rarest id shows up more often than at T = 1
+    hot = [int(sample(logits, 2.0, g)) for g in [torch.Generator().manual_seed(7)] for _ in range(4000)]
+    assert hot.count(3) > first.count(3)
+
+
+# ---------------------------------------------------------------------- the verbs
+def test_greedy_generation_is_deterministic(model):
+    a = model.generate("Once upon a time", max_new_tokens=6, stop_at_eos=False)
+    b = model.generate("Once upon a time", max_new_tokens=6, stop_at_eos=False)
+    assert a.ids == b.ids and len(a.ids) == 6 and a.text == b.text == model.decode(a.ids)
+    assert a.finish_reason == "length"
+    assert a.prompt_ids == model.encode("Once upon a time") and a.prompt_ids[0] == model.cfg.bos_token_id
+    assert set(a.timings) >= {"prefill_s", "decode_s", "per_token_s"} and len(a.timings["per_token_s"]) == 6
+    # each token is the argmax of the logits the verbs return for the same sequence
+    logits = prefill(model, a.prompt_ids)
+    assert int(greedy(logits)) == a.ids[0]
+    assert decode_n(model, a.ids[0], 5) == a.ids[1:]
+
+
+def test_seeded_sampling_is_reproducible(model):
+    run = lambda seed: model.generate("Once upon a time", max_new_tokens=5, temperature=1.5, seed=seed,
+                                      stop_at_eos=False).ids
+    first = run(3)
+    assert run(3) == first
+    assert any(run(s) != first for s in (4, 5, 6))
+
+
+def test_callback_sees_every_token_and_can_stop(model):
+    seen = []
+
+    def callback(step, token, logits):
+        seen.append((step, token, tuple(logits.shape)))
+        return step < 2  # stop after the third token
+
+    result = model.generate("Stop early", max_new_tokens=8, callback=callback, stop_at_eos=False)
+    assert [s for s, _, _ in seen] == [0, 1, 2] and [t for _, t, _ in seen] == result.ids
+    assert result.finish_reason == "callback" and seen[0][2] == (1, model.cfg.vocab_size)
+
+
+# ---------------------------------------------------------------------- prefill against decode
+def test_prefill_then_decode_equals_one_longer_prefill(model):
+    # 8 positions: no indexer, candidate-block or window top-k can truncate yet (index_topk 8,
+    # 4 candidate blocks of 2, window 8), so the two orders must agree bit for bit
+    ids = model.encode("Four score and seven years")[:8]
+    assert len(ids) == 8
+    whole = prefill(model, ids)
+    prefill(model, ids[:5])
+    for t in ids[5:]:
+        last = decode_one(model, t)
+    assert torch.equal(last, whole)
+
+    report = compare_prefill_decode(model, ids)
+    assert report.identical and report.first_argmax_divergence is None
+    assert report.selections == {} and report.routing == {}
+    assert report.max_abs_diff == [0.0] * 8
+
+
+def test_comparison_locates_where_truncation_begins(model):
+    ids = model.encode("A longer prompt, long enough that the indexer has to choose among its keys.")[:20]
+    report = compare_prefill_decode(model, ids)
+    assert report.positions == 20 and len(report.max_abs_diff) == 20
+    # before any top-k can cut (position 8 at ratio 1), both orders agree exactly
+    assert report.max_abs_diff[:8] == [0.0] * 8
+    if not report.identical:
+        assert report.first_logit_divergence >= 8
+        assert all(p >= 8 for p in list(report.selections.values()) + list(report.routing.values()))
+    assert "position" in report.summary() or "bit for bit" in report.summary()
+    assert model.position == 0  # left reset
+
+
+# ---------------------------------------------------------------------- the trace
+def test_trace_records_routing_engram_selections_and_margins(model):
+    cfg = model.cfg
+    result = model.generate("Trace me", max_new_tokens=3, trace=True, stop_at_eos=False)
+    n = len(result.prompt_ids) + 2  # positions that went through the model
+    trace = result.trace
+    routing = trace.routing()
+    assert sorted(routing) == list(range(cfg.n_layers))
+    for layer, rec in routing.items():
+        assert rec["expert_ids"].shape == (1, n, cfg.n_activated_experts)
+        assert torch.allclose(rec["weights"].sum(-1), torch.full((1, n), cfg.route_scale), atol=1e-5)
+        assert rec["positions"].tolist() == list(range(n))
+    gates = trace.engram_gates()
+    assert sorted(gates) == list(cfg.engram_layer_ids)
+    assert all(g["gate"].shape == (1, n, cfg.hc_mult) and ((g["gate"] > 0) & (g["gate"] < 1)).all()
+               for g in gates.values())
+    att = trace.attention()
+    assert att[4]["selected"].shape[:2] == (1, n)  # ratio-1 full layer: indexer selections
+    assert "candidate_blocks" in att[4]  # layer 4 is the candidate source
+    assert len(trace.margins) == 3 and all(m >= 0 for m in trace.margins)
+    assert [s.token for s in trace.steps] == result.ids
+    assert len(trace.cache) == 3 and trace.cache[0]["seqlen"] == len(result.prompt_ids)
+    for step in trace.cache:
+        assert sorted(step["layers"]) == list(range(cfg.n_layers))
+    json.dumps(trace.to_dict())  # plain data all the way down
+
+
+# ---------------------------------------------------------------------- the command
+def _run(capsys, *argv):
+    code = cli_main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_generates_on_stdout_only(tiny_checkpoint, capsys, model):
+    code, out, err = _run(capsys, "--checkpoint", tiny_checkpoint, "--prompt", "Once upon a time",
+                          "--max-new-tokens", "4", "--quiet")
+    assert code == 0 and err == ""
+    expected = model.generate("Once upon a time", max_new_tokens=4)
+    assert out == expected.text + "\n"
+
+
+def test_cli_rejects_an_empty_prompt(tiny_checkpoint, capsys):
+    code, out, err = _run(capsys, "--checkpoint", tiny_checkpoint, "--prompt", "", "--quiet")
+    assert code == 1 and out == "" and err.count("\n") == 1 and "empty" in err
+
+
+def test_cli_rejects_a_prompt_longer_than_the_context(tiny_checkpoint, tmp_path, capsys):
+    folder = tmp_path / "short"
+    shutil.copytree(tiny_checkpoint, folder)
+    cfg_file = folder / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["text_config"]["max_position_embeddings"] = 16
+    cfg_file.write_text(json.dumps(cfg))
+    code, out, err = _run(capsys, "--checkpoint", str(folder), "--prompt", "word " * 40, "--quiet")
+    assert code == 1 and out == "" and err.count("\n") == 1 and "longer than" in err and "16" in err
+
+
+def test_cli_rejects_a_checkpoint_whose_audit_fails(tiny_checkpoint, tmp_path, capsys):
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint, folder)
+    shard = sorted(p for p in os.listdir(folder) if p.endswith(".safetensors"))[3]
+    with open(folder / shard, "r+b") as f:
+        f.truncate(os.path.getsize(folder / shard) // 2)
+    code, out, err = _run(capsys, "--checkpoint", str(folder), "--prompt", "hello", "--quiet")
+    assert code == 1 and out == "" and err.count("\n") == 1 and shard in err
+
+
+def test_cli_rejects_a_tokenizer_that_disagrees_with_the_config(tiny_checkpoint, tmp_path, capsys):
+    folder = tmp_path / "mismatch"
+    shutil.copytree(tiny_checkpoint, folder)
+    meta_file = folder / "tokenizer_config.json"
+    meta = json.loads(meta_file.read_text())
+    meta["eos_token"] = meta["pad_token"]  # the config says eos is id 1; this token is id 2
+    meta_file.write_text(json.dumps(meta))
+    code, out, err = _run(capsys, "--checkpoint", str(folder), "--prompt", "hello", "--quiet")
+    assert code == 1 and out == "" and err.count("\n") == 1 and "disagree" in err
+
+
+def test_cli_rejects_bad_numbers(tiny_checkpoint, capsys):
+    code, _, err = _run(capsys, "--checkpoint", tiny_checkpoint, "--prompt", "x", "--temperature", "-1")
+    assert code == 1 and "temperature" in err
+    code, _, err = _run(capsys, "--checkpoint", tiny_checkpoint, "--prompt", "x", "--expert-device", "nonsense")
+    assert code == 1 and "expert-device" in err and math.isfinite(code)
