@@ -108,20 +108,25 @@ def claim_out_dir(path: str | os.PathLike) -> Path:
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise NotebookRunError(f"{path}: already exists and is not an empty folder; an earlier run is "
-                               f"never overwritten — choose another --out or leave it out for run-NNN")
+                               f"never overwritten; choose another --out or leave it out for run-NNN")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 # ---------------------------------------------------------------------- kernel
-@contextlib.contextmanager
-def kernel_environment(extra_env: dict[str, str] | None = None) -> Iterator[None]:
-    """Run papermill with a `python3` kernelspec pinned to this interpreter and the headless flag."""
+def check_kernel() -> None:
+    """Raise NotebookRunError unless this Python can start a notebook kernel."""
     import importlib.util
 
     if importlib.util.find_spec("ipykernel") is None:
         raise NotebookRunError(f"ipykernel is not installed for {sys.executable}; "
                                f"`pip install -e .` installs it (or `pip install ipykernel`)")
+
+
+@contextlib.contextmanager
+def kernel_environment(extra_env: dict[str, str] | None = None) -> Iterator[None]:
+    """Run papermill with a `python3` kernelspec pinned to this interpreter and the headless flag."""
+    check_kernel()
     with tempfile.TemporaryDirectory(prefix="dsv41-kernel-") as tmp:
         spec_dir = Path(tmp) / "kernels" / KERNEL_NAME
         spec_dir.mkdir(parents=True)
@@ -239,7 +244,7 @@ def run_notebooks(notebooks: list[Path], run_dir: Path, parameters: dict[str, An
     with kernel_environment():
         for i, path in enumerate(notebooks, 1):
             tag = f"[{i}/{len(notebooks)}] {path.stem}"
-            print(f"{tag} …", file=progress, flush=True)
+            print(f"{tag} ...", file=progress, flush=True)
             result = run_notebook(path, run_dir, parameters, cell_timeout)
             if result.status == "ok":
                 line = f"{tag} ok in {result.duration_s:.1f} s, {len(result.outputs)} files"
@@ -308,6 +313,7 @@ def cli_main(argv: list[str]) -> int:
         if unknown:
             raise NotebookRunError(f"-p {', '.join(unknown)}: no notebook declares this parameter; "
                                    f"they declare {', '.join(sorted(declared))}")
+        check_kernel()  # before a run folder exists
         run_dir = claim_out_dir(args.out) if args.out else new_run_dir(args.outputs_root)
         summary = run_notebooks(notebooks, run_dir, parameters, args.cell_timeout)
     except NotebookRunError as exc:

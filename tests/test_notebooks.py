@@ -119,6 +119,16 @@ def test_bad_usage_exits_2(notebook_dir, tmp_path, capsys):
     assert not any(tmp_path.iterdir()), "a refused run still created a folder"
 
 
+def test_missing_kernel_is_one_sentence(notebook_dir, tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ipykernel" else real(name, *a))
+    assert dsv41_main(["notebooks", "--notebooks", str(notebook_dir), "--outputs-root", str(tmp_path)]) == 2
+    assert "ipykernel is not installed" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir()), "a run folder was created although no kernel can start"
+
+
 def test_selection_and_values():
     assert runner.parse_value("3") == 3 and runner.parse_value("true") is True
     assert runner.parse_value("null") is None and runner.parse_value("[1, 2]") == [1, 2]
