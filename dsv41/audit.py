@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
 from collections import Counter, defaultdict
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 from dsv41.config import Config, ConfigError, load_config, resolve_config_path
 from dsv41.headers import INDEX_NAME, HeaderEntry, HeaderError, layout_problems, plausible_header_length, read_header
 from dsv41.inventory import (
-    CATEGORIES, ENGRAM_ROW_BLOCK, FP4_BLOCK, FP8, PACKED_FP4, REQUIRED_KEYS, ROUTED, SCALE, TensorSpec,
+    ENGRAM_ROW_BLOCK, FP4_BLOCK, FP8, PACKED_FP4, REQUIRED_KEYS, ROUTED, SCALE, TensorSpec,
     category_of, category_totals, derived_engram_rows, expected_tensors, layer_of, shard_names,
 )
 
@@ -81,7 +81,7 @@ class AuditReport:
     missing_shards: list[str]
     checks: list[CheckResult]
     categories: list[CategoryRow]
-    layer_modes: dict[str, list[int]]  # Full / Reindex / Reuse from tensor presence
+    layer_modes: dict[str, list[int]]  # full / reindex / reuse (and unknown, while shards are missing) from tensor presence
     layer_tensor_counts: list[int | None]  # tensors per backbone layer (None: not known yet)
     tensors: int
     bytes: int
@@ -109,6 +109,12 @@ class AuditReport:
     def exit_code(self) -> int:
         return 1 if self.failed or self.unreadable else 0
 
+    def as_required_complete(self) -> "AuditReport":
+        """The same report with every undecided check failed, as --require-complete reports it."""
+        checks = [CheckResult(c.id, c.group, c.title, FAIL, f"undecided, which --require-complete fails: {c.detail}",
+                              list(c.waits_on)) if c.status == UNDECIDED else c for c in self.checks]
+        return dataclasses.replace(self, checks=checks, require_complete=True)
+
     def check(self, check_id: str) -> CheckResult:
         return next(c for c in self.checks if c.id == check_id)
 
@@ -133,7 +139,7 @@ class _Evidence:
     """What is known about each tensor name: its header entry if a local shard has it, whether it
     is present at all (the index decides presence when there is one), and which shard to wait on."""
 
-    def __init__(self, expected: dict[str, TensorSpec], headers: dict[str, tuple[HeaderEntry, str]],
+    def __init__(self, expected: dict[str, TensorSpec], headers: dict[str, tuple[HeaderEntry, str, str]],
                  index_map: dict[str, str] | None, on_disk: set[str], layer_shards: dict[tuple[str, int], str],
                  unreadable: set[str]):
         self.expected = expected
@@ -146,7 +152,7 @@ class _Evidence:
         # (namespace, layer) -> routed expert ids present there, for the expert-count checks
         self.expert_ids: dict[tuple[str, int], set[int]] = defaultdict(set)
         for name in self.present:
-            match = _EXPERT_RE.match(name)
+            match = _EXPERT_RE.match(name) if ".experts." in name else None
             if match:
                 self.expert_ids[(match.group(1), int(match.group(2)))].add(int(match.group(3)))
 
@@ -263,7 +269,7 @@ def _need(cfg: Config, *names: str) -> None:
         raise _Missing(f"cannot be evaluated: the config does not state {', '.join(absent)}")
 
 
-CHECKS: list[tuple[str, str, str, object]] = []  # (id, group, title, function)
+CHECKS: list = []  # (id, group, title, (function, needs the inventory)), in report order
 
 
 def _check(cid: str, group: str, title: str, needs_inventory: bool = True):
@@ -600,12 +606,16 @@ def _p_extents(ctx):
 def _p_pairs(ctx):
     ev, t = ctx.ev, _Tally(ctx.ev)
     pairs = 0
-    for name, (entry, _) in ev.headers.items():
+    headers = ev.headers
+    for name, (entry, _, _) in headers.items():
         if entry.dtype in (FP8, PACKED_FP4) and name.endswith(".weight"):
-            t.present(name[:-len("weight")] + "scale")
+            scale = name[:-6] + "scale"
+            if scale not in headers:
+                t.present(scale)
         if not name.endswith(".scale"):
             continue
-        w = t.entry(name[:-len("scale")] + "weight")
+        hit = headers.get(name[:-5] + "weight")
+        w = hit[0] if hit else t.entry(name[:-5] + "weight")
         if w is None:
             continue
         pairs += 1
@@ -632,7 +642,7 @@ def _p_fp8(ctx):
     ev, t = ctx.ev, _Tally(ctx.ev)
     rows, cols = ctx.block
     names = {s.name for s in ctx.specs if s.dtype == FP8}
-    names.update(n for n, (e, _) in ev.headers.items() if e.dtype == FP8 and n.endswith(".weight"))
+    names.update(n for n, (e, _, _) in ev.headers.items() if e.dtype == FP8 and n.endswith(".weight"))
     names = sorted(n for n in names if ".engram.embed." not in n)
     for name in names:
         w = t.entry(name)
@@ -763,7 +773,7 @@ def _x_index(ctx):
     for name, shard in ev.index_map.items():
         assigned[shard].add(name)
     held: dict[str, set[str]] = defaultdict(set)
-    for name, (_, shard) in ev.headers.items():
+    for name, (_, shard, _) in ev.headers.items():
         held[shard].add(name)
     problems = []
     for shard in sorted(held):
@@ -893,18 +903,22 @@ def run_audit(checkpoint_dir: str, config: str | None = None, index: str | None 
         base = os.path.basename(path)
         if base in known:
             return base
-        votes = Counter((index_map or {}).get(n) or (expected[n].shard if n in expected else None) for n in names)
+        sample = list(names)[:64]  # a shard's tensors all point the same way; a sample decides
+        votes = Counter((index_map or {}).get(n) or (expected[n].shard if n in expected else None) for n in sample)
         votes.pop(None, None)
         return votes.most_common(1)[0][0] if votes else base
 
     files, headers, layout, owners = [], {}, {}, defaultdict(list)
     for h in headers_read:
         shard = identify(h.path, h.entries)
-        files.append(ShardFile(h.path, shard, len(h.entries), sum(e.nbytes for e in h.entries.values())))
+        files.append(ShardFile(h.path, shard, len(h.entries), sum(e.end - e.begin for e in h.entries.values())))
         layout[h.path] = layout_problems(h, header_prefix)
         for name, entry in h.entries.items():
-            owners[name].append(h.path)
-            headers.setdefault(name, (entry, shard))
+            if name in headers:  # defined by an earlier file too: the inventory check reports it
+                owners[name] = owners[name] or [headers[name][2]]
+                owners[name].append(h.path)
+            else:
+                headers[name] = (entry, shard, h.path)
     broken = {identify(p, ()) for p, _ in unreadable}
     on_disk = {f.shard for f in files} | broken
     missing_shards = [s for s in layout_shards if s not in on_disk]
@@ -913,39 +927,44 @@ def run_audit(checkpoint_dir: str, config: str | None = None, index: str | None 
 
     ev = _Evidence(expected, headers, index_map, on_disk, layer_shards, broken)
     ctx = _Context(cfg, ev, specs, block, files, layout, index_problem, index_total,
-                   set(layout_shards), {n: p for n, p in owners.items() if len(p) > 1}, inventory_error)
+                   set(layout_shards), dict(owners), inventory_error)
     checks = _run_checks(ctx, with_index=index_path is not None)
-    if require_complete:
-        for c in checks:
-            if c.status == UNDECIDED:
-                c.status, c.detail = FAIL, f"undecided, which --require-complete fails: {c.detail}"
 
     totals = category_totals(specs)
     local = defaultdict(lambda: [0, 0])
-    for name, (entry, _) in headers.items():
-        row = local[category_of(name)]
+    for name, (entry, _, _) in headers.items():
+        spec = expected.get(name)
+        row = local[spec.category if spec else category_of(name)]
         row[0] += 1
-        row[1] += entry.nbytes
+        row[1] += entry.end - entry.begin
     categories = [CategoryRow(c, local[c][0], local[c][1], *totals.get(c, (0, 0)))
                   for c in list(totals) + sorted(set(local) - set(totals))]
 
     n_layers = cfg.n_layers or 0
     modes = _presence_modes(ev, n_layers) if specs else []
     layer_modes = {m: [i for i, got in enumerate(modes) if got == m] for m in ("full", "reindex", "reuse")}
+    if None in modes:
+        layer_modes["unknown"] = [i for i, got in enumerate(modes) if got is None]
     present = ev.present_names()
     per_layer = Counter(n.split(".", 2)[1] for n in present if n.startswith("layers."))
     complete_layers = index_map is not None or not missing_shards
     counts = [per_layer[str(i)] if complete_layers else None for i in range(n_layers)]
 
-    return AuditReport(
+    report = AuditReport(
         checkpoint_dir=checkpoint_dir, config_path=config_path, config_layout=cfg.layout, index_path=index_path,
-        header_prefix=header_prefix, require_complete=require_complete, files=files, duplicates=duplicates,
+        header_prefix=header_prefix, require_complete=False, files=files, duplicates=duplicates,
         unreadable=unreadable, missing_shards=missing_shards, checks=checks, categories=categories,
         layer_modes=layer_modes, layer_tensor_counts=counts,
-        tensors=len(headers), bytes=sum(e.nbytes for e, _ in headers.values()),
+        tensors=len(headers), bytes=sum(f.bytes for f in files) - _duplicated_bytes(headers, owners),
         expected_tensors=len(specs), expected_bytes=sum(s.nbytes for s in specs),
         index_tensors=len(index_map) if index_map is not None else None,
         config_summary=_summary(cfg))
+    return report.as_required_complete() if require_complete else report
+
+
+def _duplicated_bytes(headers, owners) -> int:
+    # a name defined by two files is counted once in the totals, like the tensor count
+    return sum((len(paths) - 1) * (headers[n][0].end - headers[n][0].begin) for n, paths in owners.items())
 
 
 def _summary(cfg: Config) -> str:
@@ -992,9 +1011,9 @@ def _format_report(r: AuditReport) -> list[str]:
     lines.append(f"{'total':<30} {r.tensors:>9,} {r.expected_tensors:>9,} {_gib(r.bytes):>14}")
     lines.append("")
     lines.append("CSA2 layer modes, from tensor presence:")
-    for mode in ("full", "reindex", "reuse"):
-        ids = r.layer_modes.get(mode, [])
-        lines.append(f"  {mode.capitalize():<8} {len(ids):>3}  [{_ranges(ids)}]")
+    for mode, ids in r.layer_modes.items():
+        label = "not known" if mode == "unknown" else mode.capitalize()
+        lines.append(f"  {label:<9} {len(ids):>3}  [{_ranges(ids)}]")
     known = [(i, n) for i, n in enumerate(r.layer_tensor_counts) if n is not None]
     if known:
         groups = defaultdict(list)

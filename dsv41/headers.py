@@ -18,6 +18,7 @@ import os
 import struct
 import sys
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from dsv41.inventory import DTYPE_SIZES
 
@@ -30,8 +31,8 @@ class HeaderError(ValueError):
     """A file whose header cannot be read; the message is one sentence naming the file."""
 
 
-@dataclass(frozen=True, slots=True)
-class HeaderEntry:
+class HeaderEntry(NamedTuple):
+    # a NamedTuple: a released layer shard has 2,342 of these and the audit reads 96,085
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -118,22 +119,23 @@ def read_header(path: str) -> ShardHeader:
 
 
 def _entry(path: str, name: str, info) -> HeaderEntry:
-    if not isinstance(info, dict):
+    if type(info) is not dict:
         raise HeaderError(f"{path}: tensor {name!r} is described by {type(info).__name__}, not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if (dtype in DTYPE_SIZES and type(shape) is list and type(offsets) is list and len(offsets) == 2
+            and type(offsets[0]) is int and type(offsets[1]) is int and 0 <= offsets[0] <= offsets[1]
+            and all(type(d) is int and d >= 0 for d in shape)):
+        return HeaderEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
+    # the slow path only words the problem
     if dtype not in DTYPE_SIZES:
         raise HeaderError(f"{path}: tensor {name!r} has unknown dtype {dtype!r} "
                           f"(known: {', '.join(sorted(DTYPE_SIZES))})")
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise HeaderError(f"{path}: tensor {name!r} has shape {shape!r}, not a list of non-negative integers")
-    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets)
             or offsets[0] > offsets[1]):
         raise HeaderError(f"{path}: tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
     return HeaderEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
-
-
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def layout_problems(header: ShardHeader, header_prefix: bool = False) -> list[str]:
