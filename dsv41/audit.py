@@ -21,8 +21,7 @@ import os
 import re
 import sys
 from collections import Counter, defaultdict
-import dataclasses
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from dsv41.config import Config, ConfigError, load_config, resolve_config_path
 from dsv41.headers import INDEX_NAME, HeaderEntry, HeaderError, layout_problems, plausible_header_length, read_header
@@ -113,7 +112,7 @@ class AuditReport:
         """The same report with every undecided check failed, as --require-complete reports it."""
         checks = [CheckResult(c.id, c.group, c.title, FAIL, f"undecided, which --require-complete fails: {c.detail}",
                               list(c.waits_on)) if c.status == UNDECIDED else c for c in self.checks]
-        return dataclasses.replace(self, checks=checks, require_complete=True)
+        return replace(self, checks=checks, require_complete=True)
 
     def check(self, check_id: str) -> CheckResult:
         return next(c for c in self.checks if c.id == check_id)
@@ -186,10 +185,12 @@ class _Tally:
     def __init__(self, ev: _Evidence):
         self.ev = ev
         self.problems: list[str] = []
+        self.seen: set[str] = set()  # a broken shard would otherwise repeat one sentence per tensor
         self.waits: set[str] = set()
 
     def fail(self, message: str) -> None:
-        if message not in self.problems:
+        if message not in self.seen:
+            self.seen.add(message)
             self.problems.append(message)
 
     def wait(self, name: str) -> None:
@@ -232,7 +233,7 @@ class _Tally:
                 elif p is None:
                     self.wait(name)
             elif p:
-                self.fail(f"{what} on layer {layer}, which the config does not make a source")
+                self.fail(f"{what} on layer {layer}, which the config does not list")
             elif p is None:
                 self.wait(name)
 
@@ -979,6 +980,11 @@ def _gib(n: int) -> str:
     return f"{n / GIB:,.2f} GiB"
 
 
+def _size(n: int, total: int) -> str:
+    # GiB for a real checkpoint; a tiny one would read 0.00 GiB on every row
+    return _gib(n) if total >= GIB else f"{n / (1 << 20):,.2f} MiB"
+
+
 def _ranges(ids: list[int]) -> str:
     parts, start = [], None
     for i, v in enumerate(ids):
@@ -1007,8 +1013,8 @@ def _format_report(r: AuditReport) -> list[str]:
     lines.append(f"{'category':<30} {'tensors':>9} {'expected':>9} {'bytes':>14} {'share':>6}")
     for row in r.categories:
         share = f"{100 * row.bytes / r.bytes:.1f}%" if r.bytes else "-"
-        lines.append(f"{row.category:<30} {row.tensors:>9,} {row.expected_tensors:>9,} {_gib(row.bytes):>14} {share:>6}")
-    lines.append(f"{'total':<30} {r.tensors:>9,} {r.expected_tensors:>9,} {_gib(r.bytes):>14}")
+        lines.append(f"{row.category:<30} {row.tensors:>9,} {row.expected_tensors:>9,} {_size(row.bytes, r.bytes):>14} {share:>6}")
+    lines.append(f"{'total':<30} {r.tensors:>9,} {r.expected_tensors:>9,} {_size(r.bytes, r.bytes):>14}")
     lines.append("")
     lines.append("CSA2 layer modes, from tensor presence:")
     for mode, ids in r.layer_modes.items():

@@ -103,7 +103,7 @@ def category_of(name: str) -> str:
     per-layer small tensors that reproduces its counts and bytes (603 / 4.80 GiB attention,
     400 / 0.29 GiB norms and hyper-connections; the BF16 router weight is most of the latter)."""
     if name.startswith(("vision.", "aligner.")) or name in IMAGE_MARKERS:
-        return VISION
+        return VISION  # the release's 266: 259 vision + 4 aligner + the 3 image markers
     if name in ("embed.weight", "head.weight", "norm.weight"):
         return EMBED_HEAD
     match = _LAYER_RE.match(name)
@@ -305,6 +305,8 @@ class _Builder:
                 self.linear(f"{a}indexer.wk", cfg.head_dim, cfg.index_head_dim, "dense")
                 self.add(f"{a}indexer.k_norm.weight", dense, (cfg.index_head_dim,))
 
+        # MTP layers route over dspark_n_routed_experts, router included: [128, ...] tensors there
+        # are what makes the released byte total close
         n_experts, _ = cfg.moe_shape(layer)
         self.add(f"{p}ffn.gate.weight", dense, (n_experts, cfg.dim))
         self.add(f"{p}ffn.gate.bias", F32, (n_experts,))
