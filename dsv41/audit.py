@@ -121,6 +121,10 @@ class AuditReport:
         doc = asdict(self)
         doc["duplicates"] = [{"path": a, "same_header_as": b} for a, b in self.duplicates]
         doc["unreadable"] = [{"path": a, "reason": b} for a, b in self.unreadable]
+        doc["totals"] = {"tensors": self.tensors, "bytes": self.bytes, "gib": round(self.bytes / GIB, 2),
+                         "expected_tensors": self.expected_tensors, "expected_bytes": self.expected_bytes,
+                         "index_tensors": self.index_tensors, "shards_on_disk": len(self.files),
+                         "shards_missing": len(self.missing_shards)}
         doc["summary"] = {"checks": len(self.checks), "passed": self.passed, "failed": self.failed,
                           "undecided": self.undecided, "gib": round(self.bytes / GIB, 2),
                           "exit_code": self.exit_code}

@@ -194,7 +194,8 @@ def test_json_report(tiny, tmp_path, capsys):
     assert {"id", "group", "title", "status", "detail", "waits_on"} <= set(doc["checks"][0])
     cfg = tiny_config()
     specs = expected_tensors(cfg)
-    assert doc["tensors"] == len(specs) and doc["bytes"] == sum(s.nbytes for s in specs)
+    assert doc["totals"]["tensors"] == doc["totals"]["expected_tensors"] == doc["totals"]["index_tensors"] == len(specs)
+    assert doc["totals"]["bytes"] == sum(s.nbytes for s in specs) and doc["totals"]["shards_missing"] == 0
     assert [row["category"] for row in doc["categories"]][:2] == ["routed experts", "Engram"]
     assert sum(row["tensors"] for row in doc["categories"]) == len(specs)
     assert doc["layer_modes"]["full"] == [2, 4]
