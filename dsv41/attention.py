@@ -1,0 +1,539 @@
+"""CSA2 attention: compressor, indexer, candidate blocks, the attention layer and its modes.
+
+Every layer attends, in one `sparse_attn` call, over a sliding window of its own raw KV and, when
+its compress ratio is non-zero, over `index_topk` compressed positions picked by an indexer. Who
+produces what is the layer's mode (`Config.layer_mode`):
+
+- full     owns the Compressor (writes compressed KV) and `indexer.wk` (writes index keys),
+           runs its indexer and publishes KV, index keys and its top-k;
+- reindex  has its own indexer queries (`indexer.wq_b`) and re-ranks against the published keys,
+           inside the candidate blocks when a candidate source precedes it; publishes its top-k;
+- reuse    reads the compressed KV and top-k the last source published (pure window layers,
+           ratio 0, are also 'reuse' and read nothing).
+
+What a layer publishes goes into an `AttentionRuntime` passed to every forward, one per stack,
+so two stacks in a process never share state. Arithmetic, dtypes and quantization points follow
+the released reference runtime (`inference/model.py`); departures are named where they occur:
+one rank only, an explicit runtime, `reset_state`, a fixed index layout per query (below) and the
+opt-in `fix_stale_index_keys`.
+
+Prefill runs from position 0; later calls take one token (the reference has no chunked prefill).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kernels import act_quant, fp4_act_quant, sparse_attn
+from .layers import (
+    Linear,
+    RMSNorm,
+    activation_dtype,
+    apply_rotary_emb,
+    init_random_,
+    linear_dtype,
+    precompute_freqs_cis,
+)
+from .trace import AttentionRecord, Trace
+
+# Index-key and indexer-query FP4 blocks (E8M0 scales), compressed-KV FP4 blocks (E4M3 scales),
+# and the sliding window's FP8 blocks: fixed by the trained model's fake quantization.
+INDEX_FP4_BLOCK = 32
+KV_FP4_BLOCK = 16
+WINDOW_FP8_BLOCK = 32
+
+
+class AttentionRuntime:
+    """What the layers of one stack hand down instead of recomputing, plus who wrote it.
+
+    compress_kv / index_k: the cache tensors of the last Full layer that published them (they
+    persist across calls, as caches do); topk: the last index source's selection for the current
+    call, as compressed positions [b, s, index_topk] padded with -1; candidates: the candidate
+    source's position mask [b, s, T] for the current call.
+
+    fix_stale_index_keys=False keeps the reference's behaviour: a Full layer publishes its index
+    keys only on calls where its compressor completes a group, so on the other decode steps its
+    indexer scores against whichever layer published last. True republishes the owner's own key
+    cache on every call, as the Transformers port does.
+    """
+
+    def __init__(self, fix_stale_index_keys: bool = False):
+        self.fix_stale_index_keys = fix_stale_index_keys
+        self.reset()
+
+    def reset(self) -> None:
+        self.compress_kv: Optional[torch.Tensor] = None
+        self.compress_kv_from: Optional[int] = None
+        self.index_k: Optional[torch.Tensor] = None
+        self.index_k_from: Optional[int] = None
+        self.topk: Optional[torch.Tensor] = None
+        self.topk_from: Optional[int] = None
+        self.topk_call: Optional[tuple[int, int]] = None  # (start_pos, seqlen) it was made for
+        self.candidates: Optional[torch.Tensor] = None
+        self.candidates_from: Optional[int] = None
+        self.candidates_call: Optional[tuple[int, int]] = None
+
+    def __repr__(self) -> str:
+        return (f"AttentionRuntime(fix_stale_index_keys={self.fix_stale_index_keys}, "
+                f"compress_kv_from={self.compress_kv_from}, index_k_from={self.index_k_from}, "
+                f"topk_from={self.topk_from}, candidates_from={self.candidates_from})")
+
+
+# ---------------------------------------------------------------------------------- compressor
+class Compressor(nn.Module):
+    """Pools `ratio` consecutive tokens into one KV latent [head_dim] with a learned softmax gate.
+
+    Returns the normalized latents of the groups completed by this call, before RoPE (the
+    indexer needs them unrotated), or None when no group completes. The trailing partial group
+    waits in kv_state / score_state for the next call. Ratio 1 has no group to pool: no gate, a
+    plain BF16 projection. Above ratio 1 the projections and pooling run in float32 (the weights
+    are held in float32, as the reference runtime promotes them).
+    """
+
+    def __init__(self, cfg, layer: int, max_batch_size: int = 1):
+        super().__init__()
+        self.ratio = cfg.compress_ratios[layer]
+        self.head_dim = cfg.head_dim
+        act = activation_dtype(cfg)
+        proj_dtype = torch.float32 if self.ratio > 1 else act
+        self.wkv = Linear(cfg.dim, cfg.head_dim, dtype=proj_dtype)
+        self.norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype=act)
+        if self.ratio > 1:
+            self.wgate = Linear(cfg.dim, cfg.head_dim, dtype=torch.float32)
+            state = (max_batch_size, self.ratio, cfg.head_dim)
+            self.register_buffer("kv_state", torch.zeros(state), persistent=False)
+            self.register_buffer("score_state", torch.full(state, -torch.inf), persistent=False)
+
+    def reset_state(self) -> None:
+        if self.ratio > 1:
+            self.kv_state.zero_()
+            self.score_state.fill_(-torch.inf)
+
+    def forward(self, x: torch.Tensor, start_pos: int) -> Optional[torch.Tensor]:
+        """x [b, s, dim] -> latents [b, n_completed, head_dim] in x.dtype, or None."""
+        bsz, seqlen, _ = x.shape
+        ratio = self.ratio
+        if ratio == 1:
+            return self.norm(self.wkv(x))
+
+        x32 = x.float()
+        kv, score = self.wkv(x32), self.wgate(x32)  # [b, s, head_dim] float32 each
+        if start_pos == 0:
+            n_groups = seqlen // ratio
+            cut = n_groups * ratio
+            if seqlen > cut:  # the partial trailing group waits for the decode steps
+                self.kv_state[:bsz, : seqlen - cut] = kv[:, cut:]
+                self.score_state[:bsz, : seqlen - cut] = score[:, cut:]
+            if n_groups == 0:
+                return None
+            kv = kv[:, :cut].unflatten(1, (n_groups, ratio))  # [b, groups, ratio, head_dim]
+            score = score[:, :cut].unflatten(1, (n_groups, ratio))
+            pooled = (kv * score.softmax(dim=2)).sum(dim=2)  # [b, groups, head_dim]
+        else:
+            slot = start_pos % ratio
+            self.kv_state[:bsz, slot] = kv[:, 0]
+            self.score_state[:bsz, slot] = score[:, 0]
+            if (start_pos + 1) % ratio:
+                return None
+            state_kv, state_score = self.kv_state[:bsz], self.score_state[:bsz]  # [b, ratio, head_dim]
+            pooled = (state_kv * state_score.softmax(dim=1)).sum(dim=1, keepdim=True)
+        return self.norm(pooled.to(x.dtype))
+
+    def _random_init_(self, gen: torch.Generator) -> None:
+        pass  # only children hold parameters
+
+
+# ---------------------------------------------------------------------------------- candidates
+def candidate_block_scores(logits: torch.Tensor, compress_lens: torch.Tensor | int,
+                           block_size: int) -> torch.Tensor:
+    """[..., T] position scores -> [..., ceil(T / block_size)] block scores: a block's best
+    position, -inf when none is reachable, and +inf for the block holding the query's newest
+    reachable position (index compress_len - 1), which is pinned in."""
+    width = logits.size(-1)
+    padded = F.pad(logits, (0, -width % block_size), value=-torch.inf)
+    scores = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)  # [..., n_blocks]
+    # the newest block is usually still filling, so an older full block can out-score it on its
+    # best position; it holds the most recent context, so it is kept regardless
+    newest = (torch.as_tensor(compress_lens, device=logits.device) - 1) // block_size
+    blocks = torch.arange(scores.size(-1), device=logits.device)
+    return scores.masked_fill(blocks == newest, torch.inf)
+
+
+def select_candidate_blocks(logits: torch.Tensor, compress_lens: torch.Tensor | int,
+                            topk_blocks: int, block_size: int) -> torch.Tensor:
+    """Level one of the two-level top-k: a bool mask shaped like `logits` [..., T] keeping each
+    query's `topk_blocks` best blocks of `block_size` compressed positions, the block holding its
+    newest position always among them. `logits` must already be -inf where the query cannot
+    reach; `compress_lens` (reachable count) is an int or broadcasts against logits[..., :1]."""
+    width = logits.size(-1)
+    scores = candidate_block_scores(logits, compress_lens, block_size)
+    top = scores.topk(min(topk_blocks, scores.size(-1)), dim=-1)
+    # with fewer reachable blocks than topk_blocks the spare picks are -inf: not kept
+    keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
+    return keep.repeat_interleave(block_size, dim=-1)[..., :width]
+
+
+def _cut_scores(scores: torch.Tensor, reachable: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k-th and (k+1)-th largest of `scores` [b, s, T] (unreachable entries -inf), float32 [b, s];
+    NaN where the query reaches no more than k entries (`reachable` [s])."""
+    b, s, width = scores.shape
+    nan = scores.new_full((b, s), float("nan"), dtype=torch.float32)
+    if width <= k:
+        return nan, nan.clone()
+    top = scores.float().topk(k + 1, dim=-1).values  # sorted, descending
+    truncated = (reachable > k).view(1, s)
+    return (torch.where(truncated, top[..., k - 1], nan), torch.where(truncated, top[..., k], nan))
+
+
+# ---------------------------------------------------------------------------------- indexer
+class Indexer(nn.Module):
+    """Scores every reachable compressed position for each query and keeps the `index_topk` best.
+
+    FP4 query heads (E8M0 over 32) against one shared index key per compressed position, rectified
+    and mixed over heads by `weights_proj`. A Full layer owns `wk`/`k_norm` and the key cache:
+    keys are wk of the compressor's latent before RoPE, then rotated at the group's first position
+    and FP4-quantized. The candidate source publishes its block mask; later index sources score
+    only inside it.
+    """
+
+    def __init__(self, cfg, layer: int, max_batch_size: int = 1, max_seq_len: int = 4096):
+        super().__init__()
+        self.layer = layer
+        self.ratio = cfg.compress_ratios[layer]
+        self.owns_k = layer in cfg.kv_source_layers
+        cand = cfg.candidate_source_layer if cfg.candidate_source_layer is not None else -1
+        self.is_candidate_source = layer == cand
+        self.uses_candidates = 0 <= cand < layer
+        self.candidate_topk_blocks = cfg.candidate_topk_blocks
+        self.candidate_block_size = cfg.candidate_block_size
+        self.n_heads = cfg.index_n_heads
+        self.head_dim = cfg.index_head_dim
+        self.rope_head_dim = cfg.rope_head_dim
+        self.index_topk = cfg.index_topk
+        self.softmax_scale = self.head_dim ** -0.5
+        act = activation_dtype(cfg)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype=linear_dtype(cfg))
+        self.weights_proj = Linear(cfg.dim, self.n_heads, dtype=act)
+        if self.owns_k:
+            self.wk = Linear(cfg.head_dim, self.head_dim, dtype=act)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, dtype=act)
+            cache = torch.zeros(max_batch_size, max_seq_len // self.ratio, self.head_dim, dtype=act)
+            self.register_buffer("k_cache", cache, persistent=False)
+
+    def reset_state(self) -> None:
+        if self.owns_k:
+            self.k_cache.zero_()
+
+    def _random_init_(self, gen: torch.Generator) -> None:
+        pass
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, latent: Optional[torch.Tensor], start_pos: int,
+                freqs_cis: torch.Tensor, runtime: AttentionRuntime,
+                record: Optional[AttentionRecord] = None, keep_scores: bool = False) -> torch.Tensor:
+        """Compressed positions [b, s, min(index_topk, T)] per query, sorted, -1 where unreachable
+        (T = (start_pos + s) // ratio). `latent` is this layer's pre-RoPE compressor output."""
+        bsz, seqlen, _ = x.shape
+        ratio, rd = self.ratio, self.rope_head_dim
+        end_pos = start_pos + seqlen
+        width = end_pos // ratio
+
+        if self.owns_k:
+            if latent is not None:
+                first = start_pos // ratio
+                k = self.k_norm(self.wk(latent))  # [b, groups, index_head_dim]
+                group_pos = (first + torch.arange(k.size(1), device=k.device)) * ratio
+                apply_rotary_emb(k[..., -rd:], freqs_cis[group_pos])
+                fp4_act_quant(k, INDEX_FP4_BLOCK, inplace=True)
+                self.k_cache[:bsz, first : first + k.size(1)] = k
+            if latent is not None or runtime.fix_stale_index_keys:
+                runtime.index_k, runtime.index_k_from = self.k_cache, self.layer
+        if runtime.index_k is None:
+            raise RuntimeError(f"layer {self.layer}: no index keys have been published; run the layers in "
+                               f"order from a prefill at position 0 (and after reset_state)")
+
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [b, s, heads, index_head_dim]
+        apply_rotary_emb(q[..., -rd:], freqs_cis[start_pos:end_pos])
+        fp4_act_quant(q, INDEX_FP4_BLOCK, inplace=True)
+
+        index_k = runtime.index_k[:bsz, :width]  # [b, T, index_head_dim]
+        weights = self.weights_proj(x) * (self.softmax_scale * self.n_heads ** -0.5)  # [b, s, heads]
+        score = torch.einsum("bshd,btd->bsht", q, index_k)
+        score = (score.relu_() * weights.unsqueeze(-1)).sum(dim=2)  # [b, s, T], activation dtype
+
+        # a compressed position is reachable once the query has passed its group's last token
+        positions = torch.arange(start_pos, end_pos, device=x.device)
+        reachable = (positions + 1) // ratio  # [s]
+        lens = reachable.unsqueeze(-1)  # [s, 1]
+        score = score.masked_fill(torch.arange(width, device=x.device) >= lens, -torch.inf)
+
+        if self.is_candidate_source:
+            mask = select_candidate_blocks(score, lens, self.candidate_topk_blocks, self.candidate_block_size)
+            runtime.candidates, runtime.candidates_from = mask, self.layer
+            runtime.candidates_call = (start_pos, seqlen)
+            if record is not None:
+                block_scores = candidate_block_scores(score, lens, self.candidate_block_size)
+                reach_blocks = -(-reachable // self.candidate_block_size)
+                record.candidate_kth_score, record.candidate_next_score = (
+                    t.cpu() for t in _cut_scores(block_scores, reach_blocks, self.candidate_topk_blocks))
+        elif self.uses_candidates:
+            if runtime.candidates is None or runtime.candidates_call != (start_pos, seqlen) \
+                    or runtime.candidates.shape != score.shape:
+                raise RuntimeError(f"layer {self.layer}: the candidate source has not run for this call "
+                                   f"(or compresses at another ratio); run the layers in order")
+            mask = runtime.candidates
+            score = score.masked_fill(~mask, -torch.inf)
+        else:
+            mask = None
+
+        k_sel = min(self.index_topk, width)
+        idx = score.topk(k_sel, dim=-1, sorted=False).indices.sort(dim=-1).values
+        # A -inf pick at a reachable position is kept, as in the reference: where the candidate
+        # pool holds fewer than index_topk positions, the remainder are positions outside it.
+        selected = torch.where(idx < lens, idx, -1)
+
+        if record is not None:
+            record.index_keys_from = runtime.index_k_from
+            record.kth_score, record.next_score = (t.cpu() for t in _cut_scores(score, reachable, self.index_topk))
+            if keep_scores:
+                record.index_scores = score.float().cpu()
+            if mask is not None:
+                bs = self.candidate_block_size
+                record.candidate_blocks = mask[..., ::bs].cpu()
+                record.candidates_from = runtime.candidates_from
+        return selected
+
+
+# ---------------------------------------------------------------------------------- attention
+class Attention(nn.Module):
+    """One CSA2 attention layer: low-rank queries, a shared K=V latent, a sliding window ring of
+    FP8-QAT KV plus (ratio > 0) the selected compressed positions as FP4 (E4M3 scales over 16),
+    one sparse_attn call with a per-head sink, and a grouped low-rank output projection.
+
+    Parameter names and runtime dtypes are the checkpoint's / reference runtime's (wo_a is held in
+    BF16 although the checkpoint stores it FP8; ratio > 1 compressor projections in float32).
+    `max_batch_size` and `max_seq_len` size the caches and the RoPE table.
+    """
+
+    def __init__(self, cfg, layer: int, *, max_batch_size: int = 1, max_seq_len: int = 4096):
+        super().__init__()
+        n_total = cfg.n_layers + (cfg.n_mtp_layers or 0)
+        if not 0 <= layer < n_total:
+            raise ValueError(f"layer {layer} is outside the config's {n_total} layers")
+        self.layer = layer
+        self.dim, self.n_heads, self.head_dim = cfg.dim, cfg.n_heads, cfg.head_dim
+        self.rope_head_dim = cfg.rope_head_dim
+        self.n_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
+        self.window_size = cfg.window_size
+        self.index_topk = cfg.index_topk
+        self.ratio = cfg.compress_ratios[layer]
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.softmax_scale = self.head_dim ** -0.5
+        # MTP layers are never sources; within the backbone the config decides
+        self.mode = cfg.layer_mode(layer) if layer < cfg.n_layers else "reuse"
+        if self.mode != "reuse" and self.ratio == 0:
+            raise ValueError(f"layer {layer} is a {self.mode} layer with compress ratio 0")
+        act, lin = activation_dtype(cfg), linear_dtype(cfg)
+
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32), requires_grad=False)
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, dtype=lin)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, dtype=act)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype=lin)
+        self.wkv = Linear(cfg.dim, self.head_dim, dtype=lin)
+        self.kv_norm = RMSNorm(self.head_dim, cfg.norm_eps, dtype=act)
+        # block-diagonal over groups: group g projects only its own heads, applied by einsum
+        self.wo_a = Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank, dtype=act)
+        self.wo_b = Linear(self.n_groups * self.o_lora_rank, cfg.dim, dtype=lin)
+
+        self.compressor = Compressor(cfg, layer, max_batch_size) if self.mode == "full" else None
+        self.indexer = (Indexer(cfg, layer, max_batch_size, max_seq_len)
+                        if self.mode in ("full", "reindex") else None)
+
+        self.register_buffer("window_kv_cache", torch.zeros(max_batch_size, self.window_size, self.head_dim,
+                                                            dtype=act), persistent=False)
+        if self.mode == "full":
+            self.register_buffer("compress_kv_cache", torch.zeros(max_batch_size, max_seq_len // self.ratio,
+                                                                  self.head_dim, dtype=act), persistent=False)
+        # layers reading compressed positions rotate at compress_rope_theta with YaRN; pure window
+        # layers at rope_theta without
+        if self.ratio:
+            base, original = cfg.compress_rope_theta, cfg.original_seq_len
+        else:
+            base, original = cfg.rope_theta, 0
+        freqs = precompute_freqs_cis(self.rope_head_dim, max_seq_len, original, base, cfg.rope_factor,
+                                     cfg.beta_fast, cfg.beta_slow)
+        self.register_buffer("freqs_cis", freqs, persistent=False)
+
+    # ------------------------------------------------------------------ state
+    def reset_state(self) -> None:
+        """Forget everything a previous forward left behind (window ring, compressor tail,
+        compressed KV, index keys)."""
+        self.window_kv_cache.zero_()
+        if self.compressor is not None:
+            self.compressor.reset_state()
+            self.compress_kv_cache.zero_()
+        if self.indexer is not None:
+            self.indexer.reset_state()
+
+    def _random_init_(self, gen: torch.Generator) -> None:
+        self.attn_sink.copy_(torch.randn(self.n_heads, generator=gen) * 0.5)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, start_pos: int, runtime: AttentionRuntime,
+                trace: Optional[Trace] = None) -> torch.Tensor:
+        """x [b, s, dim] -> [b, s, dim]. start_pos 0 is a prefill of any length; later calls take
+        one token. Reads and writes `runtime`; appends an AttentionRecord to `trace` if given."""
+        bsz, seqlen, _ = x.shape
+        if start_pos > 0 and seqlen != 1:
+            raise ValueError(f"layer {self.layer}: a call at start_pos {start_pos} takes one token, got {seqlen} "
+                             f"(prefill starts at 0; there is no chunked prefill)")
+        if start_pos + seqlen > self.max_seq_len or bsz > self.max_batch_size:
+            raise ValueError(f"layer {self.layer}: batch {bsz} x positions up to {start_pos + seqlen} exceed the "
+                             f"caches ({self.max_batch_size} x {self.max_seq_len}); build with larger limits")
+        record = None
+        if trace is not None:
+            record = AttentionRecord(layer=self.layer, mode=self.mode, compress_ratio=self.ratio,
+                                     start_pos=start_pos, seqlen=seqlen)
+        rd = self.rope_head_dim
+        freqs = self.freqs_cis[start_pos : start_pos + seqlen]
+
+        qr = self.q_norm(self.wq_a(x))  # [b, s, q_lora_rank]
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [b, s, heads, head_dim]
+        apply_rotary_emb(q[..., -rd:], freqs)
+
+        kv, idxs = self._window(x, freqs, start_pos)  # [b, n_kv, head_dim], [b, s, window]
+        if self.ratio:
+            compress_kv, selected = self._compressed(x, qr, start_pos, runtime, record, trace)
+            # selected positions index the compressed rows appended after the window rows
+            idxs = torch.cat([idxs, torch.where(selected >= 0, selected + kv.size(1), -1)], dim=-1)
+            kv = torch.cat([kv, compress_kv], dim=1)
+            if record is not None:
+                record.selected = selected.cpu()
+                record.reachable = (torch.arange(start_pos, start_pos + seqlen) + 1) // self.ratio
+
+        o = sparse_attn(q, kv, self.attn_sink, idxs, self.softmax_scale)  # [b, s, heads, head_dim]
+        # the values carry their key's rotation; taking the query's off leaves relative position
+        apply_rotary_emb(o[..., -rd:], freqs, inverse=True)
+
+        o = o.view(bsz, seqlen, self.n_groups, -1)  # [b, s, groups, heads/groups * head_dim]
+        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)  # [b, s, groups, o_lora_rank]
+        out = self.wo_b(o.flatten(2))
+        if record is not None:
+            if trace.keep_outputs:
+                record.output = out.detach().cpu()
+            trace.attention.append(record)
+        return out
+
+    def _window(self, x: torch.Tensor, freqs: torch.Tensor, start_pos: int):
+        """This layer's window KV (FP8 QAT over 32, RoPE tail included) and, per query, the rows of
+        it to attend: [b, s, window] with the present positions first, oldest first, then -1."""
+        bsz, seqlen, _ = x.shape
+        win = self.window_size
+        kv = self.kv_norm(self.wkv(x))  # [b, s, head_dim]
+        apply_rotary_emb(kv[..., -self.rope_head_dim :], freqs)
+        act_quant(kv, WINDOW_FP8_BLOCK, "ue8m0", torch.float8_e8m0fnu, inplace=True)
+        if start_pos == 0:
+            # seed the ring: position p lives in slot p % win
+            keep = min(seqlen, win)
+            slots = torch.arange(seqlen - keep, seqlen, device=x.device) % win
+            self.window_kv_cache[:bsz, slots] = kv[:, seqlen - keep :]
+            window_kv = kv
+        else:
+            self.window_kv_cache[:bsz, start_pos % win] = kv[:, 0]
+            window_kv = self.window_kv_cache[:bsz]
+
+        # One layout for prefill and decode alike, so the same query reduces over the same row
+        # order either way (sparse_attn sums in row order; the reference's decode lists the ring
+        # oldest-first with absent slots in front, its prefill puts them behind).
+        positions = torch.arange(start_pos, start_pos + seqlen, device=x.device)
+        oldest = (positions - win + 1).clamp_min(0)
+        seen = oldest.unsqueeze(-1) + torch.arange(win, device=x.device)  # [s, win]
+        rows = seen if start_pos == 0 else seen % win
+        idxs = torch.where(seen <= positions.unsqueeze(-1), rows, -1)
+        return window_kv, idxs.int().unsqueeze(0).expand(bsz, -1, -1)
+
+    def _compressed(self, x, qr, start_pos, runtime: AttentionRuntime, record, trace):
+        """The shared compressed KV [b, T, head_dim] and each query's selected compressed
+        positions [b, s, index_topk] (-1 padded). Full layers compress and publish first; the
+        indexer takes the latent before it is rotated and quantized into the cache."""
+        bsz, seqlen, _ = x.shape
+        ratio = self.ratio
+        width = (start_pos + seqlen) // ratio
+        latent = None
+        if self.mode == "full":
+            latent = self.compressor(x, start_pos)
+            runtime.compress_kv, runtime.compress_kv_from = self.compress_kv_cache, self.layer
+            if record is not None:
+                record.wrote_compressed = latent is not None
+
+        if self.indexer is not None:
+            if width == 0:
+                selected = torch.full((bsz, seqlen, 0), -1, dtype=torch.long, device=x.device)
+                if record is not None:  # nothing reachable yet, so nothing truncated
+                    record.kth_score = torch.full((bsz, seqlen), float("nan"))
+                    record.next_score = record.kth_score.clone()
+            else:
+                keep = trace is not None and trace.keep_index_scores
+                selected = self.indexer(x, qr, latent, start_pos, self.freqs_cis, runtime, record, keep)
+            # a fixed width, so prefill and decode rows have one layout (see _window)
+            selected = F.pad(selected, (0, self.index_topk - selected.size(-1)), value=-1).int()
+            runtime.topk, runtime.topk_from, runtime.topk_call = selected, self.layer, (start_pos, seqlen)
+        else:
+            if runtime.topk is None or runtime.topk_call != (start_pos, seqlen) or runtime.topk.size(0) != bsz:
+                raise RuntimeError(f"layer {self.layer} reuses an index source's top-k, but none ran for this call; "
+                                   f"run the layers in order")
+            selected = runtime.topk
+        if record is not None:
+            record.selected_by = runtime.topk_from
+
+        if latent is not None:
+            first = start_pos // ratio
+            group_pos = (first + torch.arange(latent.size(1), device=x.device)) * ratio
+            # one latent stands for its whole group and is rotated at the group's first token
+            apply_rotary_emb(latent[..., -self.rope_head_dim :], self.freqs_cis[group_pos])
+            fp4_act_quant(latent, KV_FP4_BLOCK, inplace=True, scale_dtype=torch.float8_e4m3fn)
+            self.compress_kv_cache[:bsz, first : first + latent.size(1)] = latent
+        if runtime.compress_kv is None:
+            raise RuntimeError(f"layer {self.layer} reads compressed KV, but no KV source has run")
+        return runtime.compress_kv[:bsz, :width], selected
+
+
+# ---------------------------------------------------------------------------------- stack
+class AttentionStack(nn.Module):
+    """One Attention per backbone layer and one shared runtime, for tests and notebooks.
+
+    `forward` runs a residual chain (each layer reads the RMS-normalized stream, parameter-free,
+    and adds its output back); `forward_each` feeds the same input to every layer and returns each
+    layer's output, so a difference in one layer cannot leak into the next. Both advance the
+    caches; call `reset_state()` before an unrelated sequence.
+    """
+
+    def __init__(self, cfg, *, max_batch_size: int = 1, max_seq_len: int = 4096,
+                 fix_stale_index_keys: bool = False, seed: Optional[int] = None):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(Attention(cfg, i, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+                                    for i in range(cfg.n_layers))
+        self.runtime = AttentionRuntime(fix_stale_index_keys=fix_stale_index_keys)
+        if seed is not None:
+            init_random_(self, seed)
+
+    def reset_state(self) -> None:
+        for layer in self.layers:
+            layer.reset_state()
+        self.runtime.reset()
+
+    def forward(self, x: torch.Tensor, start_pos: int, trace: Optional[Trace] = None) -> torch.Tensor:
+        h = x
+        for layer in self.layers:
+            normed = F.rms_norm(h.float(), (h.size(-1),), eps=self.cfg.norm_eps).to(h.dtype)
+            h = h + layer(normed, start_pos, self.runtime, trace)
+        return h
+
+    def forward_each(self, x: torch.Tensor, start_pos: int, trace: Optional[Trace] = None) -> torch.Tensor:
+        """[n_layers, b, s, dim]: every layer's output on the same input x."""
+        return torch.stack([layer(x, start_pos, self.runtime, trace) for layer in self.layers])
