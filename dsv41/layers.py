@@ -9,7 +9,6 @@ requires_grad=False.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
