@@ -133,47 +133,11 @@ def layer_of(name: str) -> tuple[str, int] | None:
 
 
 # ---------------------------------------------------------------------- Engram rows
-def _is_prime(n: int) -> bool:
-    if n < 2:
-        return False
-    for p in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
-        if n % p == 0:
-            return n == p
-    d, s = n - 1, 0
-    while d % 2 == 0:
-        d, s = d // 2, s + 1
-    # these twelve bases make Miller-Rabin exact for every n below 3.3e24
-    for a in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(s - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
-
-
-def engram_primes(cfg: Config) -> list[list[int]]:
-    """Bucket sizes per Engram layer: one prime per (n-gram size >= 2, head), drawn in ascending
-    order from engram_vocab_size upwards and never reused, so the layers' ranges are disjoint."""
-    per_layer = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
-    out, candidate = [], cfg.engram_vocab_size
-    for _ in cfg.engram_layer_ids:
-        primes = []
-        while len(primes) < per_layer:
-            if _is_prime(candidate):
-                primes.append(candidate)
-            candidate += 1
-        out.append(primes)
-    return out
-
-
 def derived_engram_rows(cfg: Config) -> tuple[int, ...]:
-    """Rows each Engram table needs: the sum of its bucket sizes (the largest hash id + 1)."""
-    return tuple(sum(primes) for primes in engram_primes(cfg))
+    """Rows each Engram table needs, from the one prime layout (dsv41.engram, standard library)."""
+    from dsv41.engram import EngramLayout
+
+    return EngramLayout.from_config(cfg).derived_num_embeddings
 
 
 # ---------------------------------------------------------------------- the inventory

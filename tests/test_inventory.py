@@ -158,9 +158,6 @@ def test_mtp_asymmetries(by_name):
 
 
 def test_engram_rows_derive_from_the_prime_layout():
-    primes = inv.engram_primes(RELEASED)
-    assert [len(p) for p in primes] == [24, 24]
-    assert (primes[0][0], primes[0][-1], primes[1][0], primes[1][-1]) == (16000057, 16000463, 16000477, 16000889)
     assert inv.derived_engram_rows(RELEASED) == (384006168, 384016682)
     assert inv.derived_engram_rows(RELEASED.replace(engram_n_heads=7)) == (336004849, 336012883)
 
