@@ -254,3 +254,17 @@ def test_package_import_stays_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     assert dsv41.load is load
+
+
+def test_a_callers_default_dtype_changes_nothing(model, tiny_checkpoint):
+    prompt = model.encode("Default dtypes belong to the caller.")
+    want = [model(prompt, 0)] + [model([t], len(prompt) + i) for i, t in enumerate((5, 9, 11))]
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        other = load(tiny_checkpoint, quiet=True)
+        got = [other(prompt, 0)] + [other([t], len(prompt) + i) for i, t in enumerate((5, 9, 11))]
+    finally:
+        torch.set_default_dtype(before)
+    assert other.backbone.layers[2].attn.compressor.kv_state.dtype == torch.float32
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
