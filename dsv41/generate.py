@@ -177,12 +177,11 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
 
     began = time.perf_counter()
     if finish == "length" and max_new_tokens > 1:
-        wrapped = None
-        if callback is not None:
-            def wrapped(step, token, lg):
-                return callback(step + 1, token, lg)
+        def shifted(step, token, lg):  # decode_n counts from 0; the prefill made token 0
+            return callback(step + 1, token, lg)
+
         more = decode_n(model, ids[-1], max_new_tokens - 1, temperature=temperature, generator=generator,
-                        callback=wrapped, stop_ids=stop_ids, trace=ftrace, steps=steps)
+                        callback=shifted if callback is not None else None, stop_ids=stop_ids, trace=ftrace, steps=steps)
         ids += more
         if more and more[-1] in stop_ids:
             finish = "eos"

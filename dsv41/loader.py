@@ -237,8 +237,6 @@ class ExpertCache:
         self._lru: dict[int, OrderedDict] = {}
 
     def fetch(self, layer: int, expert_ids: Sequence[int]):
-        from .model import PackedExpert
-
         window = self._lru.setdefault(layer, OrderedDict())
         out = []
         for e in expert_ids:
