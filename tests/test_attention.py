@@ -30,13 +30,7 @@ MAX_SEQ = 64
 FULL, REINDEX, REUSE = (2, 4), (6,), (0, 1, 3, 5, 7)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # these tensors are tiny: on a shared 2-core machine, intra-op threads only wait for each other
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _x(seqlen, seed=0, batch=1):

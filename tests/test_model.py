@@ -28,13 +28,7 @@ from dsv41.model import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # small tensors on a shared two-core machine: threads only contend
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------- routing
