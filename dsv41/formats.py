@@ -22,8 +22,8 @@ import os
 
 import torch
 
-E4M3_MAX = 448.0
-E2M1_MAX = 6.0
+# the bit-level codecs are the op layer's: one E2M1 rounding rule for weights and activations
+from dsv41.kernels.codecs import E2M1_MAX, E4M3_MAX, e2m1_encode, fp4_to_float, pack_fp4
 FP8_BLOCK = (32, 32)
 ENGRAM_BLOCK = (1, 32)
 FP4_BLOCK = 32
@@ -141,40 +141,6 @@ def dequantize_engram_rows(rows: torch.Tensor, scales: torch.Tensor, dtype: torc
 
 
 # ---------------------------------------------------------------------- FP4 experts
-# The eight E2M1 magnitudes by 3-bit code; bit 3 of a 4-bit code is the sign. The op layer has its
-# own codec for activations; this one only has to agree with it bit for bit (tests/test_formats.py
-# checks), and keeps writing a checkpoint independent of the op layer.
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """float32 values within +-6 -> uint8 4-bit E2M1 codes, round half to even, sign kept on zero."""
-    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
-    mids = (mags[1:] + mags[:-1]) / 2  # exact: every midpoint is a short binary fraction
-    a = x.float().abs()
-    code = torch.bucketize(a, mids, right=True)  # a tie lands on the upper code ...
-    tie = (code > 0) & (a == mids[(code - 1).clamp(min=0)])
-    code = code - (tie & (code % 2 == 1)).to(code.dtype)  # ... and moves down when that one is odd
-    return code.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
-
-
-def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 4-bit codes -> float32 values."""
-    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
-    table = torch.cat([mags, -mags])
-    return table[(codes & 0x0F).long()]
-
-
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [..., K] -> uint8 [..., K/2]; element 2i in the low nibble, 2i+1 in the high."""
-    return (codes[..., 0::2] & 0x0F) | ((codes[..., 1::2] & 0x0F) << 4)
-
-
-def unpack_nibbles(raw: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., K/2] -> uint8 codes [..., K], low nibble first."""
-    return torch.stack([raw & 0x0F, raw >> 4], dim=-1).flatten(-2)
-
-
 def quantize_fp4(weight: torch.Tensor, block: int = FP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """float [N, K] -> (int8 [N, K/2] holding two E2M1 values per byte, float8_e8m0fnu [N, K/block])."""
     if weight.ndim != 2 or weight.shape[1] % block:
@@ -185,14 +151,14 @@ def quantize_fp4(weight: torch.Tensor, block: int = FP4_BLOCK) -> tuple[torch.Te
     groups = x.unflatten(-1, (-1, block))  # [N, K/block, block]
     e = pow2_exponent(groups.abs().amax(dim=-1), E2M1_MAX)  # [N, K/block]
     scaled = (groups.to(torch.float64) / _exp2(e).unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX)
-    codes = e2m1_codes(scaled.to(torch.float32).flatten(-2))  # [N, K] uint8
-    packed = pack_nibbles(codes).view(torch.int8)  # [N, K/2], as the release stores it
+    codes = e2m1_encode(scaled.to(torch.float32).flatten(-2))  # [N, K] uint8
+    packed = pack_fp4(codes).view(torch.int8)  # [N, K/2], as the release stores it
     return packed, e8m0_from_exponent(e)
 
 
 def fp4_values(packed: torch.Tensor) -> torch.Tensor:
     """int8 / uint8 / float4_e2m1fn_x2 [..., K/2] -> unscaled float32 E2M1 values [..., K]."""
-    return e2m1_values(unpack_nibbles(packed.contiguous().view(torch.uint8)))
+    return fp4_to_float(packed.contiguous().view(torch.uint8))
 
 
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, block: int = FP4_BLOCK,

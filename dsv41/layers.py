@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import E4M3_MAX, e8m0_decode, e8m0_encode, fp4_act_quant, linear, pow2_ceil, to_e4m3
+from .formats import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp4, quantize_fp8_blocks
+from .kernels import linear
 
 # One FP8 weight scale per 32 x 32 block, one FP4 weight scale per 32 elements along K.
 WEIGHT_BLOCK = 32
@@ -116,30 +117,20 @@ def _rows_padded_fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Ten
 
 
 # ---------------------------------------------------------------------------------- weights
-def quantize_weight_fp8(w: torch.Tensor, block: int = WEIGHT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [N, K] -> (float8_e4m3fn [N, K], E8M0 scales [ceil(N/block), ceil(K/block)]), the
-    checkpoint's layout: one power-of-two scale per block x block tile."""
-    n, k = w.shape
-    padded = F.pad(w.float(), (0, -k % block, 0, -n % block))
-    tiles = padded.unflatten(0, (-1, block)).unflatten(2, (-1, block))  # [N/b, b, K/b, b]
-    amax = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-4)  # [N/b, K/b]
-    scale = pow2_ceil(amax / E4M3_MAX)
-    values = to_e4m3(tiles / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:n, :k]
-    return values.contiguous(), e8m0_encode(scale)
+def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (float8_e4m3fn [N, K], E8M0 [ceil(N/32), ceil(K/32)]): the checkpoint's layout."""
+    return quantize_fp8_blocks(w)
 
 
-def dequantize_weight_fp8(values: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16,
-                          block: int = WEIGHT_BLOCK) -> torch.Tensor:
+def dequantize_weight_fp8(values: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
     """Inverse of quantize_weight_fp8 (what a loader does to wo_a, held in BF16 at runtime)."""
-    n, k = values.shape
-    s = e8m0_decode(scale) if scale.dtype == torch.float8_e8m0fnu else scale.float()
-    s = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
-    return (values.float() * s).to(dtype)
+    return dequantize_fp8_blocks(values, scale, FP8_BLOCK, dtype)
 
 
 def quantize_weight_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float [N, K] -> (packed float4_e2m1fn_x2 [N, K/2], E8M0 scales [N, K/32])."""
-    return fp4_act_quant(w.float(), WEIGHT_BLOCK, scale_dtype=torch.float8_e8m0fnu)
+    packed, scale = quantize_fp4(w)
+    return packed.view(torch.float4_e2m1fn_x2), scale
 
 
 def init_random_(module: nn.Module, seed: int) -> nn.Module:
