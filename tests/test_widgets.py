@@ -1,0 +1,279 @@
+"""widgets/: each render over hand-made plain data, the LRU replay against a hand-worked sequence,
+the adapters on a real tiny generation, byte-identical export, and the prompt probe's run handler
+(built and driven without a kernel)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from matplotlib.colors import to_rgba
+from matplotlib.figure import Figure
+
+import widgets
+from dsv41 import viz
+from widgets.cache import call_lookups, lru_replay, replay_counts
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------- the LRU replay
+def test_lru_replay_matches_a_hand_worked_sequence():
+    seq = [1, 2, 1, 3, 2, 1]
+    # capacity 2: 1 miss [1]; 2 miss [1 2]; 1 hit [2 1]; 3 miss, evicts 2 [1 3]; 2 miss, evicts 1 [3 2];
+    # 1 miss, evicts 3 [2 1]
+    assert lru_replay(seq, 2) == [False, False, True, False, False, False]
+    # capacity 3: nothing is evicted until 3 arrives, and then nothing that comes back
+    assert lru_replay(seq, 3) == [False, False, True, False, True, True]
+    assert lru_replay(seq, 1) == [False] * 6
+    assert lru_replay(seq, 0) == [False] * 6  # keeps nothing, as ExpertCache(capacity=0)
+    assert lru_replay([5, 5, 5], 1) == [False, True, True]
+    # recency, not insertion order: the hit on 1 saves it from the eviction that takes 2
+    assert lru_replay([1, 2, 1, 3, 1, 2], 2) == [False, False, True, False, True, False]
+    with pytest.raises(ValueError):
+        lru_replay(seq, -1)
+
+
+def test_replay_counts_keep_call_boundaries():
+    assert call_lookups([[3, 1], [1, 2]]) == [1, 2, 3]  # a call looks each distinct expert up once
+    # calls [1 2] | [1 3] | [1 2] through capacity 2: 1m 2m | 1h 3m(evicts 2) | 1h 2m(evicts 3)
+    assert replay_counts([[1, 2], [1, 3], [1, 2]], 2) == [[0, 2], [1, 1], [1, 1]]
+    assert replay_counts([[1, 2], [1, 3], [1, 2]], 3) == [[0, 2], [1, 1], [2, 0]]
+    assert replay_counts([], 4) == []
+
+
+# ---------------------------------------------------------------------- renders over plain data
+def _routing_plain():
+    load_pre = [[2, 1, 1, 0], [4, 0, 0, 0]]
+    load_dec = [[0, 1, 1, 0], [0, 1, 1, 0]]
+    load_all = [[a + b for a, b in zip(p, d)] for p, d in zip(load_pre, load_dec)]
+    mean = lambda loads: [[0.5 if n else None for n in row] for row in loads]
+    return {"layers": [0, 1], "n_experts": 4, "top_k": 2, "n_tokens": {"all": 3, "prefill": 2, "decode": 1},
+            "load": {"all": load_all, "prefill": load_pre, "decode": load_dec},
+            "weight_sum": {}, "weight_mean": {"all": mean(load_all), "prefill": mean(load_pre), "decode": mean(load_dec)},
+            "balance": {"all": widgets.balance(load_all), "prefill": widgets.balance(load_pre),
+                        "decode": widgets.balance(load_dec)}}
+
+
+def test_balance_by_hand():
+    even, one = widgets.balance([[2, 2, 2, 2], [8, 0, 0, 0]]), widgets.balance([[0, 0, 0, 0]])
+    assert even["max_over_mean"] == [1.0, 4.0] and even["unused"] == [0, 3]
+    assert math.isclose(even["entropy"][0], 1.0) and even["entropy"][1] == 0.0
+    assert one == {"max_over_mean": [None], "entropy": [None], "unused": [4]}
+
+
+def test_routing_render_draws_the_data():
+    data = _routing_plain()
+    fig = widgets.render_routing(data, phase="prefill")
+    assert isinstance(fig, Figure)
+    ax_load, ax_w, ax_max, ax_ent = fig.axes[:4]
+    assert len(fig.axes) == 6  # four panels and two colorbars
+    assert np.array_equal(ax_load.get_images()[0].get_array(), np.array(data["load"]["prefill"]))
+    assert [b.get_height() for b in ax_max.patches] == data["balance"]["prefill"]["max_over_mean"]
+    assert [b.get_height() for b in ax_ent.patches] == pytest.approx(data["balance"]["prefill"]["entropy"])
+    assert ax_w.get_images()[0].get_array().mask.tolist() == [[False, False, False, True], [False, True, True, True]]
+    assert "2 tokens" in fig._suptitle.get_text()
+    decode = widgets.render_routing(data, phase="decode")
+    assert np.array_equal(decode.axes[0].get_images()[0].get_array(), np.array(data["load"]["decode"]))
+    with pytest.raises(ValueError):
+        widgets.render_routing(data, phase="later")
+
+
+def _cache_plain():
+    return {"layers": [0, 1], "n_experts": 3, "capacity": 1,
+            "steps": [{"start_pos": 0, "seqlen": 4}, {"start_pos": 4, "seqlen": 1}],
+            "hits": [[0, 1], [0, 0]], "misses": [[3, 1], [2, 2]], "recorded_hit_rate": 1 / 8,
+            "lookups": [5, 4], "distinct": [3, 3], "lookup_ids": {},
+            "replay_sizes": [0, 1, 2, 3], "replay_hit_rate": [0.0, 0.125, 0.25, 0.25],
+            "replay_hit_rate_by_layer": [[0.0, 0.2, 0.4, 0.4], [0.0, 0.0, 0.0, 0.0]]}
+
+
+def test_cache_render_draws_the_data():
+    data = _cache_plain()
+    fig = widgets.render_cache(data, highlight=2)
+    assert isinstance(fig, Figure)
+    ax_map, ax_curve = fig.axes[:2]
+    rate = ax_map.get_images()[0].get_array()
+    assert rate.tolist() == [[0.0, 0.5], [0.0, 0.0]]
+    lines = ax_curve.get_lines()
+    overall = [ln for ln in lines if ln.get_label() == "LRU replay, all layers"][0]
+    assert list(overall.get_ydata()) == data["replay_hit_rate"]
+    star = [ln for ln in lines if ln.get_label().startswith("recorded")][0]
+    assert (list(star.get_xdata()), list(star.get_ydata())) == ([1], [0.125])
+    assert len([ln for ln in lines if ln.get_label().startswith("_")]) == 2 + 1  # one grey per layer, the highlight
+    assert any(t.get_text() == "size 2: 0.250" for t in ax_curve.texts)
+    assert [t.get_text() for t in ax_map.get_xticklabels()] == ["prefill", "1"]
+
+
+def _ties_plain(comparison=True):
+    nan = None
+    data = {"positions": [0, 1, 2, 3, 4, 5], "prompt_tokens": 4, "layers": [0, 1, 2],
+            "rows": ["1 index", "1 blocks"], "row_layers": [1, 1],
+            "gap": [[nan, nan, 0.5, 0.0, 0.2, 0.0], [nan, nan, nan, 0.1, 0.0, 0.3]], "ties": [2, 1],
+            "first_cut": 2, "margin_positions": [3, 4, 5], "margins": [0.0, 0.3, 0.05], "tokens": [7, 8, 9],
+            "comparison": None}
+    if comparison:
+        data["comparison"] = {"positions": 5, "max_abs_diff": [0.0, 0.0, 0.0, 0.4, 0.1], "max_abs_logit": 3.0,
+                              "first_logit_divergence": 3, "first_argmax_divergence": None,
+                              "selection_parting": {"1": 3, "2": 3}, "routing_parting": {"2": 4}}
+    return data
+
+
+def test_tie_render_draws_the_data():
+    fig = widgets.render_ties(_ties_plain(), tol=0.0)
+    assert isinstance(fig, Figure)
+    ax_gap, ax_part, ax_diff, ax_margin = fig.axes[:4]
+    assert len(fig.axes) == 5  # four rows and the gap colorbar
+    ties = [ln for ln in ax_gap.get_lines() if ln.get_label().startswith("tie")][0]
+    assert sorted(zip(ties.get_xdata(), ties.get_ydata())) == [(3, 0), (4, 1), (5, 0)]  # (position, row)
+    gap = ax_gap.get_images()[0].get_array()
+    assert gap.mask[:, :2].all() and not gap.mask[0, 2:].any()  # nothing cut before position 2
+    sel = [ln for ln in ax_part.get_lines() if ln.get_label() == "selections part"][0]
+    assert sorted(zip(sel.get_xdata(), sel.get_ydata())) == [(3, 1), (3, 2)]
+    assert list(ax_diff.get_lines()[0].get_ydata()) == [0.0, 0.0, 0.0, 0.4, 0.1]
+    assert [b.get_height() for b in ax_margin.patches] == [0.0, 0.3, 0.05]
+    assert [b.get_facecolor() for b in ax_margin.patches] == [to_rgba(c) for c in
+                                                              (viz.PALETTE[3], viz.PALETTE[2], viz.PALETTE[2])]
+    # a looser tolerance marks near-ties too: gaps 0.1 and margin 0.05
+    loose = widgets.render_ties(_ties_plain(), tol=0.1)
+    ties = [ln for ln in loose.axes[0].get_lines() if ln.get_label().startswith("tie")][0]
+    assert len(ties.get_xdata()) == 4
+
+
+def test_tie_render_without_a_comparison_says_so():
+    fig = widgets.render_ties(_ties_plain(comparison=False))
+    assert any("no prefill / decode comparison" in t.get_text() for t in fig.axes[1].texts)
+    assert all(len(ln.get_xdata()) == 2 for ln in fig.axes[2].get_lines())  # only the vertical markers, no curve
+
+
+def test_export_twice_gives_identical_bytes(tmp_path):
+    view = widgets.CacheView(_cache_plain())
+    first = view.export("cache", str(tmp_path / "a"))
+    again = view.export("cache", str(tmp_path / "b"))
+    fresh = widgets.CacheView(_cache_plain()).export("cache", str(tmp_path / "c"))  # a new figure, same data
+    for ext in ("png", "svg", "json"):
+        data = open(first[ext], "rb").read()
+        assert data == open(again[ext], "rb").read() == open(fresh[ext], "rb").read(), ext
+    sidecar = json.loads(open(first["json"]).read())
+    assert sidecar["replay_hit_rate"] == [0.0, 0.125, 0.25, 0.25] and sidecar["options"] == {"highlight": 1}
+
+
+def test_view_controls_re_render_without_a_kernel():
+    view = widgets.CacheView(_cache_plain())
+    box = view.widget
+    slider, image = box.children
+    before = bytes(image.value)
+    slider.value = 3  # what a person dragging the slider does
+    assert view.options["highlight"] == 3 and bytes(image.value) != before
+    assert any(t.get_text() == "size 3: 0.250" for t in view.figure.axes[1].texts)
+
+
+# ---------------------------------------------------------------------- adapters on a real generation
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    from dsv41.loader import load
+
+    return load(tiny_checkpoint, expert_cache=5, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def run(model):
+    """A cold-cache traced generation and the comparison over its first 12 traced positions."""
+    model.experts.clear()
+    result = model.generate("Routing, caching and ties on the tiny model", max_new_tokens=4, trace=True,
+                            stop_at_eos=False)
+    comparison = model.compare_prefill_decode(widgets.traced_ids(result, 12))
+    return result, comparison
+
+
+def test_routing_adapter_on_a_generation(model, run):
+    result, _ = run
+    cfg = model.cfg
+    data = widgets.routing_data(result, n_experts=cfg.n_routed_experts)
+    n = len(result.prompt_ids) + len(result.ids) - 1
+    assert data["layers"] == list(range(cfg.n_layers)) and data["top_k"] == cfg.n_activated_experts
+    assert data["n_tokens"] == {"all": n, "prefill": len(result.prompt_ids), "decode": len(result.ids) - 1}
+    for phase in ("all", "prefill", "decode"):
+        assert [sum(row) for row in data["load"][phase]] == [data["n_tokens"][phase] * cfg.n_activated_experts] * cfg.n_layers
+    ids = result.trace.routing()[3]["expert_ids"][0]
+    assert data["load"]["all"][3] == torch.bincount(ids.flatten(), minlength=cfg.n_routed_experts).tolist()
+    json.dumps(viz.to_jsonable(data), allow_nan=False)
+
+
+def test_cache_adapter_replays_the_recorded_cache(model, run):
+    result, _ = run
+    data = widgets.cache_data(result, capacity=5, n_experts=model.cfg.n_routed_experts)
+    assert data["replay_sizes"] == list(range(17)) and len(data["steps"]) == len(result.ids)
+    for i, layer in enumerate(data["layers"]):
+        recorded = [[h, m] for h, m in zip(data["hits"][i], data["misses"][i])]
+        assert data["replay_at_capacity"][str(layer)] == recorded, layer  # call by call
+        assert sum(map(sum, recorded)) == data["lookups"][i]
+    assert data["replay_hit_rate"][5] == data["recorded_hit_rate"]
+    assert data["replay_hit_rate"][0] == 0.0 and data["replay_hit_rate"][-1] == pytest.approx(
+        1 - sum(data["distinct"]) / sum(data["lookups"]))
+    rates = data["replay_hit_rate"]
+    assert all(a <= b for a, b in zip(rates, rates[1:]))  # LRU is a stack algorithm
+    # the first call is the prefill: a cold cache misses on every distinct expert
+    assert [row[0] for row in data["hits"]] == [0] * len(data["layers"])
+
+
+def test_tie_adapter_on_a_generation(model, run):
+    result, comparison = run
+    data = widgets.tie_data(result, comparison)
+    n = len(result.prompt_ids) + len(result.ids) - 1
+    assert data["positions"] == list(range(n))
+    assert "2 index" in data["rows"] and f"{model.cfg.candidate_source_layer} blocks" in data["rows"]
+    # index_topk 8 at compress ratio 1: the first cut is at position 8, nothing before it
+    assert data["first_cut"] == model.cfg.index_topk
+    for row in data["gap"]:
+        assert all(g is None for g in row[:data["first_cut"]])
+        assert all(g >= 0 for g in row if g is not None)
+    assert data["margins"] == result.trace.margins and data["tokens"] == result.ids
+    cmp = data["comparison"]
+    assert cmp["positions"] == 12 and cmp["max_abs_diff"][:8] == [0.0] * 8
+    assert all(p >= 8 for p in cmp["selection_parting"].values())
+    json.dumps(viz.to_jsonable(data), allow_nan=False)
+
+
+def test_adapters_refuse_an_untraced_result(model):
+    result = model.generate("no trace", max_new_tokens=1)
+    with pytest.raises(ValueError, match="trace=True"):
+        widgets.routing_data(result)
+
+
+# ---------------------------------------------------------------------- the prompt probe
+def test_prompt_probe_run_handler_refreshes_the_views(model):
+    probe = widgets.PromptProbe(model, "Once upon a time", 2, compare_limit=10)
+    box = probe.widget  # build every widget, as a notebook would
+    images = [view.widget.children[-1] for view in probe.views.values()]
+    before = {name: view.data for name, view in probe.views.items()}
+    pictures = [bytes(im.value) for im in images]
+    assert probe.views["ties"].data["comparison"]["positions"] == min(len(probe.result.prompt_ids) + 1, 10)
+
+    probe.text.value = "A different prompt, somewhat longer than the first one"
+    probe.tokens.value = 3
+    probe.on_run(probe.button)
+    assert probe.runs == 1 and not probe.button.disabled and "not run" not in probe.status.value
+    after = {name: view.data for name, view in probe.views.items()}
+    for name in before:
+        assert after[name] != before[name], name
+    assert after["routing"]["n_tokens"]["decode"] == 2
+    assert after["ties"]["comparison"]["positions"] == 10  # compare_limit
+    assert after["cache"]["replay_hit_rate"][model.experts.capacity] == after["cache"]["recorded_hit_rate"]
+    assert all(bytes(im.value) != old for im, old in zip(images, pictures))
+    assert len(box.children[-1].children) == 3
+
+    probe.text.value = "  "
+    probe.on_run(probe.button)  # a bad prompt: one line in the status, the views keep the last run
+    assert "not run" in probe.status.value and "empty" in probe.status.value
+    probe.text.value, probe.tokens.value = "too many", 4096
+    probe.on_run(probe.button)  # generate's own refusal, shown the same way
+    assert "not run" in probe.status.value and "max_seq_len" in probe.status.value and not probe.button.disabled
+    assert probe.runs == 1 and probe.views["routing"].data is after["routing"]
