@@ -1,0 +1,569 @@
+"""CSA2 facts as numbers: who writes and reads which cache, what the caches cost per token, what a
+compressor does call by call, and where prefill and decode part ways.
+
+Notebooks 03 and 04 plot these; each is also a plain API:
+
+- `layer_map(cfg)`             per layer: mode, ratio, caches written and read (and from which layer),
+                               RoPE base and whether YaRN applies;
+- `kv_cache_bytes(cfg)`        KV-cache bytes by component (window ring, compressed KV, index keys,
+                               compressor tail) as stored (FP8 / FP4 with their scales) or as this
+                               implementation holds them (`holding="runtime"`, BF16);
+- `attention_stack(model)`     an `AttentionStack` carrying a loaded checkpoint's attention weights,
+                               optionally over a changed config (e.g. another `index_topk`);
+- `compressor_trace(layer, x, prefill)`  groups pooled, held and emitted per call, and the position
+                               each latent and index key was rotated at;
+- `candidate_pin_effect(...)`  where the pinned (still filling) candidate block would have lost;
+- `prefill_decode_divergence(stack, x)`  differing selections, how many are top-k ties, output gap;
+- `stale_key_comparison(model, x)`  the reference's stale index keys against the opt-in fix.
+
+Everything here reads traces and buffers; nothing hooks into modules.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .attention import (
+    INDEX_FP4_BLOCK,
+    KV_FP4_BLOCK,
+    WINDOW_FP8_BLOCK,
+    Attention,
+    AttentionRuntime,
+    AttentionStack,
+    select_candidate_blocks,
+)
+from .kernels import fp4_act_quant
+from .layers import apply_rotary_emb
+from .trace import Trace
+
+WINDOW, COMPRESSED, INDEX_KEYS, TOPK, CANDIDATES = (
+    "window ring", "compressed KV", "index keys", "top-k", "candidate blocks")
+
+
+# ---------------------------------------------------------------------------------- layer map
+@dataclass(frozen=True)
+class LayerRole:
+    """One backbone layer's part in CSA2. `reads` maps a shared cache to the layer that wrote it
+    (the layer itself for its own); a pure window layer reads only its own window ring."""
+
+    layer: int
+    mode: str  # 'full' | 'reindex' | 'reuse'
+    ratio: int
+    writes: tuple[str, ...]
+    reads: dict
+    rope_base: float
+    yarn: bool
+
+
+def layer_map(cfg) -> list[LayerRole]:
+    """Per backbone layer: mode, compress ratio, the caches it writes and reads (with the writing
+    layer), its RoPE base and whether YaRN applies (layers reading compressed positions only).
+
+    Index keys are read from the latest Full layer at or before the layer: what it scores against
+    on every prefill, and on every decode step with `fix_stale_index_keys=True` (without it, see
+    `stale_key_comparison`)."""
+    cand = cfg.candidate_source_layer if cfg.candidate_source_layer is not None else -1
+    roles = []
+    for layer in range(cfg.n_layers):
+        ratio = cfg.compress_ratios[layer]
+        mode = cfg.layer_mode(layer)
+        writes, reads = [WINDOW], {WINDOW: layer}
+        if mode == "full":
+            writes += [COMPRESSED, INDEX_KEYS]
+        if mode in ("full", "reindex"):
+            writes.append(TOPK)
+        if layer == cand:
+            writes.append(CANDIDATES)
+        if ratio:
+            kv_src = cfg.source_at_or_before(layer, cfg.kv_source_layers)
+            reads[COMPRESSED] = kv_src
+            if mode in ("full", "reindex"):
+                reads[INDEX_KEYS] = kv_src
+                if 0 <= cand < layer:
+                    reads[CANDIDATES] = cand
+            reads[TOPK] = cfg.source_at_or_before(layer, cfg.index_source_layers)
+        roles.append(LayerRole(layer=layer, mode=mode, ratio=ratio, writes=tuple(writes), reads=reads,
+                               rope_base=float(cfg.compress_rope_theta if ratio else cfg.rope_theta),
+                               yarn=bool(ratio)))
+    return roles
+
+
+def mode_partition(cfg) -> dict[str, list[int]]:
+    """{'full': [...], 'reindex': [...], 'reuse': [...]} over the backbone layers."""
+    out: dict[str, list[int]] = {"full": [], "reindex": [], "reuse": []}
+    for layer, mode in enumerate(cfg.layer_modes):
+        out[mode].append(layer)
+    return out
+
+
+# ---------------------------------------------------------------------------------- cache bytes
+@dataclass(frozen=True)
+class Encoding:
+    """How one cached vector is held: `bits` per element plus one `scale_bytes` scale per
+    `scale_block` elements (scale_block 0: no scales)."""
+
+    name: str
+    bits: int
+    scale_block: int = 0
+    scale_bytes: int = 0
+
+    def data_bytes(self, dim: int) -> int:
+        return dim * self.bits // 8
+
+    def scale_bytes_for(self, dim: int) -> int:
+        return dim // self.scale_block * self.scale_bytes if self.scale_block else 0
+
+
+# The trained model's quantization points (the blocks are the ones attention.py quantizes with)
+STORED = {
+    WINDOW: Encoding("FP8 E4M3 + E8M0 per 32", 8, WINDOW_FP8_BLOCK, 1),
+    COMPRESSED: Encoding("FP4 E2M1 + E4M3 per 16", 4, KV_FP4_BLOCK, 1),
+    INDEX_KEYS: Encoding("FP4 E2M1 + E8M0 per 32", 4, INDEX_FP4_BLOCK, 1),
+}
+# This implementation fake-quantizes and keeps the dequantized values in BF16
+RUNTIME = {name: Encoding("BF16", 16) for name in STORED}
+TAIL_BYTES = 4  # the compressor's kv_state / score_state are float32
+
+
+@dataclass(frozen=True)
+class SourceBytes:
+    """One KV source layer (a Full layer): bytes of one compressed entry (a latent and its index
+    key) and, divided by the ratio, per token of context."""
+
+    layer: int
+    ratio: int
+    kv_data: int
+    kv_scales: int
+    key_data: int
+    key_scales: int
+
+    @property
+    def per_entry(self) -> int:
+        return self.kv_data + self.kv_scales + self.key_data + self.key_scales
+
+    @property
+    def per_token(self) -> float:
+        return self.per_entry / self.ratio
+
+    def per_token_by_component(self) -> dict[str, float]:
+        return {"compressed KV data": self.kv_data / self.ratio, "compressed KV scales": self.kv_scales / self.ratio,
+                "index key data": self.key_data / self.ratio, "index key scales": self.key_scales / self.ratio}
+
+    def entries(self, context: int) -> int:
+        return context // self.ratio
+
+
+@dataclass(frozen=True)
+class KVCacheBytes:
+    """KV-cache bytes of a config, by component. Per token: the compressed KV and index keys of
+    each KV source (one entry per `ratio` tokens). Fixed, whatever the context: one window ring of
+    `window_size` entries per backbone layer and the float32 partial-group tail of each ratio > 1
+    compressor. `total(context)` counts whole groups only, as the caches do."""
+
+    holding: str  # 'stored' | 'runtime'
+    encodings: dict
+    sources: tuple[SourceBytes, ...]
+    window_entry: int  # bytes of one window entry
+    window_size: int
+    n_window_rings: int
+    tail_bytes: dict  # {source layer: bytes}, ratio > 1 only
+
+    @property
+    def per_token(self) -> float:
+        return sum(s.per_token for s in self.sources)
+
+    @property
+    def window_ring_bytes(self) -> int:
+        return self.window_entry * self.window_size * self.n_window_rings
+
+    @property
+    def fixed(self) -> int:
+        return self.window_ring_bytes + sum(self.tail_bytes.values())
+
+    def total(self, context: int) -> int:
+        return self.fixed + sum(s.entries(context) * s.per_entry for s in self.sources)
+
+    def components(self, context: int) -> dict[str, int]:
+        """Bytes at `context` tokens: window rings, compressor tails, and per source its KV and keys."""
+        out = {WINDOW: self.window_ring_bytes, "compressor tails": sum(self.tail_bytes.values())}
+        for s in self.sources:
+            n = s.entries(context)
+            out[f"layer {s.layer} {COMPRESSED}"] = n * (s.kv_data + s.kv_scales)
+            out[f"layer {s.layer} {INDEX_KEYS}"] = n * (s.key_data + s.key_scales)
+        return out
+
+    def formula(self, cfg) -> list[str]:
+        """The arithmetic, one line per term, with this config's numbers in it."""
+        e = self.encodings
+        lines = []
+        for name, dim in ((COMPRESSED, cfg.head_dim), (INDEX_KEYS, cfg.index_head_dim), (WINDOW, cfg.head_dim)):
+            enc = e[name]
+            scale = (f" + {dim}/{enc.scale_block} x {enc.scale_bytes} B scales" if enc.scale_block else "")
+            lines.append(f"{name} entry ({enc.name}): {dim} x {enc.bits}/8 B{scale} = "
+                         f"{enc.data_bytes(dim) + enc.scale_bytes_for(dim)} B")
+        for s in self.sources:
+            lines.append(f"layer {s.layer} (ratio {s.ratio}): ({s.kv_data + s.kv_scales} + {s.key_data + s.key_scales}) "
+                         f"/ {s.ratio} = {s.per_token:g} B per token")
+        lines.append(f"per token: {' + '.join(f'{s.per_token:g}' for s in self.sources)} = {self.per_token:g} B")
+        lines.append(f"window rings (fixed): {self.n_window_rings} layers x {self.window_size} x {self.window_entry} B "
+                     f"= {self.window_ring_bytes:,} B")
+        if self.tail_bytes:
+            lines.append(f"compressor tails (fixed, float32 kv_state + score_state): "
+                         f"{' + '.join(f'{b:,}' for b in self.tail_bytes.values())} = {sum(self.tail_bytes.values()):,} B")
+        return lines
+
+
+def kv_cache_bytes(cfg, holding: str = "stored") -> KVCacheBytes:
+    """KV-cache bytes of `cfg` (backbone layers, batch 1). holding='stored': the trained model's
+    formats (window FP8 + E8M0 per 32, compressed KV FP4 + E4M3 per 16, index keys FP4 + E8M0 per
+    32); 'runtime': BF16 everywhere, which is what this implementation allocates."""
+    if holding not in ("stored", "runtime"):
+        raise ValueError(f"holding must be 'stored' or 'runtime', got {holding!r}")
+    enc = STORED if holding == "stored" else RUNTIME
+    sources = []
+    tails = {}
+    for layer in cfg.kv_source_layers:
+        ratio = cfg.compress_ratios[layer]
+        kv, key = enc[COMPRESSED], enc[INDEX_KEYS]
+        sources.append(SourceBytes(layer, ratio, kv.data_bytes(cfg.head_dim), kv.scale_bytes_for(cfg.head_dim),
+                                   key.data_bytes(cfg.index_head_dim), key.scale_bytes_for(cfg.index_head_dim)))
+        if ratio > 1:
+            tails[layer] = 2 * ratio * cfg.head_dim * TAIL_BYTES
+    win = enc[WINDOW]
+    return KVCacheBytes(holding=holding, encodings=dict(enc), sources=tuple(sources),
+                        window_entry=win.data_bytes(cfg.head_dim) + win.scale_bytes_for(cfg.head_dim),
+                        window_size=cfg.window_size, n_window_rings=cfg.n_layers, tail_bytes=tails)
+
+
+def allocated_cache_bytes(stack: AttentionStack) -> dict[str, int]:
+    """Bytes of the cache buffers a stack actually allocated (RoPE tables excluded), by kind."""
+    kinds = {"window_kv_cache": WINDOW, "compress_kv_cache": COMPRESSED, "indexer.k_cache": INDEX_KEYS,
+             "compressor.kv_state": "compressor tails", "compressor.score_state": "compressor tails"}
+    out = {name: 0 for name in (WINDOW, COMPRESSED, INDEX_KEYS, "compressor tails")}
+    for layer in stack.layers:
+        for name, buf in layer.named_buffers():
+            if name == "freqs_cis":
+                continue
+            out[kinds[name]] += buf.numel() * buf.element_size()
+    return out
+
+
+# ---------------------------------------------------------------------------------- weights
+def attention_stack(model, *, fix_stale_index_keys: bool = False, max_seq_len: Optional[int] = None,
+                    **config_changes) -> AttentionStack:
+    """An AttentionStack holding the attention weights of a loaded `dsv41.load` model, over
+    `model.cfg` with `config_changes` (e.g. index_topk=4); changes that alter a weight's shape
+    are refused by the state-dict copy. max_seq_len defaults to the model's."""
+    cfg = model.cfg.replace(**config_changes) if config_changes else model.cfg
+    stack = AttentionStack(cfg, max_seq_len=max_seq_len or model.max_seq_len,
+                           fix_stale_index_keys=fix_stale_index_keys)
+    weights = {f"layers.{i}.{name}": t for i, block in enumerate(model.backbone.layers)
+               for name, t in block.attn.state_dict().items() if name in dict(stack.layers[i].named_parameters())}
+    with torch.no_grad():
+        stack.load_state_dict(weights, strict=True)
+    return stack
+
+
+def embed(model, token_ids: Sequence[int]) -> torch.Tensor:
+    """[1, s, dim] in the activation dtype: the checkpoint's embeddings of `token_ids`, RMS-normalized
+    (parameter-free) as an attention layer's input is."""
+    with torch.no_grad():
+        x = model.backbone.embed(torch.as_tensor([list(token_ids)], dtype=torch.long))
+        return F.rms_norm(x.float(), (x.size(-1),), eps=model.cfg.norm_eps).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------- compressor
+@dataclass
+class CompressorTrace:
+    """What a Full layer's compressor did over a prefill of `prefill` tokens and one-token calls
+    after it. calls: per call, the groups it emitted and the positions left waiting in the tail.
+    groups: per emitted group, its tokens, the softmax gate weight of each token (mean over
+    channels; 1.0 at ratio 1), the call and position that emitted it, and the positions whose
+    rotation reproduces the cached latent and index key exactly (expected: the group's first)."""
+
+    layer: int
+    ratio: int
+    n_tokens: int
+    prefill: int
+    calls: list = field(default_factory=list)
+    groups: list = field(default_factory=list)
+
+    @property
+    def held_after_prefill(self) -> list[int]:
+        return self.calls[0]["held"]
+
+
+def _rotated_matches(row: torch.Tensor, pre_rope: torch.Tensor, freqs: torch.Tensor, positions, rd: int,
+                     block: int, scale_dtype) -> list[int]:
+    """Positions p at which rotating `pre_rope` [dim] and FP4-quantizing it gives `row` exactly."""
+    hits = []
+    for p in positions:
+        v = pre_rope.clone()[None, None]  # [1, 1, dim]
+        apply_rotary_emb(v[..., -rd:], freqs[p : p + 1])
+        fp4_act_quant(v, block, inplace=True, scale_dtype=scale_dtype)
+        if torch.equal(v[0, 0], row):
+            hits.append(int(p))
+    return hits
+
+
+@torch.no_grad()
+def compressor_trace(layer: Attention, x: torch.Tensor, prefill: int) -> CompressorTrace:
+    """Run Full layer `layer` (reset first) over x[:, :prefill] and then one token per call, and
+    report what its compressor pooled, held and emitted (batch row 0). Leaves the layer reset."""
+    if layer.compressor is None:
+        raise ValueError(f"layer {layer.layer} is a {layer.mode} layer: it has no compressor")
+    ratio, rd, n = layer.ratio, layer.rope_head_dim, x.size(1)
+    probe = copy.deepcopy(layer)  # same weights: recomputes the pre-RoPE latents and keys
+    probe.reset_state()
+    layer.reset_state()
+    runtime, trace = AttentionRuntime(fix_stale_index_keys=True), Trace()
+    out = CompressorTrace(layer=layer.layer, ratio=ratio, n_tokens=n, prefill=prefill)
+    emitted_by: dict[int, tuple[int, int]] = {}
+    calls = [(0, prefill)] + [(p, 1) for p in range(prefill, n)]
+    for k, (start, length) in enumerate(calls):
+        before = layer.compress_kv_cache[0].clone()
+        layer(x[:, start : start + length], start, runtime, trace)
+        changed = (layer.compress_kv_cache[0] != before).any(-1).nonzero().flatten().tolist()
+        end = start + length
+        held = list(range(end - end % ratio, end)) if ratio > 1 else []
+        held_ok = True
+        if held:  # the tail holds exactly the un-pooled projections of those tokens
+            kv = layer.compressor.wkv(x[:, held].float())[0]
+            held_ok = torch.allclose(layer.compressor.kv_state[0, [p % ratio for p in held]], kv, rtol=1e-5, atol=1e-6)
+        out.calls.append({"call": k, "start_pos": start, "tokens": length, "emitted_groups": changed,
+                          "wrote_compressed": trace.attention[-1].wrote_compressed, "held": held,
+                          "held_state_matches": held_ok})
+        for g in changed:
+            emitted_by[g] = (k, end - 1)
+
+    n_groups = n // ratio
+    latents = probe.compressor(x[:, : n_groups * ratio], 0)  # [1, groups, head_dim], pre-RoPE
+    keys = probe.indexer.k_norm(probe.indexer.wk(latents)) if latents is not None else None
+    if ratio > 1:
+        x32 = x[0, : n_groups * ratio].float()
+        gate = layer.compressor.wgate(x32).unflatten(0, (n_groups, ratio)).softmax(dim=1).mean(-1)  # [groups, ratio]
+    else:
+        gate = torch.ones(n_groups, 1)
+    for g in range(n_groups):
+        tokens = list(range(g * ratio, (g + 1) * ratio))
+        candidates = range(g * ratio, min(n, (g + 1) * ratio + 1))  # the group's tokens and the next
+        out.groups.append({
+            "group": g, "tokens": tokens, "gate_weights": [float(w) for w in gate[g]],
+            "emitted_at_call": emitted_by.get(g, (None, None))[0], "emitted_at_position": emitted_by.get(g, (None, None))[1],
+            "kv_rotated_at": _rotated_matches(layer.compress_kv_cache[0, g], latents[0, g], layer.freqs_cis, candidates,
+                                              rd, KV_FP4_BLOCK, torch.float8_e4m3fn),
+            "key_rotated_at": _rotated_matches(layer.indexer.k_cache[0, g], keys[0, g], layer.freqs_cis, candidates,
+                                               rd, INDEX_FP4_BLOCK, torch.float8_e8m0fnu),
+        })
+    layer.reset_state()
+    return out
+
+
+# ---------------------------------------------------------------------------------- candidates
+def raw_block_scores(scores: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[..., T] -> [..., n_blocks]: each block's best position, with no block pinned."""
+    width = scores.size(-1)
+    padded = F.pad(scores, (0, -width % block_size), value=-torch.inf)
+    return padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
+
+
+def candidate_pin_effect(scores: torch.Tensor, reachable, topk_blocks: int, block_size: int) -> dict:
+    """For queries scores [s, T] (-inf where unreachable) reaching reachable [s] positions: the
+    blocks kept with the newest-block pin (what select_candidate_blocks does) and by plain ranking
+    on each block's best position, and whether the pin kept a newest block the ranking drops.
+
+    Returns lists per query: newest_block, filling (newest block not yet full), kept, kept_unpinned,
+    pin_mattered, displaced (blocks the pin pushed out), block_scores (raw, -inf unreachable)."""
+    scores = torch.as_tensor(scores, dtype=torch.float32)
+    if scores.dim() == 1:
+        scores = scores[None]
+    reach = torch.as_tensor(reachable).reshape(-1)
+    if reach.numel() == 1 and scores.size(0) > 1:
+        reach = reach.expand(scores.size(0))
+    kept = select_candidate_blocks(scores, reach.unsqueeze(-1), topk_blocks, block_size)[..., ::block_size]
+    raw = raw_block_scores(scores, block_size)
+    n_blocks = raw.size(-1)
+    top = raw.topk(min(topk_blocks, n_blocks), dim=-1)
+    unpinned = torch.zeros_like(raw, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
+    out = {k: [] for k in ("reachable", "newest_block", "filling", "kept", "kept_unpinned", "pin_mattered",
+                           "displaced", "block_scores")}
+    for q in range(scores.size(0)):
+        r = int(reach[q])
+        newest = (r - 1) // block_size if r > 0 else None
+        keep = kept[q].nonzero().flatten().tolist()
+        plain = unpinned[q].nonzero().flatten().tolist()
+        out["reachable"].append(r)
+        out["newest_block"].append(newest)
+        out["filling"].append(r > 0 and r % block_size != 0)
+        out["kept"].append(keep)
+        out["kept_unpinned"].append(plain)
+        out["pin_mattered"].append(newest is not None and newest not in plain)
+        out["displaced"].append(sorted(set(plain) - set(keep)))
+        out["block_scores"].append(raw[q].tolist())
+    return out
+
+
+# ---------------------------------------------------------------------------------- divergence
+def _both_orders(stack: AttentionStack, x: torch.Tensor):
+    """(prefill out, decode out, prefill trace, decode trace) of forward_each, each from a reset
+    state: every layer sees the same input, so a difference in one layer cannot leak into the next."""
+    tp, td = Trace(keep_index_scores=True), Trace(keep_index_scores=True)
+    with torch.no_grad():
+        stack.reset_state()
+        pre = stack.forward_each(x, 0, tp)  # [layers, b, s, dim]
+        stack.reset_state()
+        dec = torch.cat([stack.forward_each(x[:, p : p + 1], p, td) for p in range(x.size(1))], dim=2)
+        stack.reset_state()
+    return pre, dec, tp, td
+
+
+@dataclass
+class Divergence:
+    """Prefill vs token-by-token decode of one stack over one input, per layer and in total.
+
+    A differing selection is a *tie* when its index source's k-th and (k+1)-th scores are equal
+    (in prefill or decode), or, inside a candidate pool, when the candidate source's block cut is
+    tied and the two pools differ. `differ_at` lists (layer, position, tie) for every differing
+    selection."""
+
+    index_topk: int
+    n_tokens: int
+    layers: list = field(default_factory=list)  # one dict per backbone layer
+    differ_at: list = field(default_factory=list)
+
+    @property
+    def n_differ(self) -> int:
+        return sum(r["n_differ"] for r in self.layers)
+
+    @property
+    def n_ties(self) -> int:
+        return sum(r["n_ties"] for r in self.layers)
+
+    @property
+    def n_truncated(self) -> int:
+        return sum(r["n_truncated"] for r in self.layers)
+
+    @property
+    def max_output_diff(self) -> float:
+        return max(r["max_output_diff"] for r in self.layers)
+
+    @property
+    def n_output_differ_without_selection(self) -> int:
+        return sum(r["n_output_differ_without_selection"] for r in self.layers)
+
+    @property
+    def identical(self) -> bool:
+        return self.n_differ == 0 and self.max_output_diff == 0.0
+
+    def summary(self) -> dict:
+        return {"index_topk": self.index_topk, "n_tokens": self.n_tokens, "n_truncated": self.n_truncated,
+                "n_differ": self.n_differ, "n_ties": self.n_ties, "max_output_diff": self.max_output_diff,
+                "n_output_differ_without_selection": self.n_output_differ_without_selection,
+                "identical": self.identical}
+
+
+def prefill_decode_divergence(stack: AttentionStack, x: torch.Tensor) -> Divergence:
+    """Run `stack` (forward_each) as one prefill and as one token per call over x [1, s, dim] and
+    compare, per layer and query: selection, tie at the cut, output. Leaves the stack reset."""
+    cfg = stack.cfg
+    pre, dec, tp, td = _both_orders(stack, x)
+    a, b = tp.attention_by_layer(), td.attention_by_layer()
+    cand = cfg.candidate_source_layer if cfg.candidate_source_layer is not None else -1
+    result = Divergence(index_topk=cfg.index_topk, n_tokens=x.size(1))
+    for layer in range(cfg.n_layers):
+        ratio = cfg.compress_ratios[layer]
+        out_diff = (pre[layer, 0].float() - dec[layer, 0].float()).abs().amax(-1)  # [s]
+        row = {"layer": layer, "mode": cfg.layer_mode(layer), "ratio": ratio, "source": None,
+               "n_truncated": 0, "n_differ": 0, "n_ties": 0, "max_output_diff": float(out_diff.max()),
+               "n_output_differ_without_selection": int((out_diff > 0).sum())}
+        if ratio:
+            src = cfg.source_at_or_before(layer, cfg.index_source_layers)
+            sp, sd = a[src], b[src]
+            sel_diff = (a[layer]["selected"] != b[layer]["selected"]).any(-1)[0]  # [s]
+            tie = ((sp["kth_score"] == sp["next_score"]) | (sd["kth_score"] == sd["next_score"]))[0]
+            if "candidate_blocks" in sp:
+                cp, cd = a[cand], b[cand]
+                block_tie = ((cp["candidate_kth_score"] == cp["candidate_next_score"])
+                             | (cd["candidate_kth_score"] == cd["candidate_next_score"]))[0]
+                pools_differ = (sp["candidate_blocks"] != sd["candidate_blocks"]).any(-1)[0]
+                tie = tie | (block_tie & pools_differ)
+            truncated = ~sp["kth_score"][0].isnan()
+            if "candidate_kth_score" in a.get(cand, {}) and "candidate_blocks" in sp:
+                truncated = truncated | ~a[cand]["candidate_kth_score"][0].isnan()
+            row.update(source=src, n_truncated=int(truncated.sum()), n_differ=int(sel_diff.sum()),
+                       n_ties=int((sel_diff & tie).sum()),
+                       n_output_differ_without_selection=int(((out_diff > 0) & ~sel_diff).sum()))
+            for q in sel_diff.nonzero().flatten().tolist():
+                result.differ_at.append((layer, q, bool(tie[q])))
+        result.layers.append(row)
+    return result
+
+
+def untruncated_topk(cfg, n_tokens: int) -> int:
+    """The smallest index_topk that keeps every reachable compressed position of `n_tokens` tokens."""
+    return max(n_tokens // r for r in cfg.compress_ratios[: cfg.n_layers] if r)
+
+
+def topk_sweep(model, x: torch.Tensor, widths: Sequence[int], **config_changes) -> list[Divergence]:
+    """`prefill_decode_divergence` of the model's attention weights at each index_topk in `widths`,
+    with fix_stale_index_keys=True (so prefill and decode score the same keys; only ties remain)."""
+    results = []
+    for k in widths:
+        stack = attention_stack(model, fix_stale_index_keys=True, max_seq_len=x.size(1), index_topk=k,
+                                **config_changes)
+        results.append(prefill_decode_divergence(stack, x))
+    return results
+
+
+# ---------------------------------------------------------------------------------- stale keys
+@dataclass
+class StaleKeys:
+    """Token-by-token decode with the reference's stale index keys (default) against
+    `fix_stale_index_keys=True`, per layer and position. keys_from[layer][p]: whose index keys the
+    layer's indexer scored at position p (None: nothing reachable yet); expected_keys_from[layer]:
+    the latest Full layer at or before it; stale[layer]: positions where the default scored other
+    keys; output_diff / selection_differs: default vs fix."""
+
+    n_tokens: int
+    index_topk: int
+    prefill_identical: bool
+    keys_from: dict = field(default_factory=dict)
+    keys_from_fixed: dict = field(default_factory=dict)
+    expected_keys_from: dict = field(default_factory=dict)
+    stale: dict = field(default_factory=dict)
+    selection_differs: dict = field(default_factory=dict)
+    output_diff: dict = field(default_factory=dict)
+    changed: dict = field(default_factory=dict)  # {layer: positions whose output differs}
+
+
+def stale_key_comparison(model, x: torch.Tensor, **config_changes) -> StaleKeys:
+    """Decode x [1, s, dim] one token per call with fix_stale_index_keys False and True (and
+    prefill once each) over the model's attention weights; see `StaleKeys`."""
+    runs = {}
+    for fix in (False, True):
+        stack = attention_stack(model, fix_stale_index_keys=fix, max_seq_len=x.size(1), **config_changes)
+        runs[fix] = _both_orders(stack, x)
+    cfg = stack.cfg
+    out = StaleKeys(n_tokens=x.size(1), index_topk=cfg.index_topk,
+                    prefill_identical=bool(torch.equal(runs[False][0], runs[True][0])))
+    dec_stale, dec_fix = runs[False][1], runs[True][1]
+    by_stale, by_fix = runs[False][3].attention_by_layer(), runs[True][3].attention_by_layer()
+    for layer in range(cfg.n_layers):
+        diff = (dec_stale[layer, 0].float() - dec_fix[layer, 0].float()).abs().amax(-1)
+        out.output_diff[layer] = diff.tolist()
+        out.changed[layer] = (diff > 0).nonzero().flatten().tolist()
+        if cfg.compress_ratios[layer]:
+            sel = (by_stale[layer]["selected"] != by_fix[layer]["selected"]).any(-1)[0]
+            out.selection_differs[layer] = sel.tolist()
+        if cfg.layer_mode(layer) in ("full", "reindex"):
+            for store, trace in ((out.keys_from, runs[False][3]), (out.keys_from_fixed, runs[True][3])):
+                store[layer] = [r.index_keys_from for r in trace.attention if r.layer == layer]
+            expected = cfg.source_at_or_before(layer, cfg.kv_source_layers)
+            out.expected_keys_from[layer] = expected
+            out.stale[layer] = [p for p, src in enumerate(out.keys_from[layer]) if src is not None and src != expected]
+    return out

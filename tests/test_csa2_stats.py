@@ -1,0 +1,197 @@
+"""dsv41.csa2_stats: the layer map, KV-cache bytes (formula vs the model card and vs allocated
+buffers), the compressor trace, the candidate-block pin, prefill/decode divergence and stale keys."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from dsv41 import csa2_stats as cs
+from dsv41.attention import AttentionStack, select_candidate_blocks
+from dsv41.config import RELEASED, TINY
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    import dsv41
+
+    return dsv41.load(tiny_checkpoint, quiet=True, max_seq_len=64)
+
+
+def _x(seqlen, seed=0):
+    return torch.randn(1, seqlen, TINY.dim, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+# ------------------------------------------------------------------------------ layer map
+def test_released_layer_map_partition_sources_and_rope():
+    roles = cs.layer_map(RELEASED)
+    assert len(roles) == 40
+    part = cs.mode_partition(RELEASED)
+    assert part["full"] == [2, 8, 14, 20] and part["reindex"] == [24, 28, 32, 36] and len(part["reuse"]) == 32
+    by = {r.layer: r for r in roles}
+    assert by[0].reads == {"window ring": 0} and by[0].writes == ("window ring",)
+    assert not by[1].yarn and by[1].rope_base == 10000.0
+    assert by[2].writes == ("window ring", "compressed KV", "index keys", "top-k")
+    assert by[20].writes[-1] == "candidate blocks"  # the candidate source
+    assert by[19].reads == {"window ring": 19, "compressed KV": 14, "top-k": 14}
+    assert by[21].reads["top-k"] == 20 and by[25].reads["top-k"] == 24 and by[39].reads["top-k"] == 36
+    assert by[24].reads["index keys"] == 20 and by[24].reads["candidate blocks"] == 20
+    assert "index keys" not in by[25].reads  # a Reuse layer never scores
+    assert all(r.yarn and r.rope_base == 160000.0 for r in roles[2:])
+
+
+def test_tiny_layer_map():
+    by = {r.layer: r for r in cs.layer_map(TINY)}
+    assert by[3].reads == {"window ring": 3, "compressed KV": 2, "top-k": 2}
+    assert by[5].reads["compressed KV"] == 4 and by[5].reads["top-k"] == 4
+    assert by[6].reads == {"window ring": 6, "compressed KV": 4, "index keys": 4, "candidate blocks": 4, "top-k": 6}
+    assert "candidate blocks" not in by[2].reads  # the candidate source (4) comes after it
+    assert by[7].reads == {"window ring": 7} and not by[7].yarn
+
+
+# ------------------------------------------------------------------------------ bytes
+def test_released_kv_bytes_per_token_is_the_model_cards_890():
+    kv = cs.kv_cache_bytes(RELEASED)
+    per = {s.layer: s for s in kv.sources}
+    # FP4 latent 512/2 + E4M3 scales 512/16; FP4 key 128/2 + E8M0 scales 128/32
+    assert (per[2].kv_data, per[2].kv_scales, per[2].key_data, per[2].key_scales) == (256, 32, 64, 4)
+    assert [per[l].per_token for l in (2, 8, 14, 20)] == [178, 178, 178, 356]
+    assert kv.per_token == 890
+    assert kv.window_entry == 528 and kv.window_ring_bytes == 40 * 128 * 528
+    assert kv.tail_bytes == {2: 8192, 8: 8192, 14: 8192}  # ratio 1 has no tail
+    assert kv.total(1001) == kv.fixed + 3 * 500 * 356 + 1001 * 356  # whole groups only
+    comps = kv.components(1001)
+    assert sum(comps.values()) == kv.total(1001)
+    assert comps["layer 20 index keys"] == 1001 * 68
+    assert kv.formula(RELEASED)[-3].endswith("= 890 B")
+
+
+def test_stored_formula_follows_the_geometry():
+    kv = cs.kv_cache_bytes(TINY)  # head_dim 64, index_head_dim 32, ratios 2 and 1
+    assert [s.per_entry for s in kv.sources] == [32 + 4 + 16 + 1] * 2
+    assert kv.per_token == 53 / 2 + 53
+    assert cs.kv_cache_bytes(TINY, "runtime").per_token == (128 + 64) / 2 + (128 + 64)
+    with pytest.raises(ValueError, match="holding"):
+        cs.kv_cache_bytes(TINY, "fp4")
+
+
+@pytest.mark.parametrize("ratios,max_seq_len", [
+    ((0, 0, 2, 2, 1, 1, 1, 0, 0, 0, 0), 64),
+    ((0, 0, 2, 2, 1, 1, 1, 0, 0, 0, 0), 37),  # odd: floor(37 / 2) compressed rows
+    ((0, 0, 4, 4, 1, 1, 1, 0, 0, 0, 0), 30),
+])
+def test_runtime_formula_equals_the_allocated_buffers(ratios, max_seq_len):
+    cfg = TINY.replace(compress_ratios=ratios)
+    allocated = cs.allocated_cache_bytes(AttentionStack(cfg, max_seq_len=max_seq_len))
+    comps = cs.kv_cache_bytes(cfg, "runtime").components(max_seq_len)
+    assert allocated["window ring"] == comps["window ring"]
+    assert allocated["compressor tails"] == comps["compressor tails"] > 0
+    assert allocated["compressed KV"] == sum(v for k, v in comps.items() if k.endswith("compressed KV"))
+    assert allocated["index keys"] == sum(v for k, v in comps.items() if k.endswith("index keys"))
+    assert sum(allocated.values()) == cs.kv_cache_bytes(cfg, "runtime").total(max_seq_len)
+
+
+# ------------------------------------------------------------------------------ weights
+def test_attention_stack_carries_the_checkpoint_weights(model):
+    stack = cs.attention_stack(model, max_seq_len=32, index_topk=3)
+    assert stack.cfg.index_topk == 3 and model.cfg.index_topk == TINY.index_topk
+    mine = dict(stack.named_parameters())
+    for i, block in enumerate(model.backbone.layers):
+        for name, p in block.attn.named_parameters():
+            assert torch.equal(mine[f"layers.{i}.{name}"].float(), p.float()), (i, name)
+    assert mine["layers.2.compressor.wkv.weight"].abs().sum() > 0  # not left at zero
+    with pytest.raises(RuntimeError):  # a change that reshapes weights is refused
+        cs.attention_stack(model, max_seq_len=32, index_head_dim=64)
+
+
+# ------------------------------------------------------------------------------ compressor
+def test_compressor_trace_groups_tail_and_rotation(model):
+    stack = cs.attention_stack(model, max_seq_len=16)
+    x = cs.embed(model, list(range(3, 15)))  # 12 tokens
+    t2 = cs.compressor_trace(stack.layers[2], x, prefill=7)
+    assert t2.ratio == 2
+    assert [c["emitted_groups"] for c in t2.calls] == [[0, 1, 2], [3], [], [4], [], [5]]
+    assert [c["held"] for c in t2.calls] == [[6], [], [8], [], [10], []]
+    assert all(c["held_state_matches"] for c in t2.calls)
+    assert [c["wrote_compressed"] for c in t2.calls] == [True, True, False, True, False, True]
+    for g in t2.groups:
+        assert g["kv_rotated_at"] == [2 * g["group"]] == g["key_rotated_at"]
+        assert abs(sum(g["gate_weights"]) - 1) < 1e-5 and len(g["gate_weights"]) == 2
+    assert t2.groups[3]["emitted_at_call"] == 1  # the held token 6 pooled with 7 in the first decode call
+    t4 = cs.compressor_trace(stack.layers[4], x, prefill=7)
+    assert [c["emitted_groups"] for c in t4.calls] == [list(range(7))] + [[p] for p in range(7, 12)]
+    assert all(g["kv_rotated_at"] == [g["group"]] for g in t4.groups)
+    assert all(not buf.any() for n, buf in stack.layers[2].named_buffers()
+               if n not in ("freqs_cis", "compressor.score_state"))  # left reset
+    with pytest.raises(ValueError, match="no compressor"):
+        cs.compressor_trace(stack.layers[3], x, 7)
+
+
+# ------------------------------------------------------------------------------ candidates
+def test_filling_block_pin_constructed_case():
+    inf = float("inf")
+    logits = torch.tensor([5.0, 4.0, 9.0, 8.0, 7.0, 6.0, 0.5, -inf])
+    pin = cs.candidate_pin_effect(logits, 7, topk_blocks=2, block_size=2)
+    assert pin["block_scores"] == [[5.0, 9.0, 7.0, 0.5]]
+    assert pin["newest_block"] == [3] and pin["filling"] == [True]
+    assert pin["kept"] == [[1, 3]] and pin["kept_unpinned"] == [[1, 2]]
+    assert pin["pin_mattered"] == [True] and pin["displaced"] == [[2]]
+    # a newest block that wins on its own score: the pin changes nothing
+    high = cs.candidate_pin_effect(torch.tensor([5.0, 4.0, 9.0, 8.0, 7.0, 6.0, 9.5, -inf]), 7, 2, 2)
+    assert high["pin_mattered"] == [False] and high["kept"] == high["kept_unpinned"] == [[1, 3]]
+    # rows of queries, one reach each; agrees with select_candidate_blocks
+    rows = torch.tensor([[3.0, 1.0, -inf, -inf], [3.0, 1.0, 2.0, -inf], [3.0, 1.0, 2.0, 0.0]])
+    many = cs.candidate_pin_effect(rows, [2, 3, 4], 1, 2)
+    assert many["kept"] == [[0], [1], [1]] and many["pin_mattered"] == [False, True, True]
+    mask = select_candidate_blocks(rows, torch.tensor([[2], [3], [4]]), 1, 2)[..., ::2]
+    assert [r.nonzero().flatten().tolist() for r in mask] == many["kept"]
+
+
+# ------------------------------------------------------------------------------ divergence
+def test_divergence_every_difference_a_tie_and_parity_untruncated():
+    x = _x(28, seed=20)
+    n_differ = 0
+    for seed in (0, 1):
+        stack = AttentionStack(TINY, max_seq_len=28, seed=seed, fix_stale_index_keys=True)
+        d = cs.prefill_decode_divergence(stack, x)
+        assert d.n_differ == d.n_ties and all(tie for _, _, tie in d.differ_at)
+        assert d.n_output_differ_without_selection == 0 and d.n_truncated > 0
+        assert all(r["max_output_diff"] == 0 for r in d.layers if not r["ratio"])
+        n_differ += d.n_differ
+    assert n_differ > 0  # the truncating width produces tie-broken differences at all
+    assert cs.untruncated_topk(TINY, 28) == 28
+    wide = AttentionStack(TINY.replace(index_topk=28), max_seq_len=28, seed=0, fix_stale_index_keys=True)
+    d = cs.prefill_decode_divergence(wide, x)
+    assert d.identical and d.n_differ == 0 and d.max_output_diff == 0.0
+    narrow = AttentionStack(TINY.replace(index_topk=27), max_seq_len=28, seed=0, fix_stale_index_keys=True)
+    assert cs.prefill_decode_divergence(narrow, x).n_truncated > 0  # one short of it truncates
+
+
+def test_stale_keys_make_divergences_that_are_not_ties():
+    # the negative control of the tie classifier: stale keys change scores, not tie-breaking
+    stack = AttentionStack(TINY, max_seq_len=28, seed=0, fix_stale_index_keys=False)
+    d = cs.prefill_decode_divergence(stack, _x(28, seed=20))
+    not_tie = [(layer, q) for layer, q, tie in d.differ_at if not tie]
+    assert not_tie and {layer for layer, _ in not_tie} <= {2, 3}
+
+
+def test_stale_key_comparison(model):
+    x = cs.embed(model, [(7 * i) % 1000 + 3 for i in range(28)])
+    sk = cs.stale_key_comparison(model, x)
+    assert sk.prefill_identical
+    assert sk.expected_keys_from == {2: 2, 4: 4, 6: 4}
+    # layer 2 (ratio 2) completes a group on odd positions; on even ones it scores layer 4's keys
+    assert sk.stale[2] == list(range(2, 28, 2)) and sk.stale[4] == sk.stale[6] == []
+    assert all(sk.keys_from[2][p] == 4 for p in sk.stale[2]) and set(sk.keys_from_fixed[2][1:]) == {2}
+    assert sk.changed[2] and set(sk.changed[2]) <= set(sk.stale[2])
+    assert sk.changed[3] == sk.changed[2]  # its Reuse reader follows
+    assert all((p + 1) // 2 > TINY.index_topk for p in sk.changed[2])  # only where the top-k truncates
+    assert not any(sk.changed[layer] for layer in (0, 1, 4, 5, 6, 7))
