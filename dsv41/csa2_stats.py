@@ -426,10 +426,14 @@ def _both_orders(stack: AttentionStack, x: torch.Tensor):
 class Divergence:
     """Prefill vs token-by-token decode of one stack over one input, per layer and in total.
 
-    A differing selection is a *tie* when its index source's k-th and (k+1)-th scores are equal
-    (in prefill or decode), or, inside a candidate pool, when the candidate source's block cut is
-    tied and the two pools differ. `differ_at` lists (layer, position, tie) for every differing
-    selection."""
+    A differing selection is a *tie* when, in prefill or decode, the row its index source ranked
+    has equal k-th and (k+1)-th scores, or, inside a candidate pool, when the candidate source's
+    block cut is tied and the two pools differ. The row is what `topk` saw: a prefill row also
+    holds the not-yet-reachable positions at -inf, so where a candidate pool leaves fewer than k
+    finite scores the spare picks are -inf ties even when the query reaches no more than k positions
+    (and the trace's `kth_score`, taken over reachable positions, is NaN). `differ_at` lists
+    (layer, position, tie) for every differing selection; `n_truncated` counts the (query, layer)
+    pairs whose selection, in either order, leaves out a reachable position."""
 
     index_topk: int
     n_tokens: int
@@ -467,6 +471,22 @@ class Divergence:
                 "identical": self.identical}
 
 
+def _row_ties(trace: Trace, layer: int, k: int) -> torch.Tensor:
+    """bool [s] per query of `layer`, in call order: the row its topk ranked (index_scores) is
+    wider than k and its k-th and (k+1)-th scores are equal."""
+    ties = []
+    for rec in trace.attention:
+        if rec.layer != layer:
+            continue
+        scores = rec.index_scores  # [b, s, T], None where nothing was reachable yet
+        if scores is None or scores.size(-1) <= k:
+            ties.append(torch.zeros(rec.seqlen, dtype=torch.bool))
+            continue
+        top = scores[0].topk(k + 1, dim=-1).values  # [s, k + 1], descending
+        ties.append(top[:, k - 1] == top[:, k])
+    return torch.cat(ties)
+
+
 def prefill_decode_divergence(stack: AttentionStack, x: torch.Tensor) -> Divergence:
     """Run `stack` (forward_each) as one prefill and as one token per call over x [1, s, dim] and
     compare, per layer and query: selection, tie at the cut, output. Leaves the stack reset."""
@@ -486,15 +506,16 @@ def prefill_decode_divergence(stack: AttentionStack, x: torch.Tensor) -> Diverge
             sp, sd = a[src], b[src]
             sel_diff = (a[layer]["selected"] != b[layer]["selected"]).any(-1)[0]  # [s]
             tie = ((sp["kth_score"] == sp["next_score"]) | (sd["kth_score"] == sd["next_score"]))[0]
-            if "candidate_blocks" in sp:
+            tie = tie | _row_ties(tp, src, cfg.index_topk) | _row_ties(td, src, cfg.index_topk)
+            # truncated: a selection (either order) leaves out a reachable position
+            reach = a[layer]["reachable"]
+            truncated = (((a[layer]["selected"] >= 0).sum(-1) < reach) | ((b[layer]["selected"] >= 0).sum(-1) < reach))[0]
+            if 0 <= cand < src:  # the source ranked inside the candidate pool: its block cut counts too
                 cp, cd = a[cand], b[cand]
                 block_tie = ((cp["candidate_kth_score"] == cp["candidate_next_score"])
                              | (cd["candidate_kth_score"] == cd["candidate_next_score"]))[0]
                 pools_differ = (sp["candidate_blocks"] != sd["candidate_blocks"]).any(-1)[0]
                 tie = tie | (block_tie & pools_differ)
-            truncated = ~sp["kth_score"][0].isnan()
-            if "candidate_kth_score" in a.get(cand, {}) and "candidate_blocks" in sp:
-                truncated = truncated | ~a[cand]["candidate_kth_score"][0].isnan()
             row.update(source=src, n_truncated=int(truncated.sum()), n_differ=int(sel_diff.sum()),
                        n_ties=int((sel_diff & tie).sum()),
                        n_output_differ_without_selection=int(((out_diff > 0) & ~sel_diff).sum()))

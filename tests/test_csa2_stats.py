@@ -175,6 +175,21 @@ def test_divergence_every_difference_a_tie_and_parity_untruncated():
     assert cs.prefill_decode_divergence(narrow, x).n_truncated > 0  # one short of it truncates
 
 
+def test_spare_picks_outside_a_small_candidate_pool_are_ties_the_trace_cut_misses():
+    # index_topk 16 over a pool of at most 4 x 2 positions: a Reindex query reaching 9..16 positions
+    # is not truncated by its reachable count (kth_score NaN), yet its prefill row (every position,
+    # the unreachable ones at -inf) fills the spare picks from -inf ties, so the orders may differ
+    stack = AttentionStack(TINY.replace(index_topk=16), max_seq_len=28, seed=0, fix_stale_index_keys=True)
+    x = _x(28, seed=20)
+    d = cs.prefill_decode_divergence(stack, x)
+    early = [(q, tie) for layer, q, tie in d.differ_at if layer == 6 and q < 16]
+    assert early and all(tie for _, tie in early)
+    _, _, tp, _ = cs._both_orders(stack, x)
+    kth = tp.attention_by_layer()[6]["kth_score"][0]
+    assert all(kth[q].isnan() for q, _ in early)  # the recorded cut alone would not call them ties
+    assert d.n_differ == d.n_ties
+
+
 def test_stale_keys_make_divergences_that_are_not_ties():
     # the negative control of the tie classifier: stale keys change scores, not tie-breaking
     stack = AttentionStack(TINY, max_seq_len=28, seed=0, fix_stale_index_keys=False)
