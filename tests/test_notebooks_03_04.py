@@ -1,0 +1,182 @@
+"""Notebooks 03 (CSA2 modes, KV bytes, compressor) and 04 (indexer scores, candidate blocks, ties)
+executed in smoke mode on the embedded default, with assertions on the numbers their sidecars carry.
+The expected numbers are derived here from the formulas and the released geometry, not copied
+from a run."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsv41.cli import main as dsv41_main
+from dsv41.config import RELEASED, TINY
+
+SMOKE_NOTEBOOKS = "03,04"
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """Notebooks 03 and 04 executed in smoke mode on the embedded default, once for these tests."""
+    run = tmp_path_factory.mktemp("smoke") / "run"
+    code = dsv41_main(["notebooks", "--only", SMOKE_NOTEBOOKS, "--out", str(run), "-p", "smoke", "true"])
+    summary = json.loads((run / "summary.json").read_text())
+    failures = [f"{n['name']} cell {n['failed_cell']}: {n['error']}" for n in summary["notebooks"] if n["status"] != "ok"]
+    assert code == 0 and not failures, failures
+    assert [n["name"] for n in summary["notebooks"]] == ["03_csa2_modes", "04_candidate_blocks"]
+    return run
+
+
+def _sidecar(run: Path, name: str) -> dict:
+    return json.loads((run / f"{name}.json").read_text())
+
+
+# ---------------------------------------------------------------------- 03
+@pytest.mark.slow
+def test_layer_map_numbers(smoke_run):
+    facts = _sidecar(smoke_run, "03_csa2_facts")
+    assert facts["smoke"] is True
+    released = facts["released"]
+    assert released["counts"] == {"full": 4, "reindex": 4, "reuse": 32}
+    assert released["partition"]["full"] == [2, 8, 14, 20]
+    assert released["partition"]["reindex"] == [24, 28, 32, 36]
+    assert released["window_only"] == [0, 1]
+
+    figure = _sidecar(smoke_run, "03_layer_map")
+    rel = figure["released"]
+    assert rel["ratios"] == list(RELEASED.compress_ratios[:40])
+    assert rel["yarn"] == [r > 0 for r in rel["ratios"]]
+    assert rel["rope_base"] == [160000.0 if r else 10000.0 for r in rel["ratios"]]
+    # each reader takes the top-k of the latest index source and the KV of the latest Full layer
+    assert rel["topk_from"][19] == 14 and rel["topk_from"][21] == 20 and rel["topk_from"][39] == 36
+    assert rel["compressed_kv_from"][39] == 20 and rel["compressed_kv_from"][7] == 2
+    assert rel["candidates_from"][24] == 20 and rel["candidates_from"][20] is None
+    assert rel["topk_from"][:2] == [None, None]
+    tiny = figure["this checkpoint"]
+    assert tiny["modes"] == ["reuse", "reuse", "full", "reuse", "full", "reuse", "reindex", "reuse"]
+    assert tiny["ratios"] == list(TINY.compress_ratios[:8])
+    assert tiny["index_keys_from"][6] == 4 and tiny["candidates_from"][6] == 4
+    assert tiny["writes"][4][-1] == "candidate blocks"
+
+
+@pytest.mark.slow
+def test_kv_bytes_per_token_from_the_formula(smoke_run):
+    kv = _sidecar(smoke_run, "03_kv_bytes")
+    d, di, win = kv["head_dim"], kv["index_head_dim"], kv["window_size"]
+    assert (d, di, win, kv["n_layers"]) == (512, 128, 128, 40)
+    kv_entry = d * 4 // 8 + d // 16  # FP4 E2M1 + one E4M3 scale per 16
+    key_entry = di * 4 // 8 + di // 32  # FP4 E2M1 + one E8M0 scale per 32
+    assert (kv_entry, key_entry) == (288, 68)
+    sources = {s["layer"]: s for s in kv["sources"]}
+    assert sorted(sources) == [2, 8, 14, 20]
+    for layer, s in sources.items():
+        assert s["ratio"] == RELEASED.compress_ratios[layer]
+        assert s["kv_data"] + s["kv_scales"] == kv_entry and s["key_data"] + s["key_scales"] == key_entry
+        assert s["per_token"] == (kv_entry + key_entry) / s["ratio"]
+    assert kv["per_token"] == sum((kv_entry + key_entry) / s["ratio"] for s in sources.values()) == 890
+    # the stacked bar's components add up to each layer's bar
+    for i, layer in enumerate(sorted(sources)):
+        assert sum(part[i] for part in kv["per_token_by_component"].values()) == sources[layer]["per_token"]
+    assert kv["window_entry"] == d + d // 32 == 528
+    assert kv["window_ring_bytes"] == 40 * win * 528
+    assert kv["fixed"] == kv["window_ring_bytes"] + 3 * 2 * 2 * d * 4  # three ratio-2 float32 tails
+    for context, total in zip(kv["contexts"], kv["total"]):
+        assert total == kv["fixed"] + sum((context // s["ratio"]) * (kv_entry + key_entry) for s in sources.values())
+
+    facts = _sidecar(smoke_run, "03_csa2_facts")
+    held = facts["runtime_bytes"]
+    assert held["allocated"] == held["predicted"] and all(v > 0 for v in held["allocated"].values())
+    assert held["released_per_token"] == 3 * (2 * d + 2 * di) / 2 + (2 * d + 2 * di) == 3200  # BF16, no scales
+
+
+@pytest.mark.slow
+def test_compressor_trace_numbers(smoke_run):
+    trace = _sidecar(smoke_run, "03_compressor_trace")
+    n, prefill = trace["n_tokens"], trace["prefill"]
+    assert (n, prefill) == (9, 5)
+    r2, r1 = trace["traces"]["2"], trace["traces"]["4"]
+    assert (r2["ratio"], r1["ratio"]) == (2, 1)
+    # ratio 2: the prefill pools (0,1), (2,3) and holds 4; then a group completes on every odd position
+    assert [c["emitted_groups"] for c in r2["calls"]] == [[0, 1], [2], [], [3], []]
+    assert [c["held"] for c in r2["calls"]] == [[4], [], [6], [], [8]]
+    assert all(c["held_state_matches"] for c in r2["calls"])
+    assert [c["emitted_groups"] for c in r1["calls"]] == [[0, 1, 2, 3, 4], [5], [6], [7], [8]]
+    for t in (r2, r1):
+        for g in t["groups"]:
+            first = g["group"] * t["ratio"]
+            assert g["tokens"] == list(range(first, first + t["ratio"]))
+            assert g["kv_rotated_at"] == [first] and g["key_rotated_at"] == [first]
+            assert abs(sum(g["gate_weights"]) - 1) < 1e-5
+    assert _sidecar(smoke_run, "03_csa2_facts")["compressor"]["2"]["rotated_at_first"] is True
+
+
+# ---------------------------------------------------------------------- 04
+@pytest.mark.slow
+def test_topk_sweep_every_divergence_a_tie_and_parity_untruncated(smoke_run):
+    sweep = _sidecar(smoke_run, "04_topk_sweep")
+    n = sweep["n_tokens"]
+    assert n == 24 and sweep["untruncated_width"] == n  # ratio-1 layers reach every position
+    assert sweep["widths"] == [2, TINY.index_topk, n] and sweep["config_width"] == TINY.index_topk
+    for width, differ, ties, elsewhere in zip(sweep["widths"], sweep["n_differ"], sweep["n_ties"],
+                                              sweep["n_output_differ_without_selection"]):
+        assert differ == ties, width
+        assert elsewhere == 0, width
+    last = sweep["widths"].index(n)
+    assert sweep["identical"][last] and sweep["n_differ"][last] == 0 and sweep["max_output_diff"][last] == 0.0
+    assert sweep["n_truncated"][last] == 0
+    # the narrower widths do truncate, and prefill and decode do part there (on ties)
+    assert all(t > 0 for t in sweep["n_truncated"][:last])
+    assert sum(sweep["n_differ"][:last]) > 0 and max(sweep["max_output_diff"][:last]) > 0
+    assert all(tie for _, _, tie in sweep["differ_at_config_width"])
+    facts = _sidecar(smoke_run, "04_candidate_facts")["sweep"]
+    assert facts["all_divergences_ties"] is True and facts["parity_untruncated"] is True
+
+
+@pytest.mark.slow
+def test_candidate_blocks_and_the_pin(smoke_run):
+    blocks = _sidecar(smoke_run, "04_candidate_blocks")
+    assert (blocks["layer"], blocks["topk_blocks"], blocks["block_size"]) == (4, 4, 2)
+    assert blocks["kept"] == blocks["kept_in_trace"]
+    for reach, newest, kept in zip(blocks["reachable"], blocks["newest_block"], blocks["kept"]):
+        assert newest == (reach - 1) // 2 and newest in kept
+        assert len(kept) == min(4, -(-reach // 2))
+    assert any(blocks["pin_mattered"])
+    for mattered, newest, plain in zip(blocks["pin_mattered"], blocks["newest_block"], blocks["kept_unpinned"]):
+        assert mattered == (newest not in plain)
+
+    constructed = _sidecar(smoke_run, "04_filling_block")
+    assert constructed["block_scores"] == [5.0, 9.0, 7.0, 0.5]
+    assert constructed["filling"] is True and constructed["newest_block"] == 3
+    assert constructed["kept"] == [1, 3] and constructed["kept_unpinned"] == [1, 2] and constructed["displaced"] == [2]
+
+
+@pytest.mark.slow
+def test_index_scores_of_one_query(smoke_run):
+    scores = _sidecar(smoke_run, "04_index_scores")
+    q, k = scores["query"], scores["index_topk"]
+    assert q == 23 and scores["layers"] == [2, 4, 6] and scores["ratios"] == [2, 1, 1]
+    for layer, ratio in zip(scores["layers"], scores["ratios"]):
+        row = [float(v) for v in scores["scores"][str(layer)]]
+        kept, reach = scores["kept"][str(layer)], scores["reachable"][str(layer)]
+        assert reach == (q + 1) // ratio and len(row) == 24 // ratio
+        assert len(kept) == min(k, reach) and all(0 <= p < reach for p in kept)
+        kth = float(scores["kth_score"][str(layer)])
+        assert all(row[p] >= kth for p in kept)  # every kept position scores at least the k-th
+        dropped = [row[p] for p in range(reach) if p not in kept]
+        assert all(v <= kth for v in dropped)
+
+
+@pytest.mark.slow
+def test_stale_keys_default_vs_fix(smoke_run):
+    stale = _sidecar(smoke_run, "04_stale_keys")
+    n, k = stale["n_tokens"], stale["index_topk"]
+    assert stale["prefill_identical"] is True
+    assert stale["expected_keys_from"] == {"2": 2, "4": 4, "6": 4}
+    # layer 2 (ratio 2) republishes only on odd positions; on even ones it scores layer 4's keys
+    assert stale["stale"]["2"] == list(range(2, n, 2)) and stale["stale"]["4"] == stale["stale"]["6"] == []
+    assert all(stale["keys_from"]["2"][p] == 4 for p in stale["stale"]["2"])
+    assert set(stale["keys_from_fixed"]["2"][1:]) == {2}
+    changed = stale["changed"]
+    assert changed["2"] and set(changed["2"]) <= set(stale["stale"]["2"])
+    assert changed["3"] == changed["2"]  # the Reuse reader of layer 2's top-k follows it
+    assert all((p + 1) // 2 > k for p in changed["2"])  # only where the ratio-2 top-k truncates
+    assert not any(changed[str(layer)] for layer in (0, 1, 4, 5, 6, 7))
