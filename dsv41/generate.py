@@ -19,7 +19,7 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -207,18 +207,31 @@ class PrefillDecodeComparison:
 
     max_abs_diff[p]: max |logit difference| at position p; first_logit_divergence: first p with a
     nonzero difference (None: bit-identical); first_argmax_divergence: first p where the greedy
-    token differs; selections / routing: per layer, the first position whose indexer selection /
-    routed expert ids differ (layers that never differ are absent)."""
+    token differs; selection_partings / routing_partings: per layer, every position whose indexer
+    selection / routed expert ids differ (layers that never differ are absent); the two traces are
+    kept so a caller can ask whether each parting sits on a top-k tie."""
 
     positions: int
     max_abs_diff: list[float]
     max_abs_logit: float
     first_logit_divergence: Optional[int]
     first_argmax_divergence: Optional[int]
-    selections: dict[int, int]
-    routing: dict[int, int]
+    selection_partings: dict[int, list[int]]
+    routing_partings: dict[int, list[int]]
     prefill_logits: torch.Tensor  # [s, vocab]
     decode_logits: torch.Tensor  # [s, vocab]
+    prefill_trace: Any = None
+    decode_trace: Any = None
+
+    @property
+    def selections(self) -> dict[int, int]:
+        """Per layer, the first position whose indexer selection differs."""
+        return {layer: positions[0] for layer, positions in self.selection_partings.items()}
+
+    @property
+    def routing(self) -> dict[int, int]:
+        """Per layer, the first position whose routed expert ids differ."""
+        return {layer: positions[0] for layer, positions in self.routing_partings.items()}
 
     @property
     def identical(self) -> bool:
@@ -263,13 +276,13 @@ def compare_prefill_decode(model, prompt) -> PrefillDecodeComparison:
         positions=len(ids), max_abs_diff=diff.tolist(), max_abs_logit=float(full.abs().max()),
         first_logit_divergence=int(nonzero[0]) if len(nonzero) else None,
         first_argmax_divergence=int(argmax_diff[0]) if len(argmax_diff) else None,
-        selections=_first_parting(one.attention_by_layer(), step.attention_by_layer(), "selected"),
-        routing=_first_parting(one.routing_by_layer(), step.routing_by_layer(), "expert_ids"),
-        prefill_logits=full, decode_logits=stepwise)
+        selection_partings=_partings(one.attention_by_layer(), step.attention_by_layer(), "selected"),
+        routing_partings=_partings(one.routing_by_layer(), step.routing_by_layer(), "expert_ids"),
+        prefill_logits=full, decode_logits=stepwise, prefill_trace=one, decode_trace=step)
 
 
-def _first_parting(a: dict, b: dict, name: str) -> dict[int, int]:
-    """Per layer, the first query position whose `name` rows differ (as sets for selections)."""
+def _partings(a: dict, b: dict, name: str) -> dict[int, list[int]]:
+    """Per layer, every query position whose `name` rows differ (as sets for selections)."""
     out = {}
     for layer in a:
         if name not in a[layer] or layer not in b or name not in b[layer]:
@@ -280,7 +293,7 @@ def _first_parting(a: dict, b: dict, name: str) -> dict[int, int]:
         y = torch.nn.functional.pad(y, (0, width - y.size(-1)), value=-1).sort(-1).values
         differ = torch.nonzero((x != y).any(-1)).flatten()
         if len(differ):
-            out[layer] = int(a[layer]["positions"][differ[0]])
+            out[layer] = [int(a[layer]["positions"][i]) for i in differ]
     return out
 
 

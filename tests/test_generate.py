@@ -101,7 +101,9 @@ def test_comparison_locates_where_truncation_begins(model):
     assert report.max_abs_diff[:8] == [0.0] * 8
     if not report.identical:
         assert report.first_logit_divergence >= 8
-        assert all(p >= 8 for p in list(report.selections.values()) + list(report.routing.values()))
+        partings = report.selection_partings | report.routing_partings
+        assert all(p >= 8 for positions in partings.values() for p in positions)
+        assert report.selections == {layer: ps[0] for layer, ps in report.selection_partings.items()}
     assert "position" in report.summary() or "bit for bit" in report.summary()
     assert model.position == 0  # left reset
 

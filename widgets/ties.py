@@ -56,8 +56,8 @@ def tie_data(result, comparison=None) -> dict:
             "max_abs_logit": comparison.max_abs_logit,
             "first_logit_divergence": comparison.first_logit_divergence,
             "first_argmax_divergence": comparison.first_argmax_divergence,
-            "selection_parting": {str(k): v for k, v in sorted(comparison.selections.items())},
-            "routing_parting": {str(k): v for k, v in sorted(comparison.routing.items())},
+            "selection_parting": {str(k): v for k, v in sorted(comparison.selection_partings.items())},
+            "routing_parting": {str(k): v for k, v in sorted(comparison.routing_partings.items())},
         }
     return data
 
@@ -102,13 +102,14 @@ def render(data: dict, tol: float = 0.0):
             row = {layer: k for k, layer in enumerate(data["layers"])}
             for key, marker, color, label in (("selection_parting", "v", viz.PALETTE[0], "selections part"),
                                               ("routing_parting", "o", viz.PALETTE[1], "routing parts")):
-                items = [(pos, row[int(layer)]) for layer, pos in cmp[key].items() if int(layer) in row]
+                items = [(pos, row[int(layer)]) for layer, positions in cmp[key].items() if int(layer) in row
+                         for pos in positions]
                 ax_part.plot([p for p, _ in items], [r for _, r in items], ls="none", marker=marker, ms=6,
                              color=color, label=label)
             if cmp["positions"] < n:  # positions the comparison did not cover
                 ax_part.axvspan(cmp["positions"] - 0.5, extent_x[1], color="#f2f2f2", zorder=0)
             ax_part.legend(loc="upper left", fontsize=7, ncol=2)
-        ax_part.set_title("prefill vs token-by-token: first position each layer parts", fontsize=9)
+        ax_part.set_title("prefill vs token-by-token: positions where each layer parts", fontsize=9)
 
         if cmp is not None:
             diff = np.asarray(cmp["max_abs_diff"], dtype=float)
