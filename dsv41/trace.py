@@ -22,7 +22,9 @@ class AttentionRecord:
     Score fields are float32 [b, s]; index fields int [b, s, width] with -1 for "none".
     `kth_score` / `next_score` are the k-th and (k+1)-th largest index scores among the
     positions the query can reach (k = index_topk); both are NaN where the query reaches no more
-    than k positions, i.e. where nothing is truncated. kth == next is a tie at the cut: which of
+    than k positions. That is "nothing truncated" except inside a candidate pool smaller than k,
+    where the spare picks are unreachable (-inf) positions and the ranked row is wider than the
+    reachable one (dsv41.csa2_stats classifies ties on the ranked row). kth == next is a tie at the cut: which of
     the tied positions survive is up to the top-k implementation, and can differ between a
     prefill and the same tokens decoded one at a time.
     """
