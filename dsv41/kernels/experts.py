@@ -1,0 +1,504 @@
+"""Routed experts computed straight from packed FP4, every selected expert of a layer in one call.
+
+A routed expert is stored as three packed matrices: w1 (gate) and w3 (up), I8 [inter, dim/2], and
+w2 (down), I8 [dim, inter/2]; each byte holds two E2M1 codes (element 2i in the low nibble), with
+one E8M0 scale per 32 values along K. The reference `fp4_gemm` expands a whole matrix to float32
+before multiplying; the runtime this project replaces expanded every routed expert to BF16 and
+spent almost all of a decode step doing so. The fused path here holds at most a chunk of rows in
+float32 and reaches the same numbers:
+
+- Scales are split into one power of two per weight row (per token for activations) and a
+  relative power of two in [2**-48, 1]. A value times its relative scale is exact in float32, and
+  so is the product of two such values, so one float32 dot product over all of K yields the
+  reference's block-scaled sum; only the order of the float32 additions differs. Rows or tokens
+  whose scales span more than 48 octaves are computed by the reference itself, a chunk at a time.
+- A chunk of rows is decoded with three integer ops on int32 words: each code is moved to the
+  top of the word, shifted back arithmetically and masked, which leaves the float32 bit pattern of
+  value * 2**-126 (value * 2**-120 for FP8 bytes); one multiply applies the relative scales and
+  2**126 back. The chunk's columns are in a permuted order, so that multiply runs along long
+  contiguous rows; the activation is permuted to match.
+- One BLAS call per chunk (matrix-vector for one token, matrix-matrix otherwise).
+
+The value 0.5 (E2M1 code 1) decodes to a float32 subnormal for one multiply. Where the calling
+thread flushes subnormals (`torch.set_flush_denormal(True)`) the chunk is decoded through the
+codec table instead, at a fraction of the speed.
+
+`compiled=True` additionally routes single-token products (decode) through one `torch.compile`d
+loop that decodes, multiplies and accumulates without a float32 chunk; the first call compiles
+(seconds to a minute), and a failure to compile prints one line to stderr and keeps the chunked
+path.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+
+from .codecs import e8m0_decode, fp4_to_float
+from .gemm import FP4_WEIGHT_BLOCK, fp4_gemm, fp8_gemm, linear
+from .quant import act_quant
+
+# Scales within a row (or a token) may span this many octaves and still take the fused path:
+# relative scales >= 2**-48 keep every product of two pre-scaled values a normal float32.
+_SPAN_OCTAVES = 48
+# Upper bound on float32 values in one decoded chunk (4 MiB): large enough that a chunk's handful
+# of torch calls cost little next to its work, small enough to stay in the last-level cache.
+_CHUNK_VALUES = 1 << 20
+# A token count up to which `compiled=True` runs one compiled pass over the packed weights per token.
+_COMPILED_MAX_TOKENS = 2
+# The activation scale folded into the compiled loop's products, keeping them normal float32.
+_COMPILED_ACT_SHIFT = 64
+
+Expert = Any  # anything with w1, w1_scale, w2, w2_scale, w3, w3_scale attributes (e.g. PackedExpert)
+Experts = Union[Mapping[int, Expert], Sequence[Expert]]
+
+
+class PackedExpert(NamedTuple):
+    """One expert as the checkpoint stores it. Routed: FP4 weights (I8 / uint8 /
+    float4_e2m1fn_x2) [out, in/2] with E8M0 scales [out, in/32]. Shared: FP8 E4M3 [out, in] with
+    E8M0 [ceil(out/32), in/32]. w1 gate and w3 up are [inter, dim]; w2 down is [dim, inter]."""
+
+    w1: torch.Tensor
+    w1_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w3: torch.Tensor
+    w3_scale: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self)
+
+    def to(self, device) -> "PackedExpert":
+        return PackedExpert(*(t.to(device) for t in self))
+
+
+# ---------------------------------------------------------------------- word codecs
+def _i32(bits: int) -> int:
+    """A 32-bit pattern as the signed int32 torch's bitwise ops take."""
+    return bits - (1 << 32) if bits >= 1 << 31 else bits
+
+
+@dataclass(frozen=True)
+class _WordCodec:
+    """How the codes packed in one little-endian int32 word become float32 bit patterns."""
+
+    per_word: int  # codes per word; code i sits at bits [i*bits, (i+1)*bits)
+    bits: int
+    sar: int  # arithmetic right shift from "code at the top of the word" to float32 position
+    mask: int  # sign bit plus the code's exponent and mantissa bits, as int32
+    exp_offset: int  # the decoded float32 is value * 2**-exp_offset
+
+    @property
+    def shifts(self) -> tuple[int, ...]:
+        return tuple(32 - self.bits * (i + 1) for i in range(self.per_word))
+
+
+# E2M1 s|e1 e0|m at bits 28..31, shifted right by 6: exponent bits 23-24, mantissa bit 22.
+_FP4 = _WordCodec(per_word=8, bits=4, sar=6, mask=_i32(0x81C00000), exp_offset=126)
+# E4M3 s|eeee|mmm at bits 24..31, shifted right by 4: exponent bits 23-26, mantissa bits 20-22.
+_FP8 = _WordCodec(per_word=4, bits=8, sar=4, mask=_i32(0x87F00000), exp_offset=120)
+_BLOCK = FP4_WEIGHT_BLOCK  # both formats scale blocks of 32 values along K
+
+
+def _words(packed: torch.Tensor) -> torch.Tensor:
+    """Row-major packed bytes [N, B] -> int32 words [N, B/4] over the same memory."""
+    raw = packed.contiguous().view(torch.uint8)
+    if raw.size(-1) % 4:
+        raise ValueError(f"a packed row of {raw.size(-1)} bytes is not whole int32 words")
+    return raw.view(torch.int32)
+
+
+def _subnormals_kept() -> bool:
+    # the decode relies on float32 subnormal inputs being read as themselves
+    return bool((torch.tensor(2.0**-140) * 2.0**20) != 0)
+
+
+def e4m3_to_float(x: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn -> float32, exactly, through float16 bit patterns (torch's own conversion is
+    a scalar loop on CPU). The NaN code is not preserved: quantizers here never produce it."""
+    b = x.contiguous().view(torch.uint8).to(torch.int16)
+    # s|eeee|mmm -> float16 s|0eeee|mmm0000000: value * 2**-8, subnormals included
+    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return bits.view(torch.float16).float() * 256.0
+
+
+# ---------------------------------------------------------------------- scale splitting
+def _split(scales: torch.Tensor):
+    """float32 [rows, blocks] -> (row power of two [rows], relative [rows, blocks], fused-ok [rows])."""
+    top = scales.amax(dim=1)  # [rows]
+    rel = scales / top.unsqueeze(1)
+    ok = (rel >= 2.0**-_SPAN_OCTAVES).all(dim=1) & torch.isfinite(top) & (top > 0)
+    return top, rel, ok
+
+
+def _split_e8m0(scale: torch.Tensor):
+    """`_split` for E8M0 scales (float8_e8m0fnu or their uint8 bytes), on the exponent bytes: the
+    relative scale is 2**(byte - row max), built from its bits without a float division."""
+    raw = scale.contiguous().view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale.to(torch.uint8)
+    top_byte = raw.amax(dim=1)  # [rows]
+    ok = (top_byte - raw.amin(dim=1) <= _SPAN_OCTAVES) & (top_byte < 255)  # 255 is E8M0's NaN
+    # biased exponent 127 + byte - top; rows outside the span get meaningless bits here and are
+    # recomputed by the reference
+    bias = 127 - top_byte.to(torch.int32)
+    rel = ((raw.to(torch.int32) + bias.unsqueeze(1)) << 23).view(torch.float32)
+    return e8m0_decode(top_byte), rel, ok
+
+
+def _activation_operand(a: torch.Tensor, a_s: torch.Tensor, act_block: int, codec: _WordCodec):
+    """FP8 activations [..., K] + scales -> (values * relative scale, in the chunk's column
+    order [M, K]; token power of two [M]; fused-ok [M]; unpermuted values [M, K])."""
+    if a.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"activations must be float8_e4m3fn (quantize with act_quant), got {a.dtype}")
+    k = a.size(-1)
+    if k % act_block or act_block % _BLOCK:
+        raise ValueError(f"K={k} and act_block_size={act_block} must be multiples of {_BLOCK}")
+    m, nb = a.numel() // k, k // _BLOCK
+    values = e4m3_to_float(a.reshape(m, k))  # [M, K]
+    scales = a_s.reshape(m, k // act_block).float().repeat_interleave(act_block // _BLOCK, dim=1)  # [M, nb]
+    top, rel, ok = _split(scales)
+    scaled = (values.view(m, nb, _BLOCK) * rel.unsqueeze(-1)).view(m, k)
+    return _permute_columns(scaled, codec), top, ok
+
+
+def _permute_columns(x: torch.Tensor, codec: _WordCodec) -> torch.Tensor:
+    """[M, K] in natural order -> the chunk's column order (code in word, word in block, block)."""
+    m, k = x.shape
+    per_block = _BLOCK // codec.per_word
+    return x.view(m, k // _BLOCK, per_block, codec.per_word).permute(0, 3, 2, 1).reshape(m, k)
+
+
+# ---------------------------------------------------------------------- the chunked product
+def _chunked_product(a_perm: torch.Tensor, words: torch.Tensor, rel: torch.Tensor, codec: _WordCodec,
+                     table_decode: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
+    """sum_k a_perm[m, k] * w[n, k] * rel[n, k/32] -> float32 [M, N], a chunk of rows at a time.
+
+    a_perm is already scaled and in the chunk column order; `table_decode` (bytes [rows, B] ->
+    float32 values [rows, K]) replaces the bit decode when subnormals are flushed."""
+    m, k = a_perm.shape
+    n = words.size(0)
+    nb = k // _BLOCK
+    per_block = _BLOCK // codec.per_word  # words per 32-value block
+    rows = max(1, min(n, _CHUNK_VALUES // k))
+    word_buf = torch.empty(rows, per_block, nb, dtype=torch.int32)  # [rows, word in block, block]
+    value_buf = torch.empty(rows, codec.per_word, per_block, nb)  # float32, [rows, code, word, block]
+    bits_buf = value_buf.view(torch.int32)
+    shifts = torch.tensor(codec.shifts, dtype=torch.int32).view(1, -1, 1, 1)
+    # relative scales times 2**exp_offset: undoes the decode's offset in the same multiply
+    factor = rel * 2.0**codec.exp_offset  # [N, nb]
+    out = torch.empty(n, m)  # [N, M], transposed at the end
+    for r0 in range(0, n, rows):
+        r = min(rows, n - r0)
+        vals = value_buf[:r]
+        if table_decode is None:
+            wb, bits = word_buf[:r], bits_buf[:r]
+            wb.copy_(words[r0 : r0 + r].view(r, nb, per_block).transpose(1, 2))
+            torch.bitwise_left_shift(wb.unsqueeze(1), shifts, out=bits)  # code i at the word's top
+            bits.bitwise_right_shift_(codec.sar).bitwise_and_(codec.mask)
+            vals.view(r, _BLOCK, nb).mul_(factor[r0 : r0 + r].unsqueeze(1))
+        else:
+            natural = table_decode(words[r0 : r0 + r].view(torch.uint8))  # [r, K]
+            vals.copy_(natural.view(r, nb, per_block, codec.per_word).permute(0, 3, 2, 1))
+            vals.view(r, _BLOCK, nb).mul_(rel[r0 : r0 + r].unsqueeze(1))
+        flat = vals.view(r, k)
+        if m == 1:
+            torch.mv(flat, a_perm[0], out=out[r0 : r0 + r, 0])
+        else:
+            torch.mm(flat, a_perm.t(), out=out[r0 : r0 + r])
+    return out.t()
+
+
+def _fused(a, a_s, b, w_split, act_block: int, codec: _WordCodec, reference: Callable,
+           compiled: bool) -> torch.Tensor:
+    """The shared body of the FP4 and FP8 fused GEMMs: float32 [M, N] (leading dims flattened).
+    w_split: the weight rows' (power of two [N], relative scales [N, K/32], fused-ok [N])."""
+    a_perm, a_top, a_ok = _activation_operand(a, a_s, act_block, codec)
+    m, k = a_perm.shape
+    words = _words(b)  # [N, K/per_word]
+    if words.size(1) * codec.per_word != k:
+        raise ValueError(f"packed weight {list(b.shape)} does not hold K={k} values per row")
+    w_top, w_rel, w_ok = w_split
+    if m == 0 or words.size(0) == 0:
+        return torch.zeros(m, words.size(0))
+
+    kept = _subnormals_kept()
+    if compiled and kept and m <= _COMPILED_MAX_TOKENS and _compiled_ready(codec):
+        inner = torch.stack([_compiled_gemv(codec, a_perm[i], words, w_rel) for i in range(m)])
+    else:
+        table = None if kept else (fp4_to_float if codec is _FP4 else lambda raw: e4m3_to_float(raw.view(torch.float8_e4m3fn)))
+        inner = _chunked_product(a_perm, words, w_rel, codec, table)
+    # the token's power of two first, then the row's: the order the reference applies a_s, w_s
+    out = inner * a_top.unsqueeze(1) * w_top.unsqueeze(0)
+
+    # rows and tokens whose scales span too much for the pre-scaled operands: the reference,
+    # a bounded number of rows at a time
+    bad_rows = (~w_ok).nonzero().flatten()
+    bad_tokens = (~a_ok).nonzero().flatten()
+    if len(bad_rows) or len(bad_tokens):
+        a2, s2 = a.reshape(m, k), a_s.reshape(m, -1)
+        rows = max(1, _CHUNK_VALUES // k)
+        if len(bad_rows):
+            for i in range(0, len(bad_rows), rows):
+                idx = bad_rows[i : i + rows]
+                out[:, idx] = reference(a2, s2, idx)
+        if len(bad_tokens):
+            for r0 in range(0, words.size(0), rows):
+                idx = torch.arange(r0, min(words.size(0), r0 + rows))
+                out[bad_tokens.unsqueeze(1), idx.unsqueeze(0)] = reference(a2[bad_tokens], s2[bad_tokens], idx)
+    return out
+
+
+def fp4_gemm_fused(
+    a: torch.Tensor,
+    a_s: torch.Tensor,
+    b: torch.Tensor,
+    b_s: torch.Tensor,
+    *,
+    act_block_size: int = 32,
+    out_dtype: torch.dtype = torch.bfloat16,
+    compiled: bool = False,
+) -> torch.Tensor:
+    """`fp4_gemm` without expanding the weight: FP8 [..., K] x packed FP4 [N, K/2] (I8, uint8 or
+    float4_e2m1fn_x2) with E8M0 scales [N, K/32] -> [..., N]; equal to `fp4_gemm` up to the order
+    of float32 additions."""
+    if b.dtype not in (torch.float4_e2m1fn_x2, torch.uint8, torch.int8):
+        raise TypeError(f"weight must be packed FP4 (float4_e2m1fn_x2, uint8 or int8), got {b.dtype}")
+    n, k = b.size(0), a.size(-1)
+    if b.size(1) * 2 != k:
+        raise ValueError(f"packed weight [{n}, {b.size(1)}] does not hold K={k} values per row")
+    if tuple(b_s.shape) != (n, k // _BLOCK):
+        raise ValueError(f"weight scales must be [{n}, {k // _BLOCK}], got {list(b_s.shape)}")
+
+    raw = b.view(torch.uint8)  # fp4_gemm takes float4 or uint8 bytes, not int8
+
+    def reference(a2, s2, rows):
+        return fp4_gemm(a2, s2, raw[rows], b_s[rows], act_block_size=act_block_size, out_dtype=torch.float32)
+
+    split = _split_e8m0(b_s) if b_s.dtype in (torch.float8_e8m0fnu, torch.uint8) else _split(b_s.float())
+    out = _fused(a, a_s, b, split, act_block_size, _FP4, reference, compiled)
+    return out.to(out_dtype).reshape(*a.shape[:-1], n)
+
+
+def fp8_gemm_fused(
+    a: torch.Tensor,
+    a_s: torch.Tensor,
+    b: torch.Tensor,
+    b_s: torch.Tensor,
+    *,
+    block_size: int = 32,
+    out_dtype: torch.dtype = torch.bfloat16,
+    compiled: bool = False,
+) -> torch.Tensor:
+    """`fp8_gemm` without expanding the weight: FP8 [..., K] x FP8 E4M3 [N, K] with E8M0 scales per
+    32x32 block [ceil(N/32), K/32] -> [..., N]; equal to `fp8_gemm` up to float32 addition order."""
+    if b.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"weight must be float8_e4m3fn, got {b.dtype}")
+    if block_size != _BLOCK:
+        raise ValueError(f"the fused FP8 path takes 32x32 weight blocks, got {block_size}")
+    n, k = b.shape
+    if k != a.size(-1):
+        raise ValueError(f"weight has K={k}, activations {a.size(-1)}")
+    n_blocks = -(-n // _BLOCK)
+    if tuple(b_s.shape) != (n_blocks, k // _BLOCK):
+        raise ValueError(f"weight scales must be [{n_blocks}, {k // _BLOCK}], got {list(b_s.shape)}")
+    top, rel, ok = _split_e8m0(b_s) if b_s.dtype in (torch.float8_e8m0fnu, torch.uint8) else _split(b_s.float())
+    # one entry per weight row rather than per 32-row block
+    split = tuple(t.repeat_interleave(_BLOCK, dim=0)[:n] for t in (top, rel, ok))
+
+    def reference(a2, s2, rows):
+        # fp8_gemm needs whole 32-row scale blocks: take the rows' blocks, then the rows
+        blocks = torch.unique(rows // _BLOCK)
+        sub = torch.cat([b[i * _BLOCK : (i + 1) * _BLOCK] for i in blocks.tolist()])
+        full = fp8_gemm(a2, s2, sub, b_s[blocks], block_size=_BLOCK, out_dtype=torch.float32)
+        starts = torch.cumsum(torch.tensor([0] + [min(_BLOCK, n - i * _BLOCK) for i in blocks.tolist()]), 0)
+        pos = starts[torch.searchsorted(blocks, rows // _BLOCK)] + rows % _BLOCK
+        return full[:, pos]
+
+    out = _fused(a, a_s, b, split, block_size, _FP8, reference, compiled)
+    return out.to(out_dtype).reshape(*a.shape[:-1], n)
+
+
+def linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None, *,
+                 compiled: bool = False) -> torch.Tensor:
+    """The op layer's `linear` (FP8 activation quantization, then the FP4 or FP8 product, output in
+    x's dtype) through the fused GEMMs; other weights are plain F.linear."""
+    if weight.dtype in (torch.int8, torch.uint8):
+        weight = weight.view(torch.float4_e2m1fn_x2)  # the checkpoint's I8 expert weights
+    if weight.dtype not in (torch.float4_e2m1fn_x2, torch.float8_e4m3fn):
+        return F.linear(x, weight)
+    if scale is None:
+        raise ValueError(f"a {weight.dtype} weight needs its block scales")
+    a, a_s = act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
+    return _quantized_product(a, a_s, weight, scale, x.dtype, compiled)
+
+
+def _quantized_product(a, a_s, weight, scale, out_dtype, compiled):
+    if weight.dtype in (torch.float4_e2m1fn_x2, torch.int8, torch.uint8):
+        return fp4_gemm_fused(a, a_s, weight, scale, act_block_size=32, out_dtype=out_dtype, compiled=compiled)
+    return fp8_gemm_fused(a, a_s, weight, scale, block_size=32, out_dtype=out_dtype, compiled=compiled)
+
+
+def _reference_product(a, a_s, weight, scale, out_dtype):
+    if weight.dtype in (torch.int8, torch.uint8):
+        weight = weight.view(torch.float4_e2m1fn_x2)
+    if weight.dtype == torch.float4_e2m1fn_x2:
+        return fp4_gemm(a, a_s, weight, scale, act_block_size=32, out_dtype=out_dtype)
+    return fp8_gemm(a, a_s, weight, scale, block_size=32, out_dtype=out_dtype)
+
+
+# ---------------------------------------------------------------------- experts
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(gate) * up in float32; with limit > 0 the up branch is clamped to [-limit, limit] and
+    the gate branch from above only, as in training."""
+    gate, up = gate.float(), up.float()
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    return F.silu(gate) * up
+
+
+def _expert_on_quantized(a, a_s, dtype, expert: Expert, swiglu_limit: float, weights, product):
+    """One expert on FP8-quantized tokens: gate/up -> clamped SwiGLU -> routing weight -> down.
+    Every GEMM output is rounded to the activation dtype, as the reference's linears return it."""
+    gate = product(a, a_s, expert.w1, expert.w1_scale, dtype)
+    up = product(a, a_s, expert.w3, expert.w3_scale, dtype)
+    h = clamped_swiglu(gate, up, swiglu_limit)  # [c, inter] float32
+    if weights is not None:
+        h = weights.to(h.device) * h  # the routing weight scales the activation before the down projection
+    h_q, h_s = act_quant(h.to(dtype), 32, "ue8m0", torch.float8_e8m0fnu)
+    return product(h_q, h_s, expert.w2, expert.w2_scale, dtype)
+
+
+def expert_ffn(x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0,
+               weights: Optional[torch.Tensor] = None, *, compiled: bool = False) -> torch.Tensor:
+    """One SwiGLU expert (FP4 routed or FP8 shared weights) on x [n, dim] -> [n, dim] in x's dtype,
+    through the fused GEMMs; `weights` [n, 1] scales the activation before the down projection."""
+    a, a_s = act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
+    return _expert_on_quantized(a, a_s, x.dtype, expert, swiglu_limit, weights,
+                                lambda *args: _quantized_product(*args, compiled))
+
+
+def expert_ffn_reference(x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0,
+                         weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`expert_ffn` through the op layer's reference `linear` (each weight expanded whole)."""
+    h = clamped_swiglu(linear(x, _as_fp4(expert.w1), expert.w1_scale),
+                       linear(x, _as_fp4(expert.w3), expert.w3_scale), swiglu_limit)
+    if weights is not None:
+        h = weights * h
+    return linear(h.to(x.dtype), _as_fp4(expert.w2), expert.w2_scale)
+
+
+def _as_fp4(w: torch.Tensor) -> torch.Tensor:
+    return w.view(torch.float4_e2m1fn_x2) if w.dtype in (torch.int8, torch.uint8) else w
+
+
+def _check_routing(x, expert_ids, weights):
+    if x.dim() != 2:
+        raise ValueError(f"x must be [tokens, dim], got shape {tuple(x.shape)}")
+    if expert_ids.shape != weights.shape or expert_ids.dim() != 2 or expert_ids.size(0) != x.size(0):
+        raise ValueError(f"expert_ids and weights must both be [{x.size(0)}, k], got "
+                         f"{tuple(expert_ids.shape)} and {tuple(weights.shape)}")
+
+
+def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
+                   swiglu_limit: float = 0.0, *, compiled: bool = False,
+                   product: Optional[Callable] = None) -> torch.Tensor:
+    """y = sum_k weights[:, k] * expert_{expert_ids[:, k]}(x), float32 [n, dim], from packed weights.
+
+    Call contract (the same for `routed_experts_reference` and the Triton dispatcher):
+    x [n, dim] activations (bf16 in the model; GEMM outputs are rounded to x.dtype as the
+    reference's linears do); expert_ids [n, k] integer ids; weights [n, k] float32 routing weights
+    (already normalized and scaled); experts maps each id present in expert_ids to an object with
+    w1, w1_scale, w2, w2_scale, w3, w3_scale exactly as stored (`PackedExpert`): a dict
+    {id: expert} from the loader's cache, or a sequence indexed by id. Tokens are quantized to FP8
+    once, grouped by expert with one sort, and each selected expert runs once on all of its tokens,
+    in ascending id order, added into a float32 sum as the reference does. A token must not select
+    the same expert twice. Weights are read packed, never expanded as a whole. `compiled=True`: see
+    the module docstring. `product` replaces the GEMM (the Triton dispatcher uses it)."""
+    _check_routing(x, expert_ids, weights)
+    n, k = expert_ids.shape
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [n, dim]
+    if n == 0:
+        return y
+    if product is None:
+        def product(a, a_s, w, s, dtype):
+            return _quantized_product(a, a_s, w, s, dtype, compiled)
+    a, a_s = act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)  # per token, so once for every expert
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending within one
+    ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    flat_weights = weights.reshape(-1).float()
+    start = 0
+    for e, c in zip(ids.tolist(), counts.tolist()):
+        pairs = order[start : start + c]
+        start += c
+        rows = pairs // k  # [c] token indices
+        out = _expert_on_quantized(a[rows], a_s[rows], x.dtype, experts[e], swiglu_limit,
+                                   flat_weights[pairs].unsqueeze(1), product)
+        y.index_add_(0, rows, out.to(y.device, torch.float32))
+    return y
+
+
+def routed_experts_reference(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                             experts: Experts, swiglu_limit: float = 0.0) -> torch.Tensor:
+    """The plain reference for `routed_experts`: per selected expert (ascending id), its tokens
+    gathered, quantized to FP8 and multiplied by the op layer's `fp4_gemm`, which expands each
+    weight matrix to float32; the expert outputs summed in float32."""
+    _check_routing(x, expert_ids, weights)
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(expert_ids).tolist():
+        rows, slot = torch.where(expert_ids == e)
+        out = expert_ffn_reference(x[rows], experts[e], swiglu_limit, weights[rows, slot, None].float())
+        y.index_add_(0, rows, out.float())
+    return y
+
+
+# ---------------------------------------------------------------------- compiled decode loop
+_COMPILED: dict = {}  # codec -> compiled function, or None once compiling failed
+
+
+def _gemv_loop(words, a_perm, scale, *, shifts, sar, mask, per_block):
+    """y[n] = sum_w scale[n, w / per_block] * sum_i decode(words[n, w], i) * a_perm[i, w]."""
+    acc = None
+    for i, shift in enumerate(shifts):
+        bits = words << shift if shift else words
+        term = ((bits >> sar) & mask).view(torch.float32) * a_perm[i]
+        acc = term if acc is None else acc + term
+    n = words.size(0)
+    per_word_scale = scale.unsqueeze(-1).expand(-1, -1, per_block).reshape(n, -1)
+    return (acc * per_word_scale).sum(-1)
+
+
+def _compiled_ready(codec: _WordCodec) -> bool:
+    if codec not in _COMPILED:
+        import functools
+
+        body = functools.partial(_gemv_loop, shifts=codec.shifts, sar=codec.sar, mask=codec.mask,
+                                 per_block=_BLOCK // codec.per_word)
+        try:
+            fn = torch.compile(body, dynamic=True)
+            # compile now, on a tiny problem, so a failure shows here and not mid-layer
+            words = torch.zeros(2, 2 * _BLOCK // codec.per_word, dtype=torch.int32)
+            fn(words, torch.zeros(codec.per_word, words.size(1)), torch.ones(2, 2))
+            _COMPILED[codec] = fn
+        except Exception as exc:  # no C++ compiler, an unsupported platform, ...
+            print(f"dsv41: torch.compile of the fused expert loop failed ({type(exc).__name__}); "
+                  "using the chunked path", file=sys.stderr)
+            _COMPILED[codec] = None
+    return _COMPILED[codec] is not None
+
+
+def _compiled_gemv(codec: _WordCodec, a_row: torch.Tensor, words: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
+    """One token through the compiled loop: float32 [N], equal to `_chunked_product` for M=1."""
+    k = a_row.numel()
+    # natural order again, split by code position: a_perm[i, w] = activation of code i of word w
+    nb, per_block = k // _BLOCK, _BLOCK // codec.per_word
+    natural = a_row.view(codec.per_word, per_block, nb).permute(2, 1, 0).reshape(-1)
+    a_perm = (natural * 2.0**_COMPILED_ACT_SHIFT).view(-1, codec.per_word).t().contiguous()
+    # the products stay normal floats: decoded * 2**-exp_offset times activation * 2**64
+    scale = rel * 2.0 ** (codec.exp_offset - _COMPILED_ACT_SHIFT)
+    return _COMPILED[codec](words, a_perm, scale)

@@ -1,0 +1,469 @@
+"""The fused packed-FP4 expert path against the op layer's reference GEMMs, and the Triton kernels
+through Triton's CPU interpreter (in a subprocess, since TRITON_INTERPRET is read at import)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dsv41.kernels.experts as ex
+from dsv41.formats import quantize_fp4, quantize_fp8_blocks
+from dsv41.kernels import act_quant, fp4_gemm, fp4_to_float, fp8_gemm
+from dsv41.kernels.experts import (
+    PackedExpert,
+    e4m3_to_float,
+    expert_ffn,
+    expert_ffn_reference,
+    fp4_gemm_fused,
+    fp8_gemm_fused,
+    routed_experts,
+    routed_experts_reference,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """A few rows per chunk, so every product crosses several chunks and a ragged last one."""
+    monkeypatch.setattr(ex, "_CHUNK_VALUES", 2048)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _fp4_weight(n, k, g, lo=118, hi=131, codes=None):
+    packed = torch.randint(-128, 128, (n, k // 2), dtype=torch.int8, generator=g) if codes is None else codes
+    scale = torch.randint(lo, hi, (n, k // 32), dtype=torch.uint8, generator=g)
+    return packed, scale.view(torch.float8_e8m0fnu)
+
+
+def _bound(a, a_s, w_values, w_scales):
+    """sum_k |a_k * w_k| in float64: what a float32 accumulation error is proportional to."""
+    av = a.float().double() * a_s.float().double().repeat_interleave(32, dim=1)
+    wv = w_values.double() * w_scales.double().repeat_interleave(32, dim=1)
+    return av.abs() @ wv.abs().T
+
+
+def _assert_gemm_close(got, ref, bound, k):
+    """Same infinities and NaNs; finite entries within two float32 sums' worst-case error."""
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    assert torch.equal(got[torch.isinf(got)], ref[torch.isinf(ref)])
+    fin = torch.isfinite(ref)
+    tol = 2 * k * 2.0**-24 * bound[fin] + 2.0**-140  # the additive part covers subnormal results
+    err = (got[fin].double() - ref[fin].double()).abs()
+    assert (err <= tol).all(), f"max error {err.max().item()} vs tolerance {tol[err.argmax()].item()}"
+
+
+def _check_fp4(x, packed, scale):
+    a, a_s = act_quant(x)
+    ref = fp4_gemm(a, a_s, packed.view(torch.uint8), scale, out_dtype=torch.float32)
+    got = fp4_gemm_fused(a, a_s, packed, scale, out_dtype=torch.float32)
+    bound = _bound(a, a_s, fp4_to_float(packed.view(torch.uint8)), scale.float())
+    _assert_gemm_close(got, ref, bound, x.size(-1))
+    return got, ref
+
+
+# ---------------------------------------------------------------------- the fused GEMMs
+@pytest.mark.parametrize("m", [1, 2, 7])
+def test_fp4_fused_matches_fp4_gemm_on_random_codes(small_chunks, m):
+    g = _gen(m)
+    packed, scale = _fp4_weight(70, 320, g)
+    x = (torch.randn(m, 320, generator=g) * 3).to(torch.bfloat16)
+    got, ref = _check_fp4(x, packed, scale)
+    assert ref.abs().max() > 0
+
+
+def test_fp4_fused_keeps_leading_dims_and_out_dtype():
+    g = _gen(1)
+    packed, scale = _fp4_weight(40, 64, g)
+    a, a_s = act_quant(torch.randn(2, 3, 64, generator=g).to(torch.bfloat16))
+    got = fp4_gemm_fused(a, a_s, packed.view(torch.float4_e2m1fn_x2), scale)
+    ref = fp4_gemm(a, a_s, packed.view(torch.float4_e2m1fn_x2), scale)
+    assert got.shape == (2, 3, 40) and got.dtype == torch.bfloat16
+    assert (got.float() - ref.float()).abs().max() <= 2.0**-7 * ref.float().abs().max()
+
+
+_EXTREMES = {
+    # every code +-6 (nibbles 7 and 15)
+    "all_six": dict(codes=[0x77, 0xFF, 0x7F, 0xF7], scale=(118, 131), x=1.0),
+    # +-0 codes everywhere: the product is exactly zero
+    "zeros": dict(codes=[0x00, 0x88, 0x08, 0x80], scale=(118, 131), x=1.0),
+    # the largest E8M0 scale with the smallest activation scale: large but finite results
+    "max_scale": dict(codes=None, scale=(254, 255), x=1e-5),
+    # the smallest (a float32 subnormal) with large activations: normal results
+    "min_scale_large_x": dict(codes=None, scale=(0, 1), x=1e30),
+    # the smallest with ordinary activations: subnormal results
+    "min_scale": dict(codes=None, scale=(0, 1), x=1.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_EXTREMES))
+def test_fp4_fused_matches_fp4_gemm_on_adversarial_codes(small_chunks, case):
+    spec = _EXTREMES[case]
+    g = _gen(7)
+    n, k = 24, 128
+    codes = None
+    if spec["codes"] is not None:
+        choice = torch.tensor(spec["codes"], dtype=torch.uint8)
+        codes = choice[torch.randint(0, len(choice), (n, k // 2), generator=g)].view(torch.int8)
+    packed, scale = _fp4_weight(n, k, g, *spec["scale"], codes=codes)
+    x = (torch.randn(3, k, generator=g) * spec["x"]).to(torch.bfloat16)
+    got, ref = _check_fp4(x, packed, scale)
+    if case == "zeros":
+        assert not got.any() and not ref.any()
+    else:
+        assert torch.isfinite(ref).all() and ref.abs().max() > 0
+
+
+def test_fp4_fused_agrees_on_overflow():
+    # +6 everywhere at scale 2**127 with positive activations: every block term is +inf
+    n, k = 8, 64
+    packed = torch.full((n, k // 2), 0x77, dtype=torch.uint8).view(torch.int8)
+    scale = torch.full((n, k // 32), 254, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    x = torch.rand(2, k, generator=_gen(3)).add(0.5).to(torch.bfloat16)
+    got, ref = _check_fp4(x, packed, scale)
+    assert torch.isinf(ref).all()
+
+
+def test_scales_spanning_too_far_take_the_reference_rows(small_chunks):
+    # one weight row mixes 2**-127 and 2**127 blocks; one token mixes 1e30 and 1e-30 blocks
+    g = _gen(11)
+    n, k = 10, 128
+    packed, scale = _fp4_weight(n, k, g)
+    raw = scale.view(torch.uint8).clone()
+    raw[3] = torch.tensor([0, 254, 1, 253], dtype=torch.uint8)
+    x = torch.randn(4, k, generator=g)
+    x[2, :32] *= 1e30
+    x[2, 32:] *= 1e-30
+    _check_fp4(x.to(torch.bfloat16), packed, raw.view(torch.float8_e8m0fnu))
+
+
+def test_fp8_fused_matches_fp8_gemm(small_chunks):
+    g = _gen(5)
+    n, k = 70, 160  # 70 rows: the last 32-row scale block is partial
+    weight = (torch.randn(n, k, generator=g) * 50).to(torch.float8_e4m3fn)
+    scale = torch.randint(110, 140, (3, k // 32), dtype=torch.uint8, generator=g)
+    scale[1, 2] = 0  # one block spanning too far: rows 32..63 go through the reference
+    scale = scale.view(torch.float8_e8m0fnu)
+    a, a_s = act_quant((torch.randn(5, k, generator=g) * 2).to(torch.bfloat16))
+    ref = fp8_gemm(a, a_s, weight, scale, out_dtype=torch.float32)
+    got = fp8_gemm_fused(a, a_s, weight, scale, out_dtype=torch.float32)
+    w_scales = scale.float().repeat_interleave(32, 0)[:n]
+    _assert_gemm_close(got, ref, _bound(a, a_s, weight.float(), w_scales), k)
+
+
+def test_e4m3_to_float_is_exact_for_every_code():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # not the NaN codes
+    fp8 = codes.view(torch.float8_e4m3fn)
+    assert torch.equal(e4m3_to_float(fp8), fp8.float())
+
+
+def test_flushed_subnormals_fall_back_to_the_table_decode(small_chunks):
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals, so the fallback is never taken")
+    try:
+        assert not ex._subnormals_kept()
+        g = _gen(13)
+        packed, scale = _fp4_weight(20, 96, g)
+        _check_fp4((torch.randn(2, 96, generator=g)).to(torch.bfloat16), packed, scale)
+    finally:
+        torch.set_flush_denormal(False)
+    assert ex._subnormals_kept()
+
+
+# ---------------------------------------------------------------------- whole experts
+def _expert(dim, inter, g, fp8=False, std=0.08):
+    quant = (lambda w: quantize_fp8_blocks(w)) if fp8 else quantize_fp4
+    parts = [quant(torch.randn(*shape, generator=g) * std) for shape in ((inter, dim), (dim, inter), (inter, dim))]
+    return PackedExpert(*(t for p in parts for t in p))
+
+
+def _routing(n, n_experts, k, g):
+    ids = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(n)])
+    weights = torch.rand(n, k, generator=g) + 0.05
+    return ids, weights / weights.sum(-1, keepdim=True)
+
+
+def _assert_bf16_close(got, ref):
+    # GEMM outputs are rounded to bf16 at the reference's points; a float32 ordering difference
+    # can move one rounding by an ulp, which the next layers carry but do not grow
+    assert (got.float() - ref.float()).abs().max() <= 2.0**-7 * ref.float().abs().max()
+
+
+def test_clamped_swiglu_clamps_up_on_both_sides_and_gate_from_above():
+    from dsv41.kernels.experts import clamped_swiglu
+
+    gate = torch.tensor([-20.0, 0.5, 20.0, 30.0])
+    up = torch.tensor([-20.0, 5.0, 20.0, -30.0])
+    want = torch.nn.functional.silu(torch.tensor([-20.0, 0.5, 10.0, 10.0])) * torch.tensor([-10.0, 5.0, 10.0, -10.0])
+    assert torch.equal(clamped_swiglu(gate, up, 10.0), want)
+    assert torch.equal(clamped_swiglu(gate, up, 0.0), torch.nn.functional.silu(gate) * up)  # 0: no clamp
+    try:
+        from dsv41.model import clamped_swiglu as model_swiglu
+    except ImportError:
+        return
+    assert torch.equal(clamped_swiglu(gate, up, 10.0), model_swiglu(gate, up, 10.0))
+
+
+def test_routed_experts_match_the_reference(small_chunks):
+    g = _gen(17)
+    dim, inter, n_experts = 256, 96, 7
+    experts = {e: _expert(dim, inter, g) for e in range(n_experts)}
+    x = (torch.randn(9, dim, generator=g) * 4).to(torch.bfloat16)
+    ids, weights = _routing(9, n_experts, 3, g)
+    limit = 1.5  # small enough that the clamp cuts in
+    ref = routed_experts_reference(x, ids, weights, experts, limit)
+    got = routed_experts(x, ids, weights, experts, limit)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    _assert_bf16_close(got, ref)
+    unclamped = routed_experts(x, ids, weights, experts, 0.0)
+    assert (unclamped - got).abs().max() > 0.05 * got.abs().max()  # the limit was exercised
+    # a list indexed by id is the same contract as a dict
+    assert torch.equal(routed_experts(x, ids, weights, [experts[e] for e in range(n_experts)], limit), got)
+
+
+def test_routed_experts_handle_one_token_and_no_tokens():
+    g = _gen(19)
+    dim, inter = 128, 64
+    experts = {e: _expert(dim, inter, g) for e in range(8)}
+    x = torch.randn(1, dim, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([[5, 0, 7, 2, 3, 1]])
+    weights = torch.softmax(torch.randn(1, 6, generator=g), -1)
+    _assert_bf16_close(routed_experts(x, ids, weights, experts, 10.0),
+                       routed_experts_reference(x, ids, weights, experts, 10.0))
+    empty = routed_experts(x[:0], ids[:0], weights[:0], experts, 10.0)
+    assert empty.shape == (0, dim)
+    with pytest.raises(ValueError, match="expert_ids and weights"):
+        routed_experts(x, ids, weights[:, :3], experts)
+
+
+def test_a_zero_expert_contributes_exactly_nothing():
+    g = _gen(23)
+    dim, inter = 64, 32
+    zero = PackedExpert(*(torch.zeros_like(t) if t.dtype == torch.int8 else t for t in _expert(dim, inter, g)))
+    other = _expert(dim, inter, g)
+    x = torch.randn(3, dim, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1]] * 3)
+    w = torch.full((3, 2), 0.5)
+    both = routed_experts(x, ids, w, {0: zero, 1: other})
+    alone = routed_experts(x, ids[:, 1:], w[:, 1:], {1: other})
+    assert torch.equal(both, alone)
+
+
+def test_shared_fp8_expert_matches_the_reference():
+    g = _gen(29)
+    expert = _expert(192, 96, g, fp8=True)
+    x = (torch.randn(4, 192, generator=g) * 3).to(torch.bfloat16)
+    _assert_bf16_close(expert_ffn(x, expert, 2.0), expert_ffn_reference(x, expert, 2.0))
+
+
+def test_no_whole_weight_is_expanded(monkeypatch):
+    """The fused path never calls a dense dequantizer, and its largest allocation is far below a
+    BF16 copy of one weight matrix."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import dsv41.formats as formats
+    import dsv41.kernels.codecs as codecs
+    import dsv41.kernels.gemm as gemm
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a whole weight matrix was expanded")
+
+    for module, name in [(codecs, "fp4_to_float"), (gemm, "fp4_to_float"), (ex, "fp4_to_float"),
+                         (formats, "dequantize_fp4"), (formats, "dequantize"), (formats, "fp4_values")]:
+        monkeypatch.setattr(module, name, forbidden)
+    monkeypatch.setattr(ex, "_CHUNK_VALUES", 8192)
+    g = _gen(31)
+    dim, inter = 1024, 512
+    experts = {e: _expert(dim, inter, g) for e in range(2)}
+    x = torch.randn(2, dim, generator=g).to(torch.bfloat16)
+    ids, weights = torch.tensor([[0, 1], [1, 0]]), torch.full((2, 2), 0.5)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        routed_experts(x, ids, weights, experts, 10.0)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    bf16_copy = dim * inter * 2
+    assert 0 < largest <= bf16_copy // 8, (largest, bf16_copy)
+
+
+# ---------------------------------------------------------------------- the compiled loop
+def test_compiled_loop_math_run_eagerly(monkeypatch):
+    """The function torch.compile fuses, run as plain torch: same numbers as the reference."""
+    import functools
+
+    loops = {codec: functools.partial(ex._gemv_loop, shifts=codec.shifts, sar=codec.sar, mask=codec.mask,
+                                      per_block=32 // codec.per_word) for codec in (ex._FP4, ex._FP8)}
+    monkeypatch.setattr(ex, "_COMPILED", loops)
+    g = _gen(37)
+    packed, scale = _fp4_weight(30, 256, g)
+    a, a_s = act_quant(torch.randn(2, 256, generator=g).to(torch.bfloat16))
+    got = fp4_gemm_fused(a, a_s, packed, scale, out_dtype=torch.float32, compiled=True)
+    ref = fp4_gemm(a, a_s, packed.view(torch.uint8), scale, out_dtype=torch.float32)
+    _assert_gemm_close(got, ref, _bound(a, a_s, fp4_to_float(packed.view(torch.uint8)), scale.float()), 256)
+    weight = (torch.randn(40, 256, generator=g) * 20).to(torch.float8_e4m3fn)
+    w_s = torch.randint(115, 135, (2, 8), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+    got = fp8_gemm_fused(a, a_s, weight, w_s, out_dtype=torch.float32, compiled=True)
+    ref = fp8_gemm(a, a_s, weight, w_s, out_dtype=torch.float32)
+    _assert_gemm_close(got, ref, _bound(a, a_s, weight.float(), w_s.float().repeat_interleave(32, 0)[:40]), 256)
+
+
+def test_compile_failure_prints_one_line_and_keeps_the_chunked_path(monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(ex, "_COMPILED", {})
+    g = _gen(41)
+    packed, scale = _fp4_weight(16, 64, g)
+    a, a_s = act_quant(torch.randn(1, 64, generator=g).to(torch.bfloat16))
+    ref = fp4_gemm(a, a_s, packed.view(torch.uint8), scale, out_dtype=torch.float32)
+    for _ in range(2):
+        got = fp4_gemm_fused(a, a_s, packed, scale, out_dtype=torch.float32, compiled=True)
+        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "torch.compile" in lines[0]
+
+
+@pytest.mark.skipif(os.environ.get("DSV41_COMPILE_TESTS") != "1",
+                    reason="compiling the loop with inductor takes 10-80 s on two cores; set DSV41_COMPILE_TESTS=1")
+def test_compiled_loop_through_inductor(monkeypatch):
+    monkeypatch.setattr(ex, "_COMPILED", {})
+    g = _gen(43)
+    packed, scale = _fp4_weight(64, 512, g)
+    a, a_s = act_quant(torch.randn(1, 512, generator=g).to(torch.bfloat16))
+    got = fp4_gemm_fused(a, a_s, packed, scale, out_dtype=torch.float32, compiled=True)
+    assert ex._COMPILED.get(ex._FP4) is not None
+    ref = fp4_gemm(a, a_s, packed.view(torch.uint8), scale, out_dtype=torch.float32)
+    _assert_gemm_close(got, ref, _bound(a, a_s, fp4_to_float(packed.view(torch.uint8)), scale.float()), 512)
+
+
+# ---------------------------------------------------------------------- Triton
+_INTERPRET_SCRIPT = r"""
+import json, torch
+from dsv41.kernels import act_quant, fp4_gemm
+from dsv41.kernels.triton_experts import fp4_gemm_triton, GEMV_MAX_TOKENS
+from dsv41.kernels.experts import routed_experts, routed_experts_reference, PackedExpert
+from dsv41.formats import quantize_fp4
+g = torch.Generator().manual_seed(0)
+out = {}
+def rel(got, ref):
+    return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+cases = {"random": (None, 118, 131, 1.0), "all_six": ([0x77, 0xFF, 0x7F, 0xF7], 118, 131, 1.0),
+         "zeros": ([0x00, 0x88], 118, 131, 1.0), "max_scale": (None, 254, 255, 1e-5),
+         "min_scale": (None, 0, 1, 1e30)}
+for name, (codes, lo, hi, xs) in cases.items():
+    for m in (1, 3, 20):  # GEMV kernel up to GEMV_MAX_TOKENS, then the tl.dot kernel
+        n, k = 40, 128
+        if codes is None:
+            w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+        else:
+            w = torch.tensor(codes, dtype=torch.uint8)[torch.randint(0, len(codes), (n, k // 2), generator=g)]
+        s = torch.randint(lo, hi, (n, k // 32), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+        a, a_s = act_quant((torch.randn(m, k, generator=g) * xs).to(torch.bfloat16))
+        ref = fp4_gemm(a, a_s, w, s, out_dtype=torch.float32)
+        got = fp4_gemm_triton(a, a_s, w.view(torch.int8), s, out_dtype=torch.float32)
+        out[f"{name}/{m}"] = {"rel": rel(got, ref), "zero": bool(not ref.any()), "exact_zero": bool(not got.any()),
+                              "finite": bool(torch.isfinite(got).all())}
+dim, inter = 128, 64
+def expert():
+    return PackedExpert(*[t for shape in ((inter, dim), (dim, inter), (inter, dim))
+                          for t in quantize_fp4(torch.randn(*shape, generator=g) * 0.1)])
+experts = {e: expert() for e in range(5)}
+x = (torch.randn(6, dim, generator=g) * 3).to(torch.bfloat16)
+ids = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(6)])
+wts = torch.rand(6, 2, generator=g)
+product = lambda a, a_s, w, s, dtype: fp4_gemm_triton(a, a_s, w, s, out_dtype=dtype)
+ref = routed_experts_reference(x, ids, wts, experts, 2.0)
+got = routed_experts(x, ids, wts, experts, 2.0, product=product)
+out["routed"] = {"rel": rel(got, ref)}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed")
+def test_triton_kernels_in_the_interpreter_match_the_reference():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == 16
+    for key, r in results.items():
+        assert r["rel"] <= 1e-5, (key, r)
+        if key.startswith("zeros/"):
+            assert r["zero"] and r["exact_zero"], key
+        elif key != "routed":
+            assert r["finite"], key
+
+
+def test_expert_devices_without_cuda_print_one_line(monkeypatch, capsys):
+    from dsv41.kernels import triton_experts as te
+
+    if te.available():
+        pytest.skip("CUDA is present here, so there is no fallback to observe")
+    monkeypatch.setattr(te, "_WARNED", set())
+    assert te.expert_devices("cuda") == [torch.device("cpu")]
+    assert te.expert_devices(["cuda:0", "cuda:1"]) == [torch.device("cpu")]
+    assert te.expert_devices(None) == [torch.device("cpu")]
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "CPU" in lines[0]
+    with pytest.raises(ValueError, match="all be cpu or all be cuda"):
+        te.expert_devices(["cpu", "cuda"])
+
+
+def test_routed_experts_device_on_cpu_is_the_fused_path():
+    from dsv41.kernels.triton_experts import device_for, routed_experts_device
+
+    g = _gen(47)
+    experts = {e: _expert(64, 32, g) for e in range(4)}
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    ids, weights = _routing(5, 4, 2, g)
+    assert torch.equal(routed_experts_device(x, ids, weights, experts, 3.0), routed_experts(x, ids, weights, experts, 3.0))
+    devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert [device_for(e, devices).index for e in range(4)] == [0, 1, 0, 1]
+
+
+_GPU = pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()),
+                          reason="needs a CUDA GPU with Triton; the kernels are checked on CPU through TRITON_INTERPRET above")
+
+
+@pytest.mark.gpu
+@_GPU
+@pytest.mark.parametrize("m", [1, 4, 64])
+def test_triton_fp4_gemm_on_gpu_matches_the_reference(m):
+    from dsv41.kernels.triton_experts import fp4_gemm_triton
+
+    g = _gen(53)
+    packed, scale = _fp4_weight(2304, 5120, g)
+    a, a_s = act_quant((torch.randn(m, 5120, generator=g) * 2).to(torch.bfloat16))
+    ref = fp4_gemm(a, a_s, packed.view(torch.uint8), scale, out_dtype=torch.float32)
+    got = fp4_gemm_triton(a.cuda(), a_s.cuda(), packed.cuda(), scale.cuda(), out_dtype=torch.float32).cpu()
+    _assert_gemm_close(got, ref, _bound(a, a_s, fp4_to_float(packed.view(torch.uint8)), scale.float()), 5120)
+
+
+@pytest.mark.gpu
+@_GPU
+def test_routed_experts_device_with_experts_on_gpu():
+    from dsv41.kernels.triton_experts import routed_experts_device
+
+    g = _gen(59)
+    experts = {e: _expert(512, 256, g) for e in range(6)}
+    x = torch.randn(5, 512, generator=g).to(torch.bfloat16)
+    ids, weights = _routing(5, 6, 3, g)
+    ref = routed_experts_reference(x, ids, weights, experts, 5.0)
+    got = routed_experts_device(x, ids, weights, {e: p.to("cuda") for e, p in experts.items()}, 5.0)
+    assert got.device == x.device
+    _assert_bf16_close(got, ref)
