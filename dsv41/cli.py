@@ -13,6 +13,7 @@ COMMANDS = {
     "engram": ("dsv41.engram", "cli_main", "Engram layout, multipliers and hash ids for a config (and tokenizer)"),
     "generate": ("dsv41.generate", "cli_main", "generate text from a checkpoint (default: the embedded tiny one)"),
     "notebooks": ("dsv41.notebooks", "cli_main", "execute every notebook with papermill into a new outputs/run-NNN (figures, sidecars, summary)"),
+    "bench": ("dsv41.bench", "cli_main", "time the fused packed-FP4 expert path against expanding experts to BF16"),
 }
 
 

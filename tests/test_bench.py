@@ -1,0 +1,77 @@
+"""`dsv41 bench experts` at a tiny shape: the report's structure, and that its ratios are the
+measured numbers divided (no timing thresholds: this machine is shared and times move)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from dsv41 import bench
+from dsv41.cli import main
+
+TINY = ["--dims", "64,32", "--repeats", "1", "--copy-mib", "8", "--no-compiled"]
+
+
+def test_bench_experts_writes_a_report_of_measured_numbers(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "experts", "--tokens", "1,3", "--experts", "6", "--json", str(out), *TINY]) == 0
+    printed = capsys.readouterr().out
+    assert "memory copy bandwidth" in printed and "resident memory" in printed
+    report = json.loads(out.read_text())
+    assert (report["dim"], report["inter"], report["n_experts"], report["topk"]) == (64, 32, 6, 6)
+    copy_bw = report["copy_bandwidth_bytes_per_s"]
+    assert copy_bw > 0 and "8 MiB" in report["copy_bandwidth_definition"]
+    for key in ("after_build", "end"):
+        assert report[key]["rss_bytes"] > 0 and report[key]["peak_rss_bytes"] >= report[key]["rss_bytes"] // 2
+    assert [row["tokens"] for row in report["shapes"]] == [1, 3]
+
+    routed, shared = bench.make_experts(6, 64, 32)
+    assert report["routed_expert_bytes"] == routed[0].nbytes and report["shared_expert_bytes"] == shared.nbytes
+    for row in report["shapes"]:
+        assert row["baseline_s"] > 0 and row["fused_s"] > 0
+        assert math.isclose(row["speedup"], row["baseline_s"] / row["fused_s"], rel_tol=1e-12)
+        assert math.isclose(row["fused_bytes_per_s"], row["packed_bytes"] / row["fused_s"], rel_tol=1e-12)
+        assert math.isclose(row["fused_fraction_of_copy"], row["fused_bytes_per_s"] / copy_bw, rel_tol=1e-12)
+        # 6 of 6 experts selected: each read once, plus the shared one
+        assert row["experts_selected"] == 6
+        assert row["packed_bytes"] == 6 * routed[0].nbytes + shared.nbytes
+        assert "compiled_s" not in row
+
+
+def test_bench_rejects_bad_arguments(capsys):
+    assert main(["bench", "experts", "--tokens", "0", *TINY]) == 2
+    assert "positive token counts" in capsys.readouterr().err
+    assert main(["bench", "experts", "--tokens", "1", "--experts", "3", *TINY]) == 2
+    assert "at least 6" in capsys.readouterr().err
+
+
+def test_bench_times_the_computation_the_model_runs():
+    """The fused MoE the bench times equals the reference experts; the baseline's expansion
+    equals the storage dequantizer."""
+    from dsv41.formats import dequantize
+    from dsv41.kernels.experts import expert_ffn_reference, routed_experts_reference
+
+    routed, shared = bench.make_experts(8, 64, 32)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    ids, weights = bench.make_routing(4, 8, 6)
+    assert ids.shape == (4, 6) and all(len(set(row.tolist())) == 6 for row in ids)
+    assert torch.allclose(weights.sum(-1), torch.ones(4))
+    got = bench.fused_moe(x, ids, weights, routed, shared, bench.SWIGLU_LIMIT)
+    ref = routed_experts_reference(x, ids, weights, routed, bench.SWIGLU_LIMIT) + \
+        expert_ffn_reference(x, shared, bench.SWIGLU_LIMIT).float()
+    assert (got - ref).abs().max() <= 2.0**-6 * ref.abs().max()
+    for w, s in ((routed[0].w1, routed[0].w1_scale), (shared.w2, shared.w2_scale)):
+        assert torch.equal(bench._expand_bf16(w, s), dequantize(w, s, dtype=torch.bfloat16))
+    base = bench.baseline_moe(x, ids, weights, routed, shared, bench.SWIGLU_LIMIT)
+    # no FP8 activation quantization in the baseline, so close but not equal
+    assert (base - ref).abs().max() <= 0.1 * ref.abs().max()
+
+
+@pytest.mark.parametrize("text", ["a", "1,,2", "-3"])
+def test_token_list_parsing(text):
+    if text == "1,,2":
+        assert bench._token_list(text) == [1, 2]
+    else:
+        with pytest.raises(ValueError):
+            bench._token_list(text)
