@@ -105,8 +105,9 @@ class Compressor(nn.Module):
         if self.ratio > 1:
             self.wgate = Linear(cfg.dim, cfg.head_dim, dtype=torch.float32)
             state = (max_batch_size, self.ratio, cfg.head_dim)
-            self.register_buffer("kv_state", torch.zeros(state), persistent=False)
-            self.register_buffer("score_state", torch.full(state, -torch.inf), persistent=False)
+            # the pooling runs in float32 whatever the caller's default dtype
+            self.register_buffer("kv_state", torch.zeros(state, dtype=torch.float32), persistent=False)
+            self.register_buffer("score_state", torch.full(state, -torch.inf, dtype=torch.float32), persistent=False)
 
     def reset_state(self) -> None:
         if self.ratio > 1:

@@ -472,14 +472,7 @@ def load(path: Optional[str] = None, *, expert_cache: int = DEFAULT_EXPERT_CACHE
     max_seq_len = int(max_seq_len or min(cfg.max_seq_len, DEFAULT_MAX_SEQ_LEN))
     report = LoadReport(checkpoint=ckpt.path)
     with torch.no_grad():
-        # buffers the modules create without an explicit dtype (the compressor's float32 running
-        # state) must not follow a caller's torch.set_default_dtype
-        caller_default = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float32)
-        try:
-            backbone = Backbone(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
-        finally:
-            torch.set_default_dtype(caller_default)
+        backbone = Backbone(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
         params = dict(backbone.named_parameters())
         read: set[str] = set()
         bar = tqdm(total=len(params), desc="loading", unit="tensor", file=sys.stderr, disable=quiet, leave=False)

@@ -219,8 +219,8 @@ def content_version() -> str:
 
     here = Path(__file__).resolve().parent
     h = hashlib.sha256(f"writer {WRITER_VERSION}".encode())
-    for rel in ("config.py", "inventory.py", "headers.py", "engram.py", "tokenizer.py", "formats.py", "tiny.py",
-                "data/corpus.txt"):
+    for rel in ("config.py", "inventory.py", "headers.py", "engram.py", "tokenizer.py", "formats.py",
+                "kernels/codecs.py", "tiny.py", "data/corpus.txt"):
         path = here / rel
         h.update(rel.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"(absent)") + b"\0")
     for lib in ("torch", "numpy", "tokenizers", "safetensors"):
