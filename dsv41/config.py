@@ -233,6 +233,7 @@ class Config:
     @classmethod
     def _from_flat(cls, data: dict, source: str | None) -> "Config":
         values = {key: _freeze(data[key]) for key in FLAT_KEYS if key in data}
+        _check_types(values, source)
         unknown = tuple(sorted(set(data) - set(FLAT_KEYS)))
         return cls(**values, layout="flat", source=source, unknown_keys=unknown)
 
@@ -250,6 +251,7 @@ class Config:
             if found:
                 fmt.append((path, value))
                 seen.add(path)
+        _check_types(values, source)
         unknown = tuple(sorted(".".join(p) for p in _leaf_paths(data) if p not in seen))
         return cls(**values, layout="nested", source=source, nested_format=tuple(fmt), unknown_keys=unknown)
 
@@ -541,6 +543,33 @@ def write_config_pair(config: Config, directory: str) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------- helpers
+def _type_ok(value, annotation: str) -> bool:
+    """Whether a JSON value fits a field annotation such as 'int | None' or 'tuple[int, ...] | None'."""
+    if value is None:
+        return True
+    def scalar(v, kind: str) -> bool:
+        if kind == "int":
+            return isinstance(v, int) and not isinstance(v, bool)
+        if kind == "float":
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+        return isinstance(v, {"str": str, "bool": bool}[kind])
+    kind = annotation.split(" | ")[0]
+    if kind.startswith("tuple["):
+        inner = kind[len("tuple["):].split(",")[0]
+        return isinstance(value, tuple) and all(scalar(v, inner) for v in value)
+    return scalar(value, kind)
+
+
+_ANNOTATIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name in FLAT_KEYS + NESTED_ONLY_KEYS}
+
+
+def _check_types(values: dict, source: str | None) -> None:
+    for name, value in values.items():
+        if not _type_ok(value, _ANNOTATIONS[name]):
+            expected = _ANNOTATIONS[name].replace(" | None", "").replace("tuple[", "list of ").replace(", ...]", "")
+            raise ConfigError(f"{source or 'config'}: field {name} is {json.dumps(_thaw(value))}, expected {expected}")
+
+
 def _freeze(value):
     if isinstance(value, list):
         return tuple(_freeze(v) for v in value)

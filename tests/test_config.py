@@ -205,3 +205,21 @@ def test_cli_fails_only_when_verify_finds_something(tmp_path):
     assert run.returncode == 1 and "(flat)" in run.stdout and "not an index source" in run.stdout
     missing = _cli(str(tmp_path / "nope"))
     assert missing.returncode == 1 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("compress_ratios", 5, "field compress_ratios is 5, expected list of int"),
+    ("n_layers", "40", 'field n_layers is "40", expected int'),
+    ("engram_layer_ids", [1, "14"], "expected list of int"),
+    ("score_func", 3, "expected str"),
+    ("hc_eps", True, "expected float"),
+])
+def test_a_mistyped_field_is_one_sentence_naming_it(tmp_path, field, value, fragment):
+    data = RELEASED.as_reference_dict()
+    data[field] = value
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=fragment.replace("[", r"\[")):
+        load_config(str(path))
+    run = _cli(str(path))
+    assert run.returncode == 1 and fragment in run.stderr and "Traceback" not in run.stderr
