@@ -152,9 +152,10 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
     prompt_ids = model.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    if len(prompt_ids) + max_new_tokens > model.max_seq_len:
-        raise ValueError(f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new ones exceed max_seq_len "
-                         f"{model.max_seq_len}")
+    # the last new token is sampled, never fed back: it takes no cache position
+    if len(prompt_ids) + max_new_tokens - 1 > model.max_seq_len:
+        raise ValueError(f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new ones need "
+                         f"{len(prompt_ids) + max_new_tokens - 1} positions, more than max_seq_len {model.max_seq_len}")
     generator = torch.Generator().manual_seed(int(seed)) if temperature > 0 else None
     ftrace = ForwardTrace() if trace else None
     steps: list[StepRecord] = []
@@ -304,7 +305,9 @@ def cli_main(argv: list[str]) -> int:
         "meaningful). The generated text goes to stdout; the load report, timings and errors to stderr."))
     parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded tiny one)")
     parser.add_argument("--prompt", required=True, help="prompt text")
-    parser.add_argument("--max-new-tokens", type=int, default=16, metavar="N")
+    parser.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="tokens to generate (default 16)")
+    parser.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+                        help="positions the caches are sized for (default: the model's maximum, at most 4096)")
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default) is greedy")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (temperature > 0)")
     parser.add_argument("--expert-cache", type=int, default=None, metavar="N", help="packed experts kept per layer")
@@ -351,7 +354,7 @@ def cli_main(argv: list[str]) -> int:
     try:
         model = load(path, expert_cache=DEFAULT_EXPERT_CACHE if args.expert_cache is None else args.expert_cache,
                      expert_device=device, resident_engram=args.resident_engram, quiet=args.quiet,
-                     max_seq_len=None)
+                     max_seq_len=args.max_seq_len)
     except LoadError as exc:
         return fail(str(exc))
 
@@ -359,9 +362,9 @@ def cli_main(argv: list[str]) -> int:
     limit = cfg.max_seq_len
     if len(ids) > limit:
         return fail(f"the prompt is {len(ids)} tokens, longer than the model's {limit}-token maximum")
-    if len(ids) + args.max_new_tokens > model.max_seq_len:
+    if len(ids) + args.max_new_tokens - 1 > model.max_seq_len:
         return fail(f"{len(ids)} prompt tokens + {args.max_new_tokens} new ones exceed the {model.max_seq_len} "
-                    f"positions the caches were sized for")
+                    f"positions the caches were sized for (raise --max-seq-len)")
 
     if not args.quiet:
         print(f"prompt: {len(ids)} tokens; generating {args.max_new_tokens} "
@@ -394,6 +397,6 @@ def _audit_problem(path: str) -> Optional[str]:
     failed = [c for c in report.checks if c.status == "fail"]
     if failed:
         first = failed[0]
-        more = f" ({len(failed) - 1} more checks fail; run `dsv41 audit {path}`)" if len(failed) > 1 else ""
+        more = f" ({len(failed) - 1} more checks fail; run `dsv41 audit --checkpoint-dir {path}`)" if len(failed) > 1 else ""
         return f"{path}: the checkpoint audit fails {first.id} ({first.title}): {first.detail}{more}"
     return None

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from dsv41.generate import cli_main, compare_prefill_decode, decode_n, decode_one, greedy, prefill, sample
+from dsv41.generate import cli_main, compare_prefill_decode, decode_n, decode_one, generate, greedy, prefill, sample
 from dsv41.loader import load
 
 
@@ -192,3 +192,14 @@ def test_cli_rejects_bad_numbers(tiny_checkpoint, capsys):
     assert code == 1 and "temperature" in err
     code, _, err = _run(capsys, "--checkpoint", tiny_checkpoint, "--prompt", "x", "--expert-device", "nonsense")
     assert code == 1 and "expert-device" in err and math.isfinite(code)
+
+
+def test_a_run_that_exactly_fills_the_caches_is_allowed(tiny_checkpoint):
+    small = load(tiny_checkpoint, quiet=True, max_seq_len=12)
+    prompt = small.encode("The cat sat")[:4]
+    assert len(prompt) == 4
+    # 4 prompt positions + 8 fed-back tokens = 12; the 9th new token is sampled, never fed
+    result = generate(small, prompt, max_new_tokens=9, stop_at_eos=False)
+    assert len(result.ids) == 9
+    with pytest.raises(ValueError, match="need 13 positions, more than max_seq_len 12"):
+        generate(small, prompt, max_new_tokens=10, stop_at_eos=False)
