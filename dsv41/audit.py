@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from dsv41.config import Config, ConfigError, load_config, resolve_config_path
 from dsv41.headers import INDEX_NAME, HeaderEntry, HeaderError, layout_problems, plausible_header_length, read_header
 from dsv41.inventory import (
-    ENGRAM_ROW_BLOCK, FP4_BLOCK, FP8, PACKED_FP4, REQUIRED_KEYS, ROUTED, SCALE, TensorSpec,
+    ENGRAM, ENGRAM_ROW_BLOCK, FP4_BLOCK, FP8, PACKED_FP4, REQUIRED_KEYS, ROUTED, SCALE, TensorSpec,
     category_of, category_totals, derived_engram_rows, expected_tensors, layer_of, shard_names,
 )
 
@@ -442,7 +442,7 @@ def _e_placement(ctx):
     return t, f"tables on layers {list(ctx.cfg.engram_layer_ids)}"
 
 
-@_check("engram.projections", "Engram", "each Engram layer has its gate and value projections (wkv, q_weight, k_weight) at the config's shapes")
+@_check("engram.projections", "Engram", "each Engram layer has its gate and value projections (wkv, q_weight, k_weight) at the config's dtypes and shapes")
 def _e_projections(ctx):
     t = _Tally(ctx.ev)
     for spec in ctx.specs:
@@ -567,15 +567,30 @@ def _i_sets(ctx):
     return t, f"{len(ctx.specs):,} tensors, every layer complete"
 
 
-@_check("inventory.shapes", "Inventory", "tensor shapes match the config (the Engram checks own the Engram tensors)")
+def _mismatch(spec: TensorSpec, e: HeaderEntry) -> str | None:
+    """'NAME is FOUND, expected WANTED' naming only what differs (dtype, shape or both), else None.
+    The dtype matters as much as the shape: an I8 tensor where the config puts an F8_E4M3 one has
+    the same shape and byte size, and the loader rejects it."""
+    dtype_ok, shape_ok = e.dtype == spec.dtype, tuple(e.shape) == tuple(spec.shape)
+    if dtype_ok and shape_ok:
+        return None
+    if dtype_ok:
+        return f"{spec.name} is {list(e.shape)}, expected {list(spec.shape)}"
+    if shape_ok:
+        return f"{spec.name} is {e.dtype}, expected {spec.dtype}"
+    return f"{spec.name} is {e.dtype} {list(e.shape)}, expected {spec.dtype} {list(spec.shape)}"
+
+
+@_check("inventory.shapes", "Inventory", "tensor dtypes and shapes match the config (the Engram checks own the Engram tensors)")
 def _i_shapes(ctx):
     t = _Tally(ctx.ev)
     for spec in ctx.specs:
-        if spec.category != "Engram":
+        if spec.category != ENGRAM:
             e = t.entry(spec.name)
-            if e and e.shape != spec.shape:
-                t.fail(f"{spec.name} is {list(e.shape)}, expected {list(spec.shape)}")
-    return t, "every shape as the config implies"
+            problem = e and _mismatch(spec, e)
+            if problem:
+                t.fail(problem)
+    return t, "every dtype and shape as the config implies"
 
 
 @_check("inventory.unquantized", "Inventory", "the F32/BF16 tensors are stored unquantized, in their dtype")
@@ -646,13 +661,17 @@ def _blocks_evenly(size: int, blocks: int) -> bool:
 def _p_fp8(ctx):
     ev, t = ctx.ev, _Tally(ctx.ev)
     rows, cols = ctx.block
-    names = {s.name for s in ctx.specs if s.dtype == FP8}
+    fp8_specs = {s.name for s in ctx.specs if s.dtype == FP8}
+    names = set(fp8_specs)
     names.update(n for n, (e, _, _) in ev.headers.items() if e.dtype == FP8 and n.endswith(".weight"))
     names = sorted(n for n in names if ".engram.embed." not in n)
     for name in names:
         w = t.entry(name)
         s = t.entry(name[:-len("weight")] + "scale")
-        if w and s and (len(w.shape) != 2 or s.shape != (-(-w.shape[0] // rows), -(-w.shape[1] // cols))):
+        if w and name in fp8_specs and w.dtype != FP8:
+            # a block over a weight that is not FP8 means nothing (an I8 one would read as packed FP4)
+            t.fail(f"{name} is {w.dtype}, expected {FP8}")
+        elif w and s and (len(w.shape) != 2 or s.shape != (-(-w.shape[0] // rows), -(-w.shape[1] // cols))):
             t.fail(f"{s.name} {list(s.shape)} is not a {rows}x{cols} block over {list(w.shape)}")
     return t, f"{len(names):,} FP8 weights, {rows}x{cols} blocks"
 

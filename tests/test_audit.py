@@ -254,6 +254,76 @@ def test_a_wrong_shape_fails_while_other_shards_are_missing(tmp_path):
     assert r.check("packing.fp8_block").status == audit.FAIL  # the scale no longer covers it in 32x32
 
 
+def _retype(target, dtype, shape=None):
+    """A mutate that stores `target` as `dtype` (and `shape`, when given), everything else as is."""
+    def change(rows):
+        assert target in {n for n, _, _, _ in rows}
+        return [(n, dtype, tuple(shape or s), sh) if n == target else (n, d, s, sh) for n, d, s, sh in rows]
+    return change
+
+
+# (tensor, stored dtype, stored shape or None for the inventory's, expected text, checks that must fail)
+WRONG_DTYPES = [
+    ("layers.0.attn.wq_a.weight", "I8", None, "layers.0.attn.wq_a.weight is I8, expected F8_E4M3",
+     {"inventory.shapes", "packing.fp8_block"}),
+    ("layers.0.ffn.shared_experts.w1.weight", "I8", None,
+     "layers.0.ffn.shared_experts.w1.weight is I8, expected F8_E4M3", {"inventory.shapes", "packing.fp8_block"}),
+    ("mtp.0.main_proj.weight", "I8", None, "mtp.0.main_proj.weight is I8, expected F8_E4M3",
+     {"inventory.shapes", "packing.fp8_block", "dspark.main_proj"}),
+    ("layers.2.ffn.experts.3.w2.weight", "F8_E4M3", None, "layers.2.ffn.experts.3.w2.weight is F8_E4M3, expected I8",
+     {"inventory.shapes", "experts.fp4", "packing.fp8_block"}),
+    # a BF16 norm stored as F32 over half the elements: the same byte extent, so only the dtype check sees it
+    ("layers.1.attn_norm.weight", "F32", (64,), "layers.1.attn_norm.weight is F32 [64], expected BF16 [128]",
+     {"inventory.shapes", "inventory.unquantized"}),
+    ("layers.3.hc_ffn_base", "BF16", (48,), "layers.3.hc_ffn_base is BF16 [48], expected F32 [24]",
+     {"inventory.shapes", "inventory.unquantized"}),
+    ("layers.1.engram.embed.weight", "I8", None, "layers.1.engram.embed.weight is I8 [6126, 32], expected F8_E4M3",
+     {"engram.dtype"}),
+]
+
+
+@pytest.mark.parametrize("name, dtype, shape, sentence, failing", WRONG_DTYPES, ids=[w[0] for w in WRONG_DTYPES])
+@pytest.mark.parametrize("payload", [True, False], ids=["tiny", "header-only"])
+def test_a_wrong_dtype_fails_naming_the_tensor(tmp_path, capsys, name, dtype, shape, sentence, failing, payload):
+    spec = {s.name: s for s in expected_tensors(tiny_config())}[name]
+    d = write_checkpoint(tmp_path / "t", payload=payload, mutate=_retype(name, dtype, shape))
+    stored = headers.read_header(str(d / spec.shard)).entries[name]
+    assert stored.dtype == dtype and stored.nbytes == spec.nbytes  # same bytes on disk: no extent check can see it
+    r = audit.run_audit(str(d), header_prefix=not payload, require_complete=True)
+    assert not_passed(r) == {cid: audit.FAIL for cid in failing}
+    assert len(r.checks) == 39 and r.passed == 39 - len(failing) and r.exit_code == 1
+    owner = "engram.dtype" if ".engram." in name else "inventory.shapes"
+    assert sentence in r.check(owner).detail
+    if spec.dtype == "F8_E4M3" and ".engram." not in name:
+        assert f"{name} is {dtype}, expected F8_E4M3" in r.check("packing.fp8_block").detail
+    args = ["--checkpoint-dir", d, "--require-complete"] + ([] if payload else ["--header-prefix"])
+    code, out, _ = cli(args, capsys)
+    assert code == 1 and f"[FAIL     ] {owner}" in out and sentence in out
+
+
+def test_many_wrong_dtypes_are_named_first_few_then_counted(tmp_path):
+    cfg = tiny_config()
+    targets = [s.name for s in expected_tensors(cfg) if s.name.endswith(".attn.wq_a.weight")]
+    assert len(targets) == cfg.n_layers + cfg.n_mtp_layers > audit.SHOWN
+
+    def retype_all(rows):
+        return [(n, "I8" if n in targets else d, s, sh) for n, d, s, sh in rows]
+    r = audit.run_audit(str(write_checkpoint(tmp_path / "m", mutate=retype_all)), require_complete=True)
+    detail = r.check("inventory.shapes").detail
+    for name in targets[:audit.SHOWN]:
+        assert f"{name} is I8, expected F8_E4M3" in detail
+    assert targets[audit.SHOWN] not in detail
+    assert detail.endswith(f"... and {len(targets) - audit.SHOWN} more")
+
+
+def test_a_wrong_dtype_fails_while_other_shards_are_missing(tmp_path):
+    d = write_checkpoint(tmp_path / "w", mutate=_retype("layers.0.attn.wq_a.weight", "I8"))
+    os.remove(d / shard_of(tiny_config(), "layer 5"))
+    r = audit.run_audit(str(d))
+    assert r.check("inventory.shapes").status == audit.FAIL
+    assert "layers.0.attn.wq_a.weight is I8, expected F8_E4M3" in r.check("inventory.shapes").detail
+
+
 def test_unexpected_tensor_fails_the_inventory(tmp_path):
     def plant(rows):
         shard = next(sh for n, _, _, sh in rows if n.startswith("layers.3."))
@@ -424,3 +494,24 @@ def test_missing_directory_and_missing_index(tmp_path, tiny, capsys):
 def test_bad_usage_exits_2(args, capsys):
     code, _, _ = cli(args, capsys)
     assert code == 2
+
+
+# ---------------------------------------------------------------------- the written tiny checkpoint
+def test_written_tiny_checkpoint_passes_and_a_retyped_weight_in_it_fails(tiny_checkpoint, tmp_path):
+    """The checkpoint dsv41.tiny writes (real payloads) passes all 39; relabelling one dense FP8
+    weight as I8 in its header, the reviewer's probe, fails the dtype check by name."""
+    r = audit.run_audit(tiny_checkpoint, require_complete=True)
+    assert (len(r.checks), r.passed, r.exit_code) == (39, 39, 0)
+    copy = tmp_path / "retyped"
+    shutil.copytree(tiny_checkpoint, copy)
+    for name in ("layers.0.attn.wq_a.weight", "layers.0.ffn.shared_experts.w1.weight"):
+        shard = next(f.path for f in r.files if name in headers.read_header(f.path).entries)
+
+        def relabel(doc, name=name):
+            assert doc[name]["dtype"] == "F8_E4M3"
+            doc[name]["dtype"] = "I8"
+        _rewrite_header(copy / os.path.basename(shard), relabel)
+    bad = audit.run_audit(str(copy), require_complete=True)
+    assert not_passed(bad) == {"inventory.shapes": audit.FAIL, "packing.fp8_block": audit.FAIL}
+    for name in ("layers.0.attn.wq_a.weight", "layers.0.ffn.shared_experts.w1.weight"):
+        assert f"{name} is I8, expected F8_E4M3" in bad.check("inventory.shapes").detail
