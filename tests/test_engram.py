@@ -15,12 +15,15 @@ from dsv41.engram import (
     EngramError,
     EngramLayout,
     NgramHasher,
+    bucket_load,
     build_compressed_token_map,
     cli_main,
     compute_hash_multipliers,
     engram_report,
     is_prime,
     normalize_token_text,
+    poisson_rows,
+    split_equality,
 )
 
 RELEASED_MULTIPLIERS = {
@@ -399,6 +402,82 @@ def test_torch_in_torch_out():
     assert isinstance(got, torch.Tensor) and got.dtype == torch.int64 and got.shape == (1, 5, 2, 6)
     hasher.reset()
     np.testing.assert_array_equal(got.numpy(), hasher.hash_ids(ids.numpy(), mask.numpy()))
+
+
+# ---------------------------------------------------------------------- split equality, bucket load
+class _ForgetfulHasher(NgramHasher):
+    """A broken hasher for negative controls: it drops the carried look-back before every call."""
+
+    def hash_ids(self, token_ids, token_mask=None):
+        self._history = None
+        return super().hash_ids(token_ids, token_mask)
+
+
+def test_split_equality_holds_for_every_split_and_catches_a_lost_look_back():
+    hasher = _identity_hasher()
+    rng = np.random.default_rng(11)
+    ids = rng.integers(3, 64, size=12)  # no pad id (2): a lost look-back then always shows
+    report = split_equality(hasher, ids)
+    assert report["n_splits"] == 11 and report["equal"] == [True] * 11
+    assert report["all_equal"] and report["first_unequal"] is None
+    np.testing.assert_array_equal(report["whole"], _slow_hash(hasher, [ids.tolist()])[0])
+    assert hasher.n_positions == 0  # left reset
+    # batched, with a dead token
+    batch = rng.integers(0, 64, size=(2, 9))
+    mask = rng.random((2, 9)) > 0.2
+    both = split_equality(hasher, batch, mask)
+    assert both["all_equal"] and both["whole"].shape == (2, 9, 2, 6)
+    hasher.reset()
+    np.testing.assert_array_equal(both["whole"], hasher.hash_ids(batch, mask))
+    # negative control: a hasher that forgets the carried ids fails from the first decode step on
+    broken = _ForgetfulHasher(_small_cfg(64), np.arange(64), 64)
+    bad = split_equality(broken, ids)
+    assert not bad["all_equal"] and bad["first_unequal"] == 1 and not any(bad["equal"])
+
+
+def test_bucket_load_counts_a_hand_made_layout():
+    layout = _identity_hasher().layout
+    cols, seq = layout.n_hash_cols, 3
+    first_rows = np.array(layout.offsets)  # [layers, cols]: every position on its bucket's first row
+    ids = np.broadcast_to(first_rows, (seq, layout.n_layers, cols)).copy()
+    ids[2, 0, 1] += 5  # one position of layer 0, column 1 moves five rows down its bucket
+    load = bucket_load(layout, ids)
+    assert load["n_positions"] == seq and load["layer_ids"] == [1, 2] and load["inside_buckets"]
+    zero, one = load["layers"]
+    assert zero["rows"] == sum(layout.flat_primes[0]) == 6126
+    assert zero["histogram"][:4] == [6126 - cols - 1, 1, 1, cols - 1]
+    assert (zero["rows_used"], zero["max_load"], zero["outside"]) == (cols + 1, 3, 0)
+    assert zero["mean_load_used"] == pytest.approx(seq * cols / (cols + 1))
+    assert one["histogram"][:4] == [6332 - cols, 0, 0, cols] and one["rows_used"] == cols
+    for e in load["layers"]:
+        assert sum(e["histogram"]) == e["rows"]
+        assert sum(n * r for n, r in enumerate(e["histogram"])) == seq * cols
+        assert len(e["histogram"]) == len(e["poisson"])
+    # an id outside its column's bucket (here: inside the next column's) is reported, not counted
+    ids[0, 1, 0] = layout.offsets[1][1]
+    moved = bucket_load(layout, ids)
+    assert not moved["inside_buckets"] and moved["layers"][1]["outside"] == 1
+    assert sum(n * r for n, r in enumerate(moved["layers"][1]["histogram"])) == seq * cols - 1
+    with pytest.raises(EngramError, match="hash ids must be"):
+        bucket_load(layout, ids[None])
+
+
+def test_poisson_expectation_is_the_closed_form():
+    from math import exp, factorial
+
+    primes, n = (101, 103), 150
+    got = poisson_rows(n, primes, 6)
+    assert got == pytest.approx([sum(p * exp(-n / p) * (n / p) ** c / factorial(c) for p in primes)
+                                 for c in range(6)])
+    tail = poisson_rows(n, primes)  # by default, until the expectation is below 1e-3 rows
+    assert tail[-1] < 1e-3 <= tail[-2] and sum(tail) == pytest.approx(sum(primes), rel=1e-6)
+    assert poisson_rows(0, (7,)) == [7.0, 0.0]
+    # over a real hashing, the curve counts the same rows and the same positions as the histogram
+    hasher = _identity_hasher()
+    ids = np.random.default_rng(2).integers(0, 64, size=4000)
+    for e in bucket_load(hasher.layout, hasher.hash_ids(ids))["layers"]:
+        assert sum(e["poisson"]) == pytest.approx(e["rows"], rel=1e-6)
+        assert sum(c * r for c, r in enumerate(e["poisson"])) == pytest.approx(4000 * 6, rel=1e-6)
 
 
 # ---------------------------------------------------------------------- report and CLI

@@ -157,10 +157,12 @@ def test_every_notebook_has_one_parameters_cell_and_no_outputs():
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    """Notebooks 01 and 02 executed in smoke mode on the embedded default, once for these tests."""
+def smoke_run(tmp_path_factory, tiny_checkpoint):
+    """Notebooks 01 and 02 executed in smoke mode on the session's tiny checkpoint (the embedded
+    default, written into a pytest temp folder, never the user cache), once for these tests."""
     run = tmp_path_factory.mktemp("smoke") / "run"
-    code = dsv41_main(["notebooks", "--only", SMOKE_NOTEBOOKS, "--out", str(run), "-p", "smoke", "true"])
+    code = dsv41_main(["notebooks", "--only", SMOKE_NOTEBOOKS, "--out", str(run),
+                       "--checkpoint", str(tiny_checkpoint), "-p", "smoke", "true"])
     summary = json.loads((run / "summary.json").read_text())
     failures = [f"{n['name']} cell {n['failed_cell']}: {n['error']}" for n in summary["notebooks"] if n["status"] != "ok"]
     assert code == 0 and not failures, failures
@@ -258,9 +260,15 @@ def test_engram_notebook_dead_tokens_and_load(smoke_run):
     assert dead["changed"] == expected
 
     load = _sidecar(smoke_run, "02_bucket_load")
-    assert load["inside_tables"] is True
+    assert load["inside_buckets"] is True
     n_cols = 6  # tiny: (max_ngram_size 4 - 1) x 2 heads
-    for hist, stats in zip(load["load_histogram"], load["stats"]):
-        assert sum(hist) == stats["rows"]  # every bucket row counted once
+    assert [e["layer"] for e in load["layers"]] == load["layer_ids"] == [1, 2]
+    for e in load["layers"]:
+        hist = e["histogram"]
+        assert e["outside"] == 0 and e["positions"] == load["n_positions"]
+        assert sum(hist) == e["rows"]  # every bucket row counted once
         assert sum(n * rows for n, rows in enumerate(hist)) == load["n_positions"] * n_cols
-        assert stats["rows used"] == stats["rows"] - hist[0]
+        assert e["rows_used"] == e["rows"] - hist[0] and e["max_load"] == max(n for n, r in enumerate(hist) if r)
+        # the Poisson curve counts the same rows and positions (its tail past the plot is negligible)
+        assert sum(e["poisson"]) == pytest.approx(e["rows"], rel=1e-6)
+        assert sum(n * r for n, r in enumerate(e["poisson"])) == pytest.approx(load["n_positions"] * n_cols, rel=1e-6)
