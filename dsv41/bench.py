@@ -8,12 +8,20 @@ token plus the shared expert) three ways:
 - baseline: every selected expert expanded to BF16 (the op layer's codec times its scales), then
   BF16 matmuls -- what the earlier runtime did on each step;
 - fused: `routed_experts` + `expert_ffn` straight from the packed bytes (the CPU default);
-- compiled (unless --no-compiled): the same with `compiled=True`; compile time reported apart.
+- compiled (unless --no-compiled): the same with `compiled=True`, timed where every expert gets
+  at most two tokens (decode; with more it is the fused path again); compile time reported apart.
 
 Per shape it reports the best time of a few runs, the speedup over the baseline and the packed
 bytes the fused path read per second, as a fraction of the copy bandwidth (bytes of the source
 tensor per second of a large tensor copy; the copy's read+write traffic is twice that). Times on a
 shared machine move with its load: compare numbers from one run.
+
+`dsv41 bench decode`: end-to-end tokens/s through `dsv41.load` on a synthetic checkpoint in the
+release format with the released expert sizes but two layers and eight routed experts (written by
+the bench, or an existing one with --checkpoint), once with the earlier runtime's experts (each
+routed expert expanded to BF16 per call, the shared expert held in BF16) and once fused (packed
+routed experts, FP8 shared expert), with a per-phase table: attention, routed experts, shared
+expert, Engram, head and the rest.
 """
 
 from __future__ import annotations
@@ -35,12 +43,19 @@ SWIGLU_LIMIT = 10.0
 
 def _best_time(fn: Callable[[], object], repeats: int, budget_s: float) -> float:
     """Best wall time of up to `repeats` calls, stopping early once `budget_s` is spent."""
-    best, spent = float("inf"), 0.0
+    return _best_times({"fn": fn}, repeats, budget_s)["fn"]
+
+
+def _best_times(fns: dict, repeats: int, budget_s: float) -> dict:
+    """Best wall time of each function over up to `repeats` rounds, the functions taking turns
+    within a round so that a burst of load elsewhere hits them alike; stops once `budget_s` is spent."""
+    best, spent = dict.fromkeys(fns, float("inf")), 0.0
     for _ in range(max(1, repeats)):
-        began = time.perf_counter()
-        fn()
-        took = time.perf_counter() - began
-        best, spent = min(best, took), spent + took
+        for name, fn in fns.items():
+            began = time.perf_counter()
+            fn()
+            took = time.perf_counter() - began
+            best[name], spent = min(best[name], took), spent + took
         if spent > budget_s:
             break
     return best
@@ -205,8 +220,14 @@ def bench_experts(tokens: list[int], *, n_experts: int, dim: int, inter: int, re
         x = torch.randn(t, dim, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
         ids, weights = make_routing(t, n_experts, TOPK, seed=t)
         nbytes = packed_bytes_read(ids, routed, shared)
-        base_s = _best_time(lambda: baseline_moe(x, ids, weights, routed, shared, SWIGLU_LIMIT), repeats, 20.0)
-        fused_s = _best_time(lambda: fused_moe(x, ids, weights, routed, shared, SWIGLU_LIMIT), repeats, 20.0)
+        fns = {"baseline": lambda: baseline_moe(x, ids, weights, routed, shared, SWIGLU_LIMIT),
+               "fused": lambda: fused_moe(x, ids, weights, routed, shared, SWIGLU_LIMIT)}
+        # the compiled loop only serves experts with few tokens; elsewhere it is the fused path again
+        compiled_here = compiled and int(torch.unique(ids, return_counts=True)[1].max()) <= _compiled_max_tokens()
+        if compiled_here:
+            fns["compiled"] = lambda: fused_moe(x, ids, weights, routed, shared, SWIGLU_LIMIT, compiled=True)
+        times = _best_times(fns, repeats, 60.0)
+        base_s, fused_s = times["baseline"], times["fused"]
         row = {
             "tokens": t, "experts_selected": len(torch.unique(ids)), "packed_bytes": nbytes,
             "baseline_s": base_s, "fused_s": fused_s, "speedup": base_s / fused_s,
@@ -214,12 +235,13 @@ def bench_experts(tokens: list[int], *, n_experts: int, dim: int, inter: int, re
         }
         line = (f"{t:>6} {base_s:>9.3f}s {fused_s:>8.3f}s {row['speedup']:>7.1f}x "
                 f"{row['fused_bytes_per_s'] / 1e9:>6.2f} {row['fused_fraction_of_copy']:>7.1%}")
-        if compiled:
-            comp_s = _best_time(lambda: fused_moe(x, ids, weights, routed, shared, SWIGLU_LIMIT, compiled=True),
-                                repeats, 20.0)
+        if compiled_here:
+            comp_s = times["compiled"]
             row.update({"compiled_s": comp_s, "compiled_speedup": base_s / comp_s,
                         "compiled_bytes_per_s": nbytes / comp_s, "compiled_fraction_of_copy": nbytes / comp_s / copy_bw})
             line += f" {comp_s:>8.3f}s {row['compiled_speedup']:>7.1f}x {row['compiled_fraction_of_copy']:>7.1%}"
+        elif compiled:
+            line += f" {'(as fused: > ' + str(_compiled_max_tokens()) + ' tokens per expert)':>27}"
         log(line)
         shapes.append(row)
     report["shapes"] = shapes
@@ -227,6 +249,229 @@ def bench_experts(tokens: list[int], *, n_experts: int, dim: int, inter: int, re
     log(f"resident memory: {report['end']['rss_bytes'] / 2**20:.0f} MiB now, "
         f"{report['end']['peak_rss_bytes'] / 2**20:.0f} MiB peak (the baseline's BF16 copies included)")
     return report
+
+
+# ---------------------------------------------------------------------- bench decode
+def decode_config(dim: int = DIM, inter: int = INTER):
+    """The tiny preset reshaped for timing: the given expert sizes, 2 backbone layers (the second
+    compresses, indexes and reads Engram) plus 1 MTP layer, 8 routed experts with 6 active."""
+    from dsv41.inventory import derived_engram_rows
+    from dsv41.tiny import tiny_config
+
+    cfg = tiny_config().replace(
+        dim=dim, moe_inter_dim=inter, n_layers=2, n_mtp_layers=1, compress_ratios=(0, 2, 0),
+        kv_source_layers=(1,), index_source_layers=(1,), candidate_source_layer=1, engram_layer_ids=(1,),
+        engram_num_embeddings=None, dspark_target_layer_ids=(1,), n_routed_experts=8, n_activated_experts=TOPK,
+        dspark_n_routed_experts=6, dspark_n_activated_experts=2, vision_n_layers=0)
+    cfg = cfg.replace(engram_num_embeddings=derived_engram_rows(cfg))
+    problems = cfg.verify()
+    if problems:
+        raise ValueError(f"the decode benchmark's config does not verify: {problems[0]}")
+    return cfg
+
+
+def _synthetic(name: str, shape: tuple, g: torch.Generator) -> torch.Tensor:
+    """float32 values for a dense tensor: ones for norms, zeros for sinks and biases, small mixes,
+    unit-variance outputs elsewhere. Timing only needs finite, plausibly scaled numbers."""
+    import math
+
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "attn_sink" or (leaf == "bias" and ".gate." not in name):
+        return torch.zeros(shape)
+    if (leaf == "weight" and "norm" in name.rsplit(".", 2)[-2]) or leaf in ("q_weight", "k_weight"):
+        return torch.ones(shape)
+    std = 0.02 if leaf.startswith("hc_") or len(shape) == 1 else \
+        1.0 if name.endswith("embed.weight") else 1.0 / math.sqrt(math.prod(shape[1:]))
+    return torch.randn(shape, generator=g) * std
+
+
+def write_decode_checkpoint(out_dir: str, dim: int = DIM, inter: int = INTER, seed: int = 0) -> str:
+    """Write the decode benchmark's checkpoint (release layout, `decode_config`) into out_dir.
+    Routed experts are random FP4 bytes with E8M0 scales; FP8 tensors are quantized from random
+    values; everything else is written as stored."""
+    from dsv41 import formats
+    from dsv41.config import write_config_pair
+    from dsv41.headers import write_index
+    from dsv41.inventory import expected_tensors, shard_names
+    from dsv41.tokenizer import build_tiny_tokenizer, tokenizer_config
+
+    cfg = decode_config(dim, inter)
+    os.makedirs(out_dir, exist_ok=True)
+    specs = expected_tensors(cfg)
+    by_name = {spec.name: spec for spec in specs}
+    g = torch.Generator().manual_seed(seed)
+    for shard in shard_names(cfg):
+        tensors = {}
+        for spec in (sp for sp in specs if sp.shard == shard):
+            if spec.dtype == "F8_E8M0":
+                continue  # written with its weight
+            if spec.dtype == "I8":
+                tensors[spec.name] = torch.randint(-128, 128, spec.shape, dtype=torch.int8, generator=g)
+                scale = by_name[spec.name[: -len("weight")] + "scale"]
+                tensors[scale.name] = torch.randint(121, 125, scale.shape, dtype=torch.uint8,
+                                                    generator=g).view(torch.float8_e8m0fnu)
+            elif spec.dtype == "F8_E4M3":
+                scale = by_name[spec.name[: -len("weight")] + "scale"]
+                block = formats.infer_fp8_block(spec.shape, scale.shape)
+                tensors[spec.name], tensors[scale.name] = formats.quantize_fp8_blocks(
+                    _synthetic(spec.name, spec.shape, g), block)
+            else:
+                tensors[spec.name] = _synthetic(spec.name, spec.shape, g).to(formats.torch_dtype(spec.dtype))
+        formats.save_safetensors(tensors, os.path.join(out_dir, shard))
+    write_index(out_dir, specs)
+    write_config_pair(cfg, out_dir)
+    tokenizer = build_tiny_tokenizer()
+    with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(tokenizer.to_str(pretty=True))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(tokenizer_config(cfg), f, indent=2)
+        f.write("\n")
+    return out_dir
+
+
+PHASES = ("attention", "routed experts", "shared expert", "Engram", "head")
+
+
+class _Clock:
+    """Seconds per phase, accumulated by module hooks and the experts wrapper."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._began: dict = {}
+
+    def start(self, key):
+        self._began[key] = time.perf_counter()
+
+    def stop(self, key, phase):
+        self.seconds[phase] += time.perf_counter() - self._began.pop(key)
+
+    def hook(self, module, phase):
+        key = id(module)
+        pre = module.register_forward_pre_hook(lambda *_: self.start(key))
+        post = module.register_forward_hook(lambda *_: self.stop(key, phase))
+        return pre, post
+
+
+class _BenchExperts:
+    """Stands in for a layer's RoutedExperts (same forward and store): routed experts fetched from
+    the loader's cache, then run fused or expanded to BF16."""
+
+    def __init__(self, inner, fused: bool, clock: _Clock):
+        self.inner, self.fused, self.clock = inner, fused, clock
+        self.layer, self.store, self.swiglu_limit = inner.layer, inner.store, inner.swiglu_limit
+
+    def forward(self, x, expert_ids, weights):
+        from dsv41.kernels.experts import routed_experts
+
+        self.clock.start(self)
+        selected = torch.unique(expert_ids).tolist()
+        experts = dict(zip(selected, self.store.fetch(self.layer, selected)))
+        if self.fused:
+            y = routed_experts(x, expert_ids, weights, experts, self.swiglu_limit)
+        else:
+            y = torch.zeros(x.shape, dtype=torch.float32)
+            for e in selected:
+                rows, slot = torch.where(expert_ids == e)
+                y.index_add_(0, rows, _baseline_expert(x[rows], experts[e], self.swiglu_limit,
+                                                       weights[rows, slot, None]).float())
+        self.clock.stop(self, "routed experts")
+        return y
+
+    __call__ = forward
+
+
+def _install(model, fused: bool, clock: _Clock) -> Callable[[], None]:
+    """Swap the model's experts for the benchmark's and hook the phases; returns the undo."""
+    from dsv41.kernels.experts import PackedExpert, expert_ffn
+
+    undo, handles = [], []
+    backbone = model.backbone
+    for block in backbone.layers:
+        moe, shared = block.ffn, block.ffn.shared_experts
+        original = moe.experts
+        moe.experts = _BenchExperts(original, fused, clock)
+        undo.append(lambda moe=moe, original=original: setattr(moe, "experts", original))
+        packed = PackedExpert(shared.w1.weight, shared.w1.scale, shared.w2.weight, shared.w2.scale,
+                              shared.w3.weight, shared.w3.scale)
+        if fused:
+            shared.forward = lambda x, packed=packed, limit=shared.swiglu_limit: expert_ffn(x, packed, limit)
+        else:  # the earlier runtime held the shared expert dequantized to BF16 from load time on
+            bf16 = PackedExpert(*(w for t, s in zip(packed[0::2], packed[1::2]) for w in (_expand_bf16(t, s), None)))
+
+            def dense(x, w=bf16, limit=shared.swiglu_limit):
+                from dsv41.kernels.experts import clamped_swiglu
+
+                h = clamped_swiglu(F.linear(x, w.w1), F.linear(x, w.w3), limit)
+                return F.linear(h.to(x.dtype), w.w2)
+
+            shared.forward = dense
+        undo.append(lambda shared=shared: shared.__dict__.pop("forward", None))
+        handles += clock.hook(block.attn, "attention") + clock.hook(shared, "shared expert")
+        if block.engram is not None:
+            handles += clock.hook(block.engram, "Engram")
+    handles += clock.hook(backbone.head, "head")
+
+    def restore():
+        for fn in undo:
+            fn()
+        for h in handles:
+            h.remove()
+
+    return restore
+
+
+def bench_decode(checkpoint: str, *, prompt_tokens: int, decode_tokens: int,
+                 log: Callable[[str], None] = print) -> dict:
+    """Prefill then decode greedily, baseline then fused; tokens/s and per-phase seconds per token."""
+    import dsv41
+
+    model = dsv41.load(checkpoint, quiet=True, max_seq_len=prompt_tokens + decode_tokens + 8)
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(0)
+    prompt = [cfg.bos_token_id] + torch.randint(3, cfg.vocab_size, (prompt_tokens - 1,), generator=g).tolist()
+    report = {"command": "bench decode", "checkpoint": checkpoint, "dim": cfg.dim, "inter": cfg.moe_inter_dim,
+              "n_layers": cfg.n_layers, "n_experts": cfg.n_routed_experts, "topk": cfg.n_activated_experts,
+              "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens, "threads": torch.get_num_threads(),
+              "modes": {}}
+    for mode in ("baseline", "fused"):
+        clock = _Clock()
+        restore = _install(model, mode == "fused", clock)
+        try:
+            model.prefill(prompt)  # warms the expert cache and the allocations
+            began = time.perf_counter()
+            logits = model.prefill(prompt)
+            prefill_s = time.perf_counter() - began
+            clock.seconds = dict.fromkeys(PHASES, 0.0)
+            token = int(logits[0].argmax())
+            began = time.perf_counter()
+            tokens = model.decode_n(token, decode_tokens)
+            decode_s = time.perf_counter() - began
+        finally:
+            restore()
+        per_token = {phase: t / decode_tokens for phase, t in clock.seconds.items()}
+        per_token["other"] = decode_s / decode_tokens - sum(per_token.values())
+        report["modes"][mode] = {"prefill_s": prefill_s, "decode_s": decode_s, "tokens_per_s": decode_tokens / decode_s,
+                                 "phases_s_per_token": per_token, "tokens": tokens}
+    base, fused = report["modes"]["baseline"], report["modes"]["fused"]
+    report["speedup"] = fused["tokens_per_s"] / base["tokens_per_s"]
+    report["same_tokens"] = base["tokens"] == fused["tokens"]
+    log(f"{cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_routed_experts} routed experts ({cfg.n_activated_experts} "
+        f"active) of inter {cfg.moe_inter_dim}; prompt {prompt_tokens} tokens, {decode_tokens} decoded")
+    log(f"{'s per decoded token':<20} {'baseline':>10} {'fused':>10}")
+    for phase in (*PHASES, "other"):
+        log(f"{phase:<20} {base['phases_s_per_token'][phase]:>10.4f} {fused['phases_s_per_token'][phase]:>10.4f}")
+    log(f"{'tokens/s':<20} {base['tokens_per_s']:>10.3f} {fused['tokens_per_s']:>10.3f}   ({report['speedup']:.1f}x)")
+    log(f"{'prefill s':<20} {base['prefill_s']:>10.3f} {fused['prefill_s']:>10.3f}")
+    report["end"] = rss_bytes()
+    log(f"resident memory: {report['end']['rss_bytes'] / 2**20:.0f} MiB now, "
+        f"{report['end']['peak_rss_bytes'] / 2**20:.0f} MiB peak")
+    return report
+
+
+def _compiled_max_tokens() -> int:
+    from dsv41.kernels import experts
+
+    return experts._COMPILED_MAX_TOKENS
 
 
 def _token_list(text: str) -> list[int]:
@@ -257,7 +502,17 @@ def cli_main(argv: list[str]) -> int:
     # smaller experts and copy for tests: DIM,INTER and MiB
     ex.add_argument("--dims", default=f"{DIM},{INTER}", help=argparse.SUPPRESS)
     ex.add_argument("--copy-mib", type=int, default=256, help=argparse.SUPPRESS)
+    de = sub.add_parser("decode", help="end-to-end tokens/s and phases on a synthetic checkpoint, baseline vs fused")
+    de.add_argument("--checkpoint", metavar="DIR", help="use this checkpoint; an empty or missing folder is "
+                    "filled with the synthetic one and kept (default: a temporary folder)")
+    de.add_argument("--tokens", type=int, default=4, help="tokens to decode (default 4)")
+    de.add_argument("--prompt", type=int, default=8, help="prompt length (default 8)")
+    de.add_argument("--json", metavar="OUT", help="also write the report as JSON here")
+    de.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    de.add_argument("--dims", default=f"{DIM},{INTER}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.what == "decode":
+        return _decode_main(args)
 
     try:
         tokens = _token_list(args.tokens)
@@ -273,6 +528,45 @@ def cli_main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"dsv41 bench: {exc}", file=sys.stderr)
         return 2
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+def _decode_main(args) -> int:
+    import shutil
+    import tempfile
+
+    from dsv41.loader import LoadError
+
+    if args.tokens < 1 or args.prompt < 2:
+        print("dsv41 bench: --tokens must be at least 1 and --prompt at least 2", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    dim, inter = (int(v) for v in args.dims.split(","))
+    temporary = None
+    path = args.checkpoint
+    try:
+        if path is None:
+            path = temporary = tempfile.mkdtemp(prefix="dsv41-bench-decode-")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+                print(f"dsv41 bench: {path} is neither a checkpoint nor an empty folder to write one into",
+                      file=sys.stderr)
+                return 2
+            began = time.perf_counter()
+            write_decode_checkpoint(path, dim, inter)
+            print(f"wrote the synthetic checkpoint to {path} in {time.perf_counter() - began:.1f} s")
+        report = bench_decode(path, prompt_tokens=args.prompt, decode_tokens=args.tokens)
+    except (LoadError, ValueError) as exc:
+        print(f"dsv41 bench: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)

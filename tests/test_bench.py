@@ -75,3 +75,33 @@ def test_token_list_parsing(text):
     else:
         with pytest.raises(ValueError):
             bench._token_list(text)
+
+
+def test_bench_decode_runs_both_modes_on_a_synthetic_checkpoint(tmp_path, capsys):
+    """The decode benchmark at tiny sizes: it writes a checkpoint `dsv41.load` accepts, decodes
+    with the BF16 baseline and the fused experts, and reports per-phase seconds that add up."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "decode.json"
+    args = ["bench", "decode", "--dims", "64,32", "--tokens", "2", "--prompt", "3", "--json", str(out)]
+    assert main([*args, "--checkpoint", str(ckpt)]) == 0
+    assert (ckpt / "config.json").is_file()  # kept for the next run
+    printed = capsys.readouterr().out
+    assert "routed experts" in printed and "tokens/s" in printed
+    report = json.loads(out.read_text())
+    assert (report["dim"], report["inter"], report["n_layers"], report["topk"]) == (64, 32, 2, 6)
+    for mode in ("baseline", "fused"):
+        r = report["modes"][mode]
+        assert len(r["tokens"]) == 2
+        assert math.isclose(r["tokens_per_s"], 2 / r["decode_s"], rel_tol=1e-12)
+        phases = r["phases_s_per_token"]
+        assert set(phases) == set(bench.PHASES) | {"other"}
+        assert all(phases[p] > 0 for p in bench.PHASES)  # every phase ran and was timed
+        assert math.isclose(sum(phases.values()), r["decode_s"] / 2, rel_tol=1e-9)
+    assert math.isclose(report["speedup"], report["modes"]["fused"]["tokens_per_s"]
+                        / report["modes"]["baseline"]["tokens_per_s"], rel_tol=1e-12)
+    # the second run reuses the checkpoint; a non-empty folder that is not one is refused
+    assert main([*args, "--checkpoint", str(ckpt)]) == 0
+    assert "wrote the synthetic checkpoint" not in capsys.readouterr().out
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "file.txt").write_text("x")
+    assert main([*args, "--checkpoint", str(tmp_path / "junk")]) == 2
+    assert "neither a checkpoint" in capsys.readouterr().err

@@ -165,6 +165,23 @@ def test_fp8_fused_matches_fp8_gemm(small_chunks):
     _assert_gemm_close(got, ref, _bound(a, a_s, weight.float(), w_scales), k)
 
 
+def test_linear_fused_is_the_op_layer_linear():
+    from dsv41.kernels import linear
+
+    from dsv41.kernels.experts import linear_fused
+
+    g = _gen(3)
+    x = torch.randn(3, 128, generator=g).to(torch.bfloat16)
+    packed, scale = _fp4_weight(48, 128, g)
+    fp8, fp8_s = quantize_fp8_blocks(torch.randn(48, 128, generator=g))
+    dense = torch.randn(48, 128, generator=g).to(torch.bfloat16)
+    for w, s in ((packed, scale), (fp8, fp8_s), (dense, None)):
+        ref = linear(x, w.view(torch.float4_e2m1fn_x2) if w.dtype == torch.int8 else w, s)
+        got = linear_fused(x, w, s)
+        assert got.dtype == ref.dtype == torch.bfloat16
+        assert (got.float() - ref.float()).abs().max() <= 2.0**-7 * ref.float().abs().max()
+
+
 def test_e4m3_to_float_is_exact_for_every_code():
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F]  # not the NaN codes

@@ -416,8 +416,8 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
     w1, w1_scale, w2, w2_scale, w3, w3_scale exactly as stored (`PackedExpert`): a dict
     {id: expert} from the loader's cache, or a sequence indexed by id. Tokens are quantized to FP8
     once, grouped by expert with one sort, and each selected expert runs once on all of its tokens,
-    in ascending id order, added into a float32 sum as the reference does. A token must not select
-    the same expert twice. Weights are read packed, never expanded as a whole. `compiled=True`: see
+    in ascending id order, added into a float32 sum as the reference does. Weights are read packed,
+    never expanded as a whole. `compiled=True`: see
     the module docstring. `product` replaces the GEMM (the Triton dispatcher uses it)."""
     _check_routing(x, expert_ids, weights)
     n, k = expert_ids.shape
