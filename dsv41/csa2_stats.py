@@ -35,6 +35,7 @@ from .attention import (
     Attention,
     AttentionRuntime,
     AttentionStack,
+    candidate_block_scores,
     select_candidate_blocks,
 )
 from .kernels import fp4_act_quant
@@ -367,9 +368,10 @@ def compressor_trace(layer: Attention, x: torch.Tensor, prefill: int) -> Compres
 # ---------------------------------------------------------------------------------- candidates
 def raw_block_scores(scores: torch.Tensor, block_size: int) -> torch.Tensor:
     """[..., T] -> [..., n_blocks]: each block's best position, with no block pinned."""
-    width = scores.size(-1)
-    padded = F.pad(scores, (0, -width % block_size), value=-torch.inf)
-    return padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
+    # attention's own block scoring, told the newest reachable position lies past the last block
+    # (compress_len = T + block_size puts it in block ceil(T / block_size), one past the end), so
+    # the pin matches no block and every block keeps its best position
+    return candidate_block_scores(scores, scores.size(-1) + block_size, block_size)
 
 
 def candidate_pin_effect(scores: torch.Tensor, reachable, topk_blocks: int, block_size: int) -> dict:
@@ -426,14 +428,25 @@ def _both_orders(stack: AttentionStack, x: torch.Tensor):
 class Divergence:
     """Prefill vs token-by-token decode of one stack over one input, per layer and in total.
 
-    A differing selection is a *tie* when, in prefill or decode, the row its index source ranked
-    has equal k-th and (k+1)-th scores, or, inside a candidate pool, when the candidate source's
-    block cut is tied and the two pools differ. The row is what `topk` saw: a prefill row also
-    holds the not-yet-reachable positions at -inf, so where a candidate pool leaves fewer than k
-    finite scores the spare picks are -inf ties even when the query reaches no more than k positions
-    (and the trace's `kth_score`, taken over reachable positions, is NaN). `differ_at` lists
-    (layer, position, tie) for every differing selection; `n_truncated` counts the (query, layer)
-    pairs whose selection, in either order, leaves out a reachable position."""
+    A differing selection is a *tie* only when the difference is how a tie was broken, checked on
+    the rows the two `topk` calls actually ranked (the index source's scores, -inf where a position
+    is unreachable or outside the candidate pool; a prefill row also holds the not-yet-reachable
+    positions at -inf):
+
+    - at the index cut: both rows are cut at the same score, both selections hold the same
+      positions scoring above it, and every position one selection holds and the other does not
+      scores exactly the cut in both rows. Where a candidate pool leaves fewer than k finite scores
+      the cut is -inf, so the finite picks must be equal and only the -inf spare picks may differ
+      (this case has no `kth_score` in the trace: it is NaN when the query reaches no more than
+      k positions);
+    - or upstream, at the candidate block cut (for a source ranking inside a candidate pool): the
+      two pools differ by the same rule on the candidate source's block scores (pin included), and
+      the two ranked rows agree everywhere outside the blocks the pools disagree on.
+
+    Any other difference (say, scores that differ between the orders) is not a tie. `differ_at`
+    lists (layer, position, tie) for every differing selection; a layer's `n_block_ties` counts
+    the ties explained only at the block cut; `n_truncated` counts the (query, layer) pairs whose
+    selection, in either order, leaves out a reachable position."""
 
     index_topk: int
     n_tokens: int
@@ -471,56 +484,106 @@ class Divergence:
                 "identical": self.identical}
 
 
-def _row_ties(trace: Trace, layer: int, k: int) -> torch.Tensor:
-    """bool [s] per query of `layer`, in call order: the row its topk ranked (index_scores) is
-    wider than k and its k-th and (k+1)-th scores are equal."""
-    ties = []
+def _ranked_rows(trace: Trace, layer: int) -> list[Optional[torch.Tensor]]:
+    """Per query of `layer`, in call order: the row its topk ranked (index_scores [T] float32),
+    None where nothing was reachable yet."""
+    rows: list[Optional[torch.Tensor]] = []
     for rec in trace.attention:
-        if rec.layer != layer:
-            continue
-        scores = rec.index_scores  # [b, s, T], None where nothing was reachable yet
-        if scores is None or scores.size(-1) <= k:
-            ties.append(torch.zeros(rec.seqlen, dtype=torch.bool))
-            continue
-        top = scores[0].topk(k + 1, dim=-1).values  # [s, k + 1], descending
-        ties.append(top[:, k - 1] == top[:, k])
-    return torch.cat(ties)
+        if rec.layer == layer:
+            rows.extend([None] * rec.seqlen if rec.index_scores is None else rec.index_scores[0].unbind(0))
+    return rows
+
+
+def _at(row: Optional[torch.Tensor], t: int) -> float:
+    """row[t], -inf past the row's end (a narrower decode row) or for no row."""
+    return float(row[t]) if row is not None and t < row.numel() else -float("inf")
+
+
+def _cut(row: Optional[torch.Tensor], k: int) -> float:
+    """The score topk(k) cuts `row` at: its k-th largest entry (its smallest when it has <= k)."""
+    if row is None or row.numel() == 0:
+        return -float("inf")
+    return float(row.topk(min(k, row.numel())).values[-1])
+
+
+def _tie_broken(picks_a: set, picks_b: set, row_a, row_b, k: int) -> bool:
+    """Whether top-k picks of rows a and b differ only in how a tie at the cut was broken: same cut
+    score, the same picks above it, and every pick one makes and the other does not scores exactly
+    the cut in both rows. A cut at -inf (fewer than k finite scores) thus lets only -inf picks differ."""
+    cut = _cut(row_a, k)
+    if cut != _cut(row_b, k):
+        return False
+    if {t for t in picks_a if _at(row_a, t) > cut} != {t for t in picks_b if _at(row_b, t) > cut}:
+        return False
+    return all(_at(row_a, t) == cut == _at(row_b, t) for t in picks_a ^ picks_b)
+
+
+def _picks(selection: torch.Tensor) -> set:
+    """Positions a selection row holds (-1 = none), or the True indices of a block mask row."""
+    if selection.dtype == torch.bool:
+        return set(selection.nonzero().flatten().tolist())
+    return set(selection[selection >= 0].tolist())
 
 
 def prefill_decode_divergence(stack: AttentionStack, x: torch.Tensor) -> Divergence:
     """Run `stack` (forward_each) as one prefill and as one token per call over x [1, s, dim] and
-    compare, per layer and query: selection, tie at the cut, output. Leaves the stack reset."""
+    compare, per layer and query: selection, whether a differing one is a tie (see `Divergence`),
+    output. Leaves the stack reset."""
     cfg = stack.cfg
     pre, dec, tp, td = _both_orders(stack, x)
     a, b = tp.attention_by_layer(), td.attention_by_layer()
     cand = cfg.candidate_source_layer if cfg.candidate_source_layer is not None else -1
+    rows_p: dict[int, list] = {}
+    rows_d: dict[int, list] = {}
+
+    def rows(layer: int) -> tuple[list, list]:
+        if layer not in rows_p:
+            rows_p[layer], rows_d[layer] = _ranked_rows(tp, layer), _ranked_rows(td, layer)
+        return rows_p[layer], rows_d[layer]
+
+    def pool_tie(src: int, q: int) -> bool:
+        """The two candidate pools of query q differ only by a tie at the block cut, and the source's
+        ranked rows agree outside the blocks they disagree on."""
+        pool_p, pool_d = _picks(a[src]["candidate_blocks"][0, q]), _picks(b[src]["candidate_blocks"][0, q])
+        if pool_p == pool_d:
+            return False
+        bs = cfg.candidate_block_size
+        cp, cd = (r[q] for r in rows(cand))
+        reach_c = int(a[cand]["reachable"][q])
+        blocks_p, blocks_d = (None if r is None else candidate_block_scores(r, reach_c, bs) for r in (cp, cd))
+        if not _tie_broken(pool_p, pool_d, blocks_p, blocks_d, cfg.candidate_topk_blocks):
+            return False
+        apart = {t for blk in pool_p ^ pool_d for t in range(blk * bs, (blk + 1) * bs)}
+        sp, sd = (r[q] for r in rows(src))
+        return all(_at(sp, t) == _at(sd, t) for t in range(int(a[src]["reachable"][q])) if t not in apart)
+
     result = Divergence(index_topk=cfg.index_topk, n_tokens=x.size(1))
     for layer in range(cfg.n_layers):
         ratio = cfg.compress_ratios[layer]
         out_diff = (pre[layer, 0].float() - dec[layer, 0].float()).abs().amax(-1)  # [s]
         row = {"layer": layer, "mode": cfg.layer_mode(layer), "ratio": ratio, "source": None,
-               "n_truncated": 0, "n_differ": 0, "n_ties": 0, "max_output_diff": float(out_diff.max()),
+               "n_truncated": 0, "n_differ": 0, "n_ties": 0, "n_block_ties": 0,
+               "max_output_diff": float(out_diff.max()),
                "n_output_differ_without_selection": int((out_diff > 0).sum())}
         if ratio:
             src = cfg.source_at_or_before(layer, cfg.index_source_layers)
-            sp, sd = a[src], b[src]
-            sel_diff = (a[layer]["selected"] != b[layer]["selected"]).any(-1)[0]  # [s]
-            tie = ((sp["kth_score"] == sp["next_score"]) | (sd["kth_score"] == sd["next_score"]))[0]
-            tie = tie | _row_ties(tp, src, cfg.index_topk) | _row_ties(td, src, cfg.index_topk)
+            sel_p, sel_d = a[layer]["selected"][0], b[layer]["selected"][0]  # [s, index_topk]
+            sel_diff = (sel_p != sel_d).any(-1)  # [s]
             # truncated: a selection (either order) leaves out a reachable position
             reach = a[layer]["reachable"]
-            truncated = (((a[layer]["selected"] >= 0).sum(-1) < reach) | ((b[layer]["selected"] >= 0).sum(-1) < reach))[0]
-            if 0 <= cand < src:  # the source ranked inside the candidate pool: its block cut counts too
-                cp, cd = a[cand], b[cand]
-                block_tie = ((cp["candidate_kth_score"] == cp["candidate_next_score"])
-                             | (cd["candidate_kth_score"] == cd["candidate_next_score"]))[0]
-                pools_differ = (sp["candidate_blocks"] != sd["candidate_blocks"]).any(-1)[0]
-                tie = tie | (block_tie & pools_differ)
-            row.update(source=src, n_truncated=int(truncated.sum()), n_differ=int(sel_diff.sum()),
-                       n_ties=int((sel_diff & tie).sum()),
-                       n_output_differ_without_selection=int(((out_diff > 0) & ~sel_diff).sum()))
+            truncated = ((sel_p >= 0).sum(-1) < reach) | ((sel_d >= 0).sum(-1) < reach)
+            n_ties = n_block_ties = 0
             for q in sel_diff.nonzero().flatten().tolist():
-                result.differ_at.append((layer, q, bool(tie[q])))
+                ranked_p, ranked_d = (r[q] for r in rows(src))
+                tie = _tie_broken(_picks(sel_p[q]), _picks(sel_d[q]), ranked_p, ranked_d, cfg.index_topk)
+                if not tie and 0 <= cand < src:  # the source ranked inside the candidate pool
+                    tie = pool_tie(src, q)
+                    n_block_ties += tie
+                n_ties += tie
+                result.differ_at.append((layer, q, bool(tie)))
+            row.update(source=src, n_truncated=int(truncated.sum()), n_differ=int(sel_diff.sum()),
+                       n_ties=int(n_ties), n_block_ties=int(n_block_ties),
+                       n_output_differ_without_selection=int(((out_diff > 0) & ~sel_diff).sum()))
         result.layers.append(row)
     return result
 

@@ -196,6 +196,68 @@ def test_stale_keys_make_divergences_that_are_not_ties():
     d = cs.prefill_decode_divergence(stack, _x(28, seed=20))
     not_tie = [(layer, q) for layer, q, tie in d.differ_at if not tie]
     assert not_tie and {layer for layer, _ in not_tie} <= {2, 3}
+    assert d.n_ties == d.n_differ - len(not_tie)
+    fixed = cs.prefill_decode_divergence(AttentionStack(TINY, max_seq_len=28, seed=0, fix_stale_index_keys=True),
+                                         _x(28, seed=20))
+    assert fixed.n_differ == fixed.n_ties  # the same input with the fix: every difference a tie again
+
+
+def test_tie_rule_on_hand_made_rows():
+    inf = float("inf")
+    row = torch.tensor([5.0, 3.0, 3.0, 1.0])
+    assert cs._tie_broken({0, 1}, {0, 2}, row, row, 2)  # which of the two 3.0s: a tie at the cut
+    assert not cs._tie_broken({0, 1}, {1, 2}, row, row, 2)  # 5.0 dropped: above the cut
+    assert not cs._tie_broken({0, 1}, {0, 2}, row, torch.tensor([5.0, 3.0, 2.0, 1.0]), 2)  # scores differ
+    # fewer finite scores than k (a small candidate pool): the cut is -inf, only -inf picks may differ
+    pool = torch.tensor([2.0, -inf, 1.0, -inf, -inf, -inf])
+    assert cs._tie_broken({0, 1, 2, 3}, {0, 2, 4, 5}, pool, pool, 4)
+    assert not cs._tie_broken({0, 1, 2, 3}, {0, 1, 3, 4}, pool, pool, 4)  # the finite 1.0 left out
+    # a narrower decode row (width <= k: everything picked) against the wider prefill row
+    assert cs._tie_broken({0, 2, 3}, {0, 1, 2, 3}, pool, pool[:4], 4)
+
+
+def _doctored_decode_pick(stack, x, layer, q, replace_finite: bool):
+    """The traces of both orders, with one pick of the decode selection of `layer` at query `q`
+    swapped for a reachable -inf position it left out: a finite pick (replace_finite) or a -inf one."""
+    pre, dec, tp, td = cs._both_orders(stack, x)
+    rec = [r for r in td.attention if r.layer == layer][q]  # decode: one record per position
+    row, sel = rec.index_scores[0, 0], rec.selected[0, 0]
+    assert (row > -torch.inf).sum() < stack.cfg.index_topk < row.numel()  # a pool smaller than k
+    picked = set(sel[sel >= 0].tolist())
+    spare = [t for t in range(row.numel()) if t not in picked and row[t] == -torch.inf]
+    out = [t for t in sorted(picked) if (row[t] > -torch.inf) == replace_finite]
+    assert spare and out
+    rec.selected[0, 0, (sel == out[0]).nonzero()[0, 0]] = spare[0]
+    return pre, dec, tp, td
+
+
+@pytest.mark.parametrize("replace_finite", [True, False])
+def test_a_finite_pick_difference_inside_a_small_pool_is_not_a_tie(monkeypatch, replace_finite):
+    # layer 6 ranks inside layer 4's pool of at most 4 blocks of 2 positions; at index_topk 16 a
+    # query at position 20 reaches 21 positions, so topk fills its 16 picks with -inf spares. The
+    # k-th and (k+1)-th scores of that row are both -inf, which once excused any difference.
+    stack = AttentionStack(TINY.replace(index_topk=16), max_seq_len=28, seed=0, fix_stale_index_keys=True)
+    x = _x(28, seed=20)
+    honest = cs.prefill_decode_divergence(stack, x)
+    assert honest.n_differ == honest.n_ties
+    doctored = _doctored_decode_pick(stack, x, 6, 20, replace_finite)
+    monkeypatch.setattr(cs, "_both_orders", lambda *_: doctored)
+    d = cs.prefill_decode_divergence(stack, x)
+    assert (6, 20, not replace_finite) in d.differ_at  # only swapping one -inf spare for another is a tie
+    assert d.n_differ - d.n_ties == int(replace_finite)
+    others = [e for e in d.differ_at if e[:2] != (6, 20)]
+    assert others == [e for e in honest.differ_at if e[:2] != (6, 20)]  # nothing else moved
+
+
+def test_block_ties_explain_pools_that_differ():
+    # at index_topk 8 the candidate source's block cut ties (ReLU'd scores are often exactly 0) and
+    # the two orders keep different pools; those differences count as ties, and only those
+    stack = AttentionStack(TINY, max_seq_len=28, seed=2, fix_stale_index_keys=True)
+    d = cs.prefill_decode_divergence(stack, _x(28, seed=20))
+    assert d.n_differ == d.n_ties
+    by_layer = {r["layer"]: r for r in d.layers}
+    assert by_layer[6]["n_block_ties"] > 0
+    assert all(r["n_block_ties"] == 0 for r in d.layers if r["layer"] != 6)  # only layer 6 ranks inside a pool
 
 
 def test_stale_key_comparison(model):

@@ -15,10 +15,12 @@ SMOKE_NOTEBOOKS = "03,04"
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    """Notebooks 03 and 04 executed in smoke mode on the embedded default, once for these tests."""
+def smoke_run(tmp_path_factory, tiny_checkpoint):
+    """Notebooks 03 and 04 executed in smoke mode on the session's tiny checkpoint (the embedded
+    default, written into a pytest temp folder, never the user cache), once for these tests."""
     run = tmp_path_factory.mktemp("smoke") / "run"
-    code = dsv41_main(["notebooks", "--only", SMOKE_NOTEBOOKS, "--out", str(run), "-p", "smoke", "true"])
+    code = dsv41_main(["notebooks", "--only", SMOKE_NOTEBOOKS, "--out", str(run),
+                       "--checkpoint", str(tiny_checkpoint), "-p", "smoke", "true"])
     summary = json.loads((run / "summary.json").read_text())
     failures = [f"{n['name']} cell {n['failed_cell']}: {n['error']}" for n in summary["notebooks"] if n["status"] != "ok"]
     assert code == 0 and not failures, failures
