@@ -283,15 +283,24 @@ def show(fig=None, widget=None) -> None:
         display(_png_image(fig))
 
 
-def _png_image(fig):
-    """The figure as an IPython PNG image, rendered exactly as `export_figure` renders it (so the
-    executed notebook holds the same bytes, and no pyplot backend needs to be set up)."""
+def png_bytes(fig) -> bytes:
+    """The figure as PNG bytes, exactly as `export_figure` writes its PNG (the same settings and
+    metadata, and the layout frozen the same way, so rendering twice or before an export gives the
+    same bytes; no pyplot backend needed): what a notebook or a widget shows is the exported image."""
     import io
 
     import matplotlib
-    from IPython.display import Image
 
+    _freeze_layout(fig)
     buf = io.BytesIO()
     with matplotlib.rc_context(_SAVE_RC):
         fig.savefig(buf, format="png", metadata=_PNG_METADATA)
-    return Image(data=buf.getvalue(), format="png")
+    return buf.getvalue()
+
+
+def _png_image(fig):
+    """The figure as an IPython PNG image (`png_bytes`), so the executed notebook holds the bytes
+    `export_figure` writes."""
+    from IPython.display import Image
+
+    return Image(data=png_bytes(fig), format="png")

@@ -45,6 +45,15 @@ def test_same_figure_twice_gives_identical_bytes(tmp_path):
     assert b"<svg" in first["svg"]
 
 
+def test_png_bytes_are_the_exported_png(tmp_path):
+    fig = _figure()
+    exported = _read(viz.export_figure(fig, "fig", str(tmp_path), DATA))["png"]
+    assert viz.png_bytes(fig) == exported
+    assert viz.png_bytes(_figure()) == exported  # a rebuilt figure, never exported: the same bytes
+    pytest.importorskip("IPython")
+    assert viz._png_image(fig).data == exported  # what viz.show displays headless
+
+
 def test_identical_bytes_across_processes(tmp_path):
     # the SVG ids hash a salt; without a fixed one each process would pick a random salt
     script = textwrap.dedent(f"""

@@ -16,12 +16,7 @@ from dsv41 import viz
 from widgets.cache import call_lookups, lru_replay, replay_counts
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the shared fixture in conftest.py
 
 
 # ---------------------------------------------------------------------- the LRU replay
@@ -173,6 +168,14 @@ def test_view_controls_re_render_without_a_kernel():
     slider.value = 3  # what a person dragging the slider does
     assert view.options["highlight"] == 3 and bytes(image.value) != before
     assert any(t.get_text() == "size 3: 0.250" for t in view.figure.axes[1].texts)
+    # the widget shows the PNG export_figure writes: one renderer, dsv41.viz.png_bytes
+    assert bytes(image.value) == viz.png_bytes(view.figure)
+
+
+def test_widget_image_is_the_exported_png(tmp_path):
+    view = widgets.CacheView(_cache_plain())
+    exported = open(view.export("cache", str(tmp_path))["png"], "rb").read()
+    assert bytes(view.widget.children[-1].value) == exported
 
 
 # ---------------------------------------------------------------------- adapters on a real generation

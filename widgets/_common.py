@@ -7,9 +7,10 @@ data or a control changes. Headless (papermill) `View.show()` displays the stati
 
 from __future__ import annotations
 
-import io
 import math
 from typing import Any, Callable
+
+from dsv41 import viz
 
 
 # ---------------------------------------------------------------------- trace -> plain data
@@ -51,17 +52,6 @@ def as_float_grid(rows) -> "Any":
 
 
 # ---------------------------------------------------------------------- the widget shell
-def png_bytes(fig) -> bytes:
-    """The figure as PNG bytes, saved as `dsv41.viz.export_figure` saves it (no metadata dates)."""
-    import matplotlib
-
-    buf = io.BytesIO()
-    with matplotlib.rc_context({"savefig.dpi": 100, "savefig.bbox": "tight", "savefig.pad_inches": 0.05,
-                                "savefig.facecolor": "white"}):
-        fig.savefig(buf, format="png", metadata={"Software": None})
-    return buf.getvalue()
-
-
 class View:
     """A render function, its data and its options, shown as a PNG with controls.
 
@@ -98,7 +88,7 @@ class View:
     def _changed(self) -> None:
         self._figure = None
         if self._image is not None:
-            self._image.value = png_bytes(self.figure)
+            self._image.value = viz.png_bytes(self.figure)
 
     @property
     def widget(self):
@@ -106,7 +96,7 @@ class View:
         if self._box is None:
             import ipywidgets as w
 
-            self._image = w.Image(value=png_bytes(self.figure), format="png")
+            self._image = w.Image(value=viz.png_bytes(self.figure), format="png")
             self._box = w.VBox([*self._controls(), self._image])
         return self._box
 
@@ -115,12 +105,8 @@ class View:
 
     def show(self) -> None:
         """Display in a notebook: the live widget when a person is looking, the static figure headless."""
-        from dsv41 import viz
-
         viz.show(self.figure, widget=None if viz.is_headless() else self.widget)
 
     def export(self, name: str, out_dir: str) -> dict[str, str]:
         """PNG, SVG and the plotted data as a JSON sidecar, through `dsv41.viz.export_figure`."""
-        from dsv41 import viz
-
         return viz.export_figure(self.figure, name, out_dir, {**self.data, "options": self.options})
