@@ -400,3 +400,38 @@ def _audit_problem(path: str) -> Optional[str]:
         more = f" ({len(failed) - 1} more checks fail; run `dsv41 audit --checkpoint-dir {path}`)" if len(failed) > 1 else ""
         return f"{path}: the checkpoint audit fails {first.id} ({first.title}): {first.detail}{more}"
     return None
+
+
+# ---------------------------------------------------------------------- expert-cache accounting
+def cache_accounting(result: GenerationResult, model) -> dict:
+    """A traced run's expert-cache counts, reconciled three ways per MoE layer, as plain data.
+
+    per_layer[str(layer)]: hits / misses (the run's per-call steps, `result.trace.cache`),
+    record_hits / record_misses (the routing records), counter_hits / counter_misses (the cache's own
+    counters, `model.experts.counters`), lookups (per call the distinct experts its tokens chose,
+    which is what the cache looks up) and token_choices (tokens x top-k). The counters total every
+    call since the model was loaded (or its counters reset): `counters_only_this_run` says whether
+    they hold this run's calls and nothing else, the only case where they must equal the run's counts.
+    """
+    if result.trace is None:
+        raise ValueError("this GenerationResult has no trace; generate with trace=True")
+    steps = result.trace.cache
+    counters = model.experts.counters
+    per_layer: dict[str, dict] = {}
+    for rec in result.trace.forward.routing:
+        row = per_layer.setdefault(str(rec.layer), {
+            "hits": 0, "misses": 0, "record_hits": 0, "record_misses": 0, "lookups": 0, "token_choices": 0})
+        row["record_hits"] += int(rec.cache_hits)
+        row["record_misses"] += int(rec.cache_misses)
+        row["lookups"] += int(torch.unique(rec.expert_ids).numel())  # one lookup per distinct expert and call
+        row["token_choices"] += int(rec.expert_ids.numel())
+    for layer, row in per_layer.items():
+        row["hits"] = sum(int(s["layers"].get(int(layer), [0, 0])[0]) for s in steps)
+        row["misses"] = sum(int(s["layers"].get(int(layer), [0, 0])[1]) for s in steps)
+        row["counter_hits"], row["counter_misses"] = counters.totals(int(layer))
+    only_this_run = len(counters.steps) == len(steps) and all(
+        (a["start_pos"], a["seqlen"], {k: list(v) for k, v in a["layers"].items()})
+        == (b["start_pos"], b["seqlen"], {k: list(v) for k, v in b["layers"].items()})
+        for a, b in zip(counters.steps, steps))
+    return {"capacity": model.experts.capacity, "calls": len(steps), "per_layer": per_layer,
+            "counters_only_this_run": only_this_run}

@@ -16,14 +16,16 @@ EXPECTED_OUTPUTS = sorted([f"05_{stem}.{ext}" for stem in ("routing", "expert_ca
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    """Notebook 05 executed once in smoke mode for these tests."""
+def smoke_run(tmp_path_factory, tiny_checkpoint):
+    """Notebook 05 executed once in smoke mode on the session's tiny checkpoint (never the user
+    cache) for these tests."""
     run = tmp_path_factory.mktemp("smoke05") / "run"
     with pytest.MonkeyPatch.context() as mp:
         # the kernel inherits this: one torch thread, since two threads on two shared cores run the
         # tiny model several times slower than one
         mp.setenv("OMP_NUM_THREADS", "1")
-        code = dsv41_main(["notebooks", "--only", "05", "--out", str(run), "-p", "smoke", "true"])
+        code = dsv41_main(["notebooks", "--only", "05", "--out", str(run),
+                           "--checkpoint", str(tiny_checkpoint), "-p", "smoke", "true"])
     summary = json.loads((run / "summary.json").read_text())
     failures = [f"{n['name']} cell {n['failed_cell']}: {n['error']}" for n in summary["notebooks"] if n["status"] != "ok"]
     assert code == 0 and not failures, failures
@@ -71,6 +73,11 @@ def test_cache_hits_and_misses_are_the_routed_lookups_and_the_replay_reproduces_
     cache = _sidecar(smoke_run, "05_expert_cache")
     capacity = cache["capacity"]
     assert capacity == facts["expert_cache"] == 6
+    assert facts["cache"]["counters_only_this_run"]  # a freshly loaded model: the counters are this run's
+    # the phase structure the (not exported) timings figure shows: one call over the prompt, then one per token
+    n = _sidecar(smoke_run, "05_routing")["n_tokens"]
+    assert cache["steps"] == [{"start_pos": 0, "seqlen": n["prefill"]}] + [
+        {"start_pos": n["prefill"] + i, "seqlen": 1} for i in range(n["decode"])]
     for i, layer in enumerate(cache["layers"]):
         calls = cache["lookup_ids"][str(layer)]
         assert all(call == sorted(set(call)) and all(0 <= e < cache["n_experts"] for e in call) for call in calls)

@@ -227,6 +227,34 @@ def test_cache_adapter_replays_the_recorded_cache(model, run):
     assert [row[0] for row in data["hits"]] == [0] * len(data["layers"])
 
 
+def test_cache_accounting_agrees_three_ways_and_with_the_replay(tiny_checkpoint):
+    from dsv41.generate import cache_accounting
+    from dsv41.loader import load
+
+    model = load(tiny_checkpoint, expert_cache=5, quiet=True)  # fresh: its counters hold only what follows
+    result = model.generate("Counting the expert cache", max_new_tokens=3, trace=True, stop_at_eos=False)
+    acc = cache_accounting(result, model)
+    assert acc["counters_only_this_run"] and acc["capacity"] == 5 and acc["calls"] == 3
+    replay = widgets.replay_accounting(widgets.cache_data(result, capacity=5, n_experts=model.cfg.n_routed_experts))
+    assert sorted(acc["per_layer"], key=int) == sorted(replay, key=int) == [str(i) for i in range(model.cfg.n_layers)]
+    k = model.cfg.n_activated_experts
+    for layer, row in acc["per_layer"].items():
+        assert (row["hits"], row["misses"]) == (row["record_hits"], row["record_misses"]) \
+            == (row["counter_hits"], row["counter_misses"]) == (replay[layer]["replay_hits"], replay[layer]["replay_misses"])
+        assert row["hits"] + row["misses"] == row["lookups"] <= row["token_choices"] == (len(result.all_ids) - 1) * k
+        assert replay[layer]["replay_per_call_equal"] and replay[layer]["distinct"] <= row["lookups"]
+    # a later call on the same model: the counters now hold more than this run, and say so
+    model.generate("again", max_new_tokens=1)
+    later = cache_accounting(result, model)
+    assert not later["counters_only_this_run"]
+    assert {k: v for k, v in later.items() if k not in ("counters_only_this_run", "per_layer")} == \
+        {k: v for k, v in acc.items() if k not in ("counters_only_this_run", "per_layer")}
+    assert sum(r["counter_hits"] + r["counter_misses"] for r in later["per_layer"].values()) > \
+        sum(r["hits"] + r["misses"] for r in later["per_layer"].values())
+    with pytest.raises(ValueError, match="replay at the run's capacity"):
+        widgets.replay_accounting(widgets.cache_data(result))
+
+
 def test_tie_adapter_on_a_generation(model, run):
     result, comparison = run
     data = widgets.tie_data(result, comparison)

@@ -5,8 +5,9 @@ data from a traced `GenerationResult`, and a thin `View` wrapper (controls above
 
 - routing: `routing_data(result)`, `render_routing`, `RoutingView` — layer x expert load and weight,
   per-layer balance.
-- cache: `cache_data(result, capacity)`, `render_cache`, `CacheView`, `lru_replay` — hit rates per
-  layer and call, the recorded routing replayed through an LRU of any size.
+- cache: `cache_data(result, capacity)`, `render_cache`, `CacheView`, `lru_replay`,
+  `replay_accounting` — hit rates per layer and call, the recorded routing replayed through an LRU of
+  any size.
 - ties: `tie_data(result, comparison)`, `render_ties`, `TieView` — top-k score gaps, where prefill
   and decode part, top-2 logit margins.
 - `PromptProbe(model)` — a text box and run button that regenerate and refresh all three.
@@ -15,7 +16,7 @@ Widgets import dsv41, never the reverse; `View.show()` shows the live widget in 
 static figure under papermill (`dsv41.viz.show`).
 """
 
-from .cache import CacheView, cache_data, lru_replay, replay_counts
+from .cache import CacheView, cache_data, lru_replay, replay_accounting, replay_counts
 from .cache import render as render_cache
 from .probe import PromptProbe, traced_ids
 from .routing import RoutingView, balance, routing_data
@@ -24,5 +25,5 @@ from .ties import TieView, tie_data
 from .ties import render as render_ties
 
 __all__ = ["CacheView", "PromptProbe", "RoutingView", "TieView", "balance", "cache_data", "lru_replay",
-           "render_cache", "render_routing", "render_ties", "replay_counts", "routing_data", "tie_data",
-           "traced_ids"]
+           "render_cache", "render_routing", "render_ties", "replay_accounting", "replay_counts", "routing_data",
+           "tie_data", "traced_ids"]

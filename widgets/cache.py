@@ -99,6 +99,20 @@ def cache_data(result, capacity: int | None = None, sizes: Sequence[int] | None 
     return data
 
 
+def replay_accounting(data: dict) -> dict[str, dict]:
+    """Per layer (str), from `cache_data` made with a capacity: the replay's hits and misses at
+    that capacity, whether it reproduces the recorded counts call by call, and the distinct experts."""
+    if "replay_at_capacity" not in data:
+        raise ValueError("this cache data has no replay at the run's capacity; make it with cache_data(result, capacity=...)")
+    out = {}
+    for i, layer in enumerate(data["layers"]):
+        replay = data["replay_at_capacity"][str(layer)]
+        out[str(layer)] = {"replay_hits": sum(h for h, _ in replay), "replay_misses": sum(m for _, m in replay),
+                           "replay_per_call_equal": replay == [[h, m] for h, m in zip(data["hits"][i], data["misses"][i])],
+                           "distinct": data["distinct"][i]}
+    return out
+
+
 def render(data: dict, highlight: int | None = None):
     """Figure: hit rate per layer and forward call (left), LRU replay hit rate vs cache size (right)
     with the recorded run marked at its configured size and `highlight` (a size) called out."""
