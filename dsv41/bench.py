@@ -31,7 +31,7 @@ import os
 import resource
 import sys
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn.functional as F

@@ -23,10 +23,10 @@ The value 0.5 (E2M1 code 1) decodes to a float32 subnormal for one multiply. Whe
 thread flushes subnormals (`torch.set_flush_denormal(True)`) the chunk is decoded through the
 codec table instead, at a fraction of the speed.
 
-`compiled=True` additionally routes single-token products (decode) through one `torch.compile`d
-loop that decodes, multiplies and accumulates without a float32 chunk; the first call compiles
-(seconds to a minute), and a failure to compile prints one line to stderr and keeps the chunked
-path.
+`compiled=True` additionally routes products with at most two tokens (decode) through one
+`torch.compile`d loop per token that decodes, multiplies and accumulates without a float32 chunk;
+the first call compiles (seconds to a minute), and a failure to compile prints one line to stderr
+and keeps the chunked path.
 """
 
 from __future__ import annotations
@@ -340,14 +340,6 @@ def _quantized_product(a, a_s, weight, scale, out_dtype, compiled):
     if weight.dtype in (torch.float4_e2m1fn_x2, torch.int8, torch.uint8):
         return fp4_gemm_fused(a, a_s, weight, scale, act_block_size=32, out_dtype=out_dtype, compiled=compiled)
     return fp8_gemm_fused(a, a_s, weight, scale, block_size=32, out_dtype=out_dtype, compiled=compiled)
-
-
-def _reference_product(a, a_s, weight, scale, out_dtype):
-    if weight.dtype in (torch.int8, torch.uint8):
-        weight = weight.view(torch.float4_e2m1fn_x2)
-    if weight.dtype == torch.float4_e2m1fn_x2:
-        return fp4_gemm(a, a_s, weight, scale, act_block_size=32, out_dtype=out_dtype)
-    return fp8_gemm(a, a_s, weight, scale, block_size=32, out_dtype=out_dtype)
 
 
 # ---------------------------------------------------------------------- experts

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 
