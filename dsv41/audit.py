@@ -1008,12 +1008,13 @@ def _size(n: int, total: int) -> str:
     return _gib(n) if total >= GIB else f"{n / (1 << 20):,.2f} MiB"
 
 
-def _ranges(ids: list[int]) -> str:
+def format_ranges(ids) -> str:
+    """[1, 2, 3, 7, 9, 10] -> "1-3, 7, 9-10": layer and shard numbers in one short string."""
+    ids = sorted(int(i) for i in ids)
     parts, start = [], None
-    for i, v in enumerate(ids):
-        if start is None:
-            start = v
-        if i + 1 == len(ids) or ids[i + 1] != v + 1:
+    for k, v in enumerate(ids):
+        start = v if start is None else start
+        if k + 1 == len(ids) or ids[k + 1] != v + 1:
             parts.append(str(start) if start == v else f"{start}-{v}")
             start = None
     return ", ".join(parts)
@@ -1042,13 +1043,13 @@ def _format_report(r: AuditReport) -> list[str]:
     lines.append("CSA2 layer modes, from tensor presence:")
     for mode, ids in r.layer_modes.items():
         label = "not known" if mode == "unknown" else mode.capitalize()
-        lines.append(f"  {label:<9} {len(ids):>3}  [{_ranges(ids)}]")
+        lines.append(f"  {label:<9} {len(ids):>3}  [{format_ranges(ids)}]")
     known = [(i, n) for i, n in enumerate(r.layer_tensor_counts) if n is not None]
     if known:
         groups = defaultdict(list)
         for i, n in known:
             groups[n].append(i)
-        parts = [f"{n:,} x {len(ids)}" + (f" (layer{'s' if len(ids) > 1 else ''} {_ranges(ids)})" if len(ids) <= 4 else "")
+        parts = [f"{n:,} x {len(ids)}" + (f" (layer{'s' if len(ids) > 1 else ''} {format_ranges(ids)})" if len(ids) <= 4 else "")
                  for n, ids in sorted(groups.items())]
         lines.append("  tensors per backbone layer: " + "; ".join(parts))
     lines.append("")
@@ -1075,7 +1076,7 @@ def describe_shards(names: list[str]) -> str:
     if all(matches) and len(totals) == 1:
         total = totals.pop()
         numbers = sorted(int(m.group(1)) for m in matches)
-        return f"{len(names)} shards: {_ranges(numbers)} of model-NNNNN-of-{total}.safetensors"
+        return f"{len(names)} shards: {format_ranges(numbers)} of model-NNNNN-of-{total}.safetensors"
     return f"{len(names)} shards: " + ", ".join(names)
 
 

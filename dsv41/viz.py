@@ -18,6 +18,9 @@ import math
 import os
 from typing import Any, Iterator
 
+# "1-3, 7, 9-10" for layer and shard numbers in a table cell; the audit report uses the same
+from dsv41.audit import format_ranges as ranges
+
 # Style: DejaVu ships with matplotlib, so the glyphs (and the SVG paths drawn from them) are the same
 # on every machine. Colors: a short qualitative cycle that stays legible in grey.
 PALETTE = ("#3b6ea5", "#d9843b", "#4f9a5b", "#b8474a", "#7c65a9", "#8c6d4f", "#c46aa8", "#7f7f7f")
@@ -224,16 +227,6 @@ def table(rows, columns=None, title: str | None = None) -> Table:
     return Table(rows, columns, title)
 
 
-def ranges(ids) -> str:
-    """[1, 2, 3, 7, 9, 10] -> "1-3, 7, 9-10": layer and shard numbers in a table cell."""
-    ids = sorted(int(i) for i in ids)
-    parts, start = [], None
-    for k, v in enumerate(ids):
-        start = v if start is None else start
-        if k + 1 == len(ids) or ids[k + 1] != v + 1:
-            parts.append(str(start) if start == v else f"{start}-{v}")
-            start = None
-    return ", ".join(parts)
 
 
 def _cell(value) -> str:
