@@ -542,6 +542,26 @@ def write_config_pair(config: Config, directory: str) -> tuple[str, str]:
     return nested, flat
 
 
+def compare_layouts(directory: str) -> dict:
+    """Read a checkpoint folder's two config files and say how they relate, as plain data: which
+    layout each is, the two dtypes, whether each reproduces the flat file exactly, whether the
+    nested one round-trips, verify()'s problems and the fields only one of them states."""
+    nested = load_config(os.path.join(directory, "config.json"))
+    flat_path = os.path.join(directory, "inference", "config.json")
+    flat = load_config(flat_path)
+    with open(flat_path, encoding="utf-8") as f:
+        flat_file = json.load(f)
+    return {
+        "nested": nested.layout, "flat": flat.layout,
+        "dtype (quantization)": nested.dtype, "param_dtype (storage)": nested.param_dtype,
+        "flat file from nested": nested.as_reference_dict() == flat_file,
+        "flat file from flat": flat.as_reference_dict() == flat_file,
+        "nested round trip": Config.from_dict(nested.as_nested_dict()) == nested,
+        "verify problems": nested.verify() + flat.verify(),
+        "differs": nested.differs_from(flat),
+    }
+
+
 # ---------------------------------------------------------------------- helpers
 def _type_ok(value, annotation: str) -> bool:
     """Whether a JSON value fits a field annotation such as 'int | None' or 'tuple[int, ...] | None'."""

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from dsv41.config import (FLAT_KEYS, NESTED_ONLY_KEYS, RELEASED, TINY, Config, ConfigError, load_config,
+from dsv41.config import (FLAT_KEYS, NESTED_ONLY_KEYS, RELEASED, TINY, Config, ConfigError, compare_layouts, load_config,
                           resolve_config_path, write_config_pair)
 
 RELEASE_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference", "deepseek-v4.1-flash")
@@ -223,3 +223,20 @@ def test_a_mistyped_field_is_one_sentence_naming_it(tmp_path, field, value, frag
         load_config(str(path))
     run = _cli(str(path))
     assert run.returncode == 1 and fragment in run.stderr and "Traceback" not in run.stderr
+
+
+def test_compare_layouts_of_a_written_pair(tmp_path):
+    write_config_pair(toy(), str(tmp_path))
+    report = compare_layouts(str(tmp_path))
+    assert report["nested"] == "nested" and report["flat"] == "flat"
+    assert report["flat file from nested"] and report["flat file from flat"] and report["nested round trip"]
+    assert report["dtype (quantization)"] == "fp8" and report["param_dtype (storage)"] == "bfloat16"
+    assert sorted(line.split(":")[0] for line in report["differs"]) == sorted(NESTED_ONLY_KEYS)
+    # a flat file edited by hand no longer follows from the nested one
+    flat_path = tmp_path / "inference" / "config.json"
+    data = json.loads(flat_path.read_text())
+    data["index_topk"] = 8
+    flat_path.write_text(json.dumps(data))
+    report = compare_layouts(str(tmp_path))
+    assert not report["flat file from nested"] and report["flat file from flat"]
+    assert any(line.startswith("index_topk:") for line in report["differs"])
