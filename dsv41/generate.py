@@ -312,7 +312,9 @@ def cli_main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (temperature > 0)")
     parser.add_argument("--expert-cache", type=int, default=None, metavar="N", help="packed experts kept per layer")
     parser.add_argument("--resident-engram", action="store_true", help="copy the Engram tables into RAM first")
-    parser.add_argument("--expert-device", default="cpu", metavar="DEV", help="where routed experts run (cpu, cuda, ...)")
+    parser.add_argument("--expert-device", default="cpu", metavar="DEV",
+                        help="where routed experts run: cpu (default), cuda, cuda:1 or a comma-separated list; "
+                             "without CUDA the CPU runs them, with one line on stderr")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or report on stderr")
     args = parser.parse_args(argv)
 
@@ -328,12 +330,14 @@ def cli_main(argv: list[str]) -> int:
         return fail(f"--temperature must be >= 0, got {args.temperature}")
     if args.expert_cache is not None and args.expert_cache < 0:
         return fail(f"--expert-cache must be >= 0, got {args.expert_cache}")
+    # one device or a comma-separated list; without CUDA, load() says so in one line and runs the
+    # experts on the CPU
+    names = [d.strip() for d in args.expert_device.split(",")]
     try:
-        device = torch.device(args.expert_device)
+        devices = [torch.device(d) for d in names]
     except RuntimeError:
-        return fail(f"--expert-device {args.expert_device!r} is not a torch device name (try cpu or cuda)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return fail(f"--expert-device {args.expert_device} asked for, but this torch build sees no CUDA device")
+        return fail(f"--expert-device {args.expert_device!r} is not a torch device name (try cpu, cuda or cuda:0,cuda:1)")
+    device = devices[0] if len(devices) == 1 else devices
 
     from .config import ConfigError, load_config
     from .loader import DEFAULT_EXPERT_CACHE, LoadError, load
@@ -355,7 +359,7 @@ def cli_main(argv: list[str]) -> int:
         model = load(path, expert_cache=DEFAULT_EXPERT_CACHE if args.expert_cache is None else args.expert_cache,
                      expert_device=device, resident_engram=args.resident_engram, quiet=args.quiet,
                      max_seq_len=args.max_seq_len)
-    except LoadError as exc:
+    except (LoadError, ValueError) as exc:
         return fail(str(exc))
 
     ids = model.encode(args.prompt)

@@ -79,7 +79,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.float32:
-            return _rows_padded_fp32_linear(x, self.weight)
+            return f32_linear(x, self.weight)
         return linear(x, self.weight, self.scale)
 
     def extra_repr(self) -> str:
@@ -102,17 +102,20 @@ class Linear(nn.Module):
 # CPU BLAS picks a different float32 kernel for the last (M mod 4) rows of a GEMM, so a token's
 # output would depend on how many tokens were projected with it, and a prefill would not match the
 # same tokens decoded one at a time. Padding the row count to a multiple of 8 keeps every row on
-# the same kernel. Only the float32 path needs it (the compressor's pooling projections); the
-# bf16 and quantized paths measure row-count invariant here.
+# the same kernel. Only the float32 paths need it (the compressor's pooling projections, the
+# router, the hyper-connection mixes, the head); the bf16 and quantized paths measure row-count
+# invariant here. (The released runtime does not pad; the two differ by float32 rounding, ~1e-7.)
 _ROW_PAD = 8
 
 
-def _rows_padded_fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    rows = x.reshape(-1, x.size(-1))  # [M, K]
+def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 x [..., K] @ weight [N, K]^T (both taken to float32) with the row count padded to a
+    multiple of 8, so a row's result does not depend on how many rows share the call."""
+    rows = x.float().reshape(-1, x.size(-1))  # [M, K]
     pad = -rows.size(0) % _ROW_PAD
     if pad:
         rows = F.pad(rows, (0, 0, 0, pad))
-    out = linear(rows, weight)[: rows.size(0) - pad]  # [M, N]
+    out = F.linear(rows, weight.float())[: rows.size(0) - pad]  # [M, N]
     return out.reshape(*x.shape[:-1], weight.size(0))
 
 

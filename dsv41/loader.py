@@ -226,25 +226,38 @@ class ExpertCache:
     """Routed experts read from the checkpoint on demand, with a bounded LRU window per layer.
 
     Experts are kept exactly as stored: packed FP4 weights (viewed as float4_e2m1fn_x2) and E8M0
-    scales, about a quarter of their bf16 size; `capacity` experts per layer (0 keeps none), placed
-    on `device`. Each requested expert counts as a hit or a miss for its layer and the current step."""
+    scales, about a quarter of their bf16 size; `capacity` experts per layer (0 keeps none).
+    `device` is one device or a list (as resolved by `kernels.triton_experts.expert_devices`);
+    expert e lives on `devices[e % len(devices)]`. Each requested expert counts as a hit or a miss
+    for its layer and the current step, and `fetch` returns the call's own counts."""
 
     def __init__(self, checkpoint: Checkpoint, capacity: int = DEFAULT_EXPERT_CACHE, device="cpu"):
         if capacity < 0:
             raise ValueError(f"expert cache capacity must be >= 0, got {capacity}")
-        self.checkpoint, self.capacity, self.device = checkpoint, int(capacity), torch.device(device)
+        specs = [device] if isinstance(device, (str, torch.device)) else list(device)
+        if not specs:
+            raise ValueError("the expert cache needs at least one device")
+        self.checkpoint, self.capacity = checkpoint, int(capacity)
+        self.devices = [torch.device(d) for d in specs]
+        self.device = self.devices[0]
         self.counters = CacheCounters()
         self._lru: dict[int, OrderedDict] = {}
 
     def fetch(self, layer: int, expert_ids: Sequence[int]):
+        """The packed experts `expert_ids` of `layer` (a `model.FetchedExperts`: a list, in the order
+        asked, with this call's `hits` and `misses`)."""
+        from .model import FetchedExperts
+
         window = self._lru.setdefault(layer, OrderedDict())
-        out = []
+        out = FetchedExperts()
         for e in expert_ids:
             packed = window.get(e)
             self.counters.count(layer, packed is not None)
             if packed is not None:
+                out.hits += 1
                 window.move_to_end(e)
             else:
+                out.misses += 1
                 packed = self._read(layer, e)
                 if self.capacity:
                     window[e] = packed
@@ -254,15 +267,16 @@ class ExpertCache:
         return out
 
     def _read(self, layer: int, expert: int):
-        from .model import PackedExpert
+        from .kernels.experts import PackedExpert
 
+        device = self.devices[expert % len(self.devices)]  # round-robin, as triton_experts.device_for
         prefix = f"layers.{layer}.ffn.experts.{expert}."
         parts = []
         for w in ("w1", "w2", "w3"):
             weight, scale = self.checkpoint.read(prefix + w + ".weight"), self.checkpoint.read(prefix + w + ".scale")
             if weight.dtype in (torch.int8, torch.uint8):
                 weight = weight.view(torch.float4_e2m1fn_x2)  # the stored bytes, two E2M1 values each
-            parts += [weight.to(self.device), scale.to(self.device)]
+            parts += [weight.to(device), scale.to(device)]
         return PackedExpert(*parts)
 
     def cached(self, layer: int) -> list[int]:
@@ -436,7 +450,9 @@ def load(path: Optional[str] = None, *, expert_cache: int = DEFAULT_EXPERT_CACHE
     """Load a checkpoint directory (default: the embedded tiny one) -> `Model`.
 
     expert_cache: packed experts kept per layer; expert_device: where routed experts are held and
-    computed; resident_engram: copy the Engram tables into RAM instead of gathering from the shards;
+    computed: "cpu" (default), "cuda", "cuda:1" or a list of CUDA devices (experts spread
+    round-robin); without a usable GPU one line on stderr says so and the CPU's fused path runs
+    them (a string that names no device raises ValueError); resident_engram: copy the Engram tables into RAM instead of gathering from the shards;
     max_seq_len (default min(config, 4096)) and max_batch_size size the attention caches;
     fix_stale_index_keys: the Transformers port's fix (off: the released runtime's behaviour);
     quiet: no progress bar. Raises LoadError with one sentence on a bad checkpoint."""
@@ -446,7 +462,13 @@ def load(path: Optional[str] = None, *, expert_cache: int = DEFAULT_EXPERT_CACHE
     from .model import Backbone, RoutedExperts
     from .attention import AttentionRuntime
 
+    from .kernels.triton_experts import expert_devices
+
     began = time.perf_counter()
+    try:
+        devices = expert_devices(expert_device)  # prints the one fallback line when CUDA is absent
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"expert_device {expert_device!r} is not usable: {exc}") from None
     if path is None:
         from .tiny import default_checkpoint
 
@@ -507,7 +529,7 @@ def load(path: Optional[str] = None, *, expert_cache: int = DEFAULT_EXPERT_CACHE
             bar.update(1)
         bar.close()
 
-    expert_store = ExpertCache(ckpt, expert_cache, expert_device)
+    expert_store = ExpertCache(ckpt, expert_cache, devices)
     tables = {}
     for block in backbone.layers:
         block.ffn.experts = RoutedExperts(block.layer, expert_store, float(cfg.swiglu_limit or 0.0))

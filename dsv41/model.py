@@ -10,44 +10,32 @@ last block's FFN `pre` collapses the stream before the final norm. There is no s
 
 Dtypes follow the released runtime: activations bf16 between sublayers, every mix, norm statistic,
 router score and the head in float32. Quantized linears quantize their input to FP8 first (the op
-layer's `linear`). Routed experts stay packed FP4 and are reached through a `RoutedExperts` object
-that a store (the loader's expert cache, or a dict in tests) feeds; Engram tables likewise stay
-wherever the store keeps them and are read a row at a time.
+layer's `linear`). Routed experts stay packed FP4 and are computed straight from the packed bytes
+(the fused path of `kernels.experts`) by a `RoutedExperts` object that a store (the loader's
+expert cache, or a dict in tests) feeds; Engram tables likewise stay wherever the store keeps them
+and are read a row at a time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .attention import Attention, AttentionRuntime
-from .kernels import e8m0_decode, hc_split_sinkhorn, linear as qlinear
-from .layers import Linear, RMSNorm, activation_dtype, linear_dtype
+from .kernels import e8m0_decode, hc_split_sinkhorn
+from .kernels.experts import PackedExpert, clamped_swiglu
+from .kernels.triton_experts import routed_experts_device
+from .layers import Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype
 from .trace import Trace
 
 # Added to the top-k routing weight sum before dividing; a training constant, not norm_eps.
 ROUTE_SUM_EPS = 1e-20
 # Floor on |dot| before the Engram gate's signed square root.
 ENGRAM_GATE_FLOOR = 1e-6
-# CPU BLAS computes the last (rows mod 4) rows of a float32 GEMM with a different kernel, so a
-# token's router scores and mixes would depend on how many tokens share the call. Padding the row
-# count keeps one kernel for every row, and a prefill equal to the same tokens decoded one by one.
-# (The released runtime does not pad; the two differ by float32 rounding, ~1e-7 on the logits.)
-_F32_ROW_PAD = 8
-
-
-def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """float32 x [..., K] @ weight[N, K]^T with the row count padded (see _F32_ROW_PAD)."""
-    rows = x.float().reshape(-1, x.size(-1))  # [M, K]
-    pad = -rows.size(0) % _F32_ROW_PAD
-    if pad:
-        rows = F.pad(rows, (0, 0, 0, pad))
-    out = F.linear(rows, weight.float())[: rows.size(0) - pad]  # [M, N]
-    return out.reshape(*x.shape[:-1], weight.size(0))
 
 
 # ---------------------------------------------------------------------- routing
@@ -75,88 +63,64 @@ def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, norm_topk_prob: b
     return weights * route_scale, ids
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(gate) * up in float32; with limit > 0, up is clamped to [-limit, limit] and gate from
-    above only, as in training."""
-    gate, up = gate.float(), up.float()
-    if limit > 0:
-        up = up.clamp(-limit, limit)
-        gate = gate.clamp(max=limit)
-    return F.silu(gate) * up
+class FetchedExperts(list):
+    """What one `fetch` returns: the packed experts in the order asked, plus how many of them this
+    call found in the store's cache (`hits`) and had to read (`misses`)."""
 
-
-class PackedExpert(NamedTuple):
-    """One routed expert as stored: packed FP4 weights [out, in/2] with E8M0 scales [out, in/32]."""
-
-    w1: torch.Tensor
-    w1_scale: torch.Tensor
-    w2: torch.Tensor
-    w2_scale: torch.Tensor
-    w3: torch.Tensor
-    w3_scale: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self)
-
-    def to(self, device) -> "PackedExpert":
-        return PackedExpert(*(t.to(device) for t in self))
-
-
-def expert_ffn(x: torch.Tensor, w1, s1, w3, s3, w2, s2, limit: float,
-               weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One SwiGLU expert on x [n, dim] (bf16) -> [n, dim] in x's dtype. `weights` [n, 1] scales the
-    activation before the down projection, as the runtime applies routing weights."""
-    h = clamped_swiglu(qlinear(x, w1, s1), qlinear(x, w3, s3), limit)  # [n, inter] float32
-    if weights is not None:
-        h = weights * h
-    return qlinear(h.to(x.dtype), w2, s2)
+    def __init__(self, experts: Sequence[PackedExpert] = (), hits: int = 0, misses: int = 0):
+        super().__init__(experts)
+        self.hits, self.misses = hits, misses
 
 
 class ExpertStore(Protocol):
     """What RoutedExperts reads packed experts from (the loader's cache, or a dict in tests)."""
 
-    def fetch(self, layer: int, expert_ids: Sequence[int]) -> list[PackedExpert]: ...
+    def fetch(self, layer: int, expert_ids: Sequence[int]) -> FetchedExperts: ...
 
 
 class DictExpertStore:
-    """A store over experts already in memory: {(layer, expert): PackedExpert}."""
+    """A store over experts already in memory: {(layer, expert): PackedExpert}; every fetch hits."""
 
     def __init__(self, experts: dict[tuple[int, int], PackedExpert]):
         self.experts = experts
 
-    def fetch(self, layer: int, expert_ids: Sequence[int]) -> list[PackedExpert]:
-        return [self.experts[(layer, e)] for e in expert_ids]
+    def fetch(self, layer: int, expert_ids: Sequence[int]) -> FetchedExperts:
+        return FetchedExperts([self.experts[(layer, e)] for e in expert_ids], hits=len(expert_ids))
 
 
 class RoutedExperts:
     """The routed half of one MoE layer: y = sum_k weight_k * expert_{id_k}(x), float32.
 
     The one interface a faster implementation replaces: `forward(x [n, dim], expert_ids [n, k],
-    weights [n, k]) -> float32 [n, dim]`. This one is the reference path: for each selected expert
-    (ascending id, the runtime's accumulation order) its tokens are gathered, quantized to FP8 and
-    multiplied against the packed FP4 weights; nothing is ever expanded to bf16. The expert runs
-    on whatever device the store placed its packed weights on."""
+    weights [n, k]) -> float32 [n, dim]`. The selected experts are fetched once (ascending id) and
+    run through the fused packed-FP4 path (`kernels.experts.routed_experts`, dispatched by
+    `routed_experts_device`: Triton where the store placed an expert on CUDA, the fused CPU
+    path otherwise): tokens quantized to FP8 once, each expert once on all of its tokens, never
+    a float32 or bf16 copy of a whole weight matrix. It equals the op layer's reference
+    `fp4_gemm` path up to the order of float32 additions. `last_fetch` holds the most recent
+    call's `FetchedExperts` (its cache hits and misses)."""
 
     def __init__(self, layer: int, store: ExpertStore, swiglu_limit: float):
         self.layer, self.store, self.swiglu_limit = layer, store, swiglu_limit
+        self.last_fetch: Optional[FetchedExperts] = None
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [n, dim]
         selected = torch.unique(expert_ids).tolist()  # sorted ascending
-        packed = self.store.fetch(self.layer, selected)
-        for e, p in zip(selected, packed):
-            rows, slot = torch.where(expert_ids == e)  # a token selects an expert at most once
-            dev = p.w1.device
-            out = expert_ffn(x[rows].to(dev), *_ffn_args(p), self.swiglu_limit, weights[rows, slot, None].to(dev))
-            y.index_add_(0, rows, out.to(y.device, torch.float32))
-        return y
+        fetched = self.store.fetch(self.layer, selected)
+        self.last_fetch = fetched if isinstance(fetched, FetchedExperts) else FetchedExperts(fetched)
+        # the fused path allocates its float32 work buffers with the default dtype: pin it to
+        # float32 for the call, so a caller's torch.set_default_dtype changes nothing
+        default = torch.get_default_dtype()
+        if default != torch.float32:
+            torch.set_default_dtype(torch.float32)
+        try:
+            return routed_experts_device(x, expert_ids, weights.float(), dict(zip(selected, fetched)),
+                                         self.swiglu_limit)
+        finally:
+            if default != torch.float32:
+                torch.set_default_dtype(default)
 
     __call__ = forward
-
-
-def _ffn_args(p: PackedExpert):
-    return p.w1, p.w1_scale, p.w3, p.w3_scale, p.w2, p.w2_scale
 
 
 # ---------------------------------------------------------------------- trace records
@@ -273,16 +237,15 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, self.dim)  # [n, dim]
         weights, ids = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
-        stats = getattr(self.experts.store, "counters", None)
-        before = stats.totals(self.layer) if stats is not None else (0, 0)
         y = self.experts.forward(flat, ids, weights)  # [n, dim] float32
         y = y + self.shared_experts(flat)
-        if trace is not None and hasattr(trace, "routing"):
-            after = stats.totals(self.layer) if stats is not None else (0, 0)
+        if isinstance(trace, ForwardTrace):
+            fetched = getattr(self.experts, "last_fetch", None)  # None: a stand-in without counts
             trace.routing.append(RoutingRecord(
                 self.layer, start_pos, ids.reshape(*shape[:-1], -1).cpu(),
                 weights.reshape(*shape[:-1], -1).detach().cpu(),
-                cache_hits=after[0] - before[0], cache_misses=after[1] - before[1]))
+                cache_hits=fetched.hits if fetched is not None else 0,
+                cache_misses=fetched.misses if fetched is not None else 0))
         return y.to(x.dtype).reshape(shape)
 
 
@@ -339,7 +302,7 @@ class Engram(nn.Module):
         gate = engram_gate(x, key, self.q_weight.float() * self.k_weight.float(), self.eps)  # [b, s, hc]
         if token_mask is not None:
             gate = gate.masked_fill(~token_mask.unsqueeze(-1), 0)
-        if trace is not None and hasattr(trace, "engram"):
+        if isinstance(trace, ForwardTrace):
             trace.engram.append(EngramRecord(self.layer, start_pos, gate.detach().cpu()))
         return (x.float() + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(x.dtype)
 
