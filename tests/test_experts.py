@@ -268,6 +268,22 @@ def test_routed_experts_handle_one_token_and_no_tokens():
         routed_experts(x, ids, weights[:, :3], experts)
 
 
+def test_the_default_dtype_changes_nothing(small_chunks):
+    g = _gen(61)
+    experts = {e: _expert(128, 64, g) for e in range(3)}
+    x = torch.randn(2, 128, generator=g).to(torch.bfloat16)
+    ids, weights = _routing(2, 3, 2, g)
+    want = routed_experts(x, ids, weights, experts, 4.0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = routed_experts(x, ids, weights, experts, 4.0)
+        assert ex._subnormals_kept()
+    finally:
+        torch.set_default_dtype(default)
+    assert torch.equal(got, want)
+
+
 def test_a_zero_expert_contributes_exactly_nothing():
     g = _gen(23)
     dim, inter = 64, 32

@@ -19,6 +19,8 @@ float32 and reaches the same numbers:
   contiguous rows; the activation is permuted to match.
 - One BLAS call per chunk (matrix-vector for one token, matrix-matrix otherwise).
 
+Every buffer is allocated float32 explicitly, so `torch.set_default_dtype` changes nothing here.
+
 The value 0.5 (E2M1 code 1) decodes to a float32 subnormal for one multiply. Where the calling
 thread flushes subnormals (`torch.set_flush_denormal(True)`) the chunk is decoded through the
 codec table instead, at a fraction of the speed.
@@ -115,7 +117,7 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
 
 def _subnormals_kept() -> bool:
     # the decode relies on float32 subnormal inputs being read as themselves
-    return bool((torch.tensor(2.0**-140) * 2.0**20) != 0)
+    return bool((torch.tensor(2.0**-140, dtype=torch.float32) * 2.0**20) != 0)
 
 
 def e4m3_to_float(x: torch.Tensor) -> torch.Tensor:
@@ -185,12 +187,12 @@ def _chunked_product(a_perm: torch.Tensor, words: torch.Tensor, rel: torch.Tenso
     per_block = _BLOCK // codec.per_word  # words per 32-value block
     rows = max(1, min(n, _CHUNK_VALUES // k))
     word_buf = torch.empty(rows, per_block, nb, dtype=torch.int32)  # [rows, word in block, block]
-    value_buf = torch.empty(rows, codec.per_word, per_block, nb)  # float32, [rows, code, word, block]
+    value_buf = torch.empty(rows, codec.per_word, per_block, nb, dtype=torch.float32)  # [rows, code, word, block]
     bits_buf = value_buf.view(torch.int32)
     shifts = torch.tensor(codec.shifts, dtype=torch.int32).view(1, -1, 1, 1)
     # relative scales times 2**exp_offset: undoes the decode's offset in the same multiply
     factor = rel * 2.0**codec.exp_offset  # [N, nb]
-    out = torch.empty(n, m)  # [N, M], transposed at the end
+    out = torch.empty(n, m, dtype=torch.float32)  # [N, M], transposed at the end
     for r0 in range(0, n, rows):
         r = min(rows, n - r0)
         vals = value_buf[:r]
@@ -223,7 +225,7 @@ def _fused(a, a_s, b, w_split, act_block: int, codec: _WordCodec, reference: Cal
         raise ValueError(f"packed weight {list(b.shape)} does not hold K={k} values per row")
     w_top, w_rel, w_ok = w_split
     if m == 0 or words.size(0) == 0:
-        return torch.zeros(m, words.size(0))
+        return torch.zeros(m, words.size(0), dtype=torch.float32)
 
     kept = _subnormals_kept()
     if compiled and kept and m <= _COMPILED_MAX_TOKENS and _compiled_ready(codec):
@@ -475,7 +477,7 @@ def _compiled_ready(codec: _WordCodec) -> bool:
             fn = torch.compile(body, dynamic=True)
             # compile now, on a tiny problem, so a failure shows here and not mid-layer
             words = torch.zeros(2, 2 * _BLOCK // codec.per_word, dtype=torch.int32)
-            fn(words, torch.zeros(codec.per_word, words.size(1)), torch.ones(2, 2))
+            fn(words, torch.zeros(codec.per_word, words.size(1), dtype=torch.float32), torch.ones(2, 2, dtype=torch.float32))
             _COMPILED[codec] = fn
         except Exception as exc:  # no C++ compiler, an unsupported platform, ...
             print(f"dsv41: torch.compile of the fused expert loop failed ({type(exc).__name__}); "
