@@ -128,3 +128,21 @@ def test_experts_on_cuda_generate_the_cpu_tokens(spec, tiny_checkpoint, cpu_mode
     want = cpu_model.generate(PROMPT, max_new_tokens=4, stop_at_eos=False)
     # the Triton kernels sum in another order: the tokens agree unless a logit margin is ulp-thin
     assert got.ids[0] == want.ids[0]
+
+
+# ---------------------------------------------------------------------- dense quantized linears
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float4_e2m1fn_x2])
+def test_dense_linear_runs_fused_and_equals_the_reference(dtype):
+    from dsv41.kernels import linear
+    from dsv41.layers import Linear, init_random_
+
+    lin = init_random_(Linear(96, 80, dtype), seed=5)
+    gen = torch.Generator().manual_seed(6)
+    for rows in (1, 3, 9):
+        x = (torch.randn(2, rows, 96, generator=gen) * 4).to(torch.bfloat16)
+        got, ref = lin(x), linear(x, lin.weight, lin.scale)
+        assert got.shape == ref.shape == (2, rows, 80) and got.dtype == torch.bfloat16
+        # only the float32 addition order differs: at most one bf16 rounding step apart
+        assert ((got.float() - ref.float()).abs() <= ref.float().abs() * 2.0**-7 + 1e-30).all()
+        # a token's output does not depend on the tokens sharing the call
+        assert torch.equal(lin(x[:, :1]), got[:, :1])

@@ -180,12 +180,14 @@ def test_expert_cache_holds_packed_bytes_and_counts(tiny_checkpoint):
     cache.fetch(0, [1, 2])  # two misses
     cache.counters.begin_step(1, 1)
     cache.fetch(0, [1])  # hit
-    cache.fetch(0, [3])  # miss; evicts 2, the least recently used
-    cache.fetch(0, [2])  # miss again
+    got = cache.fetch(0, [3])  # miss; evicts 2, the least recently used
+    assert (got.hits, got.misses, len(got)) == (0, 1, 1)  # the call's own counts
+    got = cache.fetch(0, [3, 2])  # a hit, then 2 misses again
+    assert (got.hits, got.misses) == (1, 1)
     cache.fetch(5, [1])  # another layer has its own window
-    assert cache.counters.totals(0) == (1, 4) and cache.counters.totals(5) == (0, 1)
+    assert cache.counters.totals(0) == (2, 4) and cache.counters.totals(5) == (0, 1)
     assert cache.counters.steps[0]["layers"] == {0: [0, 2]}
-    assert cache.counters.steps[1]["layers"] == {0: [1, 2], 5: [0, 1]}
+    assert cache.counters.steps[1]["layers"] == {0: [2, 2], 5: [0, 1]}
     assert cache.cached(0) == [3, 2]
     assert cache.nbytes == 3 * per_expert  # packed: one byte per two weights plus the scales
     for packed in (p for window in cache._lru.values() for p in window.values()):
