@@ -8,7 +8,6 @@ requires_grad=False.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -17,12 +16,10 @@ from torch import nn
 
 from .formats import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp4, quantize_fp8_blocks
 from .kernels import linear
-from .kernels.experts import linear_fused
 
 # One FP8 weight scale per 32 x 32 block, one FP4 weight scale per 32 elements along K.
 WEIGHT_BLOCK = 32
 
-QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float4_e2m1fn_x2)
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
@@ -82,11 +79,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.float32:
             return f32_linear(x, self.weight)
-        if self.weight.dtype in QUANTIZED_DTYPES:
-            # the op layer's `linear` without expanding the weight: same FP8 activations and
-            # scales, equal to it up to the order of float32 additions
-            with float32_default():
-                return linear_fused(x, self.weight, self.scale).contiguous()  # the product comes transposed
+        # dense weights keep the reference GEMM and its reduction order (one float32 partial per
+        # 32-wide K block); only routed experts, which dominate the bytes, take the fused path
         return linear(x, self.weight, self.scale)
 
     def extra_repr(self) -> str:
@@ -104,21 +98,6 @@ class Linear(nn.Module):
             self.scale.copy_(scale)
         else:
             self.weight.copy_(w.to(self.weight.dtype))
-
-
-@contextlib.contextmanager
-def float32_default():
-    """Run a block with float32 as torch's default dtype (the fused kernels allocate their work
-    buffers with it), so a caller's torch.set_default_dtype changes no result."""
-    before = torch.get_default_dtype()
-    if before == torch.float32:
-        yield
-        return
-    torch.set_default_dtype(torch.float32)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
 
 
 # CPU BLAS picks a different float32 kernel for the last (M mod 4) rows of a GEMM, so a token's

@@ -29,7 +29,7 @@ from .attention import Attention, AttentionRuntime
 from .kernels import e8m0_decode, hc_split_sinkhorn
 from .kernels.experts import PackedExpert, clamped_swiglu
 from .kernels.triton_experts import routed_experts_device
-from .layers import Linear, RMSNorm, activation_dtype, f32_linear, float32_default, linear_dtype
+from .layers import Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype
 from .trace import Trace
 
 # Added to the top-k routing weight sum before dividing; a training constant, not norm_eps.
@@ -108,9 +108,8 @@ class RoutedExperts:
         selected = torch.unique(expert_ids).tolist()  # sorted ascending
         fetched = self.store.fetch(self.layer, selected)
         self.last_fetch = fetched if isinstance(fetched, FetchedExperts) else FetchedExperts(fetched)
-        with float32_default():  # the fused path's work buffers use the default dtype
-            return routed_experts_device(x, expert_ids, weights.float(), dict(zip(selected, fetched)),
-                                         self.swiglu_limit)
+        return routed_experts_device(x, expert_ids, weights.float(), dict(zip(selected, fetched)),
+                                     self.swiglu_limit)
 
     __call__ = forward
 
