@@ -18,10 +18,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+
+from .trace import ForwardTrace, GenerationTrace, StepRecord
 
 # ---------------------------------------------------------------------- sampling
 
@@ -44,52 +46,6 @@ def top2_margin(logits: torch.Tensor) -> float:
     """Largest minus second-largest logit of the first row (0.0 is an exact tie)."""
     top = logits.reshape(-1, logits.size(-1))[0].float().topk(2).values
     return float(top[0] - top[1])
-
-
-# ---------------------------------------------------------------------- records
-@dataclass
-class StepRecord:
-    """One produced token: the position it was predicted at, its id, and the logit margin there."""
-
-    position: int  # position of the logits row it was taken from (the token goes at position + 1)
-    token: int
-    margin: float  # top-1 minus top-2 logit
-    seconds: float
-
-
-@dataclass
-class GenerationTrace:
-    """Everything a traced run recorded, as plain data.
-
-    forward: the backbone's ForwardTrace (attention records: indexer selections and candidate blocks;
-    routing records: expert ids and weights per layer and token; Engram gate values); steps: per
-    produced token its logit margin; cache: per forward call the expert-cache hits and misses by layer."""
-
-    forward: object
-    steps: list[StepRecord] = field(default_factory=list)
-    cache: list[dict] = field(default_factory=list)
-
-    @property
-    def margins(self) -> list[float]:
-        return [s.margin for s in self.steps]
-
-    def routing(self) -> dict[int, dict[str, torch.Tensor]]:
-        return self.forward.routing_by_layer()
-
-    def engram_gates(self) -> dict[int, dict[str, torch.Tensor]]:
-        return self.forward.engram_by_layer()
-
-    def attention(self) -> dict[int, dict[str, torch.Tensor]]:
-        return self.forward.attention_by_layer()
-
-    def to_dict(self) -> dict:
-        """Nested lists and numbers only (JSON-ready)."""
-        def plain(groups):
-            return {str(layer): {k: v.tolist() for k, v in fields.items()} for layer, fields in groups.items()}
-
-        return {"steps": [vars(s) for s in self.steps], "cache": self.cache,
-                "routing": plain(self.routing()), "engram": plain(self.engram_gates()),
-                "attention": plain(self.attention())}
 
 
 @dataclass
@@ -147,7 +103,6 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
 
     Greedy at temperature 0 (ties to the lowest id); otherwise seeded Gumbel-max. `trace=True`
     records the run (see GenerationTrace). `callback(step, token, logits)` as in decode_n."""
-    from .model import ForwardTrace
 
     prompt_ids = model.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
     if not prompt_ids:
@@ -258,7 +213,6 @@ class PrefillDecodeComparison:
 def compare_prefill_decode(model, prompt) -> PrefillDecodeComparison:
     """Run `prompt` (text or ids) as one prefill over all positions and as one token per call, and
     report where logits, indexer selections and routing first differ. Leaves the model reset."""
-    from .model import ForwardTrace
 
     ids = model.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
     if not ids:

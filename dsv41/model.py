@@ -18,7 +18,6 @@ and are read a row at a time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
 import torch
@@ -30,7 +29,7 @@ from .kernels import e8m0_decode, hc_split_sinkhorn
 from .kernels.experts import PackedExpert, clamped_swiglu
 from .kernels.triton_experts import routed_experts_device
 from .layers import Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype
-from .trace import Trace
+from .trace import EngramRecord, ForwardTrace, RoutingRecord
 
 # Added to the top-k routing weight sum before dividing; a training constant, not norm_eps.
 ROUTE_SUM_EPS = 1e-20
@@ -112,63 +111,6 @@ class RoutedExperts:
                                      self.swiglu_limit)
 
     __call__ = forward
-
-
-# ---------------------------------------------------------------------- trace records
-@dataclass
-class RoutingRecord:
-    """One MoE layer's routing for one forward call: expert ids and weights per token."""
-
-    layer: int
-    start_pos: int
-    expert_ids: torch.Tensor  # [b, s, k] int64
-    weights: torch.Tensor  # [b, s, k] float32 (normalized and scaled)
-    cache_hits: int = 0
-    cache_misses: int = 0
-
-
-@dataclass
-class EngramRecord:
-    """One Engram layer's gate values for one forward call."""
-
-    layer: int
-    start_pos: int
-    gate: torch.Tensor  # [b, s, hc_mult] float32 in (0, 1); 0 where the token mask shuts it
-
-
-@dataclass
-class ForwardTrace(Trace):
-    """A Trace that the backbone also fills: routing per MoE layer and gate values per Engram layer,
-    on top of the attention records. Records append in call order (a prefill, then decode steps)."""
-
-    routing: list[RoutingRecord] = field(default_factory=list)
-    engram: list[EngramRecord] = field(default_factory=list)
-
-    def clear(self) -> None:
-        super().clear()
-        self.routing.clear()
-        self.engram.clear()
-
-    def routing_by_layer(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Per layer: 'positions' [n], 'expert_ids' [b, n, k], 'weights' [b, n, k] over all calls."""
-        return _by_layer(self.routing, ("expert_ids", "weights"))
-
-    def engram_by_layer(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Per Engram layer: 'positions' [n], 'gate' [b, n, hc] over all calls."""
-        return _by_layer(self.engram, ("gate",))
-
-
-def _by_layer(records, names) -> dict[int, dict[str, torch.Tensor]]:
-    grouped: dict[int, list] = {}
-    for rec in records:
-        grouped.setdefault(rec.layer, []).append(rec)
-    out = {}
-    for layer, recs in sorted(grouped.items()):
-        positions = [torch.arange(r.start_pos, r.start_pos + getattr(r, names[0]).size(1)) for r in recs]
-        out[layer] = {"positions": torch.cat(positions)}
-        for name in names:
-            out[layer][name] = torch.cat([getattr(r, name) for r in recs], dim=1)
-    return out
 
 
 # ---------------------------------------------------------------------- modules

@@ -5,6 +5,11 @@ trace=t)`); each attention layer call appends one `AttentionRecord`. Tensors are
 copies, so a trace can be kept across calls, pickled or plotted without holding the model's
 memory. Repeated calls (a prefill, then decode steps) append records in call order; use
 `Trace.attention_by_layer` to regroup them per layer and query position.
+
+`ForwardTrace` is the Trace the whole backbone fills: also a `RoutingRecord` per MoE layer call
+and an `EngramRecord` per Engram layer call. `GenerationTrace` is what a traced `generate` run
+returns: that ForwardTrace, a `StepRecord` per produced token and the expert-cache accounting.
+This module imports no model code.
 """
 
 from __future__ import annotations
@@ -121,3 +126,106 @@ def _cat_queries(parts: list[torch.Tensor]) -> torch.Tensor:
             p = grown
         padded.append(p)
     return torch.cat(padded, dim=1)
+
+
+# ---------------------------------------------------------------------- trace records
+@dataclass
+class RoutingRecord:
+    """One MoE layer's routing for one forward call: expert ids and weights per token."""
+
+    layer: int
+    start_pos: int
+    expert_ids: torch.Tensor  # [b, s, k] int64
+    weights: torch.Tensor  # [b, s, k] float32 (normalized and scaled)
+    cache_hits: int = 0
+    cache_misses: int = 0
+
+
+@dataclass
+class EngramRecord:
+    """One Engram layer's gate values for one forward call."""
+
+    layer: int
+    start_pos: int
+    gate: torch.Tensor  # [b, s, hc_mult] float32 in (0, 1); 0 where the token mask shuts it
+
+
+@dataclass
+class ForwardTrace(Trace):
+    """A Trace that the backbone also fills: routing per MoE layer and gate values per Engram layer,
+    on top of the attention records. Records append in call order (a prefill, then decode steps)."""
+
+    routing: list[RoutingRecord] = field(default_factory=list)
+    engram: list[EngramRecord] = field(default_factory=list)
+
+    def clear(self) -> None:
+        super().clear()
+        self.routing.clear()
+        self.engram.clear()
+
+    def routing_by_layer(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Per layer: 'positions' [n], 'expert_ids' [b, n, k], 'weights' [b, n, k] over all calls."""
+        return _by_layer(self.routing, ("expert_ids", "weights"))
+
+    def engram_by_layer(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Per Engram layer: 'positions' [n], 'gate' [b, n, hc] over all calls."""
+        return _by_layer(self.engram, ("gate",))
+
+
+def _by_layer(records, names) -> dict[int, dict[str, torch.Tensor]]:
+    grouped: dict[int, list] = {}
+    for rec in records:
+        grouped.setdefault(rec.layer, []).append(rec)
+    out = {}
+    for layer, recs in sorted(grouped.items()):
+        positions = [torch.arange(r.start_pos, r.start_pos + getattr(r, names[0]).size(1)) for r in recs]
+        out[layer] = {"positions": torch.cat(positions)}
+        for name in names:
+            out[layer][name] = torch.cat([getattr(r, name) for r in recs], dim=1)
+    return out
+
+
+# ---------------------------------------------------------------------- generation records
+@dataclass
+class StepRecord:
+    """One produced token: the position it was predicted at, its id, and the logit margin there."""
+
+    position: int  # position of the logits row it was taken from (the token goes at position + 1)
+    token: int
+    margin: float  # top-1 minus top-2 logit
+    seconds: float
+
+
+@dataclass
+class GenerationTrace:
+    """Everything a traced run recorded, as plain data.
+
+    forward: the backbone's ForwardTrace (attention records: indexer selections and candidate blocks;
+    routing records: expert ids and weights per layer and token; Engram gate values); steps: per
+    produced token its logit margin; cache: per forward call the expert-cache hits and misses by layer."""
+
+    forward: ForwardTrace
+    steps: list[StepRecord] = field(default_factory=list)
+    cache: list[dict] = field(default_factory=list)
+
+    @property
+    def margins(self) -> list[float]:
+        return [s.margin for s in self.steps]
+
+    def routing(self) -> dict[int, dict[str, torch.Tensor]]:
+        return self.forward.routing_by_layer()
+
+    def engram_gates(self) -> dict[int, dict[str, torch.Tensor]]:
+        return self.forward.engram_by_layer()
+
+    def attention(self) -> dict[int, dict[str, torch.Tensor]]:
+        return self.forward.attention_by_layer()
+
+    def to_dict(self) -> dict:
+        """Nested lists and numbers only (JSON-ready)."""
+        def plain(groups):
+            return {str(layer): {k: v.tolist() for k, v in fields.items()} for layer, fields in groups.items()}
+
+        return {"steps": [vars(s) for s in self.steps], "cache": self.cache,
+                "routing": plain(self.routing()), "engram": plain(self.engram_gates()),
+                "attention": plain(self.attention())}

@@ -233,7 +233,7 @@ def test_engram_layer_adds_gated_value_and_respects_the_mask():
     init_random_(layer.wkv, 9)
     x = torch.randn(1, 3, cfg.hc_mult, cfg.dim, generator=gen).to(torch.bfloat16)
     ids = torch.randint(0, rows, (1, 3, cols), generator=gen)
-    from dsv41.model import ForwardTrace
+    from dsv41.trace import ForwardTrace
 
     trace = ForwardTrace()
     out = layer(x, ids, trace=trace)
