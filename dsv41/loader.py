@@ -587,6 +587,12 @@ class Model:
             self.hasher.reset()
         self.position = 0
 
+    def reset_expert_cache(self) -> None:
+        """Start the expert cache cold: drop every cached expert and zero its hit / miss counters
+        (`experts.counters`, still read as before). The sequence itself is left as it is."""
+        self.experts.clear()
+        self.experts.counters.reset()
+
     def __call__(self, input_ids, start_pos: int = 0, *, trace=None, image_mask=None,
                  all_positions: bool = False) -> torch.Tensor:
         ids = torch.as_tensor(input_ids, dtype=torch.long)

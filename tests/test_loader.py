@@ -213,6 +213,22 @@ def test_forward_counts_cache_traffic_per_layer_and_step(model):
     assert model.experts.nbytes <= model.cfg.n_layers * 16 * model.experts._lru[0][next(iter(model.experts._lru[0]))].nbytes
 
 
+
+def test_reset_expert_cache_starts_cold_and_zeroes_counters(model):
+    ids = model.encode("Warm the cache, then start it cold.")
+    model(ids, 0)
+    assert model.experts.nbytes > 0 and model.experts.counters.steps
+    position = model.position
+    model.reset_expert_cache()
+    counters = model.experts.counters
+    assert model.experts.nbytes == 0 and all(not model.experts.cached(i) for i in range(model.cfg.n_layers))
+    assert counters.hits == {} and counters.misses == {} and counters.steps == []
+    assert model.position == position  # the sequence is untouched
+    model([ids[-1]], position)  # the next call misses on everything it asks for
+    assert sum(counters.hits.values()) == 0 and len(counters.steps) == 1
+    assert sum(counters.misses.values()) == model.cfg.n_layers * model.cfg.n_activated_experts
+
+
 # ---------------------------------------------------------------------- Engram and the contract
 def test_engram_gathers_mapped_rows_and_resident_gives_same_logits(model, tiny_checkpoint):
     table = model.engram_tables[1]

@@ -189,7 +189,7 @@ def model(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def run(model):
     """A cold-cache traced generation and the comparison over its first 12 traced positions."""
-    model.experts.clear()
+    model.reset_expert_cache()
     result = model.generate("Routing, caching and ties on the tiny model", max_new_tokens=4, trace=True,
                             stop_at_eos=False)
     comparison = model.compare_prefill_decode(widgets.traced_ids(result, 12))

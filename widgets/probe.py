@@ -45,7 +45,7 @@ class PromptProbe:
 
     # ------------------------------------------------------------------ running
     def _generate(self, prompt: str, max_new_tokens: int):
-        self.model.experts.clear()  # start cold: the replay assumes an empty cache
+        self.model.reset_expert_cache()  # start cold: the replay assumes an empty cache
         result = self.model.generate(prompt, max_new_tokens=max_new_tokens, trace=True, stop_at_eos=False)
         comparison = None
         if self.compare and len(result.prompt_ids) + len(result.ids) > 1:
