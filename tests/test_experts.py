@@ -370,8 +370,7 @@ def test_compile_failure_prints_one_line_and_keeps_the_chunked_path(monkeypatch,
     assert len(lines) == 1 and "torch.compile" in lines[0]
 
 
-@pytest.mark.skipif(os.environ.get("DSV41_COMPILE_TESTS") != "1",
-                    reason="compiling the loop with inductor takes 10-80 s on two cores; set DSV41_COMPILE_TESTS=1")
+@pytest.mark.slow  # compiling the loop with inductor takes 10-80 s on two cores
 def test_compiled_loop_through_inductor(monkeypatch):
     monkeypatch.setattr(ex, "_COMPILED", {})
     g = _gen(43)
