@@ -22,3 +22,30 @@ def tiny_checkpoint(tmp_path_factory) -> str:
     from dsv41.tiny import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "checkpoint", seed=0, progress=False)
+
+
+def run_notebooks_smoke(tmp_path_factory, checkpoint, only: str, threads: int | None = None):
+    """Execute notebooks `only` ("01,02") in smoke mode on `checkpoint` into a fresh run folder and
+    fail the calling fixture, naming the failing cells, unless all of them ran clean. Returns the
+    run folder and its summary. `threads` pins the kernels' torch threads (OMP_NUM_THREADS)."""
+    import json
+
+    from dsv41.cli import main as dsv41_main
+
+    run = tmp_path_factory.mktemp(f"smoke-{only.replace(',', '-')}") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        if threads is not None:
+            mp.setenv("OMP_NUM_THREADS", str(threads))
+        code = dsv41_main(["notebooks", "--only", only, "--out", str(run), "--checkpoint", str(checkpoint),
+                           "-p", "smoke", "true"])
+    summary = json.loads((run / "summary.json").read_text())
+    failures = [f"{n['name']} cell {n['failed_cell']}: {n['error']}" for n in summary["notebooks"] if n["status"] != "ok"]
+    assert code == 0 and not failures, failures
+    return run, summary
+
+
+def sidecar(run, name: str) -> dict:
+    """A figure's or a notebook's JSON sidecar from a run folder."""
+    import json
+
+    return json.loads((run / f"{name}.json").read_text())

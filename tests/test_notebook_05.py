@@ -1,15 +1,13 @@
 """Notebook 05 (generation) executed in smoke mode on the embedded default, with assertions on the
 numbers its sidecars carry (as tests/test_notebooks.py does for 01 and 02)."""
 
-import json
-from pathlib import Path
-
 import nbformat
 import pytest
 
-from dsv41.cli import main as dsv41_main
 from dsv41.config import load_config
 from widgets import replay_counts
+
+from conftest import run_notebooks_smoke, sidecar
 
 EXPECTED_OUTPUTS = sorted([f"05_{stem}.{ext}" for stem in ("routing", "expert_cache", "ties")
                            for ext in ("json", "png", "svg")] + ["05_generation_facts.json"])
@@ -19,22 +17,14 @@ EXPECTED_OUTPUTS = sorted([f"05_{stem}.{ext}" for stem in ("routing", "expert_ca
 def smoke_run(tmp_path_factory, tiny_checkpoint):
     """Notebook 05 executed once in smoke mode on the session's tiny checkpoint (never the user
     cache) for these tests."""
-    run = tmp_path_factory.mktemp("smoke05") / "run"
-    with pytest.MonkeyPatch.context() as mp:
-        # the kernel inherits this: one torch thread, since two threads on two shared cores run the
-        # tiny model several times slower than one
-        mp.setenv("OMP_NUM_THREADS", "1")
-        code = dsv41_main(["notebooks", "--only", "05", "--out", str(run),
-                           "--checkpoint", str(tiny_checkpoint), "-p", "smoke", "true"])
-    summary = json.loads((run / "summary.json").read_text())
-    failures = [f"{n['name']} cell {n['failed_cell']}: {n['error']}" for n in summary["notebooks"] if n["status"] != "ok"]
-    assert code == 0 and not failures, failures
+    # one torch thread in the kernel: two threads on two shared cores run the tiny model several
+    # times slower than one
+    run, summary = run_notebooks_smoke(tmp_path_factory, tiny_checkpoint, "05", threads=1)
     assert sorted(summary["notebooks"][0]["outputs"]) == EXPECTED_OUTPUTS
     return run
 
 
-def _sidecar(run: Path, name: str) -> dict:
-    return json.loads((run / f"{name}.json").read_text())
+_sidecar = sidecar
 
 
 @pytest.mark.slow

@@ -2,7 +2,6 @@
 smoke mode with assertions on the numbers their sidecars carry."""
 
 import json
-import os
 from pathlib import Path
 
 import nbformat
@@ -11,6 +10,8 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from dsv41 import notebooks as runner
 from dsv41.cli import main as dsv41_main
+
+from conftest import run_notebooks_smoke, sidecar
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -160,20 +161,13 @@ def test_every_notebook_has_one_parameters_cell_and_no_outputs():
 def smoke_run(tmp_path_factory, tiny_checkpoint):
     """Notebooks 01 and 02 executed in smoke mode on the session's tiny checkpoint (the embedded
     default, written into a pytest temp folder, never the user cache), once for these tests."""
-    run = tmp_path_factory.mktemp("smoke") / "run"
-    code = dsv41_main(["notebooks", "--only", SMOKE_NOTEBOOKS, "--out", str(run),
-                       "--checkpoint", str(tiny_checkpoint), "-p", "smoke", "true"])
-    summary = json.loads((run / "summary.json").read_text())
-    failures = [f"{n['name']} cell {n['failed_cell']}: {n['error']}" for n in summary["notebooks"] if n["status"] != "ok"]
-    assert code == 0 and not failures, failures
-    return run
+    return run_notebooks_smoke(tmp_path_factory, tiny_checkpoint, SMOKE_NOTEBOOKS)[0]
 
 
 SMOKE_NOTEBOOKS = "01,02"
 
 
-def _sidecar(run: Path, name: str) -> dict:
-    return json.loads((run / f"{name}.json").read_text())
+_sidecar = sidecar
 
 
 @pytest.mark.slow

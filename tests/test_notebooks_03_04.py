@@ -3,12 +3,9 @@ executed in smoke mode on the embedded default, with assertions on the numbers t
 The expected numbers are derived here from the formulas and the released geometry, not copied
 from a run."""
 
-import json
-from pathlib import Path
-
 import pytest
 
-from dsv41.cli import main as dsv41_main
+from conftest import run_notebooks_smoke, sidecar
 from dsv41.config import RELEASED, TINY
 
 SMOKE_NOTEBOOKS = "03,04"
@@ -18,18 +15,12 @@ SMOKE_NOTEBOOKS = "03,04"
 def smoke_run(tmp_path_factory, tiny_checkpoint):
     """Notebooks 03 and 04 executed in smoke mode on the session's tiny checkpoint (the embedded
     default, written into a pytest temp folder, never the user cache), once for these tests."""
-    run = tmp_path_factory.mktemp("smoke") / "run"
-    code = dsv41_main(["notebooks", "--only", SMOKE_NOTEBOOKS, "--out", str(run),
-                       "--checkpoint", str(tiny_checkpoint), "-p", "smoke", "true"])
-    summary = json.loads((run / "summary.json").read_text())
-    failures = [f"{n['name']} cell {n['failed_cell']}: {n['error']}" for n in summary["notebooks"] if n["status"] != "ok"]
-    assert code == 0 and not failures, failures
+    run, summary = run_notebooks_smoke(tmp_path_factory, tiny_checkpoint, SMOKE_NOTEBOOKS)
     assert [n["name"] for n in summary["notebooks"]] == ["03_csa2_modes", "04_candidate_blocks"]
     return run
 
 
-def _sidecar(run: Path, name: str) -> dict:
-    return json.loads((run / f"{name}.json").read_text())
+_sidecar = sidecar
 
 
 # ---------------------------------------------------------------------- 03
