@@ -31,11 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from dsv41.cachedir import cache_root
 from dsv41.headers import INDEX_NAME
 
 # Bump when the writer's output changes in a way the source digest below would not notice.
 WRITER_VERSION = 1
-CACHE_ENV = "DSV41_CACHE"
 
 
 # ---------------------------------------------------------------------- config and tokenizer
@@ -229,14 +229,6 @@ def content_version() -> str:
         except PackageNotFoundError:
             h.update(f"{lib} (not installed)\0".encode())
     return f"v{WRITER_VERSION}-{h.hexdigest()[:10]}"
-
-
-def cache_root() -> Path:
-    """$DSV41_CACHE, else $XDG_CACHE_HOME/dsv41, else ~/.cache/dsv41."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dsv41"
 
 
 def _umask() -> int:

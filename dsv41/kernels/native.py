@@ -1,0 +1,218 @@
+"""The native CPU expert kernels (native.c): built once per machine with its C compiler, loaded
+through ctypes.
+
+The library is compiled on first use into the dsv41 cache (`$DSV41_CACHE`, else
+~/.cache/dsv41) under a name derived from the source, the compiler, the flags and the CPU's
+feature flags, so a cache shared by different machines never hands one a library built for the
+other's instruction set. `$CC` picks the compiler (default `cc`). Building takes about a second;
+where it cannot be done (no compiler, a read-only cache, a failed build) `available()` is False and
+`unavailable_reason()` says why in one sentence; callers then take the plain-PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..cachedir import cache_root
+
+SOURCE = Path(__file__).with_name("native.c")
+_ABI_VERSION = 5  # must equal ABI_VERSION in native.c
+# -march=native first (AVX2/FMA/F16C where the CPU has them), then a portable build
+_FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
+_COMMON_FLAGS = ["-shared", "-fPIC", "-pthread", "-std=c11", "-Wall"]
+_BLOCK = 32
+
+
+class NativeKernels:
+    """The loaded library: `product` for the fused GEMMs, plus what it was built with."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path, flags: list[str]):
+        self._lib = lib
+        self.path = path
+        self.flags = flags
+        ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.dsv41_activation.argtypes = [ptr, ptr, i64, i64, i64, c_int, ptr, ptr, ptr]
+        lib.dsv41_scale_range.argtypes = [ptr, i64, i64, ptr, ptr]
+        lib.dsv41_decode.argtypes = [c_int, ptr, ptr, ptr, i64, ptr, i64, i64, i64, c_int]
+        lib.dsv41_small_gemm.argtypes = [c_int, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64,
+                                         ctypes.c_int32, c_int]
+        self.simd = bool(lib.dsv41_simd())
+        self.gemv_max_tokens = int(lib.dsv41_gemv_max_tokens())
+
+    def gemm(self, fp4: bool, a: torch.Tensor, a_scale: torch.Tensor, act_block: int, packed: torch.Tensor,
+             w_scale: torch.Tensor, rows_per_scale: int, span: int, chunk_values: int):
+        """The fused GEMM on E8M0-scaled operands -> (float32 [M, N], token ok bool [M], row ok bool [N]).
+
+        a: FP8 bytes uint8 [M, K] with scale bytes [M, K/act_block]; packed: uint8 [N, K/2] (FP4)
+        or [N, K] (E4M3) with scale bytes [ceil(N / rows_per_scale), K/32]. out[m, n] is
+        sum_k value(a) * 2**(a_scale - a_top[m]) * value(w) * 2**(w_scale - w_top[n]), times
+        2**a_top[m], then 2**w_top[n] (the scales' largest powers of two, as E8M0 values). A token
+        or row is ok when its scales span at most `span` octaves and are not NaN; the others'
+        outputs are meaningless and left to the caller. Up to `gemv_max_tokens` tokens: one call
+        of the register-blocked GEMV. More: each weight chunk of `chunk_values` values decoded
+        into one float32 buffer for a BLAS GEMM."""
+        a, a_scale = a.contiguous(), a_scale.contiguous()
+        packed, w_scale = packed.contiguous(), w_scale.contiguous()
+        m, k = a.shape
+        n = packed.size(0)
+        threads = torch.get_num_threads()
+        if m <= self.gemv_max_tokens:
+            out = torch.empty(m, n, dtype=torch.float32)
+            token_ok, row_ok = torch.empty(m, dtype=torch.bool), torch.empty(n, dtype=torch.bool)
+            self._check(self._lib.dsv41_small_gemm(
+                int(fp4), packed.data_ptr(), w_scale.data_ptr(), rows_per_scale, a.data_ptr(), a_scale.data_ptr(),
+                act_block, out.data_ptr(), row_ok.data_ptr(), token_ok.data_ptr(), m, n, k, span, threads))
+            return out, token_ok, row_ok
+
+        values = torch.empty(m, k, dtype=torch.float32)
+        a_top, a_low = torch.empty(m, dtype=torch.int32), torch.empty(m, dtype=torch.int32)
+        self._check(self._lib.dsv41_activation(a.data_ptr(), a_scale.data_ptr(), m, k, act_block, 0,
+                                                values.data_ptr(), a_top.data_ptr(), a_low.data_ptr()))
+        scale_rows, blocks = w_scale.shape
+        w_top, w_low = torch.empty(scale_rows, dtype=torch.int32), torch.empty(scale_rows, dtype=torch.int32)
+        self._check(self._lib.dsv41_scale_range(w_scale.data_ptr(), scale_rows, blocks, w_top.data_ptr(),
+                                                 w_low.data_ptr()))
+        rows = max(1, min(n, chunk_values // k))
+        buf = torch.empty(rows, k, dtype=torch.float32)
+        out_t = torch.empty(n, m, dtype=torch.float32)  # [N, M]: each chunk fills whole rows
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            self._check(self._lib.dsv41_decode(int(fp4), packed.data_ptr(), w_scale.data_ptr(), w_top.data_ptr(),
+                                                rows_per_scale, buf.data_ptr(), r0, r1, k, threads))
+            torch.mm(buf[: r1 - r0], values.t(), out=out_t[r0:r1])
+        a_pow, token_ok = scale_powers(a_top, a_low, span)
+        w_pow, row_ok = (t.repeat_interleave(rows_per_scale)[:n] for t in scale_powers(w_top, w_low, span))
+        # the token's power of two first, then the row's, as the small path applies them
+        return out_t.t() * a_pow.unsqueeze(1) * w_pow.unsqueeze(0), token_ok, row_ok
+
+    @staticmethod
+    def _check(status: int) -> None:
+        """The C entry points return a count or 0 on success, -1 for shapes they do not take, -2
+        when memory runs out."""
+        if status == -2:
+            raise MemoryError("the native expert kernel could not allocate its scratch memory")
+        if status < 0:
+            raise ValueError("the native expert kernel refused its arguments (K must be a multiple of 32)")
+
+
+def scale_powers(top: torch.Tensor, low: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each E8M0 scale row's largest and smallest byte, int32 [rows] -> (its power of two
+    2**(top - 127) float32, ok bool: the row spans at most `span` octaves and is not NaN)."""
+    from .codecs import e8m0_decode
+
+    return e8m0_decode(top.to(torch.uint8)), (top - low <= span) & (top < 255)
+
+
+# Built or failed once per process: the library handle, or the reason there is none.
+_STATE: dict = {}
+
+
+def load() -> Optional[NativeKernels]:
+    """The native kernels, built on first use; None where they cannot be built or loaded."""
+    if "kernels" not in _STATE:
+        try:
+            _STATE["kernels"], _STATE["reason"] = _build_and_load(), None
+        except _Unavailable as exc:
+            _STATE["kernels"], _STATE["reason"] = None, str(exc)
+    return _STATE["kernels"]
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def unavailable_reason() -> Optional[str]:
+    load()
+    return _STATE["reason"]
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _build_and_load() -> NativeKernels:
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        raise _Unavailable(f"no C compiler ({compiler}) on PATH")
+    folder = cache_root() / "native"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _Unavailable(f"cannot create {folder} ({exc.strerror})") from None
+    source = SOURCE.read_bytes()
+    errors = []
+    for flags in _FLAG_SETS:
+        path = folder / f"dsv41_native-{_build_key(compiler, flags, source)}.so"
+        if not path.is_file():
+            error = _compile(compiler, flags, path)
+            if error:
+                errors.append(f"{' '.join(flags)}: {error}")
+                continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            errors.append(f"loading {path}: {exc}")
+            continue
+        if lib.dsv41_abi_version() != _ABI_VERSION:
+            errors.append(f"{path} is ABI {lib.dsv41_abi_version()}, expected {_ABI_VERSION}")
+            continue
+        return NativeKernels(lib, path, flags)
+    raise _Unavailable("the native expert kernels did not build: " + "; ".join(errors))
+
+
+def _build_key(compiler: str, flags: list[str], source: bytes) -> str:
+    h = hashlib.sha256(source)
+    h.update(" ".join([compiler, *flags, *_COMMON_FLAGS, platform.machine()]).encode())
+    h.update(_compiler_version(compiler).encode())
+    if "-march=native" in flags:
+        h.update(_cpu_features().encode())
+    return h.hexdigest()[:16]
+
+
+def _compiler_version(compiler: str) -> str:
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compile(compiler: str, flags: list[str], path: Path) -> Optional[str]:
+    """Build into a temporary name and rename into place, so racing processes both succeed and a
+    half-written library is never loaded. Returns the compiler's complaint, or None."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *flags, *_COMMON_FLAGS, "-o", tmp, str(SOURCE)],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            errors = [line for line in lines if "error" in line] or lines
+            return errors[0] if errors else f"exit status {done.returncode}"
+        os.replace(tmp, path)
+        return None
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
