@@ -9,8 +9,9 @@ import torch
 
 from dsv41 import bench
 from dsv41.cli import main
+from dsv41.kernels import native
 
-TINY = ["--dims", "64,32", "--repeats", "1", "--copy-mib", "8", "--no-compiled"]
+TINY = ["--dims", "64,32", "--repeats", "1", "--copy-mib", "8"]
 
 
 def test_bench_experts_writes_a_report_of_measured_numbers(tmp_path, capsys):
@@ -28,18 +29,34 @@ def test_bench_experts_writes_a_report_of_measured_numbers(tmp_path, capsys):
 
     routed, shared = bench.make_experts(6, 64, 32)
     assert report["routed_expert_bytes"] == routed[0].nbytes and report["shared_expert_bytes"] == shared.nbytes
+    kernels = report["kernels"]
+    assert kernels == (["native", "torch"] if native.available() else ["torch"])
     for row in report["shapes"]:
-        assert row["baseline_s"] > 0 and row["fused_s"] > 0
-        assert math.isclose(row["speedup"], row["baseline_s"] / row["fused_s"], rel_tol=1e-12)
-        assert math.isclose(row["fused_bytes_per_s"], row["packed_bytes"] / row["fused_s"], rel_tol=1e-12)
-        assert math.isclose(row["fused_fraction_of_copy"], row["fused_bytes_per_s"] / copy_bw, rel_tol=1e-12)
+        assert row["baseline_s"] > 0 and set(row["kernels"]) == set(kernels)
+        for cell in row["kernels"].values():
+            assert cell["s"] > 0
+            assert math.isclose(cell["speedup"], row["baseline_s"] / cell["s"], rel_tol=1e-12)
+            assert math.isclose(cell["bytes_per_s"], row["packed_bytes"] / cell["s"], rel_tol=1e-12)
+            assert math.isclose(cell["fraction_of_copy"], cell["bytes_per_s"] / copy_bw, rel_tol=1e-12)
         # 6 of 6 experts selected: each read once, plus the shared one
         assert row["experts_selected"] == 6
         assert row["packed_bytes"] == 6 * routed[0].nbytes + shared.nbytes
-        assert "compiled_s" not in row
+    assert "targets" not in report  # judged at the released sizes only
+
+
+def test_targets_are_judged_from_the_measured_numbers():
+    shapes = [{"tokens": 1, "kernels": {"native": {"speedup": 31.0, "fraction_of_copy": 0.39}}},
+              {"tokens": 16, "kernels": {"native": {"speedup": 2.0, "fraction_of_copy": 0.1}}},
+              {"tokens": 512, "kernels": {"native": {"speedup": 5.5, "fraction_of_copy": 0.02}}}]
+    lines = []
+    results = bench._check_targets(shapes, "native", lines.append)
+    assert [(r["tokens"], r["met"]) for r in results] == [(1, False), (512, True)]  # 39% < 40%; 5.5x >= 5x
+    assert "NOT met" in lines[0] and lines[1].endswith(": met")
 
 
 def test_bench_rejects_bad_arguments(capsys):
+    assert main(["bench", "experts", "--tokens", "1", "--kernels", "fast", *TINY]) == 2
+    assert "--kernels" in capsys.readouterr().err
     assert main(["bench", "experts", "--tokens", "0", *TINY]) == 2
     assert "positive token counts" in capsys.readouterr().err
     assert main(["bench", "experts", "--tokens", "1", "--experts", "3", *TINY]) == 2
@@ -88,6 +105,7 @@ def test_bench_decode_runs_both_modes_on_a_synthetic_checkpoint(tmp_path, capsys
     assert "routed experts" in printed and "tokens/s" in printed
     report = json.loads(out.read_text())
     assert (report["dim"], report["inter"], report["n_layers"], report["topk"]) == (64, 32, 2, 6)
+    assert report["fused_cpu_kernel"] == ("native" if native.available() else "torch")
     for mode in ("baseline", "fused"):
         r = report["modes"][mode]
         assert len(r["tokens"]) == 2

@@ -1,8 +1,11 @@
-"""The fused packed-FP4 expert path against the op layer's reference GEMMs, and the Triton kernels
-through Triton's CPU interpreter (in a subprocess, since TRITON_INTERPRET is read at import)."""
+"""The fused packed-FP4 expert path against the op layer's reference GEMMs, on both CPU kernels
+(native, built from native.c with this machine's C compiler, and plain torch), and the Triton
+kernels through Triton's CPU interpreter (in a subprocess, since TRITON_INTERPRET is read at
+import)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +34,18 @@ try:
     HAVE_TRITON = True
 except ImportError:
     HAVE_TRITON = False
+
+
+HAVE_CC = shutil.which(os.environ.get("CC", "cc")) is not None
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernel(request):
+    """Each fused-path test runs on both CPU kernels. Where a C compiler is on PATH the native one
+    must build (a failure fails the test); without one it cannot, and its runs skip."""
+    if request.param == "native" and not HAVE_CC:
+        pytest.skip("no C compiler on PATH: the native kernels cannot be built here")
+    return request.param
 
 
 @pytest.fixture
@@ -67,30 +82,30 @@ def _assert_gemm_close(got, ref, bound, k):
     assert (err <= tol).all(), f"max error {err.max().item()} vs tolerance {tol[err.argmax()].item()}"
 
 
-def _check_fp4(x, packed, scale):
+def _check_fp4(x, packed, scale, kernel):
     a, a_s = act_quant(x)
     ref = fp4_gemm(a, a_s, packed.view(torch.uint8), scale, out_dtype=torch.float32)
-    got = fp4_gemm_fused(a, a_s, packed, scale, out_dtype=torch.float32)
+    got = fp4_gemm_fused(a, a_s, packed, scale, out_dtype=torch.float32, cpu_kernel=kernel)
     bound = _bound(a, a_s, fp4_to_float(packed.view(torch.uint8)), scale.float())
     _assert_gemm_close(got, ref, bound, x.size(-1))
     return got, ref
 
 
 # ---------------------------------------------------------------------- the fused GEMMs
-@pytest.mark.parametrize("m", [1, 2, 7])
-def test_fp4_fused_matches_fp4_gemm_on_random_codes(small_chunks, m):
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 20])  # the native GEMV takes up to 8 tokens, then decode + GEMM
+def test_fp4_fused_matches_fp4_gemm_on_random_codes(small_chunks, kernel, m):
     g = _gen(m)
     packed, scale = _fp4_weight(70, 320, g)
     x = (torch.randn(m, 320, generator=g) * 3).to(torch.bfloat16)
-    got, ref = _check_fp4(x, packed, scale)
+    got, ref = _check_fp4(x, packed, scale, kernel)
     assert ref.abs().max() > 0
 
 
-def test_fp4_fused_keeps_leading_dims_and_out_dtype():
+def test_fp4_fused_keeps_leading_dims_and_out_dtype(kernel):
     g = _gen(1)
     packed, scale = _fp4_weight(40, 64, g)
     a, a_s = act_quant(torch.randn(2, 3, 64, generator=g).to(torch.bfloat16))
-    got = fp4_gemm_fused(a, a_s, packed.view(torch.float4_e2m1fn_x2), scale)
+    got = fp4_gemm_fused(a, a_s, packed.view(torch.float4_e2m1fn_x2), scale, cpu_kernel=kernel)
     ref = fp4_gemm(a, a_s, packed.view(torch.float4_e2m1fn_x2), scale)
     assert got.shape == (2, 3, 40) and got.dtype == torch.bfloat16
     assert (got.float() - ref.float()).abs().max() <= 2.0**-7 * ref.float().abs().max()
@@ -111,7 +126,8 @@ _EXTREMES = {
 
 
 @pytest.mark.parametrize("case", sorted(_EXTREMES))
-def test_fp4_fused_matches_fp4_gemm_on_adversarial_codes(small_chunks, case):
+@pytest.mark.parametrize("m", [3, 12])
+def test_fp4_fused_matches_fp4_gemm_on_adversarial_codes(small_chunks, kernel, case, m):
     spec = _EXTREMES[case]
     g = _gen(7)
     n, k = 24, 128
@@ -120,52 +136,54 @@ def test_fp4_fused_matches_fp4_gemm_on_adversarial_codes(small_chunks, case):
         choice = torch.tensor(spec["codes"], dtype=torch.uint8)
         codes = choice[torch.randint(0, len(choice), (n, k // 2), generator=g)].view(torch.int8)
     packed, scale = _fp4_weight(n, k, g, *spec["scale"], codes=codes)
-    x = (torch.randn(3, k, generator=g) * spec["x"]).to(torch.bfloat16)
-    got, ref = _check_fp4(x, packed, scale)
+    x = (torch.randn(m, k, generator=g) * spec["x"]).to(torch.bfloat16)
+    got, ref = _check_fp4(x, packed, scale, kernel)
     if case == "zeros":
         assert not got.any() and not ref.any()
     else:
         assert torch.isfinite(ref).all() and ref.abs().max() > 0
 
 
-def test_fp4_fused_agrees_on_overflow():
+def test_fp4_fused_agrees_on_overflow(kernel):
     # +6 everywhere at scale 2**127 with positive activations: every block term is +inf
     n, k = 8, 64
     packed = torch.full((n, k // 2), 0x77, dtype=torch.uint8).view(torch.int8)
     scale = torch.full((n, k // 32), 254, dtype=torch.uint8).view(torch.float8_e8m0fnu)
     x = torch.rand(2, k, generator=_gen(3)).add(0.5).to(torch.bfloat16)
-    got, ref = _check_fp4(x, packed, scale)
+    got, ref = _check_fp4(x, packed, scale, kernel)
     assert torch.isinf(ref).all()
 
 
-def test_scales_spanning_too_far_take_the_reference_rows(small_chunks):
+@pytest.mark.parametrize("m", [4, 11])
+def test_scales_spanning_too_far_take_the_reference_rows(small_chunks, kernel, m):
     # one weight row mixes 2**-127 and 2**127 blocks; one token mixes 1e30 and 1e-30 blocks
     g = _gen(11)
     n, k = 10, 128
     packed, scale = _fp4_weight(n, k, g)
     raw = scale.view(torch.uint8).clone()
     raw[3] = torch.tensor([0, 254, 1, 253], dtype=torch.uint8)
-    x = torch.randn(4, k, generator=g)
+    x = torch.randn(m, k, generator=g)
     x[2, :32] *= 1e30
     x[2, 32:] *= 1e-30
-    _check_fp4(x.to(torch.bfloat16), packed, raw.view(torch.float8_e8m0fnu))
+    _check_fp4(x.to(torch.bfloat16), packed, raw.view(torch.float8_e8m0fnu), kernel)
 
 
-def test_fp8_fused_matches_fp8_gemm(small_chunks):
+@pytest.mark.parametrize("m", [5, 13])
+def test_fp8_fused_matches_fp8_gemm(small_chunks, kernel, m):
     g = _gen(5)
     n, k = 70, 160  # 70 rows: the last 32-row scale block is partial
     weight = (torch.randn(n, k, generator=g) * 50).to(torch.float8_e4m3fn)
     scale = torch.randint(110, 140, (3, k // 32), dtype=torch.uint8, generator=g)
     scale[1, 2] = 0  # one block spanning too far: rows 32..63 go through the reference
     scale = scale.view(torch.float8_e8m0fnu)
-    a, a_s = act_quant((torch.randn(5, k, generator=g) * 2).to(torch.bfloat16))
+    a, a_s = act_quant((torch.randn(m, k, generator=g) * 2).to(torch.bfloat16))
     ref = fp8_gemm(a, a_s, weight, scale, out_dtype=torch.float32)
-    got = fp8_gemm_fused(a, a_s, weight, scale, out_dtype=torch.float32)
+    got = fp8_gemm_fused(a, a_s, weight, scale, out_dtype=torch.float32, cpu_kernel=kernel)
     w_scales = scale.float().repeat_interleave(32, 0)[:n]
     _assert_gemm_close(got, ref, _bound(a, a_s, weight.float(), w_scales), k)
 
 
-def test_linear_fused_is_the_op_layer_linear():
+def test_linear_fused_is_the_op_layer_linear(kernel):
     from dsv41.kernels import linear
 
     from dsv41.kernels.experts import linear_fused
@@ -177,7 +195,7 @@ def test_linear_fused_is_the_op_layer_linear():
     dense = torch.randn(48, 128, generator=g).to(torch.bfloat16)
     for w, s in ((packed, scale), (fp8, fp8_s), (dense, None)):
         ref = linear(x, w.view(torch.float4_e2m1fn_x2) if w.dtype == torch.int8 else w, s)
-        got = linear_fused(x, w, s)
+        got = linear_fused(x, w, s, cpu_kernel=kernel)
         assert got.dtype == ref.dtype == torch.bfloat16
         assert (got.float() - ref.float()).abs().max() <= 2.0**-7 * ref.float().abs().max()
 
@@ -189,14 +207,28 @@ def test_e4m3_to_float_is_exact_for_every_code():
     assert torch.equal(e4m3_to_float(fp8), fp8.float())
 
 
-def test_flushed_subnormals_fall_back_to_the_table_decode(small_chunks):
+def test_flushed_subnormals_change_nothing(small_chunks, kernel):
+    """With subnormals flushed the torch kernel decodes through the codec table; the native one
+    reads FP4 through integers and E4M3 through IEEE halves, which need no subnormal float32.
+    Either way the numbers still match the reference, E4M3 subnormal codes included."""
     if not torch.set_flush_denormal(True):
-        pytest.skip("this CPU cannot flush subnormals, so the fallback is never taken")
+        pytest.skip("this CPU cannot flush subnormals, so there is nothing to observe")
     try:
         assert not ex._subnormals_kept()
         g = _gen(13)
         packed, scale = _fp4_weight(20, 96, g)
-        _check_fp4((torch.randn(2, 96, generator=g)).to(torch.bfloat16), packed, scale)
+        for m in (2, 10):
+            _check_fp4((torch.randn(m, 96, generator=g)).to(torch.bfloat16), packed, scale, kernel)
+        codes = torch.randint(0, 256, (40, 96), dtype=torch.uint8, generator=g)
+        codes[:, ::3] &= 0x87  # every third value an E4M3 subnormal (exponent field 0) or zero
+        codes[(codes & 0x7F) == 0x7F] = 0
+        weight = codes.view(torch.float8_e4m3fn)
+        w_s = torch.randint(118, 130, (2, 3), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+        for m in (2, 10):
+            a, a_s = act_quant(torch.randn(m, 96, generator=g).to(torch.bfloat16))
+            got = fp8_gemm_fused(a, a_s, weight, w_s, out_dtype=torch.float32, cpu_kernel=kernel)
+            ref = fp8_gemm(a, a_s, weight, w_s, out_dtype=torch.float32)
+            _assert_gemm_close(got, ref, _bound(a, a_s, weight.float(), w_s.float().repeat_interleave(32, 0)[:40]), 96)
     finally:
         torch.set_flush_denormal(False)
     assert ex._subnormals_kept()
@@ -236,7 +268,7 @@ def test_clamped_swiglu_clamps_up_on_both_sides_and_gate_from_above():
     assert torch.equal(clamped_swiglu(gate, up, 10.0), model_swiglu(gate, up, 10.0))
 
 
-def test_routed_experts_match_the_reference(small_chunks):
+def test_routed_experts_match_the_reference(small_chunks, kernel):
     g = _gen(17)
     dim, inter, n_experts = 256, 96, 7
     experts = {e: _expert(dim, inter, g) for e in range(n_experts)}
@@ -244,47 +276,48 @@ def test_routed_experts_match_the_reference(small_chunks):
     ids, weights = _routing(9, n_experts, 3, g)
     limit = 1.5  # small enough that the clamp cuts in
     ref = routed_experts_reference(x, ids, weights, experts, limit)
-    got = routed_experts(x, ids, weights, experts, limit)
+    got = routed_experts(x, ids, weights, experts, limit, cpu_kernel=kernel)
     assert got.dtype == torch.float32 and got.shape == x.shape
     _assert_bf16_close(got, ref)
-    unclamped = routed_experts(x, ids, weights, experts, 0.0)
+    unclamped = routed_experts(x, ids, weights, experts, 0.0, cpu_kernel=kernel)
     assert (unclamped - got).abs().max() > 0.05 * got.abs().max()  # the limit was exercised
     # a list indexed by id is the same contract as a dict
-    assert torch.equal(routed_experts(x, ids, weights, [experts[e] for e in range(n_experts)], limit), got)
+    listed = routed_experts(x, ids, weights, [experts[e] for e in range(n_experts)], limit, cpu_kernel=kernel)
+    assert torch.equal(listed, got)
 
 
-def test_routed_experts_handle_one_token_and_no_tokens():
+def test_routed_experts_handle_one_token_and_no_tokens(kernel):
     g = _gen(19)
     dim, inter = 128, 64
     experts = {e: _expert(dim, inter, g) for e in range(8)}
     x = torch.randn(1, dim, generator=g).to(torch.bfloat16)
     ids = torch.tensor([[5, 0, 7, 2, 3, 1]])
     weights = torch.softmax(torch.randn(1, 6, generator=g), -1)
-    _assert_bf16_close(routed_experts(x, ids, weights, experts, 10.0),
+    _assert_bf16_close(routed_experts(x, ids, weights, experts, 10.0, cpu_kernel=kernel),
                        routed_experts_reference(x, ids, weights, experts, 10.0))
-    empty = routed_experts(x[:0], ids[:0], weights[:0], experts, 10.0)
+    empty = routed_experts(x[:0], ids[:0], weights[:0], experts, 10.0, cpu_kernel=kernel)
     assert empty.shape == (0, dim)
     with pytest.raises(ValueError, match="expert_ids and weights"):
         routed_experts(x, ids, weights[:, :3], experts)
 
 
-def test_the_default_dtype_changes_nothing(small_chunks):
+def test_the_default_dtype_changes_nothing(small_chunks, kernel):
     g = _gen(61)
     experts = {e: _expert(128, 64, g) for e in range(3)}
     x = torch.randn(2, 128, generator=g).to(torch.bfloat16)
     ids, weights = _routing(2, 3, 2, g)
-    want = routed_experts(x, ids, weights, experts, 4.0)
+    want = routed_experts(x, ids, weights, experts, 4.0, cpu_kernel=kernel)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        got = routed_experts(x, ids, weights, experts, 4.0)
+        got = routed_experts(x, ids, weights, experts, 4.0, cpu_kernel=kernel)
         assert ex._subnormals_kept()
     finally:
         torch.set_default_dtype(default)
     assert torch.equal(got, want)
 
 
-def test_a_zero_expert_contributes_exactly_nothing():
+def test_a_zero_expert_contributes_exactly_nothing(kernel):
     g = _gen(23)
     dim, inter = 64, 32
     zero = PackedExpert(*(torch.zeros_like(t) if t.dtype == torch.int8 else t for t in _expert(dim, inter, g)))
@@ -292,19 +325,20 @@ def test_a_zero_expert_contributes_exactly_nothing():
     x = torch.randn(3, dim, generator=g).to(torch.bfloat16)
     ids = torch.tensor([[0, 1]] * 3)
     w = torch.full((3, 2), 0.5)
-    both = routed_experts(x, ids, w, {0: zero, 1: other})
-    alone = routed_experts(x, ids[:, 1:], w[:, 1:], {1: other})
+    both = routed_experts(x, ids, w, {0: zero, 1: other}, cpu_kernel=kernel)
+    alone = routed_experts(x, ids[:, 1:], w[:, 1:], {1: other}, cpu_kernel=kernel)
     assert torch.equal(both, alone)
 
 
-def test_shared_fp8_expert_matches_the_reference():
+@pytest.mark.parametrize("m", [4, 10])
+def test_shared_fp8_expert_matches_the_reference(kernel, m):
     g = _gen(29)
     expert = _expert(192, 96, g, fp8=True)
-    x = (torch.randn(4, 192, generator=g) * 3).to(torch.bfloat16)
-    _assert_bf16_close(expert_ffn(x, expert, 2.0), expert_ffn_reference(x, expert, 2.0))
+    x = (torch.randn(m, 192, generator=g) * 3).to(torch.bfloat16)
+    _assert_bf16_close(expert_ffn(x, expert, 2.0, cpu_kernel=kernel), expert_ffn_reference(x, expert, 2.0))
 
 
-def test_no_whole_weight_is_expanded(monkeypatch):
+def test_no_whole_weight_is_expanded(monkeypatch, kernel):
     """The fused path never calls a dense dequantizer, and its largest allocation is far below a
     BF16 copy of one weight matrix."""
     from torch.profiler import ProfilerActivity, profile
@@ -323,63 +357,111 @@ def test_no_whole_weight_is_expanded(monkeypatch):
     g = _gen(31)
     dim, inter = 1024, 512
     experts = {e: _expert(dim, inter, g) for e in range(2)}
-    x = torch.randn(2, dim, generator=g).to(torch.bfloat16)
-    ids, weights = torch.tensor([[0, 1], [1, 0]]), torch.full((2, 2), 0.5)
+    tokens = 12  # past the native GEMV's 8, so the native kernel's decode buffer is measured too
+    x = torch.randn(tokens, dim, generator=g).to(torch.bfloat16)
+    ids, weights = torch.tensor([[0, 1], [1, 0]] * (tokens // 2)), torch.full((tokens, 2), 0.5)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        routed_experts(x, ids, weights, experts, 10.0)
+        routed_experts(x, ids, weights, experts, 10.0, cpu_kernel=kernel)
     largest = max(e.cpu_memory_usage for e in prof.events())
     bf16_copy = dim * inter * 2
     assert 0 < largest <= bf16_copy // 8, (largest, bf16_copy)
 
 
-# ---------------------------------------------------------------------- the compiled loop
-def test_compiled_loop_math_run_eagerly(monkeypatch):
-    """The function torch.compile fuses, run as plain torch: same numbers as the reference."""
-    import functools
-
-    loops = {codec: functools.partial(ex._gemv_loop, shifts=codec.shifts, sar=codec.sar, mask=codec.mask,
-                                      per_block=32 // codec.per_word) for codec in (ex._FP4, ex._FP8)}
-    monkeypatch.setattr(ex, "_COMPILED", loops)
-    g = _gen(37)
-    packed, scale = _fp4_weight(30, 256, g)
-    a, a_s = act_quant(torch.randn(2, 256, generator=g).to(torch.bfloat16))
-    got = fp4_gemm_fused(a, a_s, packed, scale, out_dtype=torch.float32, compiled=True)
-    ref = fp4_gemm(a, a_s, packed.view(torch.uint8), scale, out_dtype=torch.float32)
-    _assert_gemm_close(got, ref, _bound(a, a_s, fp4_to_float(packed.view(torch.uint8)), scale.float()), 256)
-    weight = (torch.randn(40, 256, generator=g) * 20).to(torch.float8_e4m3fn)
-    w_s = torch.randint(115, 135, (2, 8), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
-    got = fp8_gemm_fused(a, a_s, weight, w_s, out_dtype=torch.float32, compiled=True)
-    ref = fp8_gemm(a, a_s, weight, w_s, out_dtype=torch.float32)
-    _assert_gemm_close(got, ref, _bound(a, a_s, weight.float(), w_s.float().repeat_interleave(32, 0)[:40]), 256)
+# ---------------------------------------------------------------------- the native kernel
+needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler on PATH: the native kernels cannot be built here")
 
 
-def test_compile_failure_prints_one_line_and_keeps_the_chunked_path(monkeypatch, capsys):
-    def broken(*args, **kwargs):
-        raise RuntimeError("no compiler here")
+@pytest.fixture
+def fresh_native(monkeypatch, tmp_path):
+    """A process that has not built or loaded the native kernels yet, with its own cache folder."""
+    from dsv41.kernels import native
 
-    monkeypatch.setattr(torch, "compile", broken)
-    monkeypatch.setattr(ex, "_COMPILED", {})
-    g = _gen(41)
-    packed, scale = _fp4_weight(16, 64, g)
-    a, a_s = act_quant(torch.randn(1, 64, generator=g).to(torch.bfloat16))
-    ref = fp4_gemm(a, a_s, packed.view(torch.uint8), scale, out_dtype=torch.float32)
-    for _ in range(2):
-        got = fp4_gemm_fused(a, a_s, packed, scale, out_dtype=torch.float32, compiled=True)
-        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+    monkeypatch.setenv("DSV41_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setattr(ex, "_NATIVE_FALLBACK_SAID", [])
+    return native
+
+
+def _gemm_cases(g):
+    """(fp4 or fp8, a, a_s, weight, scale, reference output) at 3 and 12 tokens."""
+    packed, scale = _fp4_weight(40, 128, g)
+    fp8, fp8_s = quantize_fp8_blocks(torch.randn(40, 128, generator=g))
+    for m in (3, 12):
+        a, a_s = act_quant((torch.randn(m, 128, generator=g) * 2).to(torch.bfloat16))
+        yield ("fp4", a, a_s, packed, scale, fp4_gemm(a, a_s, packed.view(torch.uint8), scale, out_dtype=torch.float32))
+        yield ("fp8", a, a_s, fp8, fp8_s, fp8_gemm(a, a_s, fp8, fp8_s, out_dtype=torch.float32))
+
+
+def _fused_gemm(kind, a, a_s, w, s, cpu_kernel):
+    fn = fp4_gemm_fused if kind == "fp4" else fp8_gemm_fused
+    return fn(a, a_s, w, s, out_dtype=torch.float32, cpu_kernel=cpu_kernel)
+
+
+@needs_cc
+def test_native_kernels_build_once_into_the_cache(fresh_native, tmp_path, monkeypatch):
+    kernels = fresh_native.load()
+    assert kernels is not None, fresh_native.unavailable_reason()
+    assert kernels.path.parent == tmp_path / "native" and kernels.path.is_file()
+    assert fresh_native.load() is kernels  # once per process
+    # a new process finds the library in the cache and compiles nothing
+    monkeypatch.setattr(fresh_native, "_STATE", {})
+    monkeypatch.setattr(fresh_native, "_compile", lambda *args: pytest.fail("compiled again"))
+    assert fresh_native.load().path == kernels.path
+
+
+@needs_cc
+def test_portable_build_without_simd_matches_the_reference(fresh_native, monkeypatch):
+    """The plain-C branch of native.c (what a CPU without AVX2/FMA/F16C gets)."""
+    monkeypatch.setattr(fresh_native, "_FLAG_SETS", (["-O3"],))
+    kernels = fresh_native.load()
+    assert kernels is not None and not kernels.simd and kernels.flags == ["-O3"]
+    for kind, a, a_s, w, s, ref in _gemm_cases(_gen(67)):
+        got = _fused_gemm(kind, a, a_s, w, s, "native")
+        w_values = fp4_to_float(w.view(torch.uint8)) if kind == "fp4" else w.float()
+        w_scales = s.float() if kind == "fp4" else s.float().repeat_interleave(32, 0)[:40]
+        _assert_gemm_close(got, ref, _bound(a, a_s, w_values, w_scales), 128)
+
+
+@needs_cc
+def test_native_results_do_not_depend_on_the_thread_count():
+    threads = torch.get_num_threads()
+    try:
+        for kind, a, a_s, w, s, _ in _gemm_cases(_gen(71)):
+            torch.set_num_threads(1)
+            one = _fused_gemm(kind, a, a_s, w, s, "native")
+            torch.set_num_threads(3)  # more threads than cores is allowed; rows split unevenly
+            assert torch.equal(_fused_gemm(kind, a, a_s, w, s, "native"), one), kind
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_without_a_compiler_auto_says_so_once_and_native_refuses(fresh_native, monkeypatch, capsys):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert fresh_native.load() is None and "no C compiler" in fresh_native.unavailable_reason()
+    for kind, a, a_s, w, s, _ in _gemm_cases(_gen(73)):
+        assert torch.equal(_fused_gemm(kind, a, a_s, w, s, "auto"), _fused_gemm(kind, a, a_s, w, s, "torch"))
+        with pytest.raises(RuntimeError, match="no C compiler"):
+            _fused_gemm(kind, a, a_s, w, s, "native")
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "torch.compile" in lines[0]
+    assert len(lines) == 1 and "plain-PyTorch" in lines[0], lines
 
 
-@pytest.mark.slow  # compiling the loop with inductor takes 10-80 s on two cores
-def test_compiled_loop_through_inductor(monkeypatch):
-    monkeypatch.setattr(ex, "_COMPILED", {})
-    g = _gen(43)
-    packed, scale = _fp4_weight(64, 512, g)
-    a, a_s = act_quant(torch.randn(1, 512, generator=g).to(torch.bfloat16))
-    got = fp4_gemm_fused(a, a_s, packed, scale, out_dtype=torch.float32, compiled=True)
-    assert ex._COMPILED.get(ex._FP4) is not None
-    ref = fp4_gemm(a, a_s, packed.view(torch.uint8), scale, out_dtype=torch.float32)
-    _assert_gemm_close(got, ref, _bound(a, a_s, fp4_to_float(packed.view(torch.uint8)), scale.float()), 512)
+def test_a_failed_build_is_reported_with_the_compiler_error(fresh_native, monkeypatch, tmp_path):
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\necho 'native.c:1: error: this compiler is broken' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    assert fresh_native.load() is None
+    reason = fresh_native.unavailable_reason()
+    assert "did not build" in reason and "this compiler is broken" in reason
+    assert not list((tmp_path / "native").glob("*.so"))  # nothing half-written left behind
+
+
+def test_cpu_kernel_names_are_checked():
+    a, a_s = act_quant(torch.randn(1, 64).to(torch.bfloat16))
+    packed, scale = _fp4_weight(4, 64, _gen(2))
+    with pytest.raises(ValueError, match="cpu_kernel must be one of auto, native, torch"):
+        fp4_gemm_fused(a, a_s, packed, scale, cpu_kernel="fast")
 
 
 # ---------------------------------------------------------------------- Triton

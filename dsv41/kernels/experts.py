@@ -4,31 +4,32 @@ A routed expert is stored as three packed matrices: w1 (gate) and w3 (up), I8 [i
 w2 (down), I8 [dim, inter/2]; each byte holds two E2M1 codes (element 2i in the low nibble), with
 one E8M0 scale per 32 values along K. The reference `fp4_gemm` expands a whole matrix to float32
 before multiplying; the runtime this project replaces expanded every routed expert to BF16 and
-spent almost all of a decode step doing so. The fused path here holds at most a chunk of rows in
-float32 and reaches the same numbers:
+spent almost all of a decode step doing so. The fused path here never holds more than a chunk of
+rows in float32 and reaches the same numbers:
 
 - Scales are split into one power of two per weight row (per token for activations) and a
   relative power of two in [2**-48, 1]. A value times its relative scale is exact in float32, and
   so is the product of two such values, so one float32 dot product over all of K yields the
   reference's block-scaled sum; only the order of the float32 additions differs. Rows or tokens
   whose scales span more than 48 octaves are computed by the reference itself, a chunk at a time.
-- A chunk of rows is decoded with three integer ops on int32 words: each code is moved to the
-  top of the word, shifted back arithmetically and masked, which leaves the float32 bit pattern of
-  value * 2**-126 (value * 2**-120 for FP8 bytes); one multiply applies the relative scales and
-  2**126 back. The chunk's columns are in a permuted order, so that multiply runs along long
-  contiguous rows; the activation is permuted to match.
-- One BLAS call per chunk (matrix-vector for one token, matrix-matrix otherwise).
+- The inner product over the packed bytes runs in one of two CPU kernels, chosen by `cpu_kernel`:
+  "native" is native.c, built once per machine with its C compiler (a register-blocked SIMD GEMV
+  for up to 8 tokens, a SIMD decode into a reused float32 buffer plus one BLAS GEMM per chunk for
+  more); "torch" is plain PyTorch, below; "auto" (the default) takes native where it builds and
+  torch otherwise, saying so once on stderr.
+- The torch kernel decodes a chunk of rows with three integer ops on int32 words: each code is
+  moved to the top of the word, shifted back arithmetically and masked, which leaves the float32
+  bit pattern of value * 2**-126 (value * 2**-120 for FP8 bytes); one multiply applies the
+  relative scales and 2**126 back. The chunk's columns are in a permuted order, so that multiply
+  runs along long contiguous rows; the activation is permuted to match. Then one BLAS call per
+  chunk (matrix-vector for one token, matrix-matrix otherwise).
 
 Every buffer is allocated float32 explicitly, so `torch.set_default_dtype` changes nothing here.
 
-The value 0.5 (E2M1 code 1) decodes to a float32 subnormal for one multiply. Where the calling
-thread flushes subnormals (`torch.set_flush_denormal(True)`) the chunk is decoded through the
-codec table instead, at a fraction of the speed.
-
-`compiled=True` additionally routes products with at most two tokens (decode) through one
-`torch.compile`d loop per token that decodes, multiplies and accumulates without a float32 chunk;
-the first call compiles (seconds to a minute), and a failure to compile prints one line to stderr
-and keeps the chunked path.
+In the torch kernel the value 0.5 (E2M1 code 1) decodes to a float32 subnormal for one multiply.
+Where the calling thread flushes subnormals (`torch.set_flush_denormal(True)`) the chunk is decoded
+through the codec table instead, at a fraction of the speed. The native kernel decodes through
+small integers and IEEE halves and does not depend on that setting.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .codecs import e8m0_decode, fp4_to_float
 from .gemm import FP4_WEIGHT_BLOCK, fp4_gemm, fp8_gemm, linear
 from .quant import act_quant
@@ -50,10 +52,7 @@ _SPAN_OCTAVES = 48
 # Upper bound on float32 values in one decoded chunk (4 MiB): large enough that a chunk's handful
 # of torch calls cost little next to its work, small enough to stay in the last-level cache.
 _CHUNK_VALUES = 1 << 20
-# A token count up to which `compiled=True` runs one compiled pass over the packed weights per token.
-_COMPILED_MAX_TOKENS = 2
-# The activation scale folded into the compiled loop's products, keeping them normal float32.
-_COMPILED_ACT_SHIFT = 64
+CPU_KERNELS = ("auto", "native", "torch")
 
 Expert = Any  # anything with w1, w1_scale, w2, w2_scale, w3, w3_scale attributes (e.g. PackedExpert)
 Experts = Union[Mapping[int, Expert], Sequence[Expert]]
@@ -138,33 +137,29 @@ def _split(scales: torch.Tensor):
     return top, rel, ok
 
 
-def _split_e8m0(scale: torch.Tensor):
-    """`_split` for E8M0 scales (float8_e8m0fnu or their uint8 bytes), on the exponent bytes: the
-    relative scale is 2**(byte - row max), built from its bits without a float division."""
-    raw = scale.contiguous().view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale.to(torch.uint8)
-    top_byte = raw.amax(dim=1)  # [rows]
-    ok = (top_byte - raw.amin(dim=1) <= _SPAN_OCTAVES) & (top_byte < 255)  # 255 is E8M0's NaN
-    # biased exponent 127 + byte - top; rows outside the span get meaningless bits here and are
-    # recomputed by the reference
-    bias = 127 - top_byte.to(torch.int32)
-    rel = ((raw.to(torch.int32) + bias.unsqueeze(1)) << 23).view(torch.float32)
-    return e8m0_decode(top_byte), rel, ok
+def _e8m0_bytes(scale: torch.Tensor) -> Optional[torch.Tensor]:
+    """E8M0 scales (float8_e8m0fnu or their uint8 bytes) as contiguous uint8; None for float scales."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale.contiguous().view(torch.uint8)
+    return scale.contiguous() if scale.dtype == torch.uint8 else None
 
 
-def _activation_operand(a: torch.Tensor, a_s: torch.Tensor, act_block: int, codec: _WordCodec):
-    """FP8 activations [..., K] + scales -> (values * relative scale, in the chunk's column
-    order [M, K]; token power of two [M]; fused-ok [M]; unpermuted values [M, K])."""
-    if a.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"activations must be float8_e4m3fn (quantize with act_quant), got {a.dtype}")
+def _relative_e8m0(raw: torch.Tensor, top_byte: torch.Tensor) -> torch.Tensor:
+    """2**(byte - row max) float32 [rows, blocks], from its bits without a float division; rows
+    outside the span get meaningless bits here and are recomputed by the reference."""
+    return ((raw.to(torch.int32) + (127 - top_byte.to(torch.int32)).unsqueeze(1)) << 23).view(torch.float32)
+
+
+def _activation_operand(a: torch.Tensor, a_s: torch.Tensor, act_block: int):
+    """FP8 activations [..., K] + scales -> (values * relative scale [M, K]; token power of two
+    [M]; fused-ok [M])."""
     k = a.size(-1)
-    if k % act_block or act_block % _BLOCK:
-        raise ValueError(f"K={k} and act_block_size={act_block} must be multiples of {_BLOCK}")
     m, nb = a.numel() // k, k // _BLOCK
     values = e4m3_to_float(a.reshape(m, k))  # [M, K]
     scales = a_s.reshape(m, k // act_block).float().repeat_interleave(act_block // _BLOCK, dim=1)  # [M, nb]
     top, rel, ok = _split(scales)
     scaled = (values.view(m, nb, _BLOCK) * rel.unsqueeze(-1)).view(m, k)
-    return _permute_columns(scaled, codec), top, ok
+    return scaled, top, ok
 
 
 def _permute_columns(x: torch.Tensor, codec: _WordCodec) -> torch.Tensor:
@@ -214,27 +209,44 @@ def _chunked_product(a_perm: torch.Tensor, words: torch.Tensor, rel: torch.Tenso
     return out.t()
 
 
-def _fused(a, a_s, b, w_split, act_block: int, codec: _WordCodec, reference: Callable,
-           compiled: bool) -> torch.Tensor:
+def _fused(a, a_s, b, b_s, rows_per_scale: int, act_block: int, codec: _WordCodec, reference: Callable,
+           cpu_kernel: str) -> torch.Tensor:
     """The shared body of the FP4 and FP8 fused GEMMs: float32 [M, N] (leading dims flattened).
-    w_split: the weight rows' (power of two [N], relative scales [N, K/32], fused-ok [N])."""
-    a_perm, a_top, a_ok = _activation_operand(a, a_s, act_block, codec)
-    m, k = a_perm.shape
+    b_s: the weight's block scales, one row of them per `rows_per_scale` weight rows."""
+    if a.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"activations must be float8_e4m3fn (quantize with act_quant), got {a.dtype}")
+    k = a.size(-1)
+    if k % act_block or act_block % _BLOCK:
+        raise ValueError(f"K={k} and act_block_size={act_block} must be multiples of {_BLOCK}")
+    m = a.numel() // k
     words = _words(b)  # [N, K/per_word]
+    n = words.size(0)
     if words.size(1) * codec.per_word != k:
         raise ValueError(f"packed weight {list(b.shape)} does not hold K={k} values per row")
-    w_top, w_rel, w_ok = w_split
-    if m == 0 or words.size(0) == 0:
-        return torch.zeros(m, words.size(0), dtype=torch.float32)
+    kernels = _native_kernels(cpu_kernel)
+    if m == 0 or n == 0:
+        return torch.zeros(m, n, dtype=torch.float32)
 
-    kept = _subnormals_kept()
-    if compiled and kept and m <= _COMPILED_MAX_TOKENS and _compiled_ready(codec):
-        inner = torch.stack([_compiled_gemv(codec, a_perm[i], words, w_rel) for i in range(m)])
-    else:
-        table = None if kept else (fp4_to_float if codec is _FP4 else lambda raw: e4m3_to_float(raw.view(torch.float8_e4m3fn)))
-        inner = _chunked_product(a_perm, words, w_rel, codec, table)
-    # the token's power of two first, then the row's: the order the reference applies a_s, w_s
-    out = inner * a_top.unsqueeze(1) * w_top.unsqueeze(0)
+    w_raw, a_raw = _e8m0_bytes(b_s), _e8m0_bytes(a_s.reshape(m, -1))
+    if kernels is not None and w_raw is not None and a_raw is not None:
+        out, a_ok, w_ok = kernels.gemm(codec is _FP4, a.reshape(m, k).view(torch.uint8), a_raw, act_block,
+                                       words.view(torch.uint8), w_raw, rows_per_scale, _SPAN_OCTAVES, _CHUNK_VALUES)
+    else:  # the torch kernel (also for scales that are not E8M0, which the native kernels do not read)
+        a_scaled, a_top, a_ok = _activation_operand(a, a_s, act_block)
+        if w_raw is not None:
+            top_byte = w_raw.amax(dim=1).to(torch.int32)
+            w_top, w_ok = native.scale_powers(top_byte, w_raw.amin(dim=1).to(torch.int32), _SPAN_OCTAVES)
+            w_rel = _relative_e8m0(w_raw, top_byte)
+        else:
+            w_top, w_rel, w_ok = _split(b_s.float())
+        # one entry per weight row rather than per block of rows
+        w_top, w_ok, w_rel = (t.repeat_interleave(rows_per_scale, dim=0)[:n] for t in (w_top, w_ok, w_rel))
+        table = None
+        if not _subnormals_kept():
+            table = fp4_to_float if codec is _FP4 else lambda raw: e4m3_to_float(raw.view(torch.float8_e4m3fn))
+        inner = _chunked_product(_permute_columns(a_scaled, codec), words, w_rel, codec, table)
+        # the token's power of two first, then the row's: the order the reference applies a_s, w_s
+        out = inner * a_top.unsqueeze(1) * w_top.unsqueeze(0)
 
     # rows and tokens whose scales span too much for the pre-scaled operands: the reference,
     # a bounded number of rows at a time
@@ -262,7 +274,7 @@ def fp4_gemm_fused(
     *,
     act_block_size: int = 32,
     out_dtype: torch.dtype = torch.bfloat16,
-    compiled: bool = False,
+    cpu_kernel: str = "auto",
 ) -> torch.Tensor:
     """`fp4_gemm` without expanding the weight: FP8 [..., K] x packed FP4 [N, K/2] (I8, uint8 or
     float4_e2m1fn_x2) with E8M0 scales [N, K/32] -> [..., N]; equal to `fp4_gemm` up to the order
@@ -280,8 +292,7 @@ def fp4_gemm_fused(
     def reference(a2, s2, rows):
         return fp4_gemm(a2, s2, raw[rows], b_s[rows], act_block_size=act_block_size, out_dtype=torch.float32)
 
-    split = _split_e8m0(b_s) if b_s.dtype in (torch.float8_e8m0fnu, torch.uint8) else _split(b_s.float())
-    out = _fused(a, a_s, b, split, act_block_size, _FP4, reference, compiled)
+    out = _fused(a, a_s, b, b_s, 1, act_block_size, _FP4, reference, cpu_kernel)
     return out.to(out_dtype).reshape(*a.shape[:-1], n)
 
 
@@ -293,7 +304,7 @@ def fp8_gemm_fused(
     *,
     block_size: int = 32,
     out_dtype: torch.dtype = torch.bfloat16,
-    compiled: bool = False,
+    cpu_kernel: str = "auto",
 ) -> torch.Tensor:
     """`fp8_gemm` without expanding the weight: FP8 [..., K] x FP8 E4M3 [N, K] with E8M0 scales per
     32x32 block [ceil(N/32), K/32] -> [..., N]; equal to `fp8_gemm` up to float32 addition order."""
@@ -307,10 +318,6 @@ def fp8_gemm_fused(
     n_blocks = -(-n // _BLOCK)
     if tuple(b_s.shape) != (n_blocks, k // _BLOCK):
         raise ValueError(f"weight scales must be [{n_blocks}, {k // _BLOCK}], got {list(b_s.shape)}")
-    top, rel, ok = _split_e8m0(b_s) if b_s.dtype in (torch.float8_e8m0fnu, torch.uint8) else _split(b_s.float())
-    # one entry per weight row rather than per 32-row block
-    split = tuple(t.repeat_interleave(_BLOCK, dim=0)[:n] for t in (top, rel, ok))
-
     def reference(a2, s2, rows):
         # fp8_gemm needs whole 32-row scale blocks: take the rows' blocks, then the rows
         blocks = torch.unique(rows // _BLOCK)
@@ -320,12 +327,12 @@ def fp8_gemm_fused(
         pos = starts[torch.searchsorted(blocks, rows // _BLOCK)] + rows % _BLOCK
         return full[:, pos]
 
-    out = _fused(a, a_s, b, split, block_size, _FP8, reference, compiled)
+    out = _fused(a, a_s, b, b_s, _BLOCK, block_size, _FP8, reference, cpu_kernel)
     return out.to(out_dtype).reshape(*a.shape[:-1], n)
 
 
 def linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None, *,
-                 compiled: bool = False) -> torch.Tensor:
+                 cpu_kernel: str = "auto") -> torch.Tensor:
     """The op layer's `linear` (FP8 activation quantization, then the FP4 or FP8 product, output in
     x's dtype) through the fused GEMMs; other weights are plain F.linear."""
     if weight.dtype in (torch.int8, torch.uint8):
@@ -335,13 +342,13 @@ def linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Te
     if scale is None:
         raise ValueError(f"a {weight.dtype} weight needs its block scales")
     a, a_s = act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
-    return _quantized_product(a, a_s, weight, scale, x.dtype, compiled)
+    return _quantized_product(a, a_s, weight, scale, x.dtype, cpu_kernel)
 
 
-def _quantized_product(a, a_s, weight, scale, out_dtype, compiled):
+def _quantized_product(a, a_s, weight, scale, out_dtype, cpu_kernel):
     if weight.dtype in (torch.float4_e2m1fn_x2, torch.int8, torch.uint8):
-        return fp4_gemm_fused(a, a_s, weight, scale, act_block_size=32, out_dtype=out_dtype, compiled=compiled)
-    return fp8_gemm_fused(a, a_s, weight, scale, block_size=32, out_dtype=out_dtype, compiled=compiled)
+        return fp4_gemm_fused(a, a_s, weight, scale, act_block_size=32, out_dtype=out_dtype, cpu_kernel=cpu_kernel)
+    return fp8_gemm_fused(a, a_s, weight, scale, block_size=32, out_dtype=out_dtype, cpu_kernel=cpu_kernel)
 
 
 # ---------------------------------------------------------------------- experts
@@ -368,12 +375,12 @@ def _expert_on_quantized(a, a_s, dtype, expert: Expert, swiglu_limit: float, wei
 
 
 def expert_ffn(x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0,
-               weights: Optional[torch.Tensor] = None, *, compiled: bool = False) -> torch.Tensor:
+               weights: Optional[torch.Tensor] = None, *, cpu_kernel: str = "auto") -> torch.Tensor:
     """One SwiGLU expert (FP4 routed or FP8 shared weights) on x [n, dim] -> [n, dim] in x's dtype,
     through the fused GEMMs; `weights` [n, 1] scales the activation before the down projection."""
     a, a_s = act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
     return _expert_on_quantized(a, a_s, x.dtype, expert, swiglu_limit, weights,
-                                lambda *args: _quantized_product(*args, compiled))
+                                lambda *args: _quantized_product(*args, cpu_kernel))
 
 
 def expert_ffn_reference(x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0,
@@ -399,7 +406,7 @@ def _check_routing(x, expert_ids, weights):
 
 
 def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
-                   swiglu_limit: float = 0.0, *, compiled: bool = False,
+                   swiglu_limit: float = 0.0, *, cpu_kernel: str = "auto",
                    product: Optional[Callable] = None) -> torch.Tensor:
     """y = sum_k weights[:, k] * expert_{expert_ids[:, k]}(x), float32 [n, dim], from packed weights.
 
@@ -411,8 +418,8 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
     {id: expert} from the loader's cache, or a sequence indexed by id. Tokens are quantized to FP8
     once, grouped by expert with one sort, and each selected expert runs once on all of its tokens,
     in ascending id order, added into a float32 sum as the reference does. Weights are read packed,
-    never expanded as a whole. `compiled=True`: see
-    the module docstring. `product` replaces the GEMM (the Triton dispatcher uses it)."""
+    never expanded as a whole. `cpu_kernel` ("auto", "native" or "torch"): see the module
+    docstring. `product` replaces the GEMM (the Triton dispatcher uses it)."""
     _check_routing(x, expert_ids, weights)
     n, k = expert_ids.shape
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [n, dim]
@@ -420,7 +427,7 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
         return y
     if product is None:
         def product(a, a_s, w, s, dtype):
-            return _quantized_product(a, a_s, w, s, dtype, compiled)
+            return _quantized_product(a, a_s, w, s, dtype, cpu_kernel)
     a, a_s = act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)  # per token, so once for every expert
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending within one
@@ -451,48 +458,23 @@ def routed_experts_reference(x: torch.Tensor, expert_ids: torch.Tensor, weights:
     return y
 
 
-# ---------------------------------------------------------------------- compiled decode loop
-_COMPILED: dict = {}  # codec -> compiled function, or None once compiling failed
+# ---------------------------------------------------------------------- kernel choice
+_NATIVE_FALLBACK_SAID: list = []  # the "auto" fallback line is printed once per process
 
 
-def _gemv_loop(words, a_perm, scale, *, shifts, sar, mask, per_block):
-    """y[n] = sum_w scale[n, w / per_block] * sum_i decode(words[n, w], i) * a_perm[i, w]."""
-    acc = None
-    for i, shift in enumerate(shifts):
-        bits = words << shift if shift else words
-        term = ((bits >> sar) & mask).view(torch.float32) * a_perm[i]
-        acc = term if acc is None else acc + term
-    n = words.size(0)
-    per_word_scale = scale.unsqueeze(-1).expand(-1, -1, per_block).reshape(n, -1)
-    return (acc * per_word_scale).sum(-1)
-
-
-def _compiled_ready(codec: _WordCodec) -> bool:
-    if codec not in _COMPILED:
-        import functools
-
-        body = functools.partial(_gemv_loop, shifts=codec.shifts, sar=codec.sar, mask=codec.mask,
-                                 per_block=_BLOCK // codec.per_word)
-        try:
-            fn = torch.compile(body, dynamic=True)
-            # compile now, on a tiny problem, so a failure shows here and not mid-layer
-            words = torch.zeros(2, 2 * _BLOCK // codec.per_word, dtype=torch.int32)
-            fn(words, torch.zeros(codec.per_word, words.size(1), dtype=torch.float32), torch.ones(2, 2, dtype=torch.float32))
-            _COMPILED[codec] = fn
-        except Exception as exc:  # no C++ compiler, an unsupported platform, ...
-            print(f"dsv41: torch.compile of the fused expert loop failed ({type(exc).__name__}); "
-                  "using the chunked path", file=sys.stderr)
-            _COMPILED[codec] = None
-    return _COMPILED[codec] is not None
-
-
-def _compiled_gemv(codec: _WordCodec, a_row: torch.Tensor, words: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
-    """One token through the compiled loop: float32 [N], equal to `_chunked_product` for M=1."""
-    k = a_row.numel()
-    # natural order again, split by code position: a_perm[i, w] = activation of code i of word w
-    nb, per_block = k // _BLOCK, _BLOCK // codec.per_word
-    natural = a_row.view(codec.per_word, per_block, nb).permute(2, 1, 0).reshape(-1)
-    a_perm = (natural * 2.0**_COMPILED_ACT_SHIFT).view(-1, codec.per_word).t().contiguous()
-    # the products stay normal floats: decoded * 2**-exp_offset times activation * 2**64
-    scale = rel * 2.0 ** (codec.exp_offset - _COMPILED_ACT_SHIFT)
-    return _COMPILED[codec](words, a_perm, scale)
+def _native_kernels(cpu_kernel: str) -> Optional["native.NativeKernels"]:
+    """The native kernels for "native" (an error where they cannot be built) and "auto" (None,
+    with one stderr line, where they cannot); None for "torch"."""
+    if cpu_kernel not in CPU_KERNELS:
+        raise ValueError(f"cpu_kernel must be one of {', '.join(CPU_KERNELS)}, got {cpu_kernel!r}")
+    if cpu_kernel == "torch":
+        return None
+    kernels = native.load()
+    if kernels is None:
+        if cpu_kernel == "native":
+            raise RuntimeError(f"cpu_kernel='native' is not available: {native.unavailable_reason()}")
+        if not _NATIVE_FALLBACK_SAID:
+            _NATIVE_FALLBACK_SAID.append(True)
+            print(f"dsv41: {native.unavailable_reason()}; expert GEMMs use the plain-PyTorch kernel",
+                  file=sys.stderr)
+    return kernels
