@@ -12,10 +12,12 @@ produces what is the layer's mode (`Config.layer_mode`):
            ratio 0, are also 'reuse' and read nothing).
 
 What a layer publishes goes into an `AttentionRuntime` passed to every forward, one per stack,
-so two stacks in a process never share state. Arithmetic, dtypes and quantization points follow
-the released reference runtime (`inference/model.py`); departures are named where they occur:
-one rank only, an explicit runtime, `reset_state`, a fixed index layout per query (below) and the
-opt-in `fix_stale_index_keys`.
+so two stacks in a process never share state. Arithmetic, dtypes, quantization points and the
+index rows handed to `sparse_attn` follow the released reference runtime (`inference/model.py`);
+departures are named where they occur: one rank only, an explicit runtime, `reset_state`, and
+three opt-ins that default to the reference: `fix_stale_index_keys`, `window_layout="uniform"`
+(see `window_rows`) and `pad_f32_rows` (see `layers.f32_linear`). The last two make a prefill and
+the same tokens decoded one at a time bit-identical wherever no top-k has to cut.
 
 Prefill runs from position 0; later calls take one token (the reference has no chunked prefill).
 """
@@ -46,6 +48,14 @@ INDEX_FP4_BLOCK = 32
 KV_FP4_BLOCK = 16
 WINDOW_FP8_BLOCK = 32
 
+# The index-row layouts `window_rows` knows; the first is the released runtime's.
+WINDOW_LAYOUTS = ("reference", "uniform")
+
+
+def check_window_layout(layout: str) -> None:
+    if layout not in WINDOW_LAYOUTS:
+        raise ValueError(f"window_layout must be one of {', '.join(map(repr, WINDOW_LAYOUTS))}, got {layout!r}")
+
 
 class AttentionRuntime:
     """What the layers of one stack hand down instead of recomputing, plus who wrote it.
@@ -59,10 +69,16 @@ class AttentionRuntime:
     keys only on calls where its compressor completes a group, so on the other decode steps its
     indexer scores against whichever layer published last. True republishes the owner's own key
     cache on every call, as the Transformers port does.
+
+    window_layout: how every layer of the stack lays out the index rows it hands to sparse_attn
+    (`window_rows`): "reference" (default) as the released runtime, "uniform" one layout for
+    prefill and decode alike.
     """
 
-    def __init__(self, fix_stale_index_keys: bool = False):
+    def __init__(self, fix_stale_index_keys: bool = False, window_layout: str = "reference"):
+        check_window_layout(window_layout)
         self.fix_stale_index_keys = fix_stale_index_keys
+        self.window_layout = window_layout
         self.reset()
 
     def reset(self) -> None:
@@ -79,8 +95,9 @@ class AttentionRuntime:
 
     def __repr__(self) -> str:
         return (f"AttentionRuntime(fix_stale_index_keys={self.fix_stale_index_keys}, "
-                f"compress_kv_from={self.compress_kv_from}, index_k_from={self.index_k_from}, "
-                f"topk_from={self.topk_from}, candidates_from={self.candidates_from})")
+                f"window_layout={self.window_layout!r}, compress_kv_from={self.compress_kv_from}, "
+                f"index_k_from={self.index_k_from}, topk_from={self.topk_from}, "
+                f"candidates_from={self.candidates_from})")
 
 
 # ---------------------------------------------------------------------------------- compressor
@@ -94,16 +111,16 @@ class Compressor(nn.Module):
     are held in float32, as the reference runtime promotes them).
     """
 
-    def __init__(self, cfg, layer: int, max_batch_size: int = 1):
+    def __init__(self, cfg, layer: int, max_batch_size: int = 1, *, pad_f32_rows: bool = False):
         super().__init__()
         self.ratio = cfg.compress_ratios[layer]
         self.head_dim = cfg.head_dim
         act = activation_dtype(cfg)
         proj_dtype = torch.float32 if self.ratio > 1 else act
-        self.wkv = Linear(cfg.dim, cfg.head_dim, dtype=proj_dtype)
+        self.wkv = Linear(cfg.dim, cfg.head_dim, dtype=proj_dtype, pad_f32_rows=pad_f32_rows)
         self.norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype=act)
         if self.ratio > 1:
-            self.wgate = Linear(cfg.dim, cfg.head_dim, dtype=torch.float32)
+            self.wgate = Linear(cfg.dim, cfg.head_dim, dtype=torch.float32, pad_f32_rows=pad_f32_rows)
             state = (max_batch_size, self.ratio, cfg.head_dim)
             # the pooling runs in float32 whatever the caller's default dtype
             self.register_buffer("kv_state", torch.zeros(state, dtype=torch.float32), persistent=False)
@@ -309,6 +326,32 @@ class Indexer(nn.Module):
 
 
 # ---------------------------------------------------------------------------------- attention
+def window_rows(start_pos: int, seqlen: int, window: int, layout: str = "reference",
+                device=None) -> torch.Tensor:
+    """Which rows of the window KV each query attends to, int64 [s, width] (a decode step's single
+    query: [1, width]), -1 = absent. The window KV is the call's own KV on a prefill (row =
+    position) and the ring on a decode step (row = position % window).
+
+    "reference", the released runtime: a prefill has min(seqlen, window) columns, present positions
+    oldest first, then -1; a decode step lists all `window` ring slots starting after the newest,
+    so while the ring is still filling its empty slots come first, and once full the oldest
+    position does. "uniform": `window` columns on both, present positions oldest first, then -1.
+
+    sparse_attn sums a row in column order, 64 columns at a time, so where the two orderings give
+    the same query different columns (a prefill row narrower than the window, a decode row with
+    empty slots in front) their float32 sums can round differently; "uniform" gives a query the
+    same columns either way, so prefill and decode agree bit for bit."""
+    check_window_layout(layout)
+    if layout == "reference" and start_pos > 0:
+        slots = (start_pos + 1 + torch.arange(window, device=device)) % window  # ring order from the oldest
+        return torch.where(slots <= start_pos, slots, -1).unsqueeze(0)  # a slot past start_pos is unwritten
+    positions = torch.arange(start_pos, start_pos + seqlen, device=device)
+    width = min(seqlen, window) if layout == "reference" else window
+    seen = (positions - window + 1).clamp_min(0).unsqueeze(-1) + torch.arange(width, device=device)  # [s, width]
+    rows = seen if start_pos == 0 else seen % window
+    return torch.where(seen <= positions.unsqueeze(-1), rows, -1)
+
+
 class Attention(nn.Module):
     """One CSA2 attention layer: low-rank queries, a shared K=V latent, a sliding window ring of
     FP8-QAT KV plus (ratio > 0) the selected compressed positions as FP4 (E4M3 scales over 16),
@@ -316,10 +359,13 @@ class Attention(nn.Module):
 
     Parameter names and runtime dtypes are the checkpoint's / reference runtime's (wo_a is held in
     BF16 although the checkpoint stores it FP8; ratio > 1 compressor projections in float32).
-    `max_batch_size` and `max_seq_len` size the caches and the RoPE table.
+    `max_batch_size` and `max_seq_len` size the caches and the RoPE table; `pad_f32_rows` goes to
+    the compressor's float32 projections (layers.f32_linear). The index-row layout is the
+    runtime's `window_layout`, one choice per stack.
     """
 
-    def __init__(self, cfg, layer: int, *, max_batch_size: int = 1, max_seq_len: int = 4096):
+    def __init__(self, cfg, layer: int, *, max_batch_size: int = 1, max_seq_len: int = 4096,
+                 pad_f32_rows: bool = False):
         super().__init__()
         n_total = cfg.n_layers + (cfg.n_mtp_layers or 0)
         if not 0 <= layer < n_total:
@@ -349,7 +395,8 @@ class Attention(nn.Module):
         self.wo_a = Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank, dtype=act)
         self.wo_b = Linear(self.n_groups * self.o_lora_rank, cfg.dim, dtype=lin)
 
-        self.compressor = Compressor(cfg, layer, max_batch_size) if self.mode == "full" else None
+        self.compressor = (Compressor(cfg, layer, max_batch_size, pad_f32_rows=pad_f32_rows)
+                           if self.mode == "full" else None)
         self.indexer = (Indexer(cfg, layer, max_batch_size, max_seq_len)
                         if self.mode in ("full", "reindex") else None)
 
@@ -405,14 +452,14 @@ class Attention(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [b, s, heads, head_dim]
         apply_rotary_emb(q[..., -rd:], freqs)
 
-        kv, idxs = self._window(x, freqs, start_pos)  # [b, n_kv, head_dim], [b, s, window]
+        kv, idxs = self._window(x, freqs, start_pos, runtime.window_layout)  # [b, n_kv, head_dim], [b, s, w]
         if self.ratio:
             compress_kv, selected = self._compressed(x, qr, start_pos, runtime, record, trace)
             # selected positions index the compressed rows appended after the window rows
             idxs = torch.cat([idxs, torch.where(selected >= 0, selected + kv.size(1), -1)], dim=-1)
             kv = torch.cat([kv, compress_kv], dim=1)
             if record is not None:
-                record.selected = selected.cpu()
+                record.selected = self._pad_topk(selected).cpu()  # one width in every trace
                 record.reachable = (torch.arange(start_pos, start_pos + seqlen) + 1) // self.ratio
 
         o = sparse_attn(q, kv, self.attn_sink, idxs, self.softmax_scale)  # [b, s, heads, head_dim]
@@ -429,9 +476,9 @@ class Attention(nn.Module):
             trace.attention.append(record)
         return out
 
-    def _window(self, x: torch.Tensor, freqs: torch.Tensor, start_pos: int):
+    def _window(self, x: torch.Tensor, freqs: torch.Tensor, start_pos: int, layout: str):
         """This layer's window KV (FP8 QAT over 32, RoPE tail included) and, per query, the rows of
-        it to attend: [b, s, window] with the present positions first, oldest first, then -1."""
+        it to attend, [b, s, width] laid out by `window_rows`."""
         bsz, seqlen, _ = x.shape
         win = self.window_size
         kv = self.kv_norm(self.wkv(x))  # [b, s, head_dim]
@@ -446,21 +493,14 @@ class Attention(nn.Module):
         else:
             self.window_kv_cache[:bsz, start_pos % win] = kv[:, 0]
             window_kv = self.window_kv_cache[:bsz]
-
-        # One layout for prefill and decode alike, so the same query reduces over the same row
-        # order either way (sparse_attn sums in row order; the reference's decode lists the ring
-        # oldest-first with absent slots in front, its prefill puts them behind).
-        positions = torch.arange(start_pos, start_pos + seqlen, device=x.device)
-        oldest = (positions - win + 1).clamp_min(0)
-        seen = oldest.unsqueeze(-1) + torch.arange(win, device=x.device)  # [s, win]
-        rows = seen if start_pos == 0 else seen % win
-        idxs = torch.where(seen <= positions.unsqueeze(-1), rows, -1)
-        return window_kv, idxs.int().unsqueeze(0).expand(bsz, -1, -1)
+        idxs = window_rows(start_pos, seqlen, win, layout, x.device)  # [s or 1, width]
+        return window_kv, idxs.int().unsqueeze(0).expand(bsz, seqlen, -1)
 
     def _compressed(self, x, qr, start_pos, runtime: AttentionRuntime, record, trace):
         """The shared compressed KV [b, T, head_dim] and each query's selected compressed
-        positions [b, s, index_topk] (-1 padded). Full layers compress and publish first; the
-        indexer takes the latent before it is rotated and quantized into the cache."""
+        positions, -1 where unreachable: [b, s, min(index_topk, T)] as the reference has them, or
+        -1 padded to [b, s, index_topk] under the uniform layout. Full layers compress and publish
+        first; the indexer takes the latent before it is rotated and quantized into the cache."""
         bsz, seqlen, _ = x.shape
         ratio = self.ratio
         width = (start_pos + seqlen) // ratio
@@ -480,8 +520,9 @@ class Attention(nn.Module):
             else:
                 keep = trace is not None and trace.keep_index_scores
                 selected = self.indexer(x, qr, latent, start_pos, self.freqs_cis, runtime, record, keep)
-            # a fixed width, so prefill and decode rows have one layout (see _window)
-            selected = F.pad(selected, (0, self.index_topk - selected.size(-1)), value=-1).int()
+            selected = selected.int()
+            if runtime.window_layout == "uniform":  # one width for prefill and decode (see window_rows)
+                selected = self._pad_topk(selected)
             runtime.topk, runtime.topk_from, runtime.topk_call = selected, self.layer, (start_pos, seqlen)
         else:
             if runtime.topk is None or runtime.topk_call != (start_pos, seqlen) or runtime.topk.size(0) != bsz:
@@ -502,6 +543,9 @@ class Attention(nn.Module):
             raise RuntimeError(f"layer {self.layer} reads compressed KV, but no KV source has run")
         return runtime.compress_kv[:bsz, :width], selected
 
+    def _pad_topk(self, selected: torch.Tensor) -> torch.Tensor:
+        return F.pad(selected, (0, self.index_topk - selected.size(-1)), value=-1)
+
 
 # ---------------------------------------------------------------------------------- stack
 class AttentionStack(nn.Module):
@@ -510,16 +554,18 @@ class AttentionStack(nn.Module):
     `forward` runs a residual chain (each layer reads the RMS-normalized stream, parameter-free,
     and adds its output back); `forward_each` feeds the same input to every layer and returns each
     layer's output, so a difference in one layer cannot leak into the next. Both advance the
-    caches; call `reset_state()` before an unrelated sequence.
+    caches; call `reset_state()` before an unrelated sequence. fix_stale_index_keys and
+    window_layout go to the runtime, pad_f32_rows to the layers; all three default to the reference.
     """
 
     def __init__(self, cfg, *, max_batch_size: int = 1, max_seq_len: int = 4096,
-                 fix_stale_index_keys: bool = False, seed: Optional[int] = None):
+                 fix_stale_index_keys: bool = False, window_layout: str = "reference",
+                 pad_f32_rows: bool = False, seed: Optional[int] = None):
         super().__init__()
-        self.cfg = cfg
-        self.layers = nn.ModuleList(Attention(cfg, i, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
-                                    for i in range(cfg.n_layers))
-        self.runtime = AttentionRuntime(fix_stale_index_keys=fix_stale_index_keys)
+        self.cfg, self.pad_f32_rows = cfg, pad_f32_rows
+        self.runtime = AttentionRuntime(fix_stale_index_keys=fix_stale_index_keys, window_layout=window_layout)
+        self.layers = nn.ModuleList(Attention(cfg, i, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                              pad_f32_rows=pad_f32_rows) for i in range(cfg.n_layers))
         if seed is not None:
             init_random_(self, seed)
 

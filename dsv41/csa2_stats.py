@@ -14,6 +14,8 @@ Notebooks 03 and 04 plot these; each is also a plain API:
                                each latent and index key was rotated at;
 - `candidate_pin_effect(...)`  where the pinned (still filling) candidate block would have lost;
 - `prefill_decode_divergence(stack, x)`  differing selections, how many are top-k ties, output gap;
+- `topk_sweep(model, x, widths)`  that divergence over a range of `index_topk`;
+- `numerics_comparison(model, x)`  that divergence under each `window_layout` and `pad_f32_rows`;
 - `stale_key_comparison(model, x)`  the reference's stale index keys against the opt-in fix.
 
 Everything here reads traces and buffers; nothing hooks into modules.
@@ -32,6 +34,7 @@ from .attention import (
     INDEX_FP4_BLOCK,
     KV_FP4_BLOCK,
     WINDOW_FP8_BLOCK,
+    WINDOW_LAYOUTS,
     Attention,
     AttentionRuntime,
     AttentionStack,
@@ -255,14 +258,17 @@ def allocated_cache_bytes(stack: AttentionStack) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------- weights
-def attention_stack(model, *, fix_stale_index_keys: bool = False, max_seq_len: Optional[int] = None,
+def attention_stack(model, *, fix_stale_index_keys: bool = False, window_layout: str = "reference",
+                    pad_f32_rows: bool = False, max_seq_len: Optional[int] = None,
                     **config_changes) -> AttentionStack:
     """An AttentionStack holding the attention weights of a loaded `dsv41.load` model, over
-    `model.cfg` with `config_changes` (e.g. index_topk=4); changes that alter a weight's shape
-    are refused by the state-dict copy. max_seq_len defaults to the model's."""
+    `model.cfg` with `config_changes` (e.g. index_topk=4, window_size=72); changes that alter a
+    weight's shape are refused by the state-dict copy. The three options are AttentionStack's
+    (reference by default, whatever the model was loaded with); max_seq_len defaults to the model's."""
     cfg = model.cfg.replace(**config_changes) if config_changes else model.cfg
     stack = AttentionStack(cfg, max_seq_len=max_seq_len or model.max_seq_len,
-                           fix_stale_index_keys=fix_stale_index_keys)
+                           fix_stale_index_keys=fix_stale_index_keys, window_layout=window_layout,
+                           pad_f32_rows=pad_f32_rows)
     weights = {f"layers.{i}.{name}": t for i, block in enumerate(model.backbone.layers)
                for name, t in block.attn.state_dict().items() if name in dict(stack.layers[i].named_parameters())}
     with torch.no_grad():
@@ -446,12 +452,15 @@ class Divergence:
     Any other difference (say, scores that differ between the orders) is not a tie. `differ_at`
     lists (layer, position, tie) for every differing selection; a layer's `n_block_ties` counts
     the ties explained only at the block cut; `n_truncated` counts the (query, layer) pairs whose
-    selection, in either order, leaves out a reachable position."""
+    selection, in either order, leaves out a reachable position; its `output_diff` is the max
+    |prefill - decode| output per position. `numerics`: the stack's window_layout and
+    pad_f32_rows (outside "uniform" and True, outputs may also part by rounding)."""
 
     index_topk: int
     n_tokens: int
     layers: list = field(default_factory=list)  # one dict per backbone layer
     differ_at: list = field(default_factory=list)
+    numerics: dict = field(default_factory=dict)
 
     @property
     def n_differ(self) -> int:
@@ -478,7 +487,8 @@ class Divergence:
         return self.n_differ == 0 and self.max_output_diff == 0.0
 
     def summary(self) -> dict:
-        return {"index_topk": self.index_topk, "n_tokens": self.n_tokens, "n_truncated": self.n_truncated,
+        return {"index_topk": self.index_topk, "n_tokens": self.n_tokens, **self.numerics,
+                "n_truncated": self.n_truncated,
                 "n_differ": self.n_differ, "n_ties": self.n_ties, "max_output_diff": self.max_output_diff,
                 "n_output_differ_without_selection": self.n_output_differ_without_selection,
                 "identical": self.identical}
@@ -557,13 +567,14 @@ def prefill_decode_divergence(stack: AttentionStack, x: torch.Tensor) -> Diverge
         sp, sd = (r[q] for r in rows(src))
         return all(_at(sp, t) == _at(sd, t) for t in range(int(a[src]["reachable"][q])) if t not in apart)
 
-    result = Divergence(index_topk=cfg.index_topk, n_tokens=x.size(1))
+    result = Divergence(index_topk=cfg.index_topk, n_tokens=x.size(1),
+                        numerics={"window_layout": stack.runtime.window_layout, "pad_f32_rows": stack.pad_f32_rows})
     for layer in range(cfg.n_layers):
         ratio = cfg.compress_ratios[layer]
         out_diff = (pre[layer, 0].float() - dec[layer, 0].float()).abs().amax(-1)  # [s]
         row = {"layer": layer, "mode": cfg.layer_mode(layer), "ratio": ratio, "source": None,
                "n_truncated": 0, "n_differ": 0, "n_ties": 0, "n_block_ties": 0,
-               "max_output_diff": float(out_diff.max()),
+               "max_output_diff": float(out_diff.max()), "output_diff": out_diff.tolist(),
                "n_output_differ_without_selection": int((out_diff > 0).sum())}
         if ratio:
             src = cfg.source_at_or_before(layer, cfg.index_source_layers)
@@ -593,15 +604,41 @@ def untruncated_topk(cfg, n_tokens: int) -> int:
     return max(n_tokens // r for r in cfg.compress_ratios[: cfg.n_layers] if r)
 
 
-def topk_sweep(model, x: torch.Tensor, widths: Sequence[int], **config_changes) -> list[Divergence]:
+def untruncated_positions(cfg) -> int:
+    """How many leading positions no indexer or candidate top-k cuts. The query at position p of a
+    ratio-r index source reaches (p + 1) // r compressed positions and is cut once that exceeds
+    index_topk, from p = (index_topk + 1) * r - 1 on; the candidate source likewise once its
+    reachable positions fill more than candidate_topk_blocks blocks."""
+    limits = [(cfg.index_topk + 1) * cfg.compress_ratios[layer] - 1 for layer in cfg.index_source_layers]
+    cand = cfg.candidate_source_layer
+    if cand is not None and cand >= 0:
+        kept = cfg.candidate_topk_blocks * cfg.candidate_block_size
+        limits.append((kept + 1) * cfg.compress_ratios[cand] - 1)
+    return min(limits)
+
+
+def topk_sweep(model, x: torch.Tensor, widths: Sequence[int], *, window_layout: str = "reference",
+               pad_f32_rows: bool = False, **config_changes) -> list[Divergence]:
     """`prefill_decode_divergence` of the model's attention weights at each index_topk in `widths`,
-    with fix_stale_index_keys=True (so prefill and decode score the same keys; only ties remain)."""
+    with fix_stale_index_keys=True, so prefill and decode score the same keys: with
+    window_layout="uniform" and pad_f32_rows=True only ties remain; with the reference's defaults
+    rounding may add output differences (see `numerics_comparison`)."""
     results = []
     for k in widths:
-        stack = attention_stack(model, fix_stale_index_keys=True, max_seq_len=x.size(1), index_topk=k,
-                                **config_changes)
+        stack = attention_stack(model, fix_stale_index_keys=True, window_layout=window_layout,
+                                pad_f32_rows=pad_f32_rows, max_seq_len=x.size(1), index_topk=k, **config_changes)
         results.append(prefill_decode_divergence(stack, x))
     return results
+
+
+def numerics_comparison(model, x: torch.Tensor, **config_changes) -> dict[tuple[str, bool], Divergence]:
+    """`prefill_decode_divergence` of the model's attention weights (fix_stale_index_keys=True)
+    under every window_layout and pad_f32_rows, keyed (window_layout, pad_f32_rows): which of the
+    two opt-ins a bit-identical prefill and decode rests on, at the geometry `config_changes` set."""
+    return {(layout, pad): prefill_decode_divergence(
+                attention_stack(model, fix_stale_index_keys=True, window_layout=layout, pad_f32_rows=pad,
+                                max_seq_len=x.size(1), **config_changes), x)
+            for layout in WINDOW_LAYOUTS for pad in (False, True)}
 
 
 # ---------------------------------------------------------------------------------- stale keys

@@ -8,9 +8,12 @@ same torch build; `torch.multinomial` is never used.
 
 `compare_prefill_decode` runs a prompt both ways — one prefill over every position, and the same
 tokens fed one at a time — and reports where the logits, the indexer selections and the expert
-routing first part. A prefill and a decode of the same tokens agree exactly until some top-k
-(indexer, candidate blocks, routing) has to break a tie or cut between values that differ by
-rounding; the report says at which position and layer that happened.
+routing first part, and under which of the model's numerics options. With the reference's
+arithmetic (the defaults) the two already differ by float32 rounding at the first position: the
+float32 GEMMs take another BLAS kernel for a single row, and past 64 index columns sparse_attn
+groups a decode row's sums differently. Loaded with `window_layout="uniform", pad_f32_rows=True`
+they agree exactly until some top-k (indexer, candidate blocks, routing) has to break a tie or cut
+between values that differ by rounding; the report says at which position and layer that happened.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -165,7 +168,8 @@ class PrefillDecodeComparison:
     nonzero difference (None: bit-identical); first_argmax_divergence: first p where the greedy
     token differs; selection_partings / routing_partings: per layer, every position whose indexer
     selection / routed expert ids differ (layers that never differ are absent); the two traces are
-    kept so a caller can ask whether each parting sits on a top-k tie."""
+    kept so a caller can ask whether each parting sits on a top-k tie; numerics: the model's
+    options the comparison ran under (`Model.numerics`)."""
 
     positions: int
     max_abs_diff: list[float]
@@ -178,6 +182,7 @@ class PrefillDecodeComparison:
     decode_logits: torch.Tensor  # [s, vocab]
     prefill_trace: Any = None
     decode_trace: Any = None
+    numerics: dict = field(default_factory=dict)
 
     @property
     def selections(self) -> dict[int, int]:
@@ -194,8 +199,10 @@ class PrefillDecodeComparison:
         return self.first_logit_divergence is None
 
     def summary(self) -> str:
+        under = ", ".join(f"{k}={v!r}" for k, v in self.numerics.items())
+        under = f" ({under})" if under else ""
         if self.identical:
-            return f"prefill and decode agree bit for bit over {self.positions} positions"
+            return f"prefill and decode agree bit for bit over {self.positions} positions{under}"
         worst = max(self.max_abs_diff)
         parts = [f"logits first differ at position {self.first_logit_divergence} (max |diff| {worst:.3g}, "
                  f"{100 * worst / max(self.max_abs_logit, 1e-30):.3g}% of max |logit|)"]
@@ -207,12 +214,14 @@ class PrefillDecodeComparison:
         if self.routing:
             parts.append("routing parts at " + ", ".join(f"layer {k}: position {v}"
                                                          for k, v in sorted(self.routing.items())))
-        return "; ".join(parts)
+        return "; ".join(parts) + under
 
 
 def compare_prefill_decode(model, prompt) -> PrefillDecodeComparison:
     """Run `prompt` (text or ids) as one prefill over all positions and as one token per call, and
-    report where logits, indexer selections and routing first differ. Leaves the model reset."""
+    report where logits, indexer selections and routing first differ, under the options the model
+    was loaded with (`dsv41.load(..., window_layout=, pad_f32_rows=)`, kept in the report's
+    `numerics`). Leaves the model reset."""
 
     ids = model.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
     if not ids:
@@ -233,7 +242,8 @@ def compare_prefill_decode(model, prompt) -> PrefillDecodeComparison:
         first_argmax_divergence=int(argmax_diff[0]) if len(argmax_diff) else None,
         selection_partings=_partings(one.attention_by_layer(), step.attention_by_layer(), "selected"),
         routing_partings=_partings(one.routing_by_layer(), step.routing_by_layer(), "expert_ids"),
-        prefill_logits=full, decode_logits=stepwise, prefill_trace=one, decode_trace=step)
+        prefill_logits=full, decode_logits=stepwise, prefill_trace=one, decode_trace=step,
+        numerics=dict(model.numerics))
 
 
 def _partings(a: dict, b: dict, name: str) -> dict[int, list[int]]:

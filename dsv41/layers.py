@@ -59,11 +59,14 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """y = x @ W^T with W stored as FP8 (+ 32x32 E8M0 scales), packed FP4 (+ 1x32 E8M0 scales),
     BF16 or FP32. Quantized weights go through the op layer's `linear`, which quantizes the
-    activation to FP8 over blocks of 32 first, as the reference runtime does."""
+    activation to FP8 over blocks of 32 first, as the reference runtime does; FP32 weights go
+    through `f32_linear`, padding their rows when `pad_f32_rows` is set."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float8_e4m3fn):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float8_e4m3fn, *,
+                 pad_f32_rows: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.pad_f32_rows = pad_f32_rows  # read only when the weight is float32 (see f32_linear)
         if dtype == torch.float4_e2m1fn_x2:
             # logically [out, in]; two values per byte
             self.weight = _param(torch.zeros(out_features, in_features // 2, dtype=dtype))
@@ -78,7 +81,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.float32:
-            return f32_linear(x, self.weight)
+            return f32_linear(x, self.weight, pad_rows=self.pad_f32_rows)
         # dense weights keep the reference GEMM and its reduction order (one float32 partial per
         # 32-wide K block); only routed experts, which dominate the bytes, take the fused path
         return linear(x, self.weight, self.scale)
@@ -100,20 +103,25 @@ class Linear(nn.Module):
             self.weight.copy_(w.to(self.weight.dtype))
 
 
-# CPU BLAS picks a different float32 kernel for the last (M mod 4) rows of a GEMM, so a token's
-# output would depend on how many tokens were projected with it, and a prefill would not match the
-# same tokens decoded one at a time. Padding the row count to a multiple of 8 keeps every row on
-# the same kernel. Only the float32 paths need it (the compressor's pooling projections, the
-# router, the hyper-connection mixes, the head); the bf16 and quantized paths measure row-count
-# invariant here. (The released runtime does not pad; the two differ by float32 rounding, ~1e-7.)
-_ROW_PAD = 8
+# CPU BLAS picks its float32 GEMM kernel by row count (this torch build's MKL: a call of fewer than
+# 4 rows, as a decode step's one, rounds differently from a call of more), so a token's output can
+# depend on how many tokens were projected with it, and a prefill differs from the same tokens
+# decoded one at a time by float32 rounding (~1e-7 relative). The released runtime does not pad.
+# pad_f32_rows=True pads the row count to a multiple of 8 so every call takes the same kernel: an
+# opt-in for bit parity between prefill and decode, not the reference's arithmetic. Only the
+# float32 paths need it (the compressor's pooling projections, the router, the hyper-connection
+# mixes, the head); the bf16 and quantized paths measure row-count invariant here.
+F32_ROW_PAD = 8
 
 
-def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """float32 x [..., K] @ weight [N, K]^T (both taken to float32) with the row count padded to a
-    multiple of 8, so a row's result does not depend on how many rows share the call."""
+def f32_linear(x: torch.Tensor, weight: torch.Tensor, *, pad_rows: bool) -> torch.Tensor:
+    """float32 x [..., K] @ weight [N, K]^T (both taken to float32). pad_rows: pad the row count to
+    a multiple of F32_ROW_PAD, so a row's result does not depend on how many rows share the call
+    (off: the reference's plain GEMM)."""
+    if not pad_rows:
+        return F.linear(x.float(), weight.float())
     rows = x.float().reshape(-1, x.size(-1))  # [M, K]
-    pad = -rows.size(0) % _ROW_PAD
+    pad = -rows.size(0) % F32_ROW_PAD
     if pad:
         rows = F.pad(rows, (0, 0, 0, pad))
     out = F.linear(rows, weight.float())[: rows.size(0) - pad]  # [M, N]

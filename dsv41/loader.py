@@ -446,7 +446,8 @@ def _unique_bytes(tensors) -> int:
 
 def load(path: Optional[str] = None, *, expert_cache: int = DEFAULT_EXPERT_CACHE, expert_device="cpu",
          resident_engram: bool = False, max_seq_len: Optional[int] = None, max_batch_size: int = 1,
-         fix_stale_index_keys: bool = False, quiet: bool = False):
+         fix_stale_index_keys: bool = False, window_layout: str = "reference", pad_f32_rows: bool = False,
+         quiet: bool = False):
     """Load a checkpoint directory (default: the embedded tiny one) -> `Model`.
 
     expert_cache: packed experts kept per layer; expert_device: where routed experts are held and
@@ -455,15 +456,19 @@ def load(path: Optional[str] = None, *, expert_cache: int = DEFAULT_EXPERT_CACHE
     them (a string that names no device raises ValueError); resident_engram: copy the Engram tables into RAM instead of gathering from the shards;
     max_seq_len (default min(config, 4096)) and max_batch_size size the attention caches;
     fix_stale_index_keys: the Transformers port's fix (off: the released runtime's behaviour);
+    window_layout ("reference" or "uniform") and pad_f32_rows (off: the reference's float32 GEMMs):
+    "uniform" with pad_f32_rows=True makes a prefill and the same tokens decoded one at a time
+    agree bit for bit until a top-k cuts (attention.window_rows, layers.f32_linear);
     quiet: no progress bar. Raises LoadError with one sentence on a bad checkpoint."""
     from tqdm import tqdm
 
     from .engram import EngramError, NgramHasher
     from .model import Backbone, RoutedExperts
-    from .attention import AttentionRuntime
+    from .attention import AttentionRuntime, check_window_layout
 
     from .kernels.triton_experts import expert_devices
 
+    check_window_layout(window_layout)
     began = time.perf_counter()
     try:
         devices = expert_devices(expert_device)  # prints the one fallback line when CUDA is absent
@@ -494,7 +499,7 @@ def load(path: Optional[str] = None, *, expert_cache: int = DEFAULT_EXPERT_CACHE
     max_seq_len = int(max_seq_len or min(cfg.max_seq_len, DEFAULT_MAX_SEQ_LEN))
     report = LoadReport(checkpoint=ckpt.path)
     with torch.no_grad():
-        backbone = Backbone(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+        backbone = Backbone(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, pad_f32_rows=pad_f32_rows)
         params = dict(backbone.named_parameters())
         read: set[str] = set()
         bar = tqdm(total=len(params), desc="loading", unit="tensor", file=sys.stderr, disable=quiet, leave=False)
@@ -554,7 +559,7 @@ def load(path: Optional[str] = None, *, expert_cache: int = DEFAULT_EXPERT_CACHE
     report.state_bytes = _unique_bytes(backbone.buffers())
     report.seconds = time.perf_counter() - began
 
-    runtime = AttentionRuntime(fix_stale_index_keys=fix_stale_index_keys)
+    runtime = AttentionRuntime(fix_stale_index_keys=fix_stale_index_keys, window_layout=window_layout)
     model = Model(cfg, backbone, runtime, hasher, tokenizer, tok_meta, expert_store, tables, report, ckpt)
     if not quiet:
         print(report.summary(), file=sys.stderr)
@@ -578,6 +583,12 @@ class Model:
     @property
     def max_seq_len(self) -> int:
         return self.backbone.max_seq_len
+
+    @property
+    def numerics(self) -> dict:
+        """The load options that depart from the reference runtime when set (see `load`)."""
+        return {"fix_stale_index_keys": self.runtime.fix_stale_index_keys,
+                "window_layout": self.runtime.window_layout, "pad_f32_rows": self.backbone.pad_f32_rows}
 
     def reset(self) -> None:
         """Start a new sequence: attention caches, the shared runtime and the n-gram look-back."""

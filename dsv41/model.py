@@ -118,9 +118,10 @@ class Gate(nn.Module):
     """The router `ffn.gate`: bf16 weight [E, dim], float32 selection bias [E], and (with a vision
     tower) `bias_vl` [E], the selection bias of image-span tokens. Text never applies bias_vl."""
 
-    def __init__(self, cfg, n_experts: int, topk: int, dtype=torch.bfloat16):
+    def __init__(self, cfg, n_experts: int, topk: int, dtype=torch.bfloat16, *, pad_f32_rows: bool = False):
         super().__init__()
         self.topk, self.score_func = topk, cfg.score_func
+        self.pad_f32_rows = pad_f32_rows
         self.norm_topk_prob = True if cfg.norm_topk_prob is None else bool(cfg.norm_topk_prob)
         self.route_scale = float(cfg.route_scale)
         self.weight = _param(torch.zeros(n_experts, cfg.dim, dtype=dtype))
@@ -129,7 +130,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None):
         """x [n, dim] -> (weights [n, k] float32, ids [n, k]); image_mask [n] bool selects bias_vl."""
-        scores = expert_scores(f32_linear(x, self.weight), self.score_func)  # [n, E]
+        scores = expert_scores(f32_linear(x, self.weight, pad_rows=self.pad_f32_rows), self.score_func)  # [n, E]
         bias = self.bias
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias)
@@ -154,11 +155,11 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     """Routed experts (top-k of E, through `experts`) plus the shared expert, summed in float32."""
 
-    def __init__(self, cfg, layer: int):
+    def __init__(self, cfg, layer: int, *, pad_f32_rows: bool = False):
         super().__init__()
         n_experts, topk = cfg.moe_shape(layer)
         self.layer, self.dim = layer, cfg.dim
-        self.gate = Gate(cfg, n_experts, topk)
+        self.gate = Gate(cfg, n_experts, topk, pad_f32_rows=pad_f32_rows)
         self.shared_experts = SharedExpert(cfg.dim, cfg.moe_inter_dim, float(cfg.swiglu_limit or 0.0),
                                            linear_dtype(cfg))
         self.experts: Optional[RoutedExperts] = None  # attached by the loader (not a parameter)
@@ -251,13 +252,14 @@ def engram_gate(x: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, eps: f
 
 # ---------------------------------------------------------------------- hyper-connections
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
-             iters: int, hc_eps: float, norm_eps: float):
+             iters: int, hc_eps: float, norm_eps: float, *, pad_f32_rows: bool = False):
     """x [b, s, hc, dim] -> float32 (pre [b, s, hc], post [b, s, hc], comb [b, s, hc, hc]).
 
-    One projection of the whole flattened stream, RMS-normalized with one statistic per token."""
+    One projection of the whole flattened stream, RMS-normalized with one statistic per token
+    (pad_f32_rows: see layers.f32_linear)."""
     flat = x.flatten(2).float()  # [b, s, hc * dim]
     rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    mixes = f32_linear(flat, fn) * rstd  # [b, s, (2 + hc) * hc]
+    mixes = f32_linear(flat, fn, pad_rows=pad_f32_rows) * rstd  # [b, s, (2 + hc) * hc]
     return hc_split_sinkhorn(mixes, scale, base, hc_mult, iters, hc_eps)
 
 
@@ -284,13 +286,16 @@ class Block(nn.Module):
     """Engram (at its layers), then attention and the MoE, each between a hyper-connection
     collapse and expansion. Parameter names are the checkpoint's (`layers.N.` + name)."""
 
-    def __init__(self, cfg, layer: int, *, max_batch_size: int = 1, max_seq_len: int = 4096):
+    def __init__(self, cfg, layer: int, *, max_batch_size: int = 1, max_seq_len: int = 4096,
+                 pad_f32_rows: bool = False):
         super().__init__()
         self.layer, self.hc_mult = layer, cfg.hc_mult
         self.norm_eps, self.hc_eps, self.hc_iters = cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
+        self.pad_f32_rows = pad_f32_rows
         act = activation_dtype(cfg)
-        self.attn = Attention(cfg, layer, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
-        self.ffn = MoE(cfg, layer)
+        self.attn = Attention(cfg, layer, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                              pad_f32_rows=pad_f32_rows)
+        self.ffn = MoE(cfg, layer, pad_f32_rows=pad_f32_rows)
         engram_layers = tuple(cfg.engram_layer_ids or ())
         self.engram = None
         if layer in engram_layers:
@@ -306,7 +311,8 @@ class Block(nn.Module):
 
     def mixes(self, x: torch.Tensor, site: str):
         return hc_mixes(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
-                        getattr(self, f"hc_{site}_base"), self.hc_mult, self.hc_iters, self.hc_eps, self.norm_eps)
+                        getattr(self, f"hc_{site}_base"), self.hc_mult, self.hc_iters, self.hc_eps, self.norm_eps,
+                        pad_f32_rows=self.pad_f32_rows)
 
     def forward(self, x: torch.Tensor, start_pos: int, pre: torch.Tensor, runtime: AttentionRuntime,
                 hash_ids: Optional[torch.Tensor] = None, image_mask: Optional[torch.Tensor] = None,
@@ -349,15 +355,16 @@ class Embedding(nn.Module):
 class Head(nn.Module):
     """The output projection, held in float32 (stored bf16) so the logits come out float32."""
 
-    def __init__(self, vocab_size: int, dim: int):
+    def __init__(self, vocab_size: int, dim: int, *, pad_f32_rows: bool = False):
         super().__init__()
+        self.pad_f32_rows = pad_f32_rows
         self.weight = _param(torch.zeros(vocab_size, dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
         """x [b, s, dim] -> float32 [b, vocab] for the last position ([b, s, vocab] with all_positions)."""
         if not all_positions:
             x = x[:, -1]
-        return f32_linear(x, self.weight)
+        return f32_linear(x, self.weight, pad_rows=self.pad_f32_rows)
 
 
 class Backbone(nn.Module):
@@ -365,17 +372,19 @@ class Backbone(nn.Module):
 
     Holds only dense parameters; routed experts and Engram tables are attached by the loader as
     `layers[i].ffn.experts` and `layers[i].engram.table`. `max_batch_size` and `max_seq_len` size the
-    attention caches."""
+    attention caches. pad_f32_rows (off: the reference's GEMMs) reaches every float32 projection:
+    compressor pooling, router, hyper-connection mixes, head (see layers.f32_linear)."""
 
-    def __init__(self, cfg, *, max_batch_size: int = 1, max_seq_len: int = 4096):
+    def __init__(self, cfg, *, max_batch_size: int = 1, max_seq_len: int = 4096, pad_f32_rows: bool = False):
         super().__init__()
         self.cfg, self.hc_mult = cfg, cfg.hc_mult
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.pad_f32_rows = pad_f32_rows
         self.embed = Embedding(cfg.vocab_size, cfg.dim, activation_dtype(cfg))
-        self.layers = nn.ModuleList(Block(cfg, i, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
-                                    for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                          pad_f32_rows=pad_f32_rows) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=activation_dtype(cfg))
-        self.head = Head(cfg.vocab_size, cfg.dim)
+        self.head = Head(cfg.vocab_size, cfg.dim, pad_f32_rows=pad_f32_rows)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start_pos: int, runtime: AttentionRuntime,

@@ -11,7 +11,9 @@ import dataclasses
 import pytest
 import torch
 
+from dsv41 import attention as attention_module
 from dsv41.attention import (
+    WINDOW_LAYOUTS,
     Attention,
     AttentionRuntime,
     AttentionStack,
@@ -20,7 +22,7 @@ from dsv41.attention import (
     select_candidate_blocks,
 )
 from dsv41.config import TINY
-from dsv41.kernels import SPARSE_ATTN_CHUNK, fp4_act_quant
+from dsv41.kernels import SPARSE_ATTN_CHUNK, fp4_act_quant, sparse_attn
 from dsv41.layers import apply_rotary_emb, init_random_, precompute_freqs_cis
 from dsv41.trace import Trace
 
@@ -28,6 +30,8 @@ from dsv41.trace import Trace
 WIDE = dataclasses.replace(TINY, index_topk=64, candidate_topk_blocks=64)
 MAX_SEQ = 64
 FULL, REINDEX, REUSE = (2, 4), (6,), (0, 1, 3, 5, 7)
+# the two opt-ins under which a prefill and token-by-token decode share their arithmetic
+PARITY = dict(window_layout="uniform", pad_f32_rows=True)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -166,7 +170,8 @@ def test_the_block_being_filled_is_kept_even_when_an_older_full_block_outscores_
 # ------------------------------------------------------------------------------ parity
 @pytest.mark.parametrize("batch", [1, 2])
 def test_prefill_and_token_by_token_decode_are_bit_identical_when_nothing_is_truncated(batch):
-    stack = AttentionStack(WIDE, max_batch_size=batch, max_seq_len=MAX_SEQ, seed=0, fix_stale_index_keys=True)
+    stack = AttentionStack(WIDE, max_batch_size=batch, max_seq_len=MAX_SEQ, seed=0, fix_stale_index_keys=True,
+                           **PARITY)
     x = _x(21, seed=11, batch=batch)
     pre, dec, tp, td = _grouped(stack, x)
     assert pre.shape == x.shape and torch.isfinite(pre.float()).all()
@@ -175,27 +180,106 @@ def test_prefill_and_token_by_token_decode_are_bit_identical_when_nothing_is_tru
     for layer in (2, 3, 4, 5, 6):
         assert torch.equal(tp[layer]["selected"], td[layer]["selected"]), layer
     if batch == 2:  # rows of a batch do not see each other
-        single = AttentionStack(WIDE, max_seq_len=MAX_SEQ, seed=0, fix_stale_index_keys=True)
+        single = AttentionStack(WIDE, max_seq_len=MAX_SEQ, seed=0, fix_stale_index_keys=True, **PARITY)
         assert torch.equal(single(x[1:], 0), pre[1:])
 
 
-def test_parity_holds_for_a_window_wider_than_one_sparse_attn_chunk():
-    # sparse_attn folds its rows into an online softmax chunk by chunk, so bits depend on which
-    # rows share a chunk; the reference's decode lists the ring with absent slots first, which
-    # moves the chunk boundaries (43 of these 90 positions differed that way). One layout for
-    # both orderings keeps them equal.
-    cfg = dataclasses.replace(TINY, window_size=SPARSE_ATTN_CHUNK + 8)
+def _sparse_attn_calls(monkeypatch):
+    """Record every sparse_attn call the attention layers make: (topk_idxs, kv, output) per call."""
+    calls = []
+
+    def recording(q, kv, sink, idxs, scale):
+        out = sparse_attn(q, kv, sink, idxs, scale)
+        calls.append((idxs.clone(), kv.clone(), out.clone()))
+        return out
+
+    monkeypatch.setattr(attention_module, "sparse_attn", recording)
+    return calls
+
+
+@pytest.mark.parametrize("layout", WINDOW_LAYOUTS)
+def test_a_window_wider_than_one_sparse_attn_chunk(monkeypatch, layout):
+    # sparse_attn folds a row into an online softmax 64 columns at a time, so bits depend on which
+    # columns share a chunk. While the ring fills, the reference's decode row puts the empty slots
+    # first and its present positions end at the last column, where the prefill row starts them at
+    # the first: from position window - 64 on they straddle the chunk boundary at another place.
+    # Once the ring is full both list the same positions oldest first.
+    win = SPARSE_ATTN_CHUNK + 8
+    cfg = dataclasses.replace(TINY, window_size=win)
     layer = init_random_(Attention(cfg, 0, max_seq_len=96), 0)  # a pure window layer
-    x, rt = _x(90, seed=21), AttentionRuntime()
+    x, rt, n = _x(90, seed=21), AttentionRuntime(window_layout=layout), 90
+    calls = _sparse_attn_calls(monkeypatch)
     pre = layer(x, 0, rt)
     layer.reset_state()
-    dec = torch.cat([layer(x[:, p : p + 1], p, rt) for p in range(90)], dim=1)
-    assert torch.equal(pre, dec)
+    dec = torch.cat([layer(x[:, p : p + 1], p, rt) for p in range(n)], dim=1)
+    attn_pre, kv = calls[0][2][0], calls[0][1]  # [s, heads, head_dim] bf16, every position's KV
+    attn_dec = torch.cat([out[0] for _, _, out in calls[1:]])
+    if layout == "uniform":
+        assert torch.equal(pre, dec) and torch.equal(attn_pre, attn_dec)
+        return
+    differ = (pre != dec).any(-1)[0].nonzero().flatten().tolist()
+    assert differ and set(differ) <= set(range(win - SPARSE_ATTN_CHUNK, win - 1))
+    assert torch.equal(pre[:, win - 1 :], dec[:, win - 1 :])
+    # the same sums in another grouping; the weights are rounded to bf16 against each chunk's
+    # running max, so the two can part by a bf16 rounding of the weights, times at most the largest value
+    assert not torch.equal(attn_pre, attn_dec)
+    bound = torch.finfo(torch.bfloat16).eps * kv.float().abs().max()
+    assert (attn_pre.float() - attn_dec.float()).abs().max() <= bound
+
+
+def _expected_window_row(p, start_pos, seqlen, win, layout):
+    """The window columns of the query at position p, from the layouts' definitions: positions
+    oldest first over the last `win` (a prefill row of the reference: min(seqlen, win) columns),
+    as prefill rows (row = position) or ring slots (position % win)."""
+    if layout == "reference" and start_pos > 0:
+        # the whole ring from the slot after the newest; positions before 0 are unwritten slots
+        return [q % win if q >= 0 else -1 for q in range(p - win + 1, p + 1)]
+    width = min(seqlen, win) if layout == "reference" else win
+    first = max(0, p - win + 1)
+    rows = [q if start_pos == 0 else q % win for q in range(first, first + width)]
+    return [r if q <= p else -1 for q, r in zip(range(first, first + width), rows)]
+
+
+@pytest.mark.parametrize("layout", WINDOW_LAYOUTS)
+def test_index_rows_handed_to_sparse_attn(monkeypatch, layout):
+    win, k = TINY.window_size, TINY.index_topk
+    assert win > 5 and AttentionRuntime().window_layout == "reference"  # the default
+    stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=8, fix_stale_index_keys=True, window_layout=layout)
+    calls = _sparse_attn_calls(monkeypatch)
+    trace = Trace()
+    x = _x(2 * win + 4, seed=22)
+    prefills = (5, 2 * win)  # a prefill narrower than the window, and one past it
+    for n_pre in prefills:
+        stack.reset_state()
+        stack(x[:, :n_pre], 0, trace)
+        for p in range(n_pre, x.size(1)):
+            stack(x[:, p : p + 1], p, trace)
+    assert len(calls) == len(trace.attention)
+    for (idxs, _, _), rec in zip(calls, trace.attention):
+        start, s = rec.start_pos, rec.seqlen
+        n_kv = s if start == 0 else win  # window KV rows ahead of the compressed ones
+        width = min(s, win) if layout == "reference" and start == 0 else win
+        n_sel = 0
+        if rec.compress_ratio:
+            reach = (start + s) // rec.compress_ratio
+            n_sel = min(k, reach) if layout == "reference" else k
+        assert idxs.shape == (1, s, width + n_sel), (layout, rec.layer, start, s)
+        for i, p in enumerate(range(start, start + s)):
+            assert idxs[0, i, :width].tolist() == _expected_window_row(p, start, s, win, layout), (rec.layer, p)
+            if rec.compress_ratio:  # the selection the trace records, shifted past the window rows
+                sel = rec.selected[0, i]
+                assert idxs[0, i, width:].tolist() == [t + n_kv if t >= 0 else -1 for t in sel[:n_sel].tolist()]
+                assert (sel[n_sel:] == -1).all()
+
+
+def test_an_unknown_window_layout_is_refused_by_name():
+    with pytest.raises(ValueError, match="window_layout must be one of 'reference', 'uniform'"):
+        AttentionStack(TINY, max_seq_len=MAX_SEQ, window_layout="oldest-first")
 
 
 def test_stale_key_default_is_also_bit_identical_when_nothing_is_truncated():
     # with every reachable position selected the scores do not matter, stale keys or not
-    stack = AttentionStack(WIDE, max_seq_len=MAX_SEQ, seed=1)
+    stack = AttentionStack(WIDE, max_seq_len=MAX_SEQ, seed=1, **PARITY)
     pre, dec, _, _ = _grouped(stack, _x(17, seed=12))
     assert torch.equal(pre, dec)
 
@@ -407,7 +491,7 @@ def test_every_prefill_decode_difference_under_truncation_is_a_tie():
     k_blocks = TINY.candidate_topk_blocks
     n_diff = n_checked = 0
     for seed in range(3):
-        stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=seed, fix_stale_index_keys=True)
+        stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=seed, fix_stale_index_keys=True, **PARITY)
         pre, dec, tp, td = _grouped(stack, _x(28, seed=20 + seed), "forward_each")
         for layer, ratio in enumerate(TINY.compress_ratios[: TINY.n_layers]):
             out_diff = (pre[layer] != dec[layer]).any(-1)[0]

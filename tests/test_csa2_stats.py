@@ -9,6 +9,7 @@ import torch
 from dsv41 import csa2_stats as cs
 from dsv41.attention import AttentionStack, select_candidate_blocks
 from dsv41.config import RELEASED, TINY
+from dsv41.trace import Trace
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -24,6 +25,10 @@ def model(tiny_checkpoint):
     import dsv41
 
     return dsv41.load(tiny_checkpoint, quiet=True, max_seq_len=64)
+
+
+# the opt-ins under which prefill and decode outputs part only where a selection does
+PARITY = dict(window_layout="uniform", pad_f32_rows=True)
 
 
 def _x(seqlen, seed=0):
@@ -160,19 +165,30 @@ def test_divergence_every_difference_a_tie_and_parity_untruncated():
     x = _x(28, seed=20)
     n_differ = 0
     for seed in (0, 1):
-        stack = AttentionStack(TINY, max_seq_len=28, seed=seed, fix_stale_index_keys=True)
+        stack = AttentionStack(TINY, max_seq_len=28, seed=seed, fix_stale_index_keys=True, **PARITY)
         d = cs.prefill_decode_divergence(stack, x)
+        assert d.numerics == PARITY
         assert d.n_differ == d.n_ties and all(tie for _, _, tie in d.differ_at)
         assert d.n_output_differ_without_selection == 0 and d.n_truncated > 0
         assert all(r["max_output_diff"] == 0 for r in d.layers if not r["ratio"])
         n_differ += d.n_differ
     assert n_differ > 0  # the truncating width produces tie-broken differences at all
     assert cs.untruncated_topk(TINY, 28) == 28
-    wide = AttentionStack(TINY.replace(index_topk=28), max_seq_len=28, seed=0, fix_stale_index_keys=True)
+    wide = AttentionStack(TINY.replace(index_topk=28), max_seq_len=28, seed=0, fix_stale_index_keys=True, **PARITY)
     d = cs.prefill_decode_divergence(wide, x)
     assert d.identical and d.n_differ == 0 and d.max_output_diff == 0.0
     narrow = AttentionStack(TINY.replace(index_topk=27), max_seq_len=28, seed=0, fix_stale_index_keys=True)
     assert cs.prefill_decode_divergence(narrow, x).n_truncated > 0  # one short of it truncates
+
+
+def test_untruncated_positions_end_where_the_trace_records_the_first_cut():
+    stack = AttentionStack(TINY, max_seq_len=28, seed=0)
+    trace = Trace()
+    stack.forward_each(_x(28, seed=20), 0, trace)
+    cuts = [~torch.isnan(getattr(r, name)[0]) for r in trace.attention
+            for name in ("kth_score", "candidate_kth_score") if getattr(r, name) is not None]
+    first = int(torch.stack(cuts).any(0).nonzero()[0])
+    assert cs.untruncated_positions(TINY) == first == TINY.index_topk  # TINY: a ratio-1 index source
 
 
 def test_spare_picks_outside_a_small_candidate_pool_are_ties_the_trace_cut_misses():

@@ -328,3 +328,33 @@ def test_a_callers_default_dtype_changes_nothing(model, tiny_checkpoint):
         torch.set_default_dtype(before)
     assert other.backbone.layers[2].attn.compressor.kv_state.dtype == torch.float32
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_numerics_options_reach_every_float32_projection_and_the_runtime(tiny_checkpoint, monkeypatch, pad):
+    from dsv41 import layers, model as model_module
+
+    m = load(tiny_checkpoint, quiet=True, window_layout="uniform" if pad else "reference", pad_f32_rows=pad)
+    assert m.numerics == {"fix_stale_index_keys": False, "window_layout": "uniform" if pad else "reference",
+                          "pad_f32_rows": pad}
+    seen = []
+    original = layers.f32_linear
+
+    def recording(x, weight, *, pad_rows):
+        seen.append(pad_rows)
+        return original(x, weight, pad_rows=pad_rows)
+
+    monkeypatch.setattr(layers, "f32_linear", recording)
+    monkeypatch.setattr(model_module, "f32_linear", recording)
+    m(m.encode("Every float32 projection."), 0)
+    cfg = m.cfg
+    # per forward: the ratio > 1 compressors' wkv and wgate, each layer's router and its two
+    # hyper-connection mixes, and the head
+    pooling = sum(cfg.compress_ratios[s] > 1 for s in cfg.kv_source_layers)
+    assert len(seen) == 2 * pooling + 3 * cfg.n_layers + 1
+    assert set(seen) == {pad}
+
+
+def test_an_unknown_window_layout_fails_before_loading(tiny_checkpoint):
+    with pytest.raises(ValueError, match="window_layout"):
+        load(tiny_checkpoint, quiet=True, window_layout="ring")
