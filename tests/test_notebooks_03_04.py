@@ -4,9 +4,13 @@ The expected numbers are derived here from the formulas and the released geometr
 from a run."""
 
 import pytest
+import torch
 
 from conftest import run_notebooks_smoke, sidecar
+from dsv41 import csa2_stats as cs
+from dsv41.attention import WINDOW_LAYOUTS
 from dsv41.config import RELEASED, TINY
+from dsv41.kernels import SPARSE_ATTN_CHUNK
 
 SMOKE_NOTEBOOKS = "03,04"
 
@@ -173,3 +177,46 @@ def test_stale_keys_default_vs_fix(smoke_run):
     assert changed["3"] == changed["2"]  # the Reuse reader of layer 2's top-k follows it
     assert all((p + 1) // 2 > k for p in changed["2"])  # only where the ratio-2 top-k truncates
     assert not any(changed[str(layer)] for layer in (0, 1, 4, 5, 6, 7))
+
+
+@pytest.mark.slow
+def test_reference_numerics_against_the_parity_options(smoke_run):
+    num = _sidecar(smoke_run, "04_numerics")
+    chunk, win, n = num["chunk"], num["window"], num["n_tokens"]
+    assert chunk == SPARSE_ATTN_CHUNK and TINY.window_size <= chunk
+    assert win == chunk + TINY.window_size and n == win + TINY.window_size  # the ring fills, then wraps
+    assert num["index_topk"] == n  # ratio-1 layers keep every reachable position: nothing truncated
+    settings = [tuple(s) for s in num["settings"]]
+    assert sorted(settings) == sorted((layout, pad) for layout in WINDOW_LAYOUTS for pad in (False, True))
+    assert num["n_differ"] == [0] * len(settings)  # no selection differs: every difference is rounding
+    window_layers = [layer for layer, ratio in enumerate(num["ratios"]) if not ratio]
+    for (layout, pad), per_layer, diffs in zip(settings, num["max_output_diff"], num["output_diff"]):
+        if layout == "uniform":  # one layout for prefill and decode: bit for bit, padded or not
+            assert per_layer == [0.0] * len(per_layer), pad
+            continue
+        # the reference's decode row ends its present positions at the last window column while the
+        # ring fills: a pure window layer's sums move only where they straddle the chunk boundary
+        # elsewhere than the prefill row's, and nowhere once the ring is full
+        moved = {p for layer in window_layers for p, v in enumerate(diffs[layer]) if v > 0}
+        assert moved and moved <= set(range(win - chunk, win - 1)), (layout, pad)
+        assert all(max(row[win - 1 :]) == 0.0 for row in diffs), (layout, pad)
+
+    # the whole model at the checkpoint's own geometry, over positions no top-k cuts
+    assert 0 < num["logit_positions"] <= cs.untruncated_positions(TINY)
+    assert num["checkpoint_window"] == TINY.window_size and num["checkpoint_index_topk"] == TINY.index_topk
+    whole = dict(zip(settings, zip(num["logit_max_abs_diff"], num["max_abs_logit"], num["first_argmax_divergence"])))
+    assert [(o["window_layout"], o["pad_f32_rows"]) for o in num["numerics"]] == settings
+    assert num["selection_partings"] == num["routing_partings"] == [{}] * len(settings)
+    assert all(first is None for _, _, first in whole.values())  # no greedy token moves
+    # unpadded float32 GEMMs take another BLAS kernel for a decode step's single row (measured on
+    # this torch build's MKL): logits part by rounding, within a bf16 step of their scale
+    for layout in WINDOW_LAYOUTS:
+        diffs, scale, _ = whole[(layout, False)]
+        assert 0 < max(diffs) <= torch.finfo(torch.bfloat16).eps * scale, layout
+    # padded, the layouts agree too: this checkpoint's rows (window + index_topk) fit one chunk
+    assert TINY.window_size + TINY.index_topk <= chunk
+    assert whole[("uniform", True)][0] == whole[("reference", True)][0] == [0.0] * num["logit_positions"]
+    facts = _sidecar(smoke_run, "04_candidate_facts")
+    assert facts["numerics"]["attention_identical"] == {"reference, False": False, "reference, True": False,
+                                                        "uniform, False": True, "uniform, True": True}
+    assert facts["sweep"]["numerics"] == {"window_layout": "uniform", "pad_f32_rows": True}
