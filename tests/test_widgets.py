@@ -268,7 +268,10 @@ def test_tie_adapter_on_a_generation(model, run):
         assert all(g >= 0 for g in row if g is not None)
     assert data["margins"] == result.trace.margins and data["tokens"] == result.ids
     cmp = data["comparison"]
-    assert cmp["positions"] == 12 and cmp["max_abs_diff"][:8] == [0.0] * 8
+    # the model keeps the reference's arithmetic: before the first cut the logits part by rounding
+    # only (see test_generate), within a bf16 step of their scale
+    assert cmp["positions"] == 12
+    assert max(cmp["max_abs_diff"][:8]) <= torch.finfo(torch.bfloat16).eps * cmp["max_abs_logit"]
     partings = [p for positions in cmp["selection_parting"].values() for p in positions]
     assert all(p >= 8 for p in partings)
     json.dumps(viz.to_jsonable(data), allow_nan=False)
