@@ -409,14 +409,68 @@ def test_native_kernels_build_once_into_the_cache(fresh_native, tmp_path, monkey
     assert fresh_native.load().path == kernels.path
 
 
+def _exact_block_case(m, g):
+    """Operands whose 32-value block sums are exact in float32 (activations from a few small
+    values, weights random), so any order of additions inside a block gives the same partial and
+    only the block order and scaling are left to compare."""
+    k = 256
+    x = torch.tensor([0.5, 1.0, 1.5, 2.0, -1.0, -3.0])[torch.randint(0, 6, (m, k), generator=g)]
+    x[:, ::32] = 4.0  # every block's amax: activation scale 4/448 rounded up to a power of two
+    a, a_s = act_quant(x.to(torch.bfloat16))
+    packed, scale = _fp4_weight(40, k, g, lo=100, hi=150)  # scales spanning 50 octaves across blocks
+    fp8 = (torch.randn(40, k, generator=g) * 8).to(torch.float8_e4m3fn)
+    fp8_s = torch.randint(100, 150, (2, k // 32), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+    return a, a_s, packed, scale, fp8, fp8_s
+
+
 @needs_cc
-def test_portable_build_without_simd_matches_the_reference(fresh_native, monkeypatch):
-    """The plain-C branch of native.c (what a CPU without AVX2/FMA/F16C gets)."""
+@pytest.mark.parametrize("m", range(1, 9))
+def test_native_follows_the_reference_block_order_up_to_8_tokens(m):
+    """Up to 8 tokens per weight the native kernel scales each block's partial and adds it in K
+    order as fp4_gemm / fp8_gemm do: bit for bit the reference wherever block sums are exact."""
+    from dsv41.kernels.native import BLOCK_ORDER_MAX_TOKENS
+
+    assert BLOCK_ORDER_MAX_TOKENS == 8
+    a, a_s, packed, scale, fp8, fp8_s = _exact_block_case(m, _gen(80 + m))
+    got = fp4_gemm_fused(a, a_s, packed, scale, out_dtype=torch.float32, cpu_kernel="native")
+    assert torch.equal(got, fp4_gemm(a, a_s, packed.view(torch.uint8), scale, out_dtype=torch.float32))
+    got = fp8_gemm_fused(a, a_s, fp8, fp8_s, out_dtype=torch.float32, cpu_kernel="native")
+    assert torch.equal(got, fp8_gemm(a, a_s, fp8, fp8_s, out_dtype=torch.float32))
+    # the torch kernel sums in another order: the same case tells the two apart
+    torch_got = fp4_gemm_fused(a, a_s, packed, scale, out_dtype=torch.float32, cpu_kernel="torch")
+    assert not torch.equal(torch_got, fp4_gemm(a, a_s, packed.view(torch.uint8), scale, out_dtype=torch.float32))
+
+
+@needs_cc
+def test_a_tokens_result_does_not_depend_on_its_company_up_to_8_tokens():
+    """Random operands (inexact block sums): a token gets the same bits alone or with 7 others."""
+    g = _gen(90)
+    packed, scale = _fp4_weight(48, 320, g)
+    a, a_s = act_quant((torch.randn(8, 320, generator=g) * 3).to(torch.bfloat16))
+    together = fp4_gemm_fused(a, a_s, packed, scale, out_dtype=torch.float32, cpu_kernel="native")
+    for i in range(8):
+        alone = fp4_gemm_fused(a[i : i + 1], a_s[i : i + 1], packed, scale, out_dtype=torch.float32, cpu_kernel="native")
+        assert torch.equal(alone[0], together[i])
+        pair = fp4_gemm_fused(a[i : i + 2], a_s[i : i + 2], packed, scale, out_dtype=torch.float32, cpu_kernel="native")
+        assert torch.equal(pair[0], together[i])
+
+
+@needs_cc
+def test_portable_build_without_simd_gives_the_same_bits(fresh_native, monkeypatch):
+    """The plain-C branch of native.c (what a CPU without AVX2/FMA/F16C gets) sums in the SIMD
+    branch's order up to 8 tokens, and matches the reference beyond."""
+    cases = list(_gemm_cases(_gen(67)))
+    simd = fresh_native.load()
+    assert simd is not None, fresh_native.unavailable_reason()
+    want = [_fused_gemm(kind, a, a_s, w, s, "native") for kind, a, a_s, w, s, _ in cases]
+    monkeypatch.setattr(fresh_native, "_STATE", {})
     monkeypatch.setattr(fresh_native, "_FLAG_SETS", (["-O3"],))
-    kernels = fresh_native.load()
-    assert kernels is not None and not kernels.simd and kernels.flags == ["-O3"]
-    for kind, a, a_s, w, s, ref in _gemm_cases(_gen(67)):
+    portable = fresh_native.load()
+    assert portable is not None and not portable.simd and portable.flags == ["-O3"]
+    for (kind, a, a_s, w, s, ref), simd_out in zip(cases, want):
         got = _fused_gemm(kind, a, a_s, w, s, "native")
+        if a.size(0) <= 8:
+            assert torch.equal(got, simd_out), kind
         w_values = fp4_to_float(w.view(torch.uint8)) if kind == "fp4" else w.float()
         w_scales = s.float() if kind == "fp4" else s.float().repeat_interleave(32, 0)[:40]
         _assert_gemm_close(got, ref, _bound(a, a_s, w_values, w_scales), 128)

@@ -5,24 +5,27 @@ w2 (down), I8 [dim, inter/2]; each byte holds two E2M1 codes (element 2i in the 
 one E8M0 scale per 32 values along K. The reference `fp4_gemm` expands a whole matrix to float32
 before multiplying; the runtime this project replaces expanded every routed expert to BF16 and
 spent almost all of a decode step doing so. The fused path here never holds more than a chunk of
-rows in float32 and reaches the same numbers:
+rows in float32. It runs on one of two CPU kernels, chosen by `cpu_kernel`: "native" (native.c,
+built once per machine with its C compiler), "torch" (plain PyTorch), or "auto", the default,
+which takes native where it builds and torch otherwise, saying so once on stderr.
 
-- Scales are split into one power of two per weight row (per token for activations) and a
-  relative power of two in [2**-48, 1]. A value times its relative scale is exact in float32, and
-  so is the product of two such values, so one float32 dot product over all of K yields the
-  reference's block-scaled sum; only the order of the float32 additions differs. Rows or tokens
-  whose scales span more than 48 octaves are computed by the reference itself, a chunk at a time.
-- The inner product over the packed bytes runs in one of two CPU kernels, chosen by `cpu_kernel`:
-  "native" is native.c, built once per machine with its C compiler (a register-blocked SIMD GEMV
-  for up to 8 tokens, a SIMD decode into a reused float32 buffer plus one BLAS GEMM per chunk for
-  more); "torch" is plain PyTorch, below; "auto" (the default) takes native where it builds and
-  torch otherwise, saying so once on stderr.
-- The torch kernel decodes a chunk of rows with three integer ops on int32 words: each code is
-  moved to the top of the word, shifted back arithmetically and masked, which leaves the float32
-  bit pattern of value * 2**-126 (value * 2**-120 for FP8 bytes); one multiply applies the
-  relative scales and 2**126 back. The chunk's columns are in a permuted order, so that multiply
-  runs along long contiguous rows; the activation is permuted to match. Then one BLAS call per
-  chunk (matrix-vector for one token, matrix-matrix otherwise).
+- Native, up to 8 tokens per weight (every expert while decoding): the reference's own
+  arithmetic, each 32-value block's partial product scaled by the activation and weight scales
+  as `fp4_gemm` / `fp8_gemm` scale it and added in K order; only the order of the 32 additions
+  inside a block is the kernel's, the same for any token count, so a token's result does not
+  depend on its company. SIMD decode (a pshufb table for E2M1, IEEE halves for E4M3).
+- More tokens, on either kernel: scales are split into one power of two per weight row (per
+  token for activations) and a relative power of two in [2**-48, 1]. A value times its relative
+  scale is exact in float32, and so is the product of two such values, so one float32 dot product
+  over all of K (a BLAS GEMM over decoded rows) yields the block-scaled sum; only the order of the
+  float32 additions differs from the reference. Rows or tokens whose scales span more than 48
+  octaves are computed by the reference itself, a chunk at a time. The native kernel decodes the
+  rows in C; the torch kernel, at any token count, decodes a chunk of rows with three integer ops
+  on int32 words: each code is moved to the top of the word, shifted back
+  arithmetically and masked, which leaves the float32 bit pattern of value * 2**-126
+  (value * 2**-120 for FP8 bytes); one multiply applies the relative scales and 2**126 back. The
+  chunk's columns are in a permuted order, so that multiply runs along long contiguous rows; the
+  activation is permuted to match.
 
 Every buffer is allocated float32 explicitly, so `torch.set_default_dtype` changes nothing here.
 
@@ -231,11 +234,11 @@ def _fused(a, a_s, b, b_s, rows_per_scale: int, act_block: int, codec: _WordCode
     if kernels is not None and w_raw is not None and a_raw is not None:
         out, a_ok, w_ok = kernels.gemm(codec is _FP4, a.reshape(m, k).view(torch.uint8), a_raw, act_block,
                                        words.view(torch.uint8), w_raw, rows_per_scale, _SPAN_OCTAVES, _CHUNK_VALUES)
-    else:  # the torch kernel (also for scales that are not E8M0, which the native kernels do not read)
+    else:  # the torch kernel (also for scales that are not E8M0, which the native kernel does not read)
         a_scaled, a_top, a_ok = _activation_operand(a, a_s, act_block)
         if w_raw is not None:
             top_byte = w_raw.amax(dim=1).to(torch.int32)
-            w_top, w_ok = native.scale_powers(top_byte, w_raw.amin(dim=1).to(torch.int32), _SPAN_OCTAVES)
+            w_top, w_ok = native.split_powers(top_byte, w_raw.amin(dim=1).to(torch.int32), _SPAN_OCTAVES)
             w_rel = _relative_e8m0(w_raw, top_byte)
         else:
             w_top, w_rel, w_ok = _split(b_s.float())

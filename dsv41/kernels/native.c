@@ -1,31 +1,40 @@
 /* Native CPU kernels for the routed and shared experts: products straight from packed FP4 (E2M1,
- * two codes per byte, element 2i in the low nibble) and FP8 (E4M3) weight rows.
+ * two codes per byte, element 2i in the low nibble) or FP8 (E4M3) weight rows.
  *
  * Built by dsv41/kernels/native.py with the machine's C compiler on first use and called through
- * ctypes. Scales are read as stored, E8M0 bytes, one per 32 values along K: for the weights one
- * scale row per `rows_per_scale` weight rows (1 for FP4 experts, 32 for FP8 blocks), for the
- * activations one per `act_block` values. Every scale row is split into its largest byte `top`
- * and relative scales 2**(byte - top), so each product below is an exact float32 and only the
- * order of additions differs from the reference; the powers of two 2**top are applied to the
- * result, the token's first, then the row's (see experts.py for the span that keeps the split
- * exact; rows or tokens outside it are flagged and recomputed by the caller).
+ * ctypes. Two entry points:
+ * - dsv41_gemm, for the few tokens a weight sees while decoding (the caller uses it up to 8):
+ *   what the op layer's fp4_gemm / fp8_gemm compute, in their order, below;
+ * - dsv41_decode (with dsv41_activation and dsv41_scale_range), for many tokens: rows decoded
+ *   into a float32 buffer for the caller's BLAS GEMM, scales split as experts.py explains.
  *
- * - dsv41_small_gemm: the whole product for up to GEMV_MAX_TOKENS tokens; each 32-value block
- *   of a weight row is decoded once into registers and multiplied into every token.
- * - dsv41_activation, dsv41_scale_range, dsv41_decode: the pieces for more tokens, where the
- *   caller decodes weight rows into a float32 buffer for a BLAS GEMM.
+ * dsv41_gemm, for each
+ * output (token t, row r) one float32 partial product per 32-value K block, scaled by the block's
+ * activation and weight scales as the reference scales it (FP4: times the activation scale, then
+ * the weight scale; FP8: times their product), and added into a float32 accumulator in K order.
+ * Only the order of the 32 additions inside a block is this kernel's own (eight lanes of four
+ * products each, then the lanes pairwise), and it is the same for every token count, so a token's
+ * result does not depend on how many tokens share the call.
  *
- * FP4 codes go through a 16-entry table of 2 * value (small integers, exact in int8); the factor
- * 0.5 is folded into the block scale. E4M3 bytes are moved into the bit positions of an IEEE
- * half (value * 2**-8, subnormals included) and widened by the F16C conversion, which reads half
- * subnormals as themselves whatever the thread's denormal flags say; 2**8 is folded into the
- * block scale. Without AVX2/FMA/F16C the same arithmetic runs as plain C.
+ * Scales are read as stored, E8M0 bytes, one per 32 values along K: for the weights one scale row
+ * per `rows_per_scale` weight rows (1 for FP4 experts, 32 for FP8 blocks), for the activations
+ * one per `act_block` values.
  *
- * Work is split by weight rows over `threads` POSIX threads (the caller's thread takes one part).
+ * FP4 codes go through a 16-entry table of 2 * value (small integers, exact in int8); E4M3 bytes
+ * are moved into the bit positions of an IEEE half (value * 2**-8, subnormals included) and
+ * widened by the F16C conversion, which reads half subnormals as themselves whatever the thread's
+ * denormal flags say. Both factors (1/2, 2**8) are powers of two folded into the activations, so
+ * every product is the reference's product. Without AVX2/FMA/F16C the same arithmetic runs as
+ * plain C, in the same order.
+ *
+ * Tokens go in groups of eight (one vector lane each for the block sums); work is split by weight
+ * rows over `threads` threads (see parallel_rows), in tiles of rows that stay in cache while
+ * every token group passes over them.
  */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -35,13 +44,20 @@
 #endif
 
 #define BLOCK 32
-#define GEMV_MAX_TOKENS 8
+#define GROUP 8      /* tokens per pass over a weight row */
+#define ROW_TILE 64  /* weight rows kept in cache while all token groups pass */
+/* A row tile's weight scales as floats, four rows side by side per block: [rows / 4, nb, 4]. */
+#define SW_INDEX(row, b, nb) ((((row) / 4) * (nb) + (b)) * 4 + (row) % 4)
 #define MAX_THREADS 64
-#define ABI_VERSION 5
+#define ABI_VERSION 7
 
 int dsv41_abi_version(void) { return ABI_VERSION; }
 int dsv41_simd(void) { return DSV41_SIMD; }
-int dsv41_gemv_max_tokens(void) { return GEMV_MAX_TOKENS; }
+#ifdef _OPENMP
+int dsv41_openmp(void) { return 1; }
+#else
+int dsv41_openmp(void) { return 0; }
+#endif
 
 /* 2 * value of each E2M1 code; code 8 is -0, read as 0. */
 static const int8_t FP4_TWICE[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -53,23 +69,14 @@ static float e4m3_value(uint8_t b) {
     return (b & 0x80) ? -mag : mag;
 }
 
-static inline float float_of_bits(uint32_t u) {
+/* An E8M0 byte as the float32 it stands for: 2**(byte - 127), 2**-127 as a subnormal, 255 NaN. */
+static inline float e8m0_value(uint8_t byte) {
     union { uint32_t u; float f; } bits;
-    bits.u = u;
+    bits.u = byte == 0 ? 0x00400000u : byte == 255 ? 0x7FC00000u : (uint32_t)byte << 23;
     return bits.f;
 }
 
-/* An E8M0 byte as the float32 it stands for: 2**(byte - 127), 2**-127 as a subnormal, 255 NaN. */
-static inline float e8m0_value(uint8_t byte) {
-    return float_of_bits(byte == 0 ? 0x00400000u : byte == 255 ? 0x7FC00000u : (uint32_t)byte << 23);
-}
-
-/* 2**(exponent - 127) for a biased exponent in the normal range, else 0. */
-static inline float pow2_biased(int32_t exponent) {
-    return float_of_bits(exponent > 0 && exponent < 255 ? (uint32_t)exponent << 23 : 0);
-}
-
-/* Where element i of a row sits once arranged for the FP4 GEMV: per 32-value block, the 16 even
+/* Where element i of a row sits once arranged for FP4 weights: per 32-value block, the 16 even
  * elements, then the 16 odd ones (the order the packed nibbles decode in). */
 static inline int64_t arranged_index(int64_t i) {
     int64_t e = i % BLOCK;
@@ -77,82 +84,82 @@ static inline int64_t arranged_index(int64_t i) {
 }
 
 typedef struct {
-    const uint8_t *w;      /* [n, row_bytes] */
-    const uint8_t *scale;  /* E8M0 [ceil(n / rows_per_scale), nb] */
-    const int32_t *top;    /* [ceil(n / rows_per_scale)]: each scale row's largest byte */
-    const float *a;        /* gemv: [m, k], FP4 arranged per block; decode: unused */
-    const float *a_pow;    /* gemv: [m] each token's power of two */
-    float *out;            /* gemv: [m, n]; decode: [last - first, k] */
-    int64_t m, n, k, rows_per_scale, first;
+    const uint8_t *w;        /* [n, row_bytes] */
+    const uint8_t *w_scale;  /* E8M0 [ceil(n / rows_per_scale), k / 32] */
+    const float *a;          /* [m, k] activation values times the decode's factor, FP4 arranged */
+    const float *a_scale;    /* [groups, k / 32, GROUP] activation scales, 0 past the last token */
+    float *out;              /* [n, m] */
+    int64_t m, n, k, rows_per_scale;
     int fp4;
+    int *failed;             /* set when a thread cannot allocate its scratch */
 } job_t;
 
-/* rel[b] = 2**(byte - top) times the decode's factor (0.5 for the FP4 table's 2 * value, 2**8
- * for E4M3 read as halves) for each block b of weight row `row`; 0 where that leaves the normal
- * range (rows outside the span, recomputed by the caller). */
-static void row_scales(const job_t *j, int64_t row, float *rel) {
-    int64_t srow = row / j->rows_per_scale, nb = j->k / BLOCK;
-    const uint8_t *bytes = j->scale + srow * nb;
-    int32_t bias = (j->fp4 ? 126 : 135) - j->top[srow];
-    for (int64_t b = 0; b < nb; b++) rel[b] = pow2_biased(bias + (int32_t)bytes[b]);
-}
-
-/* The token's power of two first, then the row's: the order the reference applies its scales. */
-static inline float finish(const job_t *j, int64_t t, int64_t r, float sum) {
-    return sum * j->a_pow[t] * e8m0_value((uint8_t)j->top[r / j->rows_per_scale]);
-}
-
-typedef void (*body_fn)(const job_t *, int64_t, int64_t, float *);
-
+/* Rows of a weight decoded into float32 times their relative block scales 2**(byte - top), for
+ * the caller's BLAS GEMM when many tokens share the weight (see dsv41_decode). */
 typedef struct {
-    const job_t *job;
-    body_fn body;
+    const uint8_t *w;      /* [n, row_bytes] */
+    const uint8_t *scale;  /* E8M0 [ceil(n / rows_per_scale), k / 32] */
+    const int32_t *top;    /* [ceil(n / rows_per_scale)]: each scale row's largest byte */
+    float *out;            /* [last - first, k] */
+    int64_t k, rows_per_scale, first;
+    int fp4;
+} decode_t;
+
+/* 2**(exponent - 127) for a biased exponent in the normal range, else 0. */
+static inline float pow2_biased(int32_t exponent) {
+    union { uint32_t u; float f; } bits;
+    bits.u = exponent > 0 && exponent < 255 ? (uint32_t)exponent << 23 : 0;
+    return bits.f;
+}
+
+typedef void (*rows_fn)(const void *, int64_t, int64_t);
+
+#ifndef _OPENMP
+typedef struct {
+    const void *job;
+    rows_fn body;
     int64_t r0, r1;
-    float *rel;  /* this part's scratch for one row's block scales */
 } part_t;
 
 static void *run_part(void *arg) {
     part_t *p = (part_t *)arg;
-    p->body(p->job, p->r0, p->r1, p->rel);
+    p->body(p->job, p->r0, p->r1);
     return NULL;
 }
+#endif
 
-/* Rows [first, last) in `threads` contiguous parts; a part whose thread cannot start runs here.
- * Returns 0, or -2 when the scratch cannot be allocated. */
-static int parallel_rows(const job_t *job, int64_t first, int64_t last, int threads, body_fn body) {
-    int64_t n = last - first, nb = job->k / BLOCK;
+/* Rows [first, last) in `threads` contiguous parts. Built with OpenMP, the parts run on the
+ * process's OpenMP pool (torch's own, already loaded, whose idle workers spin-wait for work and
+ * would otherwise hold the cores that fresh threads need); without it, on POSIX threads, a part
+ * whose thread cannot start running here. `job` is handed to `body` as it is. */
+static void parallel_rows(const void *job, int64_t first, int64_t last, int threads, rows_fn body) {
+    int64_t n = last - first;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > n) threads = (int)(n > 0 ? n : 1);
-    float *scratch = malloc(sizeof(float) * (size_t)(threads * (nb > 0 ? nb : 1)));
-    if (!scratch) return -2;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int t = 0; t < threads; t++) body(job, first + n * t / threads, first + n * (t + 1) / threads);
+#else
     part_t parts[MAX_THREADS];
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS];
     for (int t = 0; t < threads; t++) {
-        parts[t] = (part_t){job, body, first + n * t / threads, first + n * (t + 1) / threads, scratch + t * nb};
+        parts[t] = (part_t){job, body, first + n * t / threads, first + n * (t + 1) / threads};
         started[t] = t > 0 && pthread_create(&ids[t], NULL, run_part, &parts[t]) == 0;
     }
     for (int t = 0; t < threads; t++)
         if (!started[t]) run_part(&parts[t]);
     for (int t = 1; t < threads; t++)
         if (started[t]) pthread_join(ids[t], NULL);
-    free(scratch);
-    return 0;
+#endif
 }
 
 #if DSV41_SIMD
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline __m256 i8_to_ps(__m128i x) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)); }
 
-/* One 32-value block of a weight row -> 4 x 8 floats (times the factor row_scales folds out):
- * FP4 in the arranged order (even elements, then odd), E4M3 in natural order. */
+/* One 32-value block of a weight row -> 4 x 8 floats (FP4: 2 * value in the arranged order, even
+ * elements then odd; E4M3: value * 2**-8 in natural order). */
 static inline __attribute__((always_inline)) void decode_block(int fp4, const uint8_t *src, __m256 v[4]) {
     if (fp4) {
         const __m128i nibble = _mm_set1_epi8(0x0F);
@@ -175,64 +182,133 @@ static inline __attribute__((always_inline)) void decode_block(int fp4, const ui
     }
 }
 
-/* M tokens at a time, FP4 or not: compile-time constants, so the accumulators stay in registers
- * and the format's branch leaves the loop. */
-#define GEMV_BODY(M, FP4, NAME)                                                                   \
-    static void NAME(const job_t *j, int64_t r0, int64_t r1, float *rel) {                        \
+/* Lane sums of one token's four products: (v0 a0 + v1 a1) + (v2 a2 + v3 a3), lane by lane. */
+static inline __m256 lane_sums(const __m256 v[4], const float *a) {
+    __m256 p01 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(a + 8), _mm256_mul_ps(v[0], _mm256_loadu_ps(a)));
+    __m256 p23 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(a + 24), _mm256_mul_ps(v[2], _mm256_loadu_ps(a + 16)));
+    return _mm256_add_ps(p01, p23);
+}
+
+/* T tokens' lane sums (T <= 8, the rest zero) -> one vector of their block sums, token t in lane
+ * t, each summed as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) whatever T is. */
+static inline __attribute__((always_inline)) __m256 block_sums(int T, const __m256 s[GROUP]) {
+    if (T == 1) {
+        __m256 h = _mm256_hadd_ps(s[0], s[0]);
+        h = _mm256_hadd_ps(h, h);  /* lane 0: l0+l1 + l2+l3, lane 4: l4+l5 + l6+l7 */
+        return _mm256_zextps128_ps256(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+    __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+    if (T <= 4)  /* lanes 0-3 hold each token's first four lanes summed, 4-7 its last four */
+        return _mm256_zextps128_ps256(_mm_add_ps(_mm256_castps256_ps128(h0123), _mm256_extractf128_ps(h0123, 1)));
+    __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+/* Blocks [b0, b1) of the token group starting at g0 (T tokens, a compile-time count) against
+ * rows [r0, r1): acc[r - r0] carries each row's sums from block to block in K order; sw holds
+ * holds the row's weight scales as floats. */
+#define GROUP_BODY(T, FP4, NAME)                                                                  \
+    static void NAME(const job_t *j, int64_t r0, int64_t r1, int64_t g0, int64_t b0, int64_t b1,  \
+                     const float *sw, float *acc) {                                               \
         const int64_t nb = j->k / BLOCK, row_bytes = FP4 ? j->k / 2 : j->k;                      \
         const int64_t block_bytes = FP4 ? BLOCK / 2 : BLOCK;                                      \
+        const float *a = j->a + g0 * j->k;                                                        \
+        const float *a_scale = j->a_scale + (g0 / GROUP) * nb * GROUP;                            \
         for (int64_t r = r0; r < r1; r++) {                                                       \
             const uint8_t *w = j->w + r * row_bytes;                                              \
-            row_scales(j, r, rel);                                                                \
-            __m256 acc[M];                                                                        \
-            for (int t = 0; t < M; t++) acc[t] = _mm256_setzero_ps();                             \
-            for (int64_t b = 0; b < nb; b++) {                                                    \
-                __m256 v[4];                                                                      \
+            __m256 sum = _mm256_loadu_ps(acc + (r - r0) * GROUP);                                 \
+            for (int64_t b = b0; b < b1; b++) {                                                   \
+                __m256 v[4], s[GROUP];                                                            \
                 decode_block(FP4, w + b * block_bytes, v);                                        \
-                __m256 scale = _mm256_broadcast_ss(rel + b);                                      \
-                for (int t = 0; t < M; t++) {                                                     \
-                    const float *a = j->a + t * j->k + b * BLOCK;                                 \
-                    __m256 p01 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(a + 8),                    \
-                                                 _mm256_mul_ps(v[0], _mm256_loadu_ps(a)));        \
-                    __m256 p23 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(a + 24),                   \
-                                                 _mm256_mul_ps(v[2], _mm256_loadu_ps(a + 16)));   \
-                    acc[t] = _mm256_fmadd_ps(_mm256_add_ps(p01, p23), scale, acc[t]);             \
-                }                                                                                 \
+                for (int t = 0; t < GROUP; t++)                                                   \
+                    s[t] = t < T ? lane_sums(v, a + t * j->k + b * BLOCK) : _mm256_setzero_ps();  \
+                __m256 partial = block_sums(T, s);                                                \
+                __m256 sa = _mm256_loadu_ps(a_scale + b * GROUP);                                 \
+                __m256 sb = _mm256_broadcast_ss(sw + SW_INDEX(r - r0, b, nb));                    \
+                if (FP4) /* the reference's fp4_gemm: activation scale, then weight scale */      \
+                    partial = _mm256_mul_ps(_mm256_mul_ps(partial, sa), sb);                      \
+                else /* its fp8_gemm: the two scales combined first */                            \
+                    partial = _mm256_mul_ps(partial, _mm256_mul_ps(sa, sb));                      \
+                sum = _mm256_add_ps(sum, partial);                                                \
             }                                                                                     \
-            for (int t = 0; t < M; t++) j->out[t * j->n + r] = finish(j, t, r, hsum(acc[t]));     \
+            _mm256_storeu_ps(acc + (r - r0) * GROUP, sum);                                        \
         }                                                                                         \
     }
 
-#define GEMV_BOTH(M) GEMV_BODY(M, 1, gemv_fp4_##M) GEMV_BODY(M, 0, gemv_fp8_##M)
-GEMV_BOTH(1)
-GEMV_BOTH(2)
-GEMV_BOTH(3)
-GEMV_BOTH(4)
-GEMV_BOTH(5)
-GEMV_BOTH(6)
-GEMV_BOTH(7)
-GEMV_BOTH(8)
+#define GROUP_BOTH(T) GROUP_BODY(T, 1, fp4_group_##T) GROUP_BODY(T, 0, fp8_group_##T)
+GROUP_BOTH(1)
+GROUP_BOTH(2)
+GROUP_BOTH(3)
+GROUP_BOTH(4)
+GROUP_BOTH(5)
+GROUP_BOTH(6)
+GROUP_BOTH(7)
+GROUP_BOTH(8)
 
-static const body_fn GEMV_FP4[GEMV_MAX_TOKENS + 1] = {
-    0, gemv_fp4_1, gemv_fp4_2, gemv_fp4_3, gemv_fp4_4, gemv_fp4_5, gemv_fp4_6, gemv_fp4_7, gemv_fp4_8};
-static const body_fn GEMV_FP8[GEMV_MAX_TOKENS + 1] = {
-    0, gemv_fp8_1, gemv_fp8_2, gemv_fp8_3, gemv_fp8_4, gemv_fp8_5, gemv_fp8_6, gemv_fp8_7, gemv_fp8_8};
+typedef void (*group_fn)(const job_t *, int64_t, int64_t, int64_t, int64_t, int64_t, const float *, float *);
+static const group_fn FP4_GROUP[GROUP + 1] = {
+    0, fp4_group_1, fp4_group_2, fp4_group_3, fp4_group_4, fp4_group_5, fp4_group_6, fp4_group_7, fp4_group_8};
+static const group_fn FP8_GROUP[GROUP + 1] = {
+    0, fp8_group_1, fp8_group_2, fp8_group_3, fp8_group_4, fp8_group_5, fp8_group_6, fp8_group_7, fp8_group_8};
 
-static void gemv_rows(const job_t *j, int64_t r0, int64_t r1, float *rel) {
-    (j->fp4 ? GEMV_FP4 : GEMV_FP8)[j->m](j, r0, r1, rel);
+/* One token against four rows at a time (decode: every expert sees one token), the rows' lane
+ * sums reduced together: each row's block sum in exactly the order block_sums gives one token,
+ * and the scaling and K-order addition lane by lane as in GROUP_BODY. */
+#define FOUR_ROWS_BODY(FP4, NAME)                                                                 \
+    static void NAME(const job_t *j, int64_t r0, int64_t b0, int64_t b1, const float *sw, float *acc) { \
+        const int64_t nb = j->k / BLOCK, row_bytes = FP4 ? j->k / 2 : j->k;                      \
+        const int64_t block_bytes = FP4 ? BLOCK / 2 : BLOCK;                                      \
+        const uint8_t *w = j->w + r0 * row_bytes;                                                 \
+        __m128 sum = _mm_setr_ps(acc[0], acc[GROUP], acc[2 * GROUP], acc[3 * GROUP]);            \
+        for (int64_t b = b0; b < b1; b++) {                                                       \
+            __m256 s[4];                                                                          \
+            for (int q = 0; q < 4; q++) {                                                         \
+                __m256 v[4];                                                                      \
+                decode_block(FP4, w + q * row_bytes + b * block_bytes, v);                        \
+                s[q] = lane_sums(v, j->a + b * BLOCK);                                            \
+            }                                                                                     \
+            /* row q in lane q: its first four lanes summed, then its last four, then both */     \
+            __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));   \
+            __m128 partial = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));  \
+            __m128 sa = _mm_set1_ps(j->a_scale[b * GROUP]);                                       \
+            __m128 sb = _mm_loadu_ps(sw + SW_INDEX(0, b, nb));                                    \
+            if (FP4)                                                                              \
+                partial = _mm_mul_ps(_mm_mul_ps(partial, sa), sb);                                \
+            else                                                                                  \
+                partial = _mm_mul_ps(partial, _mm_mul_ps(sa, sb));                                \
+            sum = _mm_add_ps(sum, partial);                                                       \
+        }                                                                                         \
+        float lanes[4];                                                                           \
+        _mm_storeu_ps(lanes, sum);                                                                \
+        for (int q = 0; q < 4; q++) acc[q * GROUP] = lanes[q];                                    \
+    }
+FOUR_ROWS_BODY(1, fp4_four_rows)
+FOUR_ROWS_BODY(0, fp8_four_rows)
+
+static void group_blocks(const job_t *j, int64_t r0, int64_t r1, int64_t g0, int64_t b0, int64_t b1,
+                         const float *sw, float *acc) {
+    const int64_t nb = j->k / BLOCK;
+    int64_t tokens = j->m - g0 < GROUP ? j->m - g0 : GROUP;
+    if (tokens == 1)
+        for (; r0 + 4 <= r1; r0 += 4, sw += 4 * nb, acc += 4 * GROUP)
+            (j->fp4 ? fp4_four_rows : fp8_four_rows)(j, r0, b0, b1, sw, acc);
+    (j->fp4 ? FP4_GROUP : FP8_GROUP)[tokens](j, r0, r1, g0, b0, b1, sw, acc);
 }
 
-static void decode_rows(const job_t *j, int64_t r0, int64_t r1, float *rel) {
-    const int64_t nb = j->k / BLOCK, row_bytes = j->fp4 ? j->k / 2 : j->k;
-    const int64_t block_bytes = j->fp4 ? BLOCK / 2 : BLOCK;
+static void decode_rows(const void *job, int64_t r0, int64_t r1) {
+    const decode_t *d = job;
+    const int64_t nb = d->k / BLOCK, row_bytes = d->fp4 ? d->k / 2 : d->k;
+    const int64_t block_bytes = d->fp4 ? BLOCK / 2 : BLOCK;
     for (int64_t r = r0; r < r1; r++) {
-        row_scales(j, r, rel);
-        float *dst = j->out + (r - j->first) * j->k;
+        const uint8_t *bytes = d->scale + (r / d->rows_per_scale) * nb;
+        /* 2 * value (FP4) or value * 2**-8 (E4M3) times 2**(byte - top): the factor folds in */
+        int32_t bias = (d->fp4 ? 126 : 135) - d->top[r / d->rows_per_scale];
+        float *dst = d->out + (r - d->first) * d->k;
         for (int64_t b = 0; b < nb; b++, dst += BLOCK) {
             __m256 v[4];
-            decode_block(j->fp4, j->w + r * row_bytes + b * block_bytes, v);
-            __m256 scale = _mm256_broadcast_ss(rel + b);
-            if (j->fp4) {  /* back from (even, odd) to natural order */
+            decode_block(d->fp4, d->w + r * row_bytes + b * block_bytes, v);
+            __m256 scale = _mm256_set1_ps(pow2_biased(bias + (int32_t)bytes[b]));
+            if (d->fp4) {  /* back from (even, odd) to natural order */
                 __m256 lo01 = _mm256_unpacklo_ps(v[0], v[2]), hi01 = _mm256_unpackhi_ps(v[0], v[2]);
                 __m256 lo23 = _mm256_unpacklo_ps(v[1], v[3]), hi23 = _mm256_unpackhi_ps(v[1], v[3]);
                 v[0] = _mm256_permute2f128_ps(lo01, hi01, 0x20), v[1] = _mm256_permute2f128_ps(lo01, hi01, 0x31);
@@ -243,47 +319,131 @@ static void decode_rows(const job_t *j, int64_t r0, int64_t r1, float *rel) {
     }
 }
 #else
-/* Element i of weight row r times the factor row_scales folds out (2 for FP4, 2**-8 for E4M3). */
-static inline float weight_value(const job_t *j, int64_t r, int64_t i) {
-    if (j->fp4) {
-        uint8_t byte = j->w[r * (j->k / 2) + i / 2];
-        return (float)FP4_TWICE[(i & 1) ? byte >> 4 : byte & 0x0F];
+/* The same sums in plain C: lane l of a block holds arranged elements l, l+8, l+16, l+24. */
+static float weight_value(const job_t *j, int64_t r, int64_t i) {
+    if (j->fp4) {  /* i in arranged order: even elements of the block, then odd */
+        int64_t e = i % BLOCK, natural = i - e + (e < BLOCK / 2 ? 2 * e : 2 * (e - BLOCK / 2) + 1);
+        uint8_t byte = j->w[r * (j->k / 2) + natural / 2];
+        return (float)FP4_TWICE[(natural & 1) ? byte >> 4 : byte & 0x0F];
     }
     return e4m3_value(j->w[r * j->k + i]) / 256.0f;
 }
 
-static void gemv_rows(const job_t *j, int64_t r0, int64_t r1, float *rel) {
+static void group_blocks(const job_t *j, int64_t r0, int64_t r1, int64_t g0, int64_t b0, int64_t b1,
+                         const float *sw, float *acc) {
     const int64_t nb = j->k / BLOCK;
-    for (int64_t r = r0; r < r1; r++) {
-        row_scales(j, r, rel);
-        for (int64_t t = 0; t < j->m; t++) {
-            float acc = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                float p = 0.0f;
-                for (int64_t i = b * BLOCK; i < (b + 1) * BLOCK; i++)
-                    p += weight_value(j, r, i) * j->a[t * j->k + (j->fp4 ? arranged_index(i) : i)];
-                acc += p * rel[b];
+    int64_t tokens = j->m - g0 < GROUP ? j->m - g0 : GROUP;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t t = 0; t < tokens; t++) {
+            const float *a = j->a + (g0 + t) * j->k;
+            float sum = acc[(r - r0) * GROUP + t];
+            for (int64_t b = b0; b < b1; b++) {
+                float lane[8];
+                for (int l = 0; l < 8; l++) {
+                    int64_t i = b * BLOCK + l;
+                    float p01 = weight_value(j, r, i) * a[i] + weight_value(j, r, i + 8) * a[i + 8];
+                    float p23 = weight_value(j, r, i + 16) * a[i + 16] + weight_value(j, r, i + 24) * a[i + 24];
+                    lane[l] = p01 + p23;
+                }
+                float partial = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+                float sa = j->a_scale[((g0 / GROUP) * nb + b) * GROUP + t], sb = sw[SW_INDEX(r - r0, b, nb)];
+                partial = j->fp4 ? (partial * sa) * sb : partial * (sa * sb);
+                sum = sum + partial;
             }
-            j->out[t * j->n + r] = finish(j, t, r, acc);
+            acc[(r - r0) * GROUP + t] = sum;
         }
-    }
 }
 
-static void decode_rows(const job_t *j, int64_t r0, int64_t r1, float *rel) {
+static void decode_rows(const void *job, int64_t r0, int64_t r1) {
+    const decode_t *d = job;
+    const int64_t nb = d->k / BLOCK;
     for (int64_t r = r0; r < r1; r++) {
-        row_scales(j, r, rel);
-        for (int64_t i = 0; i < j->k; i++)
-            j->out[(r - j->first) * j->k + i] = weight_value(j, r, i) * rel[i / BLOCK];
+        const uint8_t *bytes = d->scale + (r / d->rows_per_scale) * nb;
+        int32_t top = d->top[r / d->rows_per_scale];
+        for (int64_t i = 0; i < d->k; i++) {
+            float value;
+            if (d->fp4) {
+                uint8_t byte = d->w[r * (d->k / 2) + i / 2];
+                value = 0.5f * (float)FP4_TWICE[(i & 1) ? byte >> 4 : byte & 0x0F];
+            } else {
+                value = e4m3_value(d->w[r * d->k + i]);
+            }
+            d->out[(r - d->first) * d->k + i] = value * pow2_biased(127 + (int32_t)bytes[i / BLOCK] - top);
+        }
     }
 }
 #endif
 
-/* FP8 activation bytes [m, k] with E8M0 scales [m, k / act_block] -> float32
- * value * 2**(scale - top) per token, arranged for the FP4 GEMV when asked, with each token's
- * largest and smallest scale byte. */
-int dsv41_activation(const uint8_t *a, const uint8_t *scale, int64_t m, int64_t k, int64_t act_block,
-                     int arrange, float *out, int32_t *top, int32_t *low) {
-    if (m < 0 || act_block < 1 || k % act_block || (arrange && k % BLOCK)) return -1;
+/* A thread's rows, a tile at a time: the tile's weight scales as floats once, then every token
+ * group over the tile. */
+static void gemm_rows(const void *job, int64_t r0, int64_t r1) {
+    const job_t *j = job;
+    const int64_t nb = j->k / BLOCK;
+    float *sw = malloc(sizeof(float) * (size_t)(ROW_TILE * nb));
+    float *acc = malloc(sizeof(float) * ROW_TILE * GROUP);
+    if (!sw || !acc) {  /* reported through the flag the caller checks */
+        free(sw), free(acc);
+        __atomic_store_n(j->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    for (int64_t t0 = r0; t0 < r1; t0 += ROW_TILE) {
+        int64_t t1 = t0 + ROW_TILE < r1 ? t0 + ROW_TILE : r1;
+        for (int64_t r = t0; r < t1; r++)
+            for (int64_t b = 0; b < nb; b++)
+                sw[SW_INDEX(r - t0, b, nb)] = e8m0_value(j->w_scale[(r / j->rows_per_scale) * nb + b]);
+        for (int64_t g0 = 0; g0 < j->m; g0 += GROUP) {
+            memset(acc, 0, sizeof(float) * ROW_TILE * GROUP);
+            group_blocks(j, t0, t1, g0, 0, nb, sw, acc);
+            int64_t tokens = j->m - g0 < GROUP ? j->m - g0 : GROUP;
+            for (int64_t r = t0; r < t1; r++)
+                memcpy(j->out + r * j->m + g0, acc + (r - t0) * GROUP, sizeof(float) * (size_t)tokens);
+        }
+    }
+    free(sw), free(acc);
+}
+
+/* out[r, t] = the block-scaled product of FP8 activation row t (bytes [m, k], E8M0 scales
+ * [m, k / act_block]) and weight row r (FP4 packed [n, k / 2] or E4M3 [n, k], E8M0 scales
+ * [ceil(n / rows_per_scale), k / 32]), as float32 [n, m]. Returns 0; -1 for shapes it does not
+ * take; -2 when memory runs out. */
+int dsv41_gemm(int fp4, const uint8_t *w, const uint8_t *w_scale, int64_t rows_per_scale, const uint8_t *a,
+               const uint8_t *a_scale, int64_t act_block, float *out, int64_t m, int64_t n, int64_t k, int threads) {
+    if (m < 0 || n < 0 || k < BLOCK || k % BLOCK || rows_per_scale < 1 || act_block < BLOCK || act_block % BLOCK ||
+        k % act_block)
+        return -1;
+    if (m == 0 || n == 0) return 0;
+    const int64_t nb = k / BLOCK, groups = (m + GROUP - 1) / GROUP;
+    float *values = malloc(sizeof(float) * (size_t)(m * k));
+    float *scales = calloc((size_t)(groups * nb * GROUP), sizeof(float));
+    if (!values || !scales) {
+        free(values), free(scales);
+        return -2;
+    }
+    /* the decode's factor (FP4 values come as 2 * value, E4M3 as value * 2**-8) moves here,
+     * onto the activation: a power of two, so every product stays the reference's product */
+    const float factor = fp4 ? 0.5f : 256.0f;
+    for (int64_t t = 0; t < m; t++) {
+        for (int64_t i = 0; i < k; i++)
+            values[t * k + (fp4 ? arranged_index(i) : i)] = e4m3_value(a[t * k + i]) * factor;
+        for (int64_t b = 0; b < nb; b++)
+            scales[((t / GROUP) * nb + b) * GROUP + t % GROUP] = e8m0_value(a_scale[t * (k / act_block) + b * BLOCK / act_block]);
+    }
+    int failed = 0;
+    job_t job = {w, w_scale, values, scales, out, m, n, k, rows_per_scale, fp4, &failed};
+    parallel_rows(&job, 0, n, threads, gemm_rows);
+    free(values), free(scales);
+    return failed ? -2 : 0;
+}
+
+/* For many tokens the caller runs a BLAS GEMM on decoded rows instead, with the scales split as
+ * in experts.py: each token's or weight row's largest scale byte `top`, relative scales
+ * 2**(byte - top) applied before the product, 2**top after. */
+
+/* FP8 activation bytes [m, k] with E8M0 scales [m, k / act_block] -> float32 value *
+ * 2**(scale - top), natural order, with each token's largest and smallest scale byte. */
+int dsv41_activation(const uint8_t *a, const uint8_t *scale, int64_t m, int64_t k, int64_t act_block, float *out,
+                     int32_t *top, int32_t *low) {
+    if (m < 0 || act_block < 1 || k % act_block) return -1;
     int64_t nb = k / act_block;
     for (int64_t t = 0; t < m; t++) {
         const uint8_t *srow = scale + t * nb;
@@ -294,8 +454,7 @@ int dsv41_activation(const uint8_t *a, const uint8_t *scale, int64_t m, int64_t 
         }
         top[t] = hi, low[t] = lo;
         for (int64_t i = 0; i < k; i++)
-            out[t * k + (arrange ? arranged_index(i) : i)] =
-                e4m3_value(a[t * k + i]) * pow2_biased(127 + (int32_t)srow[i / act_block] - hi);
+            out[t * k + i] = e4m3_value(a[t * k + i]) * pow2_biased(127 + (int32_t)srow[i / act_block] - hi);
     }
     return 0;
 }
@@ -315,50 +474,12 @@ int dsv41_scale_range(const uint8_t *scale, int64_t scale_rows, int64_t nb, int3
     return 0;
 }
 
-/* out[r - first, :] = value(w[r, :]) * 2**(scale - top) for first <= r < last, natural order. */
+/* out[r - first, :] = value(w[r, :]) * 2**(scale - top) for first <= r < last, natural order;
+ * 0 where that leaves the normal range (rows the caller recomputes). */
 int dsv41_decode(int fp4, const uint8_t *w, const uint8_t *scale, const int32_t *top, int64_t rows_per_scale,
                  float *out, int64_t first, int64_t last, int64_t k, int threads) {
     if (first < 0 || last < first || k % BLOCK || rows_per_scale < 1) return -1;
-    job_t job = {w, scale, top, NULL, NULL, out, 0, last, k, rows_per_scale, first, fp4};
-    return parallel_rows(&job, first, last, threads, decode_rows);
-}
-
-/* The whole fused GEMM for 1 <= m <= GEMV_MAX_TOKENS: FP8 activation bytes [m, k] with E8M0
- * scales [m, k / act_block] times weights [n, row_bytes] with E8M0 scales -> out [m, n].
- * row_ok[n] and token_ok[m] say whether a row's or token's scales span at most `span` octaves
- * and are not NaN; returns how many rows and tokens are not (their outputs are meaningless and
- * the caller recomputes them), -1 for bad shapes, -2 when memory runs out. */
-int dsv41_small_gemm(int fp4, const uint8_t *w, const uint8_t *w_scale, int64_t rows_per_scale,
-                     const uint8_t *a, const uint8_t *a_scale, int64_t act_block, float *out,
-                     uint8_t *row_ok, uint8_t *token_ok, int64_t m, int64_t n, int64_t k, int32_t span,
-                     int threads) {
-    if (m < 1 || m > GEMV_MAX_TOKENS || n < 0 || k % BLOCK || rows_per_scale < 1 || act_block < 1 ||
-        k % act_block)
-        return -1;
-    int64_t scale_rows = (n + rows_per_scale - 1) / rows_per_scale;
-    float *values = malloc(sizeof(float) * (size_t)(m * k + m));
-    int32_t *ranges = malloc(sizeof(int32_t) * (size_t)(2 * (m + scale_rows)));
-    if (!values || !ranges) {
-        free(values), free(ranges);
-        return -2;
-    }
-    float *a_pow = values + m * k;
-    int32_t *a_top = ranges, *a_low = ranges + m, *w_top = ranges + 2 * m, *w_low = w_top + scale_rows;
-    dsv41_activation(a, a_scale, m, k, act_block, fp4, values, a_top, a_low);
-    dsv41_scale_range(w_scale, scale_rows, k / BLOCK, w_top, w_low);
-    int bad = 0;
-    for (int64_t t = 0; t < m; t++) {
-        a_pow[t] = e8m0_value((uint8_t)a_top[t]);
-        token_ok[t] = a_top[t] - a_low[t] <= span && a_top[t] < 255;
-        bad += !token_ok[t];
-    }
-    for (int64_t r = 0; r < n; r++) {
-        int64_t s = r / rows_per_scale;
-        row_ok[r] = w_top[s] - w_low[s] <= span && w_top[s] < 255;
-        bad += !row_ok[r];
-    }
-    job_t job = {w, w_scale, w_top, values, a_pow, out, m, n, k, rows_per_scale, 0, fp4};
-    int status = parallel_rows(&job, 0, n, threads, gemv_rows);
-    free(values), free(ranges);
-    return status < 0 ? status : bad;
+    decode_t d = {w, scale, top, out, k, rows_per_scale, first, fp4};
+    parallel_rows(&d, first, last, threads, decode_rows);
+    return 0;
 }

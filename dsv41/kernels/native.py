@@ -26,86 +26,92 @@ import torch
 from ..cachedir import cache_root
 
 SOURCE = Path(__file__).with_name("native.c")
-_ABI_VERSION = 5  # must equal ABI_VERSION in native.c
-# -march=native first (AVX2/FMA/F16C where the CPU has them), then a portable build
-_FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
-_COMMON_FLAGS = ["-shared", "-fPIC", "-pthread", "-std=c11", "-Wall"]
+_ABI_VERSION = 7  # must equal ABI_VERSION in native.c
+# -march=native (AVX2/FMA/F16C where the CPU has them) with OpenMP (torch's runtime, see
+# native.c), then without OpenMP, then a portable build
+_FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
+# -ffp-contract=off: a multiply and an add stay two roundings, as in the reference
+_COMMON_FLAGS = ["-shared", "-fPIC", "-pthread", "-std=c11", "-ffp-contract=off", "-Wall"]
 _BLOCK = 32
 
 
+# Up to this many tokens per weight the kernel follows the reference's block order; more take a
+# BLAS GEMM over decoded rows, several times faster there, equal to the reference up to float32
+# addition order.
+BLOCK_ORDER_MAX_TOKENS = 8
+
+
 class NativeKernels:
-    """The loaded library: `product` for the fused GEMMs, plus what it was built with."""
+    """The loaded library: `gemm` for the fused expert products, plus what it was built with."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path, flags: list[str]):
         self._lib = lib
         self.path = path
         self.flags = flags
         ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.dsv41_activation.argtypes = [ptr, ptr, i64, i64, i64, c_int, ptr, ptr, ptr]
+        lib.dsv41_gemm.argtypes = [c_int, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, c_int]
+        lib.dsv41_activation.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr]
         lib.dsv41_scale_range.argtypes = [ptr, i64, i64, ptr, ptr]
         lib.dsv41_decode.argtypes = [c_int, ptr, ptr, ptr, i64, ptr, i64, i64, i64, c_int]
-        lib.dsv41_small_gemm.argtypes = [c_int, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64,
-                                         ctypes.c_int32, c_int]
         self.simd = bool(lib.dsv41_simd())
-        self.gemv_max_tokens = int(lib.dsv41_gemv_max_tokens())
+        self.openmp = bool(lib.dsv41_openmp())
 
     def gemm(self, fp4: bool, a: torch.Tensor, a_scale: torch.Tensor, act_block: int, packed: torch.Tensor,
              w_scale: torch.Tensor, rows_per_scale: int, span: int, chunk_values: int):
         """The fused GEMM on E8M0-scaled operands -> (float32 [M, N], token ok bool [M], row ok bool [N]).
 
-        a: FP8 bytes uint8 [M, K] with scale bytes [M, K/act_block]; packed: uint8 [N, K/2] (FP4)
-        or [N, K] (E4M3) with scale bytes [ceil(N / rows_per_scale), K/32]. out[m, n] is
-        sum_k value(a) * 2**(a_scale - a_top[m]) * value(w) * 2**(w_scale - w_top[n]), times
-        2**a_top[m], then 2**w_top[n] (the scales' largest powers of two, as E8M0 values). A token
-        or row is ok when its scales span at most `span` octaves and are not NaN; the others'
-        outputs are meaningless and left to the caller. Up to `gemv_max_tokens` tokens: one call
-        of the register-blocked GEMV. More: each weight chunk of `chunk_values` values decoded
-        into one float32 buffer for a BLAS GEMM."""
+        a: FP8 bytes uint8 [M, K] with E8M0 scale bytes [M, K/act_block]; packed: uint8 [N, K/2]
+        (FP4) or [N, K] (E4M3) with E8M0 scale bytes [ceil(N / rows_per_scale), K/32].
+
+        Up to BLOCK_ORDER_MAX_TOKENS tokens: the op layer's fp4_gemm / fp8_gemm in their own
+        order (block partials scaled and added in K order), every token and row ok. More: each
+        token's and row's scales split into the largest power of two and relative scales, the
+        rows decoded `chunk_values` values at a time into one float32 buffer for a BLAS GEMM, the
+        powers of two applied after (the token's first); tokens or rows whose scales span more
+        than `span` octaves (or are NaN) are not ok, and their outputs are left to the caller."""
         a, a_scale = a.contiguous(), a_scale.contiguous()
         packed, w_scale = packed.contiguous(), w_scale.contiguous()
         m, k = a.shape
         n = packed.size(0)
         threads = torch.get_num_threads()
-        if m <= self.gemv_max_tokens:
-            out = torch.empty(m, n, dtype=torch.float32)
-            token_ok, row_ok = torch.empty(m, dtype=torch.bool), torch.empty(n, dtype=torch.bool)
-            self._check(self._lib.dsv41_small_gemm(
-                int(fp4), packed.data_ptr(), w_scale.data_ptr(), rows_per_scale, a.data_ptr(), a_scale.data_ptr(),
-                act_block, out.data_ptr(), row_ok.data_ptr(), token_ok.data_ptr(), m, n, k, span, threads))
-            return out, token_ok, row_ok
+        if m <= BLOCK_ORDER_MAX_TOKENS:
+            out_t = torch.empty(n, m, dtype=torch.float32)  # [N, M]: a token group's results are adjacent
+            self._check(self._lib.dsv41_gemm(int(fp4), packed.data_ptr(), w_scale.data_ptr(), rows_per_scale,
+                                              a.data_ptr(), a_scale.data_ptr(), act_block, out_t.data_ptr(), m, n, k,
+                                              threads), k, act_block)
+            return out_t.t(), torch.ones(m, dtype=torch.bool), torch.ones(n, dtype=torch.bool)
 
         values = torch.empty(m, k, dtype=torch.float32)
         a_top, a_low = torch.empty(m, dtype=torch.int32), torch.empty(m, dtype=torch.int32)
-        self._check(self._lib.dsv41_activation(a.data_ptr(), a_scale.data_ptr(), m, k, act_block, 0,
-                                                values.data_ptr(), a_top.data_ptr(), a_low.data_ptr()))
+        self._check(self._lib.dsv41_activation(a.data_ptr(), a_scale.data_ptr(), m, k, act_block, values.data_ptr(),
+                                                a_top.data_ptr(), a_low.data_ptr()), k, act_block)
         scale_rows, blocks = w_scale.shape
         w_top, w_low = torch.empty(scale_rows, dtype=torch.int32), torch.empty(scale_rows, dtype=torch.int32)
         self._check(self._lib.dsv41_scale_range(w_scale.data_ptr(), scale_rows, blocks, w_top.data_ptr(),
-                                                 w_low.data_ptr()))
+                                                 w_low.data_ptr()), k, act_block)
         rows = max(1, min(n, chunk_values // k))
         buf = torch.empty(rows, k, dtype=torch.float32)
         out_t = torch.empty(n, m, dtype=torch.float32)  # [N, M]: each chunk fills whole rows
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             self._check(self._lib.dsv41_decode(int(fp4), packed.data_ptr(), w_scale.data_ptr(), w_top.data_ptr(),
-                                                rows_per_scale, buf.data_ptr(), r0, r1, k, threads))
+                                                rows_per_scale, buf.data_ptr(), r0, r1, k, threads), k, act_block)
             torch.mm(buf[: r1 - r0], values.t(), out=out_t[r0:r1])
-        a_pow, token_ok = scale_powers(a_top, a_low, span)
-        w_pow, row_ok = (t.repeat_interleave(rows_per_scale)[:n] for t in scale_powers(w_top, w_low, span))
-        # the token's power of two first, then the row's, as the small path applies them
+        a_pow, token_ok = split_powers(a_top, a_low, span)
+        w_pow, row_ok = (t.repeat_interleave(rows_per_scale)[:n] for t in split_powers(w_top, w_low, span))
+        # the token's power of two first, then the row's, as the reference applies a_s, w_s
         return out_t.t() * a_pow.unsqueeze(1) * w_pow.unsqueeze(0), token_ok, row_ok
 
     @staticmethod
-    def _check(status: int) -> None:
-        """The C entry points return a count or 0 on success, -1 for shapes they do not take, -2
-        when memory runs out."""
+    def _check(status: int, k: int, act_block: int) -> None:
         if status == -2:
-            raise MemoryError("the native expert kernel could not allocate its scratch memory")
-        if status < 0:
-            raise ValueError("the native expert kernel refused its arguments (K must be a multiple of 32)")
+            raise MemoryError("the native expert kernel could not allocate its working memory")
+        if status != 0:
+            raise ValueError(f"the native expert kernel does not take K={k} with act_block={act_block} "
+                             f"(multiples of {_BLOCK} that divide K)")
 
 
-def scale_powers(top: torch.Tensor, low: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_powers(top: torch.Tensor, low: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each E8M0 scale row's largest and smallest byte, int32 [rows] -> (its power of two
     2**(top - 127) float32, ok bool: the row spans at most `span` octaves and is not NaN)."""
     from .codecs import e8m0_decode
