@@ -456,7 +456,8 @@ def load(path: Optional[str] = None, *, expert_cache: int = DEFAULT_EXPERT_CACHE
     them (a string that names no device raises ValueError); resident_engram: copy the Engram tables into RAM instead of gathering from the shards;
     max_seq_len (default min(config, 4096)) and max_batch_size size the attention caches;
     fix_stale_index_keys: the Transformers port's fix (off: the released runtime's behaviour);
-    window_layout ("reference" or "uniform") and pad_f32_rows (off: the reference's float32 GEMMs):
+    window_layout ("reference" or "uniform") and pad_f32_rows (off: the reference's float32 GEMMs;
+    on: they are padded to 8 rows, and routed experts run batch-invariant, see kernels.experts):
     "uniform" with pad_f32_rows=True makes a prefill and the same tokens decoded one at a time
     agree bit for bit until a top-k cuts (attention.window_rows, layers.f32_linear);
     quiet: no progress bar. Raises LoadError with one sentence on a bad checkpoint."""
@@ -537,7 +538,9 @@ def load(path: Optional[str] = None, *, expert_cache: int = DEFAULT_EXPERT_CACHE
     expert_store = ExpertCache(ckpt, expert_cache, devices)
     tables = {}
     for block in backbone.layers:
-        block.ffn.experts = RoutedExperts(block.layer, expert_store, float(cfg.swiglu_limit or 0.0))
+        # the padding's purpose, batch invariance, extends to the routed experts' GEMMs
+        block.ffn.experts = RoutedExperts(block.layer, expert_store, float(cfg.swiglu_limit or 0.0),
+                                          batch_invariant=pad_f32_rows)
         if block.engram is not None:
             table = ResidentEngramTable(ckpt, block.layer) if resident_engram else MappedEngramTable(ckpt, block.layer)
             block.engram.table = tables[block.layer] = table

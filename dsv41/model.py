@@ -97,10 +97,12 @@ class RoutedExperts:
     path otherwise): tokens quantized to FP8 once, each expert once on all of its tokens, never
     a float32 or bf16 copy of a whole weight matrix. It equals the op layer's reference
     `fp4_gemm` path up to the order of float32 additions. `last_fetch` holds the most recent
-    call's `FetchedExperts` (its cache hits and misses)."""
+    call's `FetchedExperts` (its cache hits and misses). `batch_invariant`: a token's output does
+    not depend on how many tokens an expert sees (see `kernels.experts`)."""
 
-    def __init__(self, layer: int, store: ExpertStore, swiglu_limit: float):
+    def __init__(self, layer: int, store: ExpertStore, swiglu_limit: float, *, batch_invariant: bool = False):
         self.layer, self.store, self.swiglu_limit = layer, store, swiglu_limit
+        self.batch_invariant = batch_invariant
         self.last_fetch: Optional[FetchedExperts] = None
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -108,7 +110,7 @@ class RoutedExperts:
         fetched = self.store.fetch(self.layer, selected)
         self.last_fetch = fetched if isinstance(fetched, FetchedExperts) else FetchedExperts(fetched)
         return routed_experts_device(x, expert_ids, weights.float(), dict(zip(selected, fetched)),
-                                     self.swiglu_limit)
+                                     self.swiglu_limit, batch_invariant=self.batch_invariant)
 
     __call__ = forward
 

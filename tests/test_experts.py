@@ -455,6 +455,32 @@ def test_a_tokens_result_does_not_depend_on_its_company_up_to_8_tokens():
         assert torch.equal(pair[0], together[i])
 
 
+@pytest.mark.parametrize("kind", ["fp4", "fp8"])
+def test_batch_invariant_gives_each_token_its_single_token_bits(kernel, kind):
+    """Past 8 tokens the default takes a BLAS GEMM; batch_invariant keeps one arithmetic for any
+    token count, so a prefill's tokens get the bits they would get decoded one at a time."""
+    g = _gen(95)
+    if kind == "fp4":
+        w, s = _fp4_weight(40, 256, g)
+        fn = fp4_gemm_fused
+    else:
+        w, s = quantize_fp8_blocks(torch.randn(40, 256, generator=g))
+        fn = fp8_gemm_fused
+    a, a_s = act_quant((torch.randn(20, 256, generator=g) * 3).to(torch.bfloat16))
+    together = fn(a, a_s, w, s, out_dtype=torch.float32, cpu_kernel=kernel, batch_invariant=True)
+    for i in range(20):
+        alone = fn(a[i : i + 1], a_s[i : i + 1], w, s, out_dtype=torch.float32, cpu_kernel=kernel)
+        assert torch.equal(alone[0], together[i]), i
+
+
+def test_models_loaded_for_parity_run_their_experts_batch_invariant(tiny_checkpoint):
+    import dsv41
+
+    default, parity = dsv41.load(tiny_checkpoint, quiet=True), dsv41.load(tiny_checkpoint, pad_f32_rows=True, quiet=True)
+    assert not any(b.ffn.experts.batch_invariant for b in default.backbone.layers)
+    assert all(b.ffn.experts.batch_invariant for b in parity.backbone.layers)
+
+
 @needs_cc
 def test_portable_build_without_simd_gives_the_same_bits(fresh_native, monkeypatch):
     """The plain-C branch of native.c (what a CPU without AVX2/FMA/F16C gets) sums in the SIMD

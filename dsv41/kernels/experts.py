@@ -27,6 +27,11 @@ which takes native where it builds and torch otherwise, saying so once on stderr
   chunk's columns are in a permuted order, so that multiply runs along long contiguous rows; the
   activation is permuted to match.
 
+`batch_invariant=True` keeps every token count on one arithmetic, so a token's outputs do not
+depend on how many tokens an expert sees in the call (a prefill then matches the same tokens
+decoded one at a time): the native kernel's block order at any token count (slower than BLAS
+beyond 8 tokens), or the torch kernel one token at a time.
+
 Every buffer is allocated float32 explicitly, so `torch.set_default_dtype` changes nothing here.
 
 In the torch kernel the value 0.5 (E2M1 code 1) decodes to a float32 subnormal for one multiply.
@@ -213,7 +218,7 @@ def _chunked_product(a_perm: torch.Tensor, words: torch.Tensor, rel: torch.Tenso
 
 
 def _fused(a, a_s, b, b_s, rows_per_scale: int, act_block: int, codec: _WordCodec, reference: Callable,
-           cpu_kernel: str) -> torch.Tensor:
+           cpu_kernel: str, batch_invariant: bool) -> torch.Tensor:
     """The shared body of the FP4 and FP8 fused GEMMs: float32 [M, N] (leading dims flattened).
     b_s: the weight's block scales, one row of them per `rows_per_scale` weight rows."""
     if a.dtype != torch.float8_e4m3fn:
@@ -233,7 +238,8 @@ def _fused(a, a_s, b, b_s, rows_per_scale: int, act_block: int, codec: _WordCode
     w_raw, a_raw = _e8m0_bytes(b_s), _e8m0_bytes(a_s.reshape(m, -1))
     if kernels is not None and w_raw is not None and a_raw is not None:
         out, a_ok, w_ok = kernels.gemm(codec is _FP4, a.reshape(m, k).view(torch.uint8), a_raw, act_block,
-                                       words.view(torch.uint8), w_raw, rows_per_scale, _SPAN_OCTAVES, _CHUNK_VALUES)
+                                       words.view(torch.uint8), w_raw, rows_per_scale, _SPAN_OCTAVES, _CHUNK_VALUES,
+                                       block_order=batch_invariant)
     else:  # the torch kernel (also for scales that are not E8M0, which the native kernel does not read)
         a_scaled, a_top, a_ok = _activation_operand(a, a_s, act_block)
         if w_raw is not None:
@@ -247,7 +253,11 @@ def _fused(a, a_s, b, b_s, rows_per_scale: int, act_block: int, codec: _WordCode
         table = None
         if not _subnormals_kept():
             table = fp4_to_float if codec is _FP4 else lambda raw: e4m3_to_float(raw.view(torch.float8_e4m3fn))
-        inner = _chunked_product(_permute_columns(a_scaled, codec), words, w_rel, codec, table)
+        a_perm = _permute_columns(a_scaled, codec)
+        if batch_invariant:  # one token at a time: the same BLAS call whatever the token count
+            inner = torch.cat([_chunked_product(a_perm[i : i + 1], words, w_rel, codec, table) for i in range(m)])
+        else:
+            inner = _chunked_product(a_perm, words, w_rel, codec, table)
         # the token's power of two first, then the row's: the order the reference applies a_s, w_s
         out = inner * a_top.unsqueeze(1) * w_top.unsqueeze(0)
 
@@ -278,6 +288,7 @@ def fp4_gemm_fused(
     act_block_size: int = 32,
     out_dtype: torch.dtype = torch.bfloat16,
     cpu_kernel: str = "auto",
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """`fp4_gemm` without expanding the weight: FP8 [..., K] x packed FP4 [N, K/2] (I8, uint8 or
     float4_e2m1fn_x2) with E8M0 scales [N, K/32] -> [..., N]; equal to `fp4_gemm` up to the order
@@ -295,7 +306,7 @@ def fp4_gemm_fused(
     def reference(a2, s2, rows):
         return fp4_gemm(a2, s2, raw[rows], b_s[rows], act_block_size=act_block_size, out_dtype=torch.float32)
 
-    out = _fused(a, a_s, b, b_s, 1, act_block_size, _FP4, reference, cpu_kernel)
+    out = _fused(a, a_s, b, b_s, 1, act_block_size, _FP4, reference, cpu_kernel, batch_invariant)
     return out.to(out_dtype).reshape(*a.shape[:-1], n)
 
 
@@ -308,6 +319,7 @@ def fp8_gemm_fused(
     block_size: int = 32,
     out_dtype: torch.dtype = torch.bfloat16,
     cpu_kernel: str = "auto",
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """`fp8_gemm` without expanding the weight: FP8 [..., K] x FP8 E4M3 [N, K] with E8M0 scales per
     32x32 block [ceil(N/32), K/32] -> [..., N]; equal to `fp8_gemm` up to float32 addition order."""
@@ -330,12 +342,12 @@ def fp8_gemm_fused(
         pos = starts[torch.searchsorted(blocks, rows // _BLOCK)] + rows % _BLOCK
         return full[:, pos]
 
-    out = _fused(a, a_s, b, b_s, _BLOCK, block_size, _FP8, reference, cpu_kernel)
+    out = _fused(a, a_s, b, b_s, _BLOCK, block_size, _FP8, reference, cpu_kernel, batch_invariant)
     return out.to(out_dtype).reshape(*a.shape[:-1], n)
 
 
 def linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None, *,
-                 cpu_kernel: str = "auto") -> torch.Tensor:
+                 cpu_kernel: str = "auto", batch_invariant: bool = False) -> torch.Tensor:
     """The op layer's `linear` (FP8 activation quantization, then the FP4 or FP8 product, output in
     x's dtype) through the fused GEMMs; other weights are plain F.linear."""
     if weight.dtype in (torch.int8, torch.uint8):
@@ -345,13 +357,14 @@ def linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Te
     if scale is None:
         raise ValueError(f"a {weight.dtype} weight needs its block scales")
     a, a_s = act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
-    return _quantized_product(a, a_s, weight, scale, x.dtype, cpu_kernel)
+    return _quantized_product(a, a_s, weight, scale, x.dtype, cpu_kernel, batch_invariant)
 
 
-def _quantized_product(a, a_s, weight, scale, out_dtype, cpu_kernel):
+def _quantized_product(a, a_s, weight, scale, out_dtype, cpu_kernel, batch_invariant):
+    how = dict(out_dtype=out_dtype, cpu_kernel=cpu_kernel, batch_invariant=batch_invariant)
     if weight.dtype in (torch.float4_e2m1fn_x2, torch.int8, torch.uint8):
-        return fp4_gemm_fused(a, a_s, weight, scale, act_block_size=32, out_dtype=out_dtype, cpu_kernel=cpu_kernel)
-    return fp8_gemm_fused(a, a_s, weight, scale, block_size=32, out_dtype=out_dtype, cpu_kernel=cpu_kernel)
+        return fp4_gemm_fused(a, a_s, weight, scale, act_block_size=32, **how)
+    return fp8_gemm_fused(a, a_s, weight, scale, block_size=32, **how)
 
 
 # ---------------------------------------------------------------------- experts
@@ -378,12 +391,13 @@ def _expert_on_quantized(a, a_s, dtype, expert: Expert, swiglu_limit: float, wei
 
 
 def expert_ffn(x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0,
-               weights: Optional[torch.Tensor] = None, *, cpu_kernel: str = "auto") -> torch.Tensor:
+               weights: Optional[torch.Tensor] = None, *, cpu_kernel: str = "auto",
+               batch_invariant: bool = False) -> torch.Tensor:
     """One SwiGLU expert (FP4 routed or FP8 shared weights) on x [n, dim] -> [n, dim] in x's dtype,
     through the fused GEMMs; `weights` [n, 1] scales the activation before the down projection."""
     a, a_s = act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
     return _expert_on_quantized(a, a_s, x.dtype, expert, swiglu_limit, weights,
-                                lambda *args: _quantized_product(*args, cpu_kernel))
+                                lambda *args: _quantized_product(*args, cpu_kernel, batch_invariant))
 
 
 def expert_ffn_reference(x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0,
@@ -409,7 +423,7 @@ def _check_routing(x, expert_ids, weights):
 
 
 def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
-                   swiglu_limit: float = 0.0, *, cpu_kernel: str = "auto",
+                   swiglu_limit: float = 0.0, *, cpu_kernel: str = "auto", batch_invariant: bool = False,
                    product: Optional[Callable] = None) -> torch.Tensor:
     """y = sum_k weights[:, k] * expert_{expert_ids[:, k]}(x), float32 [n, dim], from packed weights.
 
@@ -421,8 +435,8 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
     {id: expert} from the loader's cache, or a sequence indexed by id. Tokens are quantized to FP8
     once, grouped by expert with one sort, and each selected expert runs once on all of its tokens,
     in ascending id order, added into a float32 sum as the reference does. Weights are read packed,
-    never expanded as a whole. `cpu_kernel` ("auto", "native" or "torch"): see the module
-    docstring. `product` replaces the GEMM (the Triton dispatcher uses it)."""
+    never expanded as a whole. `cpu_kernel` ("auto", "native" or "torch") and `batch_invariant`:
+    see the module docstring. `product` replaces the GEMM (the Triton dispatcher uses it)."""
     _check_routing(x, expert_ids, weights)
     n, k = expert_ids.shape
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [n, dim]
@@ -430,7 +444,7 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
         return y
     if product is None:
         def product(a, a_s, w, s, dtype):
-            return _quantized_product(a, a_s, w, s, dtype, cpu_kernel)
+            return _quantized_product(a, a_s, w, s, dtype, cpu_kernel, batch_invariant)
     a, a_s = act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)  # per token, so once for every expert
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending within one

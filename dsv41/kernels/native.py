@@ -57,14 +57,15 @@ class NativeKernels:
         self.openmp = bool(lib.dsv41_openmp())
 
     def gemm(self, fp4: bool, a: torch.Tensor, a_scale: torch.Tensor, act_block: int, packed: torch.Tensor,
-             w_scale: torch.Tensor, rows_per_scale: int, span: int, chunk_values: int):
+             w_scale: torch.Tensor, rows_per_scale: int, span: int, chunk_values: int, *, block_order: bool = False):
         """The fused GEMM on E8M0-scaled operands -> (float32 [M, N], token ok bool [M], row ok bool [N]).
 
         a: FP8 bytes uint8 [M, K] with E8M0 scale bytes [M, K/act_block]; packed: uint8 [N, K/2]
         (FP4) or [N, K] (E4M3) with E8M0 scale bytes [ceil(N / rows_per_scale), K/32].
 
-        Up to BLOCK_ORDER_MAX_TOKENS tokens: the op layer's fp4_gemm / fp8_gemm in their own
-        order (block partials scaled and added in K order), every token and row ok. More: each
+        Up to BLOCK_ORDER_MAX_TOKENS tokens, or any number with `block_order`: the op layer's
+        fp4_gemm / fp8_gemm in their own order (block partials scaled and added in K order), every
+        token and row ok. Otherwise: each
         token's and row's scales split into the largest power of two and relative scales, the
         rows decoded `chunk_values` values at a time into one float32 buffer for a BLAS GEMM, the
         powers of two applied after (the token's first); tokens or rows whose scales span more
@@ -74,7 +75,7 @@ class NativeKernels:
         m, k = a.shape
         n = packed.size(0)
         threads = torch.get_num_threads()
-        if m <= BLOCK_ORDER_MAX_TOKENS:
+        if m <= BLOCK_ORDER_MAX_TOKENS or block_order:
             out_t = torch.empty(n, m, dtype=torch.float32)  # [N, M]: a token group's results are adjacent
             self._check(self._lib.dsv41_gemm(int(fp4), packed.data_ptr(), w_scale.data_ptr(), rows_per_scale,
                                               a.data_ptr(), a_scale.data_ptr(), act_block, out_t.data_ptr(), m, n, k,

@@ -206,7 +206,7 @@ def device_for(expert_id: int, devices: Sequence[torch.device]) -> torch.device:
     return devices[expert_id % len(devices)]
 
 
-def _device_product(a, a_s, w, s, dtype, cpu_kernel="auto"):
+def _device_product(a, a_s, w, s, dtype, cpu_kernel="auto", batch_invariant=False):
     """One expert GEMM where its weight lives: Triton on CUDA, the fused CPU path otherwise."""
     if w.device.type == "cuda" and available():
         a, a_s = a.to(w.device), a_s.to(w.device)
@@ -218,16 +218,20 @@ def _device_product(a, a_s, w, s, dtype, cpu_kernel="auto"):
         w, s = w.cpu(), s.cpu()
     a, a_s = a.cpu(), a_s.cpu()
     if w.dtype == torch.float8_e4m3fn:
-        return fp8_gemm_fused(a, a_s, w, s, block_size=32, out_dtype=dtype, cpu_kernel=cpu_kernel)
-    return fp4_gemm_fused(a, a_s, w, s, act_block_size=32, out_dtype=dtype, cpu_kernel=cpu_kernel)
+        return fp8_gemm_fused(a, a_s, w, s, block_size=32, out_dtype=dtype, cpu_kernel=cpu_kernel,
+                              batch_invariant=batch_invariant)
+    return fp4_gemm_fused(a, a_s, w, s, act_block_size=32, out_dtype=dtype, cpu_kernel=cpu_kernel,
+                          batch_invariant=batch_invariant)
 
 
 def routed_experts_device(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
-                          swiglu_limit: float = 0.0, *, cpu_kernel: str = "auto") -> torch.Tensor:
+                          swiglu_limit: float = 0.0, *, cpu_kernel: str = "auto",
+                          batch_invariant: bool = False) -> torch.Tensor:
     """`routed_experts` with each expert's GEMMs on the device its packed weights live on (Triton
-    on CUDA, the fused CPU path on the CPU, `cpu_kernel` as in `routed_experts`); float32 [n, dim] on
+    on CUDA, the fused CPU path on the CPU, `cpu_kernel` and `batch_invariant` (CPU only) as in
+    `routed_experts`); float32 [n, dim] on
     x's device. Same call contract."""
     def product(a, a_s, w, s, dtype):
-        return _device_product(a, a_s, w, s, dtype, cpu_kernel)
+        return _device_product(a, a_s, w, s, dtype, cpu_kernel, batch_invariant)
 
     return routed_experts(x, expert_ids, weights, experts, swiglu_limit, product=product)
