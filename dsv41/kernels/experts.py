@@ -261,6 +261,8 @@ def _fused(a, a_s, b, b_s, rows_per_scale: int, act_block: int, codec: _WordCode
         # the token's power of two first, then the row's: the order the reference applies a_s, w_s
         out = inner * a_top.unsqueeze(1) * w_top.unsqueeze(0)
 
+    if a_ok is None:  # the native kernel's block order: no split scales, nothing to recompute
+        return out
     # rows and tokens whose scales span too much for the pre-scaled operands: the reference,
     # a bounded number of rows at a time
     bad_rows = (~w_ok).nonzero().flatten()

@@ -58,14 +58,15 @@ class NativeKernels:
 
     def gemm(self, fp4: bool, a: torch.Tensor, a_scale: torch.Tensor, act_block: int, packed: torch.Tensor,
              w_scale: torch.Tensor, rows_per_scale: int, span: int, chunk_values: int, *, block_order: bool = False):
-        """The fused GEMM on E8M0-scaled operands -> (float32 [M, N], token ok bool [M], row ok bool [N]).
+        """The fused GEMM on E8M0-scaled operands -> (float32 [M, N], token ok bool [M] or None,
+        row ok bool [N] or None); None: every token and row is ok.
 
         a: FP8 bytes uint8 [M, K] with E8M0 scale bytes [M, K/act_block]; packed: uint8 [N, K/2]
         (FP4) or [N, K] (E4M3) with E8M0 scale bytes [ceil(N / rows_per_scale), K/32].
 
         Up to BLOCK_ORDER_MAX_TOKENS tokens, or any number with `block_order`: the op layer's
-        fp4_gemm / fp8_gemm in their own order (block partials scaled and added in K order), every
-        token and row ok. Otherwise: each
+        fp4_gemm / fp8_gemm in their own order (block partials scaled and added in K order),
+        nothing to recompute. Otherwise: each
         token's and row's scales split into the largest power of two and relative scales, the
         rows decoded `chunk_values` values at a time into one float32 buffer for a BLAS GEMM, the
         powers of two applied after (the token's first); tokens or rows whose scales span more
@@ -80,7 +81,7 @@ class NativeKernels:
             self._check(self._lib.dsv41_gemm(int(fp4), packed.data_ptr(), w_scale.data_ptr(), rows_per_scale,
                                               a.data_ptr(), a_scale.data_ptr(), act_block, out_t.data_ptr(), m, n, k,
                                               threads), k, act_block)
-            return out_t.t(), torch.ones(m, dtype=torch.bool), torch.ones(n, dtype=torch.bool)
+            return out_t.t(), None, None
 
         values = torch.empty(m, k, dtype=torch.float32)
         a_top, a_low = torch.empty(m, dtype=torch.int32), torch.empty(m, dtype=torch.int32)
