@@ -439,26 +439,6 @@ int dsv41_gemm(int fp4, const uint8_t *w, const uint8_t *w_scale, int64_t rows_p
  * in experts.py: each token's or weight row's largest scale byte `top`, relative scales
  * 2**(byte - top) applied before the product, 2**top after. */
 
-/* FP8 activation bytes [m, k] with E8M0 scales [m, k / act_block] -> float32 value *
- * 2**(scale - top), natural order, with each token's largest and smallest scale byte. */
-int dsv41_activation(const uint8_t *a, const uint8_t *scale, int64_t m, int64_t k, int64_t act_block, float *out,
-                     int32_t *top, int32_t *low) {
-    if (m < 0 || act_block < 1 || k % act_block) return -1;
-    int64_t nb = k / act_block;
-    for (int64_t t = 0; t < m; t++) {
-        const uint8_t *srow = scale + t * nb;
-        uint8_t hi = srow[0], lo = srow[0];
-        for (int64_t b = 1; b < nb; b++) {
-            hi = srow[b] > hi ? srow[b] : hi;
-            lo = srow[b] < lo ? srow[b] : lo;
-        }
-        top[t] = hi, low[t] = lo;
-        for (int64_t i = 0; i < k; i++)
-            out[t * k + i] = e4m3_value(a[t * k + i]) * pow2_biased(127 + (int32_t)srow[i / act_block] - hi);
-    }
-    return 0;
-}
-
 /* Each scale row's largest and smallest byte: top[s], low[s] for s < scale_rows. */
 int dsv41_scale_range(const uint8_t *scale, int64_t scale_rows, int64_t nb, int32_t *top, int32_t *low) {
     if (scale_rows < 0 || nb < 1) return -1;
@@ -471,6 +451,19 @@ int dsv41_scale_range(const uint8_t *scale, int64_t scale_rows, int64_t nb, int3
         }
         top[s] = hi, low[s] = lo;
     }
+    return 0;
+}
+
+/* FP8 activation bytes [m, k] with E8M0 scales [m, k / act_block] -> float32 value *
+ * 2**(scale - top), natural order, with each token's largest and smallest scale byte. */
+int dsv41_activation(const uint8_t *a, const uint8_t *scale, int64_t m, int64_t k, int64_t act_block, float *out,
+                     int32_t *top, int32_t *low) {
+    if (m < 0 || act_block < 1 || k % act_block) return -1;
+    int64_t nb = k / act_block;
+    dsv41_scale_range(scale, m, nb, top, low);
+    for (int64_t t = 0; t < m; t++)
+        for (int64_t i = 0; i < k; i++)
+            out[t * k + i] = e4m3_value(a[t * k + i]) * pow2_biased(127 + (int32_t)scale[t * nb + i / act_block] - top[t]);
     return 0;
 }
 
