@@ -123,3 +123,29 @@ def test_bench_decode_runs_both_modes_on_a_synthetic_checkpoint(tmp_path, capsys
     (tmp_path / "junk" / "file.txt").write_text("x")
     assert main([*args, "--checkpoint", str(tmp_path / "junk")]) == 2
     assert "neither a checkpoint" in capsys.readouterr().err
+
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.skipif(CUDA, reason="checks the refusal without CUDA; this machine has a CUDA device")
+def test_bench_on_cuda_without_cuda_is_refused_in_one_sentence(capsys):
+    assert main(["bench", "experts", "--device", "cuda", "--tokens", "1", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs a CUDA device" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device with Triton; the kernels are checked on CPU through TRITON_INTERPRET in test_experts")
+def test_bench_on_cuda_reports_measured_ratios(tmp_path):
+    out = tmp_path / "gpu.json"
+    assert main(["bench", "experts", "--device", "cuda", "--tokens", "1,3", "--experts", "6", "--json", str(out),
+                 "--dims", "256,128", "--repeats", "2"]) == 0
+    report = json.loads(out.read_text())
+    copy_bw = report["copy_bandwidth_bytes_per_s"]
+    decode, three = report["shapes"]
+    for row in (decode, three):
+        assert math.isclose(row["fraction_of_copy"], row["packed_bytes"] / row["routed_s"] / copy_bw, rel_tol=1e-12)
+    assert math.isclose(decode["gemv_fraction_of_copy"], decode["packed_bytes"] / decode["gemv_s"] / copy_bw,
+                        rel_tol=1e-12)
+    assert "gemv_s" not in three and "targets" not in report  # targets: released sizes only
