@@ -203,7 +203,7 @@ def bench_experts(tokens: list[int], *, n_experts: int, dim: int, inter: int, re
     report["kernels"] = list(kernels)
     if native.available():
         lib = native.load()
-        report["native_build"] = {"path": str(lib.path), "flags": lib.flags, "simd": lib.simd}
+        report["native_build"] = {"path": str(lib.path), "flags": lib.flags, "simd": lib.simd, "openmp": lib.openmp}
     copy_bw = copy_bandwidth(copy_bytes)
     report["copy_bandwidth_bytes_per_s"] = copy_bw
     report["copy_bandwidth_definition"] = f"source bytes per second of a {copy_bytes >> 20} MiB uint8 tensor copy"
