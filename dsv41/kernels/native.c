@@ -204,20 +204,19 @@ static inline __attribute__((always_inline)) __m256 block_sums(int T, const __m2
     return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
 }
 
-/* Blocks [b0, b1) of the token group starting at g0 (T tokens, a compile-time count) against
- * rows [r0, r1): acc[r - r0] carries each row's sums from block to block in K order; sw holds
- * holds the row's weight scales as floats. */
+/* The token group starting at g0 (T tokens, a compile-time count) against rows [r0, r1):
+ * acc[r - r0] gets each row's sums for the group's tokens, added block by block in K order; sw
+ * holds the rows' weight scales as floats (SW_INDEX). */
 #define GROUP_BODY(T, FP4, NAME)                                                                  \
-    static void NAME(const job_t *j, int64_t r0, int64_t r1, int64_t g0, int64_t b0, int64_t b1,  \
-                     const float *sw, float *acc) {                                               \
+    static void NAME(const job_t *j, int64_t r0, int64_t r1, int64_t g0, const float *sw, float *acc) { \
         const int64_t nb = j->k / BLOCK, row_bytes = FP4 ? j->k / 2 : j->k;                      \
         const int64_t block_bytes = FP4 ? BLOCK / 2 : BLOCK;                                      \
         const float *a = j->a + g0 * j->k;                                                        \
         const float *a_scale = j->a_scale + (g0 / GROUP) * nb * GROUP;                            \
         for (int64_t r = r0; r < r1; r++) {                                                       \
             const uint8_t *w = j->w + r * row_bytes;                                              \
-            __m256 sum = _mm256_loadu_ps(acc + (r - r0) * GROUP);                                 \
-            for (int64_t b = b0; b < b1; b++) {                                                   \
+            __m256 sum = _mm256_setzero_ps();                                                     \
+            for (int64_t b = 0; b < nb; b++) {                                                    \
                 __m256 v[4], s[GROUP];                                                            \
                 decode_block(FP4, w + b * block_bytes, v);                                        \
                 for (int t = 0; t < GROUP; t++)                                                   \
@@ -245,32 +244,33 @@ GROUP_BOTH(6)
 GROUP_BOTH(7)
 GROUP_BOTH(8)
 
-typedef void (*group_fn)(const job_t *, int64_t, int64_t, int64_t, int64_t, int64_t, const float *, float *);
+typedef void (*group_fn)(const job_t *, int64_t, int64_t, int64_t, const float *, float *);
 static const group_fn FP4_GROUP[GROUP + 1] = {
     0, fp4_group_1, fp4_group_2, fp4_group_3, fp4_group_4, fp4_group_5, fp4_group_6, fp4_group_7, fp4_group_8};
 static const group_fn FP8_GROUP[GROUP + 1] = {
     0, fp8_group_1, fp8_group_2, fp8_group_3, fp8_group_4, fp8_group_5, fp8_group_6, fp8_group_7, fp8_group_8};
 
-/* One token against four rows at a time (decode: every expert sees one token), the rows' lane
- * sums reduced together: each row's block sum in exactly the order block_sums gives one token,
- * and the scaling and K-order addition lane by lane as in GROUP_BODY. */
+/* One token (the group at g0 holds just one: every expert while decoding) against four rows at a
+ * time, the rows' lane sums reduced together: each row's block sum in exactly the order
+ * block_sums gives one token, and the scaling and K-order addition lane by lane as in GROUP_BODY. */
 #define FOUR_ROWS_BODY(FP4, NAME)                                                                 \
-    static void NAME(const job_t *j, int64_t r0, int64_t b0, int64_t b1, const float *sw, float *acc) { \
+    static void NAME(const job_t *j, int64_t r0, int64_t g0, const float *sw, float *acc) {       \
         const int64_t nb = j->k / BLOCK, row_bytes = FP4 ? j->k / 2 : j->k;                      \
         const int64_t block_bytes = FP4 ? BLOCK / 2 : BLOCK;                                      \
         const uint8_t *w = j->w + r0 * row_bytes;                                                 \
-        __m128 sum = _mm_setr_ps(acc[0], acc[GROUP], acc[2 * GROUP], acc[3 * GROUP]);            \
-        for (int64_t b = b0; b < b1; b++) {                                                       \
+        const float *a = j->a + g0 * j->k, *a_scale = j->a_scale + (g0 / GROUP) * nb * GROUP;      \
+        __m128 sum = _mm_setzero_ps();                                                            \
+        for (int64_t b = 0; b < nb; b++) {                                                        \
             __m256 s[4];                                                                          \
             for (int q = 0; q < 4; q++) {                                                         \
                 __m256 v[4];                                                                      \
                 decode_block(FP4, w + q * row_bytes + b * block_bytes, v);                        \
-                s[q] = lane_sums(v, j->a + b * BLOCK);                                            \
+                s[q] = lane_sums(v, a + b * BLOCK);                                               \
             }                                                                                     \
             /* row q in lane q: its first four lanes summed, then its last four, then both */     \
             __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));   \
             __m128 partial = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));  \
-            __m128 sa = _mm_set1_ps(j->a_scale[b * GROUP]);                                       \
+            __m128 sa = _mm_set1_ps(a_scale[b * GROUP]);                                          \
             __m128 sb = _mm_loadu_ps(sw + SW_INDEX(0, b, nb));                                    \
             if (FP4)                                                                              \
                 partial = _mm_mul_ps(_mm_mul_ps(partial, sa), sb);                                \
@@ -285,14 +285,15 @@ static const group_fn FP8_GROUP[GROUP + 1] = {
 FOUR_ROWS_BODY(1, fp4_four_rows)
 FOUR_ROWS_BODY(0, fp8_four_rows)
 
-static void group_blocks(const job_t *j, int64_t r0, int64_t r1, int64_t g0, int64_t b0, int64_t b1,
-                         const float *sw, float *acc) {
+/* Rows [r0, r1) of a tile against the token group at g0: acc[r - r0] gets each row's outputs for
+ * the group's tokens; sw holds the tile's weight scales (SW_INDEX). */
+static void group_rows(const job_t *j, int64_t r0, int64_t r1, int64_t g0, const float *sw, float *acc) {
     const int64_t nb = j->k / BLOCK;
     int64_t tokens = j->m - g0 < GROUP ? j->m - g0 : GROUP;
     if (tokens == 1)
         for (; r0 + 4 <= r1; r0 += 4, sw += 4 * nb, acc += 4 * GROUP)
-            (j->fp4 ? fp4_four_rows : fp8_four_rows)(j, r0, b0, b1, sw, acc);
-    (j->fp4 ? FP4_GROUP : FP8_GROUP)[tokens](j, r0, r1, g0, b0, b1, sw, acc);
+            (j->fp4 ? fp4_four_rows : fp8_four_rows)(j, r0, g0, sw, acc);
+    (j->fp4 ? FP4_GROUP : FP8_GROUP)[tokens](j, r0, r1, g0, sw, acc);
 }
 
 static void decode_rows(const void *job, int64_t r0, int64_t r1) {
@@ -329,15 +330,14 @@ static float weight_value(const job_t *j, int64_t r, int64_t i) {
     return e4m3_value(j->w[r * j->k + i]) / 256.0f;
 }
 
-static void group_blocks(const job_t *j, int64_t r0, int64_t r1, int64_t g0, int64_t b0, int64_t b1,
-                         const float *sw, float *acc) {
+static void group_rows(const job_t *j, int64_t r0, int64_t r1, int64_t g0, const float *sw, float *acc) {
     const int64_t nb = j->k / BLOCK;
     int64_t tokens = j->m - g0 < GROUP ? j->m - g0 : GROUP;
     for (int64_t r = r0; r < r1; r++)
         for (int64_t t = 0; t < tokens; t++) {
             const float *a = j->a + (g0 + t) * j->k;
-            float sum = acc[(r - r0) * GROUP + t];
-            for (int64_t b = b0; b < b1; b++) {
+            float sum = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
                 float lane[8];
                 for (int l = 0; l < 8; l++) {
                     int64_t i = b * BLOCK + l;
@@ -392,8 +392,7 @@ static void gemm_rows(const void *job, int64_t r0, int64_t r1) {
             for (int64_t b = 0; b < nb; b++)
                 sw[SW_INDEX(r - t0, b, nb)] = e8m0_value(j->w_scale[(r / j->rows_per_scale) * nb + b]);
         for (int64_t g0 = 0; g0 < j->m; g0 += GROUP) {
-            memset(acc, 0, sizeof(float) * ROW_TILE * GROUP);
-            group_blocks(j, t0, t1, g0, 0, nb, sw, acc);
+            group_rows(j, t0, t1, g0, sw, acc);
             int64_t tokens = j->m - g0 < GROUP ? j->m - g0 : GROUP;
             for (int64_t r = t0; r < t1; r++)
                 memcpy(j->out + r * j->m + g0, acc + (r - t0) * GROUP, sizeof(float) * (size_t)tokens);
