@@ -483,6 +483,34 @@ def test_models_loaded_for_parity_run_their_experts_batch_invariant(tiny_checkpo
 
 
 @needs_cc
+def test_products_in_one_native_call_equal_them_one_by_one():
+    """A decode step hands all gate/up projections to the native kernel at once (then all down
+    projections): FP4 and FP8 products of different shapes and token counts in one pass give the
+    bits each gives alone, and whole experts give the same outputs either way."""
+    from dsv41.kernels import native
+
+    g = _gen(97)
+    kernels = native.load()
+    fp4_w, fp4_s = _fp4_weight(48, 256, g)
+    fp8_w, fp8_s = quantize_fp8_blocks(torch.randn(70, 128, generator=g))
+    jobs = []
+    for m, (w, s, fp4, rows_per_scale) in ((1, (fp4_w, fp4_s, True, 1)), (3, (fp8_w, fp8_s, False, 32)),
+                                           (8, (fp4_w, fp4_s, True, 1))):
+        a, a_s = act_quant((torch.randn(m, w.size(1) * (2 if fp4 else 1), generator=g) * 2).to(torch.bfloat16))
+        jobs.append((fp4, a.view(torch.uint8), a_s.view(torch.uint8), 32, w.view(torch.uint8), s.view(torch.uint8),
+                     rows_per_scale))
+    together = kernels.gemm_many(jobs)
+    for job, got in zip(jobs, together):
+        assert torch.equal(got, kernels.gemm_many([job])[0])
+    experts = {e: _expert(256, 96, g) for e in range(4)}
+    x = (torch.randn(5, 256, generator=g) * 3).to(torch.bfloat16)
+    ids, weights = _routing(5, 4, 2, g)
+    one_by_one = routed_experts(x, ids, weights, experts, 4.0,
+                                product=lambda a, a_s, w, s, dtype: fp4_gemm_fused(a, a_s, w, s, out_dtype=dtype))
+    assert torch.equal(routed_experts(x, ids, weights, experts, 4.0), one_by_one)
+
+
+@needs_cc
 def test_portable_build_without_simd_gives_the_same_bits(fresh_native, monkeypatch):
     """The plain-C branch of native.c (what a CPU without AVX2/FMA/F16C gets) sums in the SIMD
     branch's order up to 8 tokens, and matches the reference beyond."""

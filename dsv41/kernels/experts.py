@@ -13,7 +13,9 @@ which takes native where it builds and torch otherwise, saying so once on stderr
   arithmetic, each 32-value block's partial product scaled by the activation and weight scales
   as `fp4_gemm` / `fp8_gemm` scale it and added in K order; only the order of the 32 additions
   inside a block is the kernel's, the same for any token count, so a token's result does not
-  depend on its company. SIMD decode (a pshufb table for E2M1, IEEE halves for E4M3).
+  depend on its company. SIMD decode (a pshufb table for E2M1, IEEE halves for E4M3). A layer's
+  projections reach it a list at a time (every expert's gate and up, then every down), so its
+  threads start twice per layer instead of once per GEMM.
 - More tokens, on either kernel: scales are split into one power of two per weight row (per
   token for activations) and a relative power of two in [2**-48, 1]. A value times its relative
   scale is exact in float32, and so is the product of two such values, so one float32 dot product
@@ -380,16 +382,63 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return F.silu(gate) * up
 
 
-def _expert_on_quantized(a, a_s, dtype, expert: Expert, swiglu_limit: float, weights, product):
-    """One expert on FP8-quantized tokens: gate/up -> clamped SwiGLU -> routing weight -> down.
-    Every GEMM output is rounded to the activation dtype, as the reference's linears return it."""
-    gate = product(a, a_s, expert.w1, expert.w1_scale, dtype)
-    up = product(a, a_s, expert.w3, expert.w3_scale, dtype)
-    h = clamped_swiglu(gate, up, swiglu_limit)  # [c, inter] float32
-    if weights is not None:
-        h = weights.to(h.device) * h  # the routing weight scales the activation before the down projection
-    h_q, h_s = act_quant(h.to(dtype), 32, "ue8m0", torch.float8_e8m0fnu)
-    return product(h_q, h_s, expert.w2, expert.w2_scale, dtype)
+def _run_experts(groups, dtype, swiglu_limit: float, products: Callable) -> list:
+    """Experts on FP8-quantized tokens: groups [(a, a_s, expert, routing weights [c, 1] or None)]
+    -> each expert's output in `dtype`: gate/up -> clamped SwiGLU -> routing weight -> down.
+    Every GEMM output is rounded to the activation dtype, as the reference's linears return it.
+    `products(jobs, dtype)` runs a list of (a, a_s, weight, scale) products; all gate and up
+    projections go in one list, then all down projections, so a kernel can take each list in one
+    pass."""
+    ups = products([(a, a_s, w, s) for a, a_s, expert, _ in groups
+                    for w, s in ((expert.w1, expert.w1_scale), (expert.w3, expert.w3_scale))], dtype)
+    downs = []
+    for (a, a_s, expert, weights), gate, up in zip(groups, ups[0::2], ups[1::2]):
+        h = clamped_swiglu(gate, up, swiglu_limit)  # [c, inter] float32
+        if weights is not None:
+            h = weights.to(h.device) * h  # the routing weight scales the activation before the down projection
+        h_q, h_s = act_quant(h.to(dtype), 32, "ue8m0", torch.float8_e8m0fnu)
+        downs.append((h_q, h_s, expert.w2, expert.w2_scale))
+    return products(downs, dtype)
+
+
+def _fused_products(cpu_kernel: str, batch_invariant: bool) -> Callable:
+    """`products` for `_run_experts` on the CPU: the native kernel's block-order products (up to
+    8 tokens each, or any number when batch_invariant) in one call, the rest one by one."""
+    def products(jobs, dtype):
+        kernels = _native_kernels(cpu_kernel)
+        outs = [None] * len(jobs)
+        batch = [(i, operands) for i, job in enumerate(jobs)
+                 if kernels is not None and (operands := _block_order_operands(*job, batch_invariant)) is not None]
+        if batch:
+            for (i, _), out in zip(batch, kernels.gemm_many([operands for _, operands in batch])):
+                outs[i] = out.to(dtype)
+        for i, job in enumerate(jobs):
+            if outs[i] is None:
+                outs[i] = _quantized_product(*job, dtype, cpu_kernel, batch_invariant)
+        return outs
+
+    return products
+
+
+def _block_order_operands(a, a_s, w, s, batch_invariant: bool):
+    """The native block-order kernel's operands for one product of [M, K] FP8 tokens, or None
+    where that kernel does not take it (more than 8 tokens unless batch_invariant, scales other
+    than E8M0, shapes that do not fit: those go through `_quantized_product`, which checks them)."""
+    if a.dtype != torch.float8_e4m3fn or a.dim() != 2:
+        return None
+    m, k = a.shape
+    a_raw, w_raw = _e8m0_bytes(a_s), _e8m0_bytes(s)
+    if (m > native.BLOCK_ORDER_MAX_TOKENS and not batch_invariant) or a_raw is None or w_raw is None:
+        return None
+    fp4 = w.dtype in (torch.float4_e2m1fn_x2, torch.int8, torch.uint8)
+    n, rows_per_scale = w.size(0), 1 if fp4 else _BLOCK
+    if fp4:
+        fits = w.dim() == 2 and w.size(1) * 2 == k and tuple(s.shape) == (n, k // _BLOCK)
+    else:
+        fits = w.dtype == torch.float8_e4m3fn and tuple(w.shape) == (n, k) and tuple(s.shape) == (-(-n // _BLOCK), k // _BLOCK)
+    if not fits or k % _BLOCK or tuple(a_raw.shape) != (m, k // _BLOCK):
+        return None
+    return fp4, a.view(torch.uint8), a_raw, _BLOCK, w.view(torch.uint8), w_raw, rows_per_scale
 
 
 def expert_ffn(x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0,
@@ -398,8 +447,8 @@ def expert_ffn(x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0,
     """One SwiGLU expert (FP4 routed or FP8 shared weights) on x [n, dim] -> [n, dim] in x's dtype,
     through the fused GEMMs; `weights` [n, 1] scales the activation before the down projection."""
     a, a_s = act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
-    return _expert_on_quantized(a, a_s, x.dtype, expert, swiglu_limit, weights,
-                                lambda *args: _quantized_product(*args, cpu_kernel, batch_invariant))
+    return _run_experts([(a, a_s, expert, weights)], x.dtype, swiglu_limit,
+                        _fused_products(cpu_kernel, batch_invariant))[0]
 
 
 def expert_ffn_reference(x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0,
@@ -445,21 +494,22 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
     if n == 0:
         return y
     if product is None:
-        def product(a, a_s, w, s, dtype):
-            return _quantized_product(a, a_s, w, s, dtype, cpu_kernel, batch_invariant)
+        products = _fused_products(cpu_kernel, batch_invariant)
+    else:
+        def products(jobs, dtype):
+            return [product(*job, dtype) for job in jobs]
     a, a_s = act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)  # per token, so once for every expert
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending within one
     ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
     flat_weights = weights.reshape(-1).float()
-    start = 0
-    for e, c in zip(ids.tolist(), counts.tolist()):
-        pairs = order[start : start + c]
-        start += c
+    groups, token_rows = [], []
+    for e, pairs in zip(ids.tolist(), torch.split(order, counts.tolist())):
         rows = pairs // k  # [c] token indices
-        out = _expert_on_quantized(a[rows], a_s[rows], x.dtype, experts[e], swiglu_limit,
-                                   flat_weights[pairs].unsqueeze(1), product)
-        y.index_add_(0, rows, out.to(y.device, torch.float32))
+        groups.append((a[rows], a_s[rows], experts[e], flat_weights[pairs].unsqueeze(1)))
+        token_rows.append(rows)
+    for rows, out in zip(token_rows, _run_experts(groups, x.dtype, swiglu_limit, products)):
+        y.index_add_(0, rows, out.to(y.device, torch.float32))  # ascending expert id, as the reference adds
     return y
 
 

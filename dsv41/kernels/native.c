@@ -3,14 +3,14 @@
  *
  * Built by dsv41/kernels/native.py with the machine's C compiler on first use and called through
  * ctypes. Two entry points:
- * - dsv41_gemm, for the few tokens a weight sees while decoding (the caller uses it up to 8):
- *   what the op layer's fp4_gemm / fp8_gemm compute, in their order, below;
+ * - dsv41_gemm_many, for the few tokens a weight sees while decoding (the caller uses it up to
+ *   8), several products per call: what the op layer's fp4_gemm / fp8_gemm compute, in their
+ *   order, below;
  * - dsv41_decode (with dsv41_activation and dsv41_scale_range), for many tokens: rows decoded
  *   into a float32 buffer for the caller's BLAS GEMM, scales split as experts.py explains.
  *
- * dsv41_gemm, for each
- * output (token t, row r) one float32 partial product per 32-value K block, scaled by the block's
- * activation and weight scales as the reference scales it (FP4: times the activation scale, then
+ * dsv41_gemm_many computes, for each output (token t, row r), one float32 partial product per
+ * 32-value K block, scaled by the block's activation and weight scales as the reference scales it (FP4: times the activation scale, then
  * the weight scale; FP8: times their product), and added into a float32 accumulator in K order.
  * Only the order of the 32 additions inside a block is this kernel's own (eight lanes of four
  * products each, then the lanes pairwise), and it is the same for every token count, so a token's
@@ -49,7 +49,7 @@
 /* A row tile's weight scales as floats, four rows side by side per block: [rows / 4, nb, 4]. */
 #define SW_INDEX(row, b, nb) ((((row) / 4) * (nb) + (b)) * 4 + (row) % 4)
 #define MAX_THREADS 64
-#define ABI_VERSION 7
+#define ABI_VERSION 8
 
 int dsv41_abi_version(void) { return ABI_VERSION; }
 int dsv41_simd(void) { return DSV41_SIMD; }
@@ -401,36 +401,76 @@ static void gemm_rows(const void *job, int64_t r0, int64_t r1) {
     free(sw), free(acc);
 }
 
-/* out[r, t] = the block-scaled product of FP8 activation row t (bytes [m, k], E8M0 scales
- * [m, k / act_block]) and weight row r (FP4 packed [n, k / 2] or E4M3 [n, k], E8M0 scales
- * [ceil(n / rows_per_scale), k / 32]), as float32 [n, m]. Returns 0; -1 for shapes it does not
- * take; -2 when memory runs out. */
-int dsv41_gemm(int fp4, const uint8_t *w, const uint8_t *w_scale, int64_t rows_per_scale, const uint8_t *a,
-               const uint8_t *a_scale, int64_t act_block, float *out, int64_t m, int64_t n, int64_t k, int threads) {
-    if (m < 0 || n < 0 || k < BLOCK || k % BLOCK || rows_per_scale < 1 || act_block < BLOCK || act_block % BLOCK ||
-        k % act_block)
-        return -1;
-    if (m == 0 || n == 0) return 0;
-    const int64_t nb = k / BLOCK, groups = (m + GROUP - 1) / GROUP;
-    float *values = malloc(sizeof(float) * (size_t)(m * k));
-    float *scales = calloc((size_t)(groups * nb * GROUP), sizeof(float));
-    if (!values || !scales) {
-        free(values), free(scales);
-        return -2;
+/* One product for dsv41_gemm_many: out[r, t] = the block-scaled product of FP8 activation row t
+ * (bytes [m, k], E8M0 scales [m, k / act_block]) and weight row r (FP4 packed [n, k / 2] or
+ * E4M3 [n, k], E8M0 scales [ceil(n / rows_per_scale), k / 32]), as float32 [n, m]. */
+typedef struct {
+    const uint8_t *w, *w_scale, *a, *a_scale;
+    float *out;
+    int64_t rows_per_scale, act_block, m, n, k;
+    int64_t fp4;
+} dsv41_gemm_desc;
+
+typedef struct {
+    const job_t *jobs;
+    int64_t count;
+} many_t;
+
+/* Rows of the products laid end to end: each part takes its share of every product it spans. */
+static void many_rows(const void *arg, int64_t r0, int64_t r1) {
+    const many_t *many = arg;
+    for (int64_t i = 0, first = 0; i < many->count && first < r1; first += many->jobs[i].n, i++) {
+        int64_t lo = r0 > first ? r0 - first : 0, hi = r1 - first < many->jobs[i].n ? r1 - first : many->jobs[i].n;
+        if (lo < hi) gemm_rows(&many->jobs[i], lo, hi);
     }
-    /* the decode's factor (FP4 values come as 2 * value, E4M3 as value * 2**-8) moves here,
-     * onto the activation: a power of two, so every product stays the reference's product */
-    const float factor = fp4 ? 0.5f : 256.0f;
-    for (int64_t t = 0; t < m; t++) {
+}
+
+/* The decode's factor (FP4 values come as 2 * value, E4M3 as value * 2**-8) moves onto the
+ * activation: a power of two, so every product stays the reference's product. values [m, k]
+ * (FP4 arranged), scales [groups, k / 32, GROUP] (0 past the last token). */
+static void prepare_activation(const dsv41_gemm_desc *d, float *values, float *scales) {
+    const int64_t k = d->k, nb = k / BLOCK;
+    const float factor = d->fp4 ? 0.5f : 256.0f;
+    for (int64_t t = 0; t < d->m; t++) {
         for (int64_t i = 0; i < k; i++)
-            values[t * k + (fp4 ? arranged_index(i) : i)] = e4m3_value(a[t * k + i]) * factor;
+            values[t * k + (d->fp4 ? arranged_index(i) : i)] = e4m3_value(d->a[t * k + i]) * factor;
         for (int64_t b = 0; b < nb; b++)
-            scales[((t / GROUP) * nb + b) * GROUP + t % GROUP] = e8m0_value(a_scale[t * (k / act_block) + b * BLOCK / act_block]);
+            scales[((t / GROUP) * nb + b) * GROUP + t % GROUP] =
+                e8m0_value(d->a_scale[t * (k / d->act_block) + b * BLOCK / d->act_block]);
     }
-    int failed = 0;
-    job_t job = {w, w_scale, values, scales, out, m, n, k, rows_per_scale, fp4, &failed};
-    parallel_rows(&job, 0, n, threads, gemm_rows);
-    free(values), free(scales);
+}
+
+/* Several independent products in one parallel pass over all their weight rows (a decode
+ * step's gate and up projections of every selected expert, say), so the threads start once.
+ * Returns 0; -1 for a shape it does not take (nothing computed); -2 when memory runs out. */
+int dsv41_gemm_many(const dsv41_gemm_desc *descs, int64_t count, int threads) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < count; i++) {
+        const dsv41_gemm_desc *d = &descs[i];
+        if (d->m < 0 || d->n < 0 || d->k < BLOCK || d->k % BLOCK || d->rows_per_scale < 1 ||
+            d->act_block < BLOCK || d->act_block % BLOCK || d->k % d->act_block)
+            return -1;
+        total += d->m > 0 ? d->n : 0;
+    }
+    job_t *jobs = calloc((size_t)(count > 0 ? count : 1), sizeof(job_t));
+    int failed = jobs == NULL;
+    for (int64_t i = 0; i < count && !failed; i++) {
+        const dsv41_gemm_desc *d = &descs[i];
+        int64_t groups = (d->m + GROUP - 1) / GROUP, nb = d->k / BLOCK;
+        float *values = malloc(sizeof(float) * (size_t)(d->m * d->k + 1));
+        float *scales = calloc((size_t)(groups * nb * GROUP + 1), sizeof(float));
+        /* a product with no tokens keeps n = 0: it has no rows to hand out */
+        jobs[i] = (job_t){d->w, d->w_scale, values, scales, d->out, d->m, d->m > 0 ? d->n : 0, d->k,
+                          d->rows_per_scale, (int)d->fp4, &failed};
+        if (!values || !scales) failed = 1;
+        else prepare_activation(d, values, scales);
+    }
+    if (!failed && total > 0) {
+        many_t many = {jobs, count};
+        parallel_rows(&many, 0, total, threads, many_rows);
+    }
+    for (int64_t i = 0; jobs && i < count; i++) free((void *)jobs[i].a), free((void *)jobs[i].a_scale);
+    free(jobs);
     return failed ? -2 : 0;
 }
 

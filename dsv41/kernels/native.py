@@ -26,7 +26,7 @@ import torch
 from ..cachedir import cache_root
 
 SOURCE = Path(__file__).with_name("native.c")
-_ABI_VERSION = 7  # must equal ABI_VERSION in native.c
+_ABI_VERSION = 8  # must equal ABI_VERSION in native.c
 # -march=native (AVX2/FMA/F16C where the CPU has them) with OpenMP (torch's runtime, see
 # native.c), then without OpenMP, then a portable build
 _FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
@@ -49,7 +49,7 @@ class NativeKernels:
         self.path = path
         self.flags = flags
         ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.dsv41_gemm.argtypes = [c_int, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, c_int]
+        lib.dsv41_gemm_many.argtypes = [ptr, i64, c_int]
         lib.dsv41_activation.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr]
         lib.dsv41_scale_range.argtypes = [ptr, i64, i64, ptr, ptr]
         lib.dsv41_decode.argtypes = [c_int, ptr, ptr, ptr, i64, ptr, i64, i64, i64, c_int]
@@ -77,40 +77,66 @@ class NativeKernels:
         n = packed.size(0)
         threads = torch.get_num_threads()
         if m <= BLOCK_ORDER_MAX_TOKENS or block_order:
-            out_t = torch.empty(n, m, dtype=torch.float32)  # [N, M]: a token group's results are adjacent
-            self._check(self._lib.dsv41_gemm(int(fp4), packed.data_ptr(), w_scale.data_ptr(), rows_per_scale,
-                                              a.data_ptr(), a_scale.data_ptr(), act_block, out_t.data_ptr(), m, n, k,
-                                              threads), k, act_block)
-            return out_t.t(), None, None
+            return self.gemm_many([(fp4, a, a_scale, act_block, packed, w_scale, rows_per_scale)])[0], None, None
 
         values = torch.empty(m, k, dtype=torch.float32)
         a_top, a_low = torch.empty(m, dtype=torch.int32), torch.empty(m, dtype=torch.int32)
         self._check(self._lib.dsv41_activation(a.data_ptr(), a_scale.data_ptr(), m, k, act_block, values.data_ptr(),
-                                                a_top.data_ptr(), a_low.data_ptr()), k, act_block)
+                                                a_top.data_ptr(), a_low.data_ptr()), f"K={k} act_block={act_block}")
         scale_rows, blocks = w_scale.shape
         w_top, w_low = torch.empty(scale_rows, dtype=torch.int32), torch.empty(scale_rows, dtype=torch.int32)
         self._check(self._lib.dsv41_scale_range(w_scale.data_ptr(), scale_rows, blocks, w_top.data_ptr(),
-                                                 w_low.data_ptr()), k, act_block)
+                                                 w_low.data_ptr()), f"K={k} act_block={act_block}")
         rows = max(1, min(n, chunk_values // k))
         buf = torch.empty(rows, k, dtype=torch.float32)
         out_t = torch.empty(n, m, dtype=torch.float32)  # [N, M]: each chunk fills whole rows
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             self._check(self._lib.dsv41_decode(int(fp4), packed.data_ptr(), w_scale.data_ptr(), w_top.data_ptr(),
-                                                rows_per_scale, buf.data_ptr(), r0, r1, k, threads), k, act_block)
+                                                rows_per_scale, buf.data_ptr(), r0, r1, k, threads), f"K={k} act_block={act_block}")
             torch.mm(buf[: r1 - r0], values.t(), out=out_t[r0:r1])
         a_pow, token_ok = split_powers(a_top, a_low, span)
         w_pow, row_ok = (t.repeat_interleave(rows_per_scale)[:n] for t in split_powers(w_top, w_low, span))
         # the token's power of two first, then the row's, as the reference applies a_s, w_s
         return out_t.t() * a_pow.unsqueeze(1) * w_pow.unsqueeze(0), token_ok, row_ok
 
+    def gemm_many(self, products: list) -> list[torch.Tensor]:
+        """Several block-order products (the op layer's own order, any token count) in one
+        parallel pass: each item is (fp4, a, a_scale, act_block, packed, w_scale, rows_per_scale)
+        as for `gemm`; returns float32 [M, N] for each."""
+        descs = (_GemmDesc * len(products))()
+        keep, outs = [], []  # the tensors the descriptors point into live until the call returns
+        for desc, (fp4, a, a_scale, act_block, packed, w_scale, rows_per_scale) in zip(descs, products):
+            a, a_scale = a.contiguous(), a_scale.contiguous()
+            packed, w_scale = packed.contiguous(), w_scale.contiguous()
+            m, k = a.shape
+            n = packed.size(0)
+            out_t = torch.empty(n, m, dtype=torch.float32)  # [N, M]: a token group's results are adjacent
+            keep += [a, a_scale, packed, w_scale]
+            outs.append(out_t)
+            desc.w, desc.w_scale, desc.a, desc.a_scale = (t.data_ptr() for t in (packed, w_scale, a, a_scale))
+            desc.out = out_t.data_ptr()
+            desc.rows_per_scale, desc.act_block, desc.m, desc.n, desc.k, desc.fp4 = (
+                rows_per_scale, act_block, m, n, k, int(fp4))
+        self._check(self._lib.dsv41_gemm_many(descs, len(products), torch.get_num_threads()),
+                    ", ".join(f"K={d.k} act_block={d.act_block}" for d in descs))
+        return [out_t.t() for out_t in outs]
+
     @staticmethod
-    def _check(status: int, k: int, act_block: int) -> None:
+    def _check(status: int, shapes) -> None:
         if status == -2:
             raise MemoryError("the native expert kernel could not allocate its working memory")
         if status != 0:
-            raise ValueError(f"the native expert kernel does not take K={k} with act_block={act_block} "
-                             f"(multiples of {_BLOCK} that divide K)")
+            raise ValueError(f"the native expert kernel does not take {shapes} "
+                             f"(K and act_block multiples of {_BLOCK}, act_block dividing K)")
+
+
+class _GemmDesc(ctypes.Structure):
+    """native.c's dsv41_gemm_desc, field for field."""
+    _fields_ = [("w", ctypes.c_void_p), ("w_scale", ctypes.c_void_p), ("a", ctypes.c_void_p),
+                ("a_scale", ctypes.c_void_p), ("out", ctypes.c_void_p), ("rows_per_scale", ctypes.c_int64),
+                ("act_block", ctypes.c_int64), ("m", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("fp4", ctypes.c_int64)]
 
 
 def split_powers(top: torch.Tensor, low: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -229,8 +229,16 @@ def routed_experts_device(x: torch.Tensor, expert_ids: torch.Tensor, weights: to
                           batch_invariant: bool = False) -> torch.Tensor:
     """`routed_experts` with each expert's GEMMs on the device its packed weights live on (Triton
     on CUDA, the fused CPU path on the CPU, `cpu_kernel` and `batch_invariant` (CPU only) as in
-    `routed_experts`); float32 [n, dim] on
-    x's device. Same call contract."""
+    `routed_experts`); float32 [n, dim] on x's device. Same call contract. With x and every
+    selected expert on the CPU it is `routed_experts` itself, whose native kernel takes a layer's
+    projections a list at a time."""
+    selected = torch.unique(expert_ids).tolist()
+    on_cpu = (getattr(experts[e], name).device.type == "cpu" for e in selected
+              for name in ("w1", "w1_scale", "w2", "w2_scale", "w3", "w3_scale"))
+    if x.device.type == "cpu" and all(on_cpu):
+        return routed_experts(x, expert_ids, weights, experts, swiglu_limit, cpu_kernel=cpu_kernel,
+                              batch_invariant=batch_invariant)
+
     def product(a, a_s, w, s, dtype):
         return _device_product(a, a_s, w, s, dtype, cpu_kernel, batch_invariant)
 
