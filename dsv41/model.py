@@ -28,7 +28,7 @@ from .attention import Attention, AttentionRuntime
 from .kernels import e8m0_decode, hc_split_sinkhorn
 from .kernels.experts import PackedExpert, clamped_swiglu
 from .kernels.triton_experts import routed_experts_device
-from .layers import Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype
+from .layers import F32_ROW_PAD, Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype
 from .trace import EngramRecord, ForwardTrace, RoutingRecord
 
 # Added to the top-k routing weight sum before dividing; a training constant, not norm_eps.
@@ -132,7 +132,15 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None):
         """x [n, dim] -> (weights [n, k] float32, ids [n, k]); image_mask [n] bool selects bias_vl."""
-        scores = expert_scores(f32_linear(x, self.weight, pad_rows=self.pad_f32_rows), self.score_func)  # [n, E]
+        logits = f32_linear(x, self.weight, pad_rows=self.pad_f32_rows)  # [n, E]
+        if self.pad_f32_rows:
+            # softplus is vectorized 32 values at a time and rounds a shorter tail another way (seen
+            # with AVX-512), so a lone decode row's scores could differ from the same row's in a
+            # prefill: padded rows give every call the same tail
+            pad = -logits.size(0) % F32_ROW_PAD
+            scores = expert_scores(F.pad(logits, (0, 0, 0, pad)), self.score_func)[: logits.size(0)]
+        else:
+            scores = expert_scores(logits, self.score_func)
         bias = self.bias
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias)
