@@ -333,6 +333,22 @@ class Config:
         candidates = [s for s in sources if s <= layer]
         return max(candidates) if candidates else None
 
+    def reads_at_source_ratio(self, layer: int, src: int) -> bool:
+        """Whether `layer` compresses at the ratio of the source whose cache it reads: the source
+        writes that cache at its own ratio, and a reader at another ratio would index it at the
+        wrong granularity. A layer past compress_ratios is not compared."""
+        ratios = self.compress_ratios
+        return layer >= len(ratios) or ratios[src] == ratios[layer]
+
+    def kv_sources_outside_index(self) -> list[int]:
+        """The KV sources that are not also index sources (there should be none)."""
+        return sorted(set(self.kv_source_layers) - set(self.index_source_layers))
+
+    @property
+    def expected_dspark_targets(self) -> tuple[int, ...]:
+        """The layers DSpark should read: the last n_mtp_layers backbone layers."""
+        return tuple(range(self.n_layers - self.n_mtp_layers, self.n_layers))
+
     def moe_shape(self, layer: int) -> tuple[int, int]:
         """(routed experts, activated experts) for a backbone or MTP layer."""
         if layer < self.n_layers:
@@ -375,11 +391,11 @@ class Config:
 
         for name in ("kv_source_layers", "index_source_layers", "engram_layer_ids", "dspark_target_layer_ids"):
             ids = getattr(self, name)
-            if list(ids) != sorted(set(ids)):
+            if not distinct_ascending(ids):
                 problems.append(f"{name} must be distinct and ascending: {list(ids)}")
-            if any(not 0 <= i < n for i in ids):
+            if not inside(ids, n):
                 problems.append(f"{name} must lie inside the backbone [0, {n}): {list(ids)}")
-        if not set(self.kv_source_layers) <= set(self.index_source_layers):
+        if self.kv_sources_outside_index():
             problems.append("every KV source must also be an index source")
         for layer in range(min(n, len(ratios))):
             r = ratios[layer]
@@ -391,7 +407,7 @@ class Config:
                 src = self.source_at_or_before(layer, sources)
                 if src is None:
                     problems.append(f"layer {layer} reads compressed positions (ratio {r}) but no {kind} source is at or before it")
-                elif src < len(ratios) and ratios[src] != r:
+                elif not self.reads_at_source_ratio(layer, src):
                     problems.append(f"layer {layer} (ratio {r}) reads the {kind} source {src}, which compresses at ratio {ratios[src]}")
 
         if self.candidate_source_layer >= 0:
@@ -402,7 +418,7 @@ class Config:
         if self.index_topk <= 0 or self.window_size <= 0:
             problems.append("index_topk and window_size must be positive")
 
-        expected_targets = tuple(range(n - self.n_mtp_layers, n))
+        expected_targets = self.expected_dspark_targets
         if self.n_mtp_layers and self.dspark_target_layer_ids != expected_targets:
             problems.append(f"dspark_target_layer_ids {list(self.dspark_target_layer_ids)} are not the last "
                             f"{self.n_mtp_layers} backbone layers {list(expected_targets)}")
@@ -563,6 +579,15 @@ def compare_layouts(directory: str) -> dict:
 
 
 # ---------------------------------------------------------------------- helpers
+def distinct_ascending(ids) -> bool:
+    return list(ids) == sorted(set(ids))
+
+
+def inside(ids, n: int) -> bool:
+    """Whether every layer id lies in [0, n)."""
+    return all(0 <= i < n for i in ids)
+
+
 def _type_ok(value, annotation: str) -> bool:
     """Whether a JSON value fits a field annotation such as 'int | None' or 'tuple[int, ...] | None'."""
     if value is None:

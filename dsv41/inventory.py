@@ -59,7 +59,7 @@ REQUIRED_KEYS = (
     "vision_downsample_ratio",
 )
 
-IMAGE_MARKERS = ("image_start", "image_newline", "image_end")
+IMAGE_MARKERS = ("image_start", "image_newline", "image_end")  # is_vision_name knows them by "image_"
 
 
 class TensorSpec(NamedTuple):
@@ -97,12 +97,17 @@ def shard_names(cfg: Config) -> list[str]:
     return [name for name, _ in shard_contents(cfg)]
 
 
+def is_vision_name(name: str) -> bool:
+    """Whether a tensor belongs to the vision tower: the encoder, the aligner or an image marker."""
+    return name.startswith(("vision.", "aligner.", "image_"))
+
+
 def category_of(name: str) -> str:
     """The report category of a tensor name. The release's table puts attn_norm with attention
     and the router (ffn.gate.*) with norms and hyper-connections: that is the only split of the
     per-layer small tensors that reproduces its counts and bytes (603 / 4.80 GiB attention,
     400 / 0.29 GiB norms and hyper-connections; the BF16 router weight is most of the latter)."""
-    if name.startswith(("vision.", "aligner.")) or name in IMAGE_MARKERS:
+    if is_vision_name(name):
         return VISION  # the release's 266: 259 vision + 4 aligner + the 3 image markers
     if name in ("embed.weight", "head.weight", "norm.weight"):
         return EMBED_HEAD

@@ -173,6 +173,14 @@ def test_category_of():
     assert inv.category_of("something.else") == "other"
 
 
+def test_vision_names_are_one_rule_for_category_and_audit(released):
+    assert all(inv.is_vision_name(m) for m in inv.IMAGE_MARKERS)
+    assert all(inv.is_vision_name(s.name) == (s.category == inv.VISION) for s in released)
+    # a stray image_* tensor counts as vision, as the audit's vision checks and the loader see it
+    assert inv.category_of("image_extra") == inv.VISION
+    assert not inv.is_vision_name("layers.0.vision_gate") and not inv.is_vision_name("visionary.x")
+
+
 def test_tiny_needs_its_engram_rows_filled():
     with pytest.raises(ValueError, match="engram_num_embeddings"):
         inv.expected_tensors(TINY)
