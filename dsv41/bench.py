@@ -273,11 +273,12 @@ GPU_GEMV_TARGET = 0.60
 def bench_experts_gpu(tokens: list[int], *, n_experts: int, dim: int, inter: int, repeats: int, device: str,
                       copy_bytes: int = 1 << 30, log: Callable[[str], None] = print) -> dict:
     """The routed experts on a CUDA device through the Triton kernels: per token count the MoE
-    layer's routed work (`routed_experts_device`), and for one token the bare GEMVs (each selected
+    layer's routed work (`routed_experts`), and for one token the bare GEMVs (each selected
     expert's three matrices through `fp4_gemm_triton`), as packed bytes per second against the
     device's own copy bandwidth measured in the same run."""
     from dsv41.kernels import act_quant
-    from dsv41.kernels.triton_experts import available, fp4_gemm_triton, routed_experts_device
+    from dsv41.kernels.experts import routed_experts
+    from dsv41.kernels.triton_experts import available, fp4_gemm_triton
 
     if not available():
         raise ValueError(f"--device {device} needs a CUDA device and Triton; this machine has "
@@ -314,7 +315,7 @@ def bench_experts_gpu(tokens: list[int], *, n_experts: int, dim: int, inter: int
         selected = torch.unique(ids).tolist()
         nbytes = sum(routed[e].nbytes for e in selected)
         ids, weights = ids.to(dev), weights.to(dev)
-        fn = timed(lambda: routed_experts_device(x, ids, weights, routed, SWIGLU_LIMIT))
+        fn = timed(lambda: routed_experts(x, ids, weights, routed, SWIGLU_LIMIT))
         fn()  # compiles the kernels for this shape
         sec = _best_time(fn, repeats, budget_s=30.0)
         row = {"tokens": t, "experts_selected": len(selected), "packed_bytes": nbytes, "routed_s": sec,

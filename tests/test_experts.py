@@ -378,7 +378,7 @@ def fresh_native(monkeypatch, tmp_path):
 
     monkeypatch.setenv("DSV41_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "_STATE", {})
-    monkeypatch.setattr(ex, "_NATIVE_FALLBACK_SAID", [])
+    monkeypatch.setattr(ex, "_SAID", set())  # the "auto" fallback line not printed yet
     return native
 
 
@@ -566,6 +566,21 @@ def test_a_failed_build_is_reported_with_the_compiler_error(fresh_native, monkey
     assert not list((tmp_path / "native").glob("*.so"))  # nothing half-written left behind
 
 
+def test_misshapen_weights_are_refused_by_every_entry_point(kernel):
+    g = _gen(3)
+    good = _expert(64, 32, g)
+    bad = good._replace(w1_scale=good.w1_scale[:, :1])  # [inter, 1] where [inter, dim/32] belongs
+    x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
+    ids, weights = torch.tensor([[0], [0]]), torch.ones(2, 1)
+    a, a_s = act_quant(x)
+    with pytest.raises(ValueError, match=r"weight scales must be \[32, 2\]"):
+        routed_experts(x, ids, weights, {0: bad}, cpu_kernel=kernel)
+    with pytest.raises(ValueError, match=r"weight scales must be \[32, 2\]"):
+        fp4_gemm_fused(a, a_s, bad.w1, bad.w1_scale, cpu_kernel=kernel)
+    with pytest.raises(TypeError, match="weight must be float8_e4m3fn"):
+        fp8_gemm_fused(a, a_s, good.w1, good.w1_scale, cpu_kernel=kernel)
+
+
 def test_cpu_kernel_names_are_checked():
     a, a_s = act_quant(torch.randn(1, 64).to(torch.bfloat16))
     packed, scale = _fp4_weight(4, 64, _gen(2))
@@ -637,24 +652,26 @@ def test_expert_devices_without_cuda_print_one_line(monkeypatch, capsys):
 
     if te.available():
         pytest.skip("CUDA is present here, so there is no fallback to observe")
-    monkeypatch.setattr(te, "_WARNED", set())
-    assert te.expert_devices("cuda") == [torch.device("cpu")]
-    assert te.expert_devices(["cuda:0", "cuda:1"]) == [torch.device("cpu")]
-    assert te.expert_devices(None) == [torch.device("cpu")]
+    monkeypatch.setattr(ex, "_SAID", set())
+    assert ex.expert_devices("cuda") == [torch.device("cpu")]
+    assert ex.expert_devices(["cuda:0", "cuda:1"]) == [torch.device("cpu")]
+    assert ex.expert_devices(None) == [torch.device("cpu")]
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "CPU" in lines[0]
     with pytest.raises(ValueError, match="all be cpu or all be cuda"):
-        te.expert_devices(["cpu", "cuda"])
+        ex.expert_devices(["cpu", "cuda"])
 
 
-def test_routed_experts_device_on_cpu_is_the_fused_path():
-    from dsv41.kernels.triton_experts import device_for, routed_experts_device
+def test_routed_experts_on_cpu_experts_take_the_fused_path():
+    from dsv41.kernels.experts import device_for
 
     g = _gen(47)
     experts = {e: _expert(64, 32, g) for e in range(4)}
     x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
     ids, weights = _routing(5, 4, 2, g)
-    assert torch.equal(routed_experts_device(x, ids, weights, experts, 3.0), routed_experts(x, ids, weights, experts, 3.0))
+    fused = routed_experts(x, ids, weights, experts, 3.0,
+                           product=lambda a, a_s, w, s, dtype: fp4_gemm_fused(a, a_s, w, s, out_dtype=dtype))
+    assert torch.equal(routed_experts(x, ids, weights, experts, 3.0), fused)
     devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
     assert [device_for(e, devices).index for e in range(4)] == [0, 1, 0, 1]
 
@@ -679,14 +696,12 @@ def test_triton_fp4_gemm_on_gpu_matches_the_reference(m):
 
 @pytest.mark.gpu
 @_GPU
-def test_routed_experts_device_with_experts_on_gpu():
-    from dsv41.kernels.triton_experts import routed_experts_device
-
+def test_routed_experts_with_experts_on_gpu():
     g = _gen(59)
     experts = {e: _expert(512, 256, g) for e in range(6)}
     x = torch.randn(5, 512, generator=g).to(torch.bfloat16)
     ids, weights = _routing(5, 6, 3, g)
     ref = routed_experts_reference(x, ids, weights, experts, 5.0)
-    got = routed_experts_device(x, ids, weights, {e: p.to("cuda") for e, p in experts.items()}, 5.0)
+    got = routed_experts(x, ids, weights, {e: p.to("cuda") for e, p in experts.items()}, 5.0)
     assert got.device == x.device
     _assert_bf16_close(got, ref)

@@ -1,21 +1,32 @@
 """Routed experts computed straight from packed FP4, every selected expert of a layer in one call.
 
-A routed expert is stored as three packed matrices: w1 (gate) and w3 (up), I8 [inter, dim/2], and
-w2 (down), I8 [dim, inter/2]; each byte holds two E2M1 codes (element 2i in the low nibble), with
-one E8M0 scale per 32 values along K. The reference `fp4_gemm` expands a whole matrix to float32
-before multiplying; the runtime this project replaces expanded every routed expert to BF16 and
-spent almost all of a decode step doing so. The fused path here never holds more than a chunk of
-rows in float32. It runs on one of two CPU kernels, chosen by `cpu_kernel`: "native" (native.c,
-built once per machine with its C compiler), "torch" (plain PyTorch), or "auto", the default,
-which takes native where it builds and torch otherwise, saying so once on stderr.
+A decode step's expert call, from `model.RoutedExperts.forward`:
+
+    routed_experts   quantize the tokens to FP8 once, group them by expert, add the experts'
+                     outputs into a float32 sum
+      _run_experts   every selected expert's gate and up GEMMs as one list, clamped SwiGLU and
+                     routing weight, then every down GEMM as one list
+        _products    each GEMM of a list, where its weight lives:
+          CUDA       triton_experts.fp4_gemm_triton (FP8 weights: the op layer's fp8_gemm)
+          CPU        native `gemm_many`, one call for every product of up to 8 tokens (any count
+                     with batch_invariant); the rest one by one through `_fused`
+
+`routed_experts_reference` is the plain reference with the same contract. `expert_devices` and
+`device_for` say where the loader places experts (round-robin over a device list).
+
+Storage: w1 (gate) and w3 (up) are I8 [inter, dim/2], w2 (down) I8 [dim, inter/2]; each byte holds
+two E2M1 codes (element 2i in the low nibble), with one E8M0 scale per 32 values along K. The
+reference `fp4_gemm` expands a whole matrix to float32 first; the runtime this project replaces
+expanded every routed expert to BF16 and spent almost all of a decode step doing so. The fused
+path never holds more than a chunk of rows in float32. `cpu_kernel` picks the CPU kernel: "native"
+(native.c, built once per machine with its C compiler), "torch" (plain PyTorch), or "auto", the
+default: native where it builds, torch otherwise, saying so once on stderr.
 
 - Native, up to 8 tokens per weight (every expert while decoding): the reference's own
   arithmetic, each 32-value block's partial product scaled by the activation and weight scales
   as `fp4_gemm` / `fp8_gemm` scale it and added in K order; only the order of the 32 additions
   inside a block is the kernel's, the same for any token count, so a token's result does not
-  depend on its company. SIMD decode (a pshufb table for E2M1, IEEE halves for E4M3). A layer's
-  projections reach it a list at a time (every expert's gate and up, then every down), so its
-  threads start twice per layer instead of once per GEMM.
+  depend on its company. SIMD decode (a pshufb table for E2M1, IEEE halves for E4M3).
 - More tokens, on either kernel: scales are split into one power of two per weight row (per
   token for activations) and a relative power of two in [2**-48, 1]. A value times its relative
   scale is exact in float32, and so is the product of two such values, so one float32 dot product
@@ -23,21 +34,20 @@ which takes native where it builds and torch otherwise, saying so once on stderr
   float32 additions differs from the reference. Rows or tokens whose scales span more than 48
   octaves are computed by the reference itself, a chunk at a time. The native kernel decodes the
   rows in C; the torch kernel, at any token count, decodes a chunk of rows with three integer ops
-  on int32 words: each code is moved to the top of the word, shifted back
-  arithmetically and masked, which leaves the float32 bit pattern of value * 2**-126
-  (value * 2**-120 for FP8 bytes); one multiply applies the relative scales and 2**126 back. The
-  chunk's columns are in a permuted order, so that multiply runs along long contiguous rows; the
-  activation is permuted to match.
+  on int32 words: each code is moved to the top of the word, shifted back arithmetically and
+  masked, which leaves the float32 bit pattern of value * 2**-126 (value * 2**-120 for FP8
+  bytes); one multiply applies the relative scales and 2**126 back. The chunk's columns are in a
+  permuted order, so that multiply runs along long contiguous rows; the activation is permuted to
+  match.
 
 `batch_invariant=True` keeps every token count on one arithmetic, so a token's outputs do not
 depend on how many tokens an expert sees in the call (a prefill then matches the same tokens
 decoded one at a time): the native kernel's block order at any token count (slower than BLAS
-beyond 8 tokens), or the torch kernel one token at a time.
+beyond 8 tokens), or the torch kernel one token at a time. It applies to the CPU kernels only.
 
 Every buffer is allocated float32 explicitly, so `torch.set_default_dtype` changes nothing here.
-
-In the torch kernel the value 0.5 (E2M1 code 1) decodes to a float32 subnormal for one multiply.
-Where the calling thread flushes subnormals (`torch.set_flush_denormal(True)`) the chunk is decoded
+In the torch kernel the value 0.5 (E2M1 code 1) decodes to a float32 subnormal for one multiply;
+where the calling thread flushes subnormals (`torch.set_flush_denormal(True)`) the chunk is decoded
 through the codec table instead, at a fraction of the speed. The native kernel decodes through
 small integers and IEEE halves and does not depend on that setting.
 """
@@ -52,7 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .codecs import e8m0_decode, fp4_to_float
+from .codecs import fp4_to_float
 from .gemm import FP4_WEIGHT_BLOCK, fp4_gemm, fp8_gemm, linear
 from .quant import act_quant
 
@@ -62,10 +72,13 @@ _SPAN_OCTAVES = 48
 # Upper bound on float32 values in one decoded chunk (4 MiB): large enough that a chunk's handful
 # of torch calls cost little next to its work, small enough to stay in the last-level cache.
 _CHUNK_VALUES = 1 << 20
+_BLOCK = FP4_WEIGHT_BLOCK  # both formats scale blocks of 32 values along K
 CPU_KERNELS = ("auto", "native", "torch")
+_FP4_DTYPES = (torch.float4_e2m1fn_x2, torch.uint8, torch.int8)  # packed FP4 as stored or viewed
 
 Expert = Any  # anything with w1, w1_scale, w2, w2_scale, w3, w3_scale attributes (e.g. PackedExpert)
 Experts = Union[Mapping[int, Expert], Sequence[Expert]]
+DeviceSpec = Union[None, str, torch.device, Sequence[Union[str, torch.device]]]
 
 
 class PackedExpert(NamedTuple):
@@ -86,6 +99,333 @@ class PackedExpert(NamedTuple):
 
     def to(self, device) -> "PackedExpert":
         return PackedExpert(*(t.to(device) for t in self))
+
+
+# ---------------------------------------------------------------------- experts
+def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
+                   swiglu_limit: float = 0.0, *, cpu_kernel: str = "auto", batch_invariant: bool = False,
+                   product: Optional[Callable] = None) -> torch.Tensor:
+    """y = sum_k weights[:, k] * expert_{expert_ids[:, k]}(x), float32 [n, dim] on x's device.
+
+    Call contract (the same for `routed_experts_reference`): x [n, dim] activations (bf16 in the
+    model; GEMM outputs are rounded to x.dtype as the reference's linears do); expert_ids [n, k]
+    integer ids; weights [n, k] float32 routing weights (already normalized and scaled); experts
+    maps each id present in expert_ids to an object with w1, w1_scale, w2, w2_scale, w3, w3_scale
+    exactly as stored (`PackedExpert`): a dict {id: expert} from the loader's cache, or a sequence
+    indexed by id. Each GEMM runs where its expert's weight lives: Triton on CUDA, the fused CPU
+    kernels on the CPU. Tokens are quantized to FP8 once, grouped by expert with one sort, and
+    each selected expert runs once on all of its tokens, in ascending id order, added into a
+    float32 sum as the reference does. Weights are read packed, never expanded as a whole.
+    `cpu_kernel` ("auto", "native" or "torch") and `batch_invariant`: see the module docstring.
+    `product(a, a_s, w, s, dtype)`, for tests, replaces every GEMM (one call per product)."""
+    _check_routing(x, expert_ids, weights)
+    n, k = expert_ids.shape
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [n, dim]
+    if n == 0:
+        return y
+    a, a_s = act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)  # per token, so once for every expert
+    flat = expert_ids.reshape(-1)  # [n*k]: pair p is token p // k
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending within one
+    ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    flat_weights = weights.reshape(-1).float()  # [n*k]
+    groups, token_rows = [], []
+    for e, pairs in zip(ids.tolist(), torch.split(order, counts.tolist())):
+        rows = pairs // k  # [c] token indices
+        groups.append((a[rows], a_s[rows], experts[e], flat_weights[pairs].unsqueeze(1)))  # weights [c, 1]
+        token_rows.append(rows)
+    outs = _run_experts(groups, x.dtype, swiglu_limit, cpu_kernel, batch_invariant, product)
+    for rows, out in zip(token_rows, outs):
+        y.index_add_(0, rows, out.to(y.device, torch.float32))  # ascending expert id, as the reference adds
+    return y
+
+
+def routed_experts_reference(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                             experts: Experts, swiglu_limit: float = 0.0) -> torch.Tensor:
+    """The plain reference for `routed_experts`: per selected expert (ascending id), its tokens
+    gathered, quantized to FP8 and multiplied by the op layer's `fp4_gemm`, which expands each
+    weight matrix to float32; the expert outputs summed in float32."""
+    _check_routing(x, expert_ids, weights)
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(expert_ids).tolist():
+        rows, slot = torch.where(expert_ids == e)
+        out = expert_ffn_reference(x[rows], experts[e], swiglu_limit, weights[rows, slot, None].float())
+        y.index_add_(0, rows, out.float())
+    return y
+
+
+def _check_routing(x, expert_ids, weights):
+    """The one check of the routing inputs, for `routed_experts` and its reference."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [tokens, dim], got shape {tuple(x.shape)}")
+    if expert_ids.shape != weights.shape or expert_ids.dim() != 2 or expert_ids.size(0) != x.size(0):
+        raise ValueError(f"expert_ids and weights must both be [{x.size(0)}, k], got "
+                         f"{tuple(expert_ids.shape)} and {tuple(weights.shape)}")
+
+
+def expert_ffn(x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0,
+               weights: Optional[torch.Tensor] = None, *, cpu_kernel: str = "auto",
+               batch_invariant: bool = False) -> torch.Tensor:
+    """One SwiGLU expert (FP4 routed or FP8 shared weights) on x [n, dim] -> [n, dim] in x's dtype,
+    through the same GEMMs as `routed_experts`; `weights` [n, 1] scales the activation before the
+    down projection."""
+    a, a_s = act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
+    return _run_experts([(a, a_s, expert, weights)], x.dtype, swiglu_limit, cpu_kernel, batch_invariant)[0]
+
+
+def expert_ffn_reference(x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0,
+                         weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`expert_ffn` through the op layer's reference `linear` (each weight expanded whole)."""
+    h = clamped_swiglu(linear(x, _as_fp4(expert.w1), expert.w1_scale),
+                       linear(x, _as_fp4(expert.w3), expert.w3_scale), swiglu_limit)
+    if weights is not None:
+        h = weights * h
+    return linear(h.to(x.dtype), _as_fp4(expert.w2), expert.w2_scale)
+
+
+def _as_fp4(w: torch.Tensor) -> torch.Tensor:
+    return w.view(torch.float4_e2m1fn_x2) if w.dtype in (torch.int8, torch.uint8) else w
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(gate) * up in float32; with limit > 0 the up branch is clamped to [-limit, limit] and
+    the gate branch from above only, as in training."""
+    gate, up = gate.float(), up.float()
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    return F.silu(gate) * up
+
+
+def _run_experts(groups, dtype, swiglu_limit: float, cpu_kernel: str, batch_invariant: bool,
+                 product: Optional[Callable] = None) -> list:
+    """Experts on FP8-quantized tokens: groups [(a, a_s, expert, routing weights [c, 1] or None)]
+    -> each expert's output in `dtype`: gate/up -> clamped SwiGLU -> routing weight -> down.
+    Every GEMM output is rounded to the activation dtype, as the reference's linears return it.
+    All gate and up projections go to `_products` as one list, then all down projections, so the
+    native kernel takes each list in one parallel pass (its threads start twice per layer)."""
+    ups = _products([(a, a_s, w, s) for a, a_s, expert, _ in groups
+                     for w, s in ((expert.w1, expert.w1_scale), (expert.w3, expert.w3_scale))],
+                    dtype, cpu_kernel, batch_invariant, product)
+    downs = []
+    for (a, a_s, expert, weights), gate, up in zip(groups, ups[0::2], ups[1::2]):
+        h = clamped_swiglu(gate, up, swiglu_limit)  # [c, inter] float32
+        if weights is not None:
+            h = weights.to(h.device) * h  # the routing weight scales the activation before the down projection
+        h_q, h_s = act_quant(h.to(dtype), 32, "ue8m0", torch.float8_e8m0fnu)
+        downs.append((h_q, h_s, expert.w2, expert.w2_scale))
+    return _products(downs, dtype, cpu_kernel, batch_invariant, product)
+
+
+def _products(jobs, dtype, cpu_kernel: str, batch_invariant: bool, product: Optional[Callable] = None) -> list:
+    """Products (a, a_s, w, s) of FP8 tokens [M, K] with E8M0 scales [M, K/32] -> each [M, N] in
+    `dtype`, on the device of its weight: the Triton kernel on CUDA; on the CPU (where any other
+    device's weights are copied), the native kernel's block-order products in one `gemm_many`
+    call, the rest one by one through `_fused`. `product`, where given, runs each one instead."""
+    if product is not None:
+        return [product(*job, dtype) for job in jobs]
+    outs: list = [None] * len(jobs)
+    on_cpu = []
+    for i, (a, a_s, w, s) in enumerate(jobs):
+        if w.device.type == "cuda" and _triton_experts().available():
+            a, a_s = a.to(w.device), a_s.to(w.device)
+            # Triton has the FP4 kernel only; the shared expert's FP8 takes the op layer's GEMM there
+            gemm = fp8_gemm if w.dtype == torch.float8_e4m3fn else _triton_experts().fp4_gemm_triton
+            outs[i] = gemm(a, a_s, w, s, out_dtype=dtype)
+            continue
+        if w.device.type != "cpu":
+            _say_once("product", f"no Triton kernel for {w.device}; expert GEMMs run on the CPU")
+            w, s = w.cpu(), s.cpu()
+        a, a_s = a.cpu(), a_s.cpu()
+        on_cpu.append((i, a, a_s, w, s, check_operands(a, a_s, w, s)))
+    if not on_cpu:
+        return outs
+
+    kernels = _native_kernels(cpu_kernel)
+    block_order = []  # (job index, gemm_many operands)
+    for i, a, a_s, w, s, op in on_cpu:
+        a_raw, w_raw = _e8m0_bytes(a_s.reshape(op.m, op.k // _BLOCK)), _e8m0_bytes(s)
+        if (kernels is not None and a_raw is not None and w_raw is not None
+                and (op.m <= native.BLOCK_ORDER_MAX_TOKENS or batch_invariant)):
+            block_order.append((i, (op.fp4, a.reshape(op.m, op.k).view(torch.uint8), a_raw, _BLOCK,
+                                    w.view(torch.uint8), w_raw, op.rows_per_scale)))
+        else:  # more tokens, or scales the native kernel does not read
+            outs[i] = _fused(a, a_s, w, s, op, _BLOCK, kernels, batch_invariant).to(dtype)
+    if block_order:
+        for (i, _), out in zip(block_order, kernels.gemm_many([operands for _, operands in block_order])):
+            outs[i] = out.to(dtype)
+    return outs
+
+
+# ---------------------------------------------------------------------- operands
+class Operands(NamedTuple):
+    """What `check_operands` found in one product's operands."""
+
+    fp4: bool  # packed FP4 weight; False: FP8 E4M3
+    m: int  # tokens (the activation's leading dims flattened)
+    n: int  # weight rows
+    k: int
+
+    @property
+    def rows_per_scale(self) -> int:
+        """Weight rows sharing one row of block scales: FP8 scales 32x32 blocks."""
+        return 1 if self.fp4 else _BLOCK
+
+
+_FP4_NAME = "packed FP4 (float4_e2m1fn_x2, uint8 or int8)"
+
+
+def check_operands(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, s: torch.Tensor, act_block: int = 32,
+                   kind: Optional[str] = None) -> Operands:
+    """The one shape and dtype check of a packed-weight product, for every kernel here and in
+    triton_experts: FP8 E4M3 activations a [..., K] with scales a_s [..., K/act_block] against a
+    packed FP4 weight [N, K/2] with scales [N, K/32] or an FP8 E4M3 weight [N, K] with scales
+    [ceil(N/32), K/32]. `kind` "fp4" or "fp8" admits that weight format only."""
+    if w.dtype in _FP4_DTYPES and kind != "fp8":
+        fp4 = True
+    elif w.dtype == torch.float8_e4m3fn and kind != "fp4":
+        fp4 = False
+    else:
+        wanted = {"fp4": _FP4_NAME, "fp8": "float8_e4m3fn"}.get(kind, f"{_FP4_NAME} or float8_e4m3fn")
+        raise TypeError(f"weight must be {wanted}, got {w.dtype}")
+    if a.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"activations must be float8_e4m3fn (quantize with act_quant), got {a.dtype}")
+    k = a.size(-1)
+    if k % act_block or act_block % _BLOCK:
+        raise ValueError(f"K={k} and act_block_size={act_block} must be multiples of {_BLOCK}")
+    if not fp4 and act_block != _BLOCK:
+        raise ValueError(f"the fused FP8 path takes 32x32 weight blocks, got {act_block}")
+    m, n = a.numel() // k, w.size(0)
+    if w.dim() != 2 or w.size(1) * (2 if fp4 else 1) != k:
+        raise ValueError(f"packed weight {list(w.shape)} does not hold K={k} values per row")
+    scale_rows = n if fp4 else -(-n // _BLOCK)
+    if tuple(s.shape) != (scale_rows, k // _BLOCK):
+        raise ValueError(f"weight scales must be [{scale_rows}, {k // _BLOCK}], got {list(s.shape)}")
+    if a_s.numel() != m * (k // act_block):
+        raise ValueError(f"activation scales {list(a_s.shape)} are not one per {act_block} values of {list(a.shape)}")
+    return Operands(fp4, m, n, k)
+
+
+# ---------------------------------------------------------------------- the fused GEMMs
+def fp4_gemm_fused(
+    a: torch.Tensor,
+    a_s: torch.Tensor,
+    b: torch.Tensor,
+    b_s: torch.Tensor,
+    *,
+    act_block_size: int = 32,
+    out_dtype: torch.dtype = torch.bfloat16,
+    cpu_kernel: str = "auto",
+    batch_invariant: bool = False,
+) -> torch.Tensor:
+    """`fp4_gemm` on the CPU without expanding the weight: FP8 [..., K] x packed FP4 [N, K/2] (I8,
+    uint8 or float4_e2m1fn_x2) with E8M0 scales [N, K/32] -> [..., N]; equal to `fp4_gemm` up to
+    the order of float32 additions."""
+    op = check_operands(a, a_s, b, b_s, act_block_size, kind="fp4")
+    out = _fused(a, a_s, b, b_s, op, act_block_size, _native_kernels(cpu_kernel), batch_invariant)
+    return out.to(out_dtype).reshape(*a.shape[:-1], op.n)
+
+
+def fp8_gemm_fused(
+    a: torch.Tensor,
+    a_s: torch.Tensor,
+    b: torch.Tensor,
+    b_s: torch.Tensor,
+    *,
+    block_size: int = 32,
+    out_dtype: torch.dtype = torch.bfloat16,
+    cpu_kernel: str = "auto",
+    batch_invariant: bool = False,
+) -> torch.Tensor:
+    """`fp8_gemm` on the CPU without expanding the weight: FP8 [..., K] x FP8 E4M3 [N, K] with
+    E8M0 scales per 32x32 block [ceil(N/32), K/32] -> [..., N]; equal to `fp8_gemm` up to float32
+    addition order."""
+    op = check_operands(a, a_s, b, b_s, block_size, kind="fp8")
+    out = _fused(a, a_s, b, b_s, op, block_size, _native_kernels(cpu_kernel), batch_invariant)
+    return out.to(out_dtype).reshape(*a.shape[:-1], op.n)
+
+
+def linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None, *,
+                 cpu_kernel: str = "auto", batch_invariant: bool = False) -> torch.Tensor:
+    """The op layer's `linear` (FP8 activation quantization, then the FP4 or FP8 product, output in
+    x's dtype) through the fused GEMMs; other weights are plain F.linear."""
+    if weight.dtype in (torch.int8, torch.uint8):
+        weight = weight.view(torch.float4_e2m1fn_x2)  # the checkpoint's I8 expert weights
+    if weight.dtype not in (torch.float4_e2m1fn_x2, torch.float8_e4m3fn):
+        return F.linear(x, weight)
+    if scale is None:
+        raise ValueError(f"a {weight.dtype} weight needs its block scales")
+    a, a_s = act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
+    gemm = fp4_gemm_fused if weight.dtype == torch.float4_e2m1fn_x2 else fp8_gemm_fused
+    return gemm(a, a_s, weight, scale, out_dtype=x.dtype, cpu_kernel=cpu_kernel, batch_invariant=batch_invariant)
+
+
+def _fused(a, a_s, w, s, op: Operands, act_block: int, kernels: Optional["native.NativeKernels"],
+           batch_invariant: bool) -> torch.Tensor:
+    """The fused CPU GEMM of operands `check_operands` passed -> float32 [M, N]: the native kernel
+    where it is loaded and both scales are E8M0, the torch kernel otherwise; rows and tokens whose
+    scales span too far for the split scales then come from the reference."""
+    m, n, k = op.m, op.n, op.k
+    if m == 0 or n == 0:
+        return torch.zeros(m, n, dtype=torch.float32)
+    codec = _FP4 if op.fp4 else _FP8
+    words = _words(w)  # [N, K/per_word]
+    w_raw, a_raw = _e8m0_bytes(s), _e8m0_bytes(a_s.reshape(m, -1))  # a_s [M, K/act_block]
+    if kernels is not None and w_raw is not None and a_raw is not None:
+        out, a_ok, w_ok = kernels.gemm(op.fp4, a.reshape(m, k).view(torch.uint8), a_raw, act_block,
+                                       words.view(torch.uint8), w_raw, op.rows_per_scale, _SPAN_OCTAVES,
+                                       _CHUNK_VALUES, block_order=batch_invariant)
+    else:  # the torch kernel (also for scales that are not E8M0, which the native kernel does not read)
+        a_scaled, a_top, a_ok = _activation_operand(a, a_s, act_block)
+        if w_raw is not None:
+            top_byte = w_raw.amax(dim=1).to(torch.int32)
+            w_top, w_ok = native.split_powers(top_byte, w_raw.amin(dim=1).to(torch.int32), _SPAN_OCTAVES)
+            w_rel = _relative_e8m0(w_raw, top_byte)
+        else:
+            w_top, w_rel, w_ok = _split(s.float())
+        # one entry per weight row rather than per block of rows: [N], [N], [N, K/32]
+        w_top, w_ok, w_rel = (t.repeat_interleave(op.rows_per_scale, dim=0)[:n] for t in (w_top, w_ok, w_rel))
+        table = None
+        if not _subnormals_kept():
+            table = fp4_to_float if op.fp4 else lambda raw: e4m3_to_float(raw.view(torch.float8_e4m3fn))
+        a_perm = _permute_columns(a_scaled, codec)
+        if batch_invariant:  # one token at a time: the same BLAS call whatever the token count
+            inner = torch.cat([_chunked_product(a_perm[i : i + 1], words, w_rel, codec, table) for i in range(m)])
+        else:
+            inner = _chunked_product(a_perm, words, w_rel, codec, table)
+        # the token's power of two first, then the row's: the order the reference applies a_s, w_s
+        out = inner * a_top.unsqueeze(1) * w_top.unsqueeze(0)
+
+    if a_ok is None:  # the native kernel's block order: no split scales, nothing to recompute
+        return out
+    # rows and tokens whose scales span too much for the pre-scaled operands: the reference,
+    # a bounded number of rows at a time
+    bad_rows = (~w_ok).nonzero().flatten()
+    bad_tokens = (~a_ok).nonzero().flatten()
+    if len(bad_rows) or len(bad_tokens):
+        a2, s2 = a.reshape(m, k), a_s.reshape(m, -1)
+        rows = max(1, _CHUNK_VALUES // k)
+        for i in range(0, len(bad_rows), rows):
+            idx = bad_rows[i : i + rows]
+            out[:, idx] = _reference_rows(a2, s2, w, s, idx, op, act_block)
+        if len(bad_tokens):
+            for r0 in range(0, n, rows):
+                idx = torch.arange(r0, min(n, r0 + rows))
+                out[bad_tokens.unsqueeze(1), idx.unsqueeze(0)] = _reference_rows(a2[bad_tokens], s2[bad_tokens], w, s,
+                                                                                 idx, op, act_block)
+    return out
+
+
+def _reference_rows(a2, s2, w, s, rows: torch.Tensor, op: Operands, act_block: int) -> torch.Tensor:
+    """Weight rows `rows` of the product through the op layer's reference GEMM: float32 [M, len(rows)]."""
+    if op.fp4:  # fp4_gemm takes float4 or uint8 bytes, not int8
+        return fp4_gemm(a2, s2, w.view(torch.uint8)[rows], s[rows], act_block_size=act_block, out_dtype=torch.float32)
+    # fp8_gemm needs whole 32-row scale blocks: take the rows' blocks, then the rows
+    blocks = torch.unique(rows // _BLOCK)
+    sub = torch.cat([w[i * _BLOCK : (i + 1) * _BLOCK] for i in blocks.tolist()])
+    full = fp8_gemm(a2, s2, sub, s[blocks], block_size=_BLOCK, out_dtype=torch.float32)
+    starts = torch.cumsum(torch.tensor([0] + [min(_BLOCK, op.n - i * _BLOCK) for i in blocks.tolist()]), 0)
+    pos = starts[torch.searchsorted(blocks, rows // _BLOCK)] + rows % _BLOCK
+    return full[:, pos]
 
 
 # ---------------------------------------------------------------------- word codecs
@@ -113,15 +453,12 @@ class _WordCodec:
 _FP4 = _WordCodec(per_word=8, bits=4, sar=6, mask=_i32(0x81C00000), exp_offset=126)
 # E4M3 s|eeee|mmm at bits 24..31, shifted right by 4: exponent bits 23-26, mantissa bits 20-22.
 _FP8 = _WordCodec(per_word=4, bits=8, sar=4, mask=_i32(0x87F00000), exp_offset=120)
-_BLOCK = FP4_WEIGHT_BLOCK  # both formats scale blocks of 32 values along K
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
-    """Row-major packed bytes [N, B] -> int32 words [N, B/4] over the same memory."""
-    raw = packed.contiguous().view(torch.uint8)
-    if raw.size(-1) % 4:
-        raise ValueError(f"a packed row of {raw.size(-1)} bytes is not whole int32 words")
-    return raw.view(torch.int32)
+    """Row-major packed bytes [N, B] -> int32 words [N, B/4] over the same memory (B is a
+    multiple of 16: `check_operands` holds K to multiples of 32)."""
+    return packed.contiguous().view(torch.uint8).view(torch.int32)
 
 
 def _subnormals_kept() -> bool:
@@ -203,7 +540,7 @@ def _chunked_product(a_perm: torch.Tensor, words: torch.Tensor, rel: torch.Tenso
         vals = value_buf[:r]
         if table_decode is None:
             wb, bits = word_buf[:r], bits_buf[:r]
-            wb.copy_(words[r0 : r0 + r].view(r, nb, per_block).transpose(1, 2))
+            wb.copy_(words[r0 : r0 + r].view(r, nb, per_block).transpose(1, 2))  # [r, word in block, block]
             torch.bitwise_left_shift(wb.unsqueeze(1), shifts, out=bits)  # code i at the word's top
             bits.bitwise_right_shift_(codec.sar).bitwise_and_(codec.mask)
             vals.view(r, _BLOCK, nb).mul_(factor[r0 : r0 + r].unsqueeze(1))
@@ -211,7 +548,7 @@ def _chunked_product(a_perm: torch.Tensor, words: torch.Tensor, rel: torch.Tenso
             natural = table_decode(words[r0 : r0 + r].view(torch.uint8))  # [r, K]
             vals.copy_(natural.view(r, nb, per_block, codec.per_word).permute(0, 3, 2, 1))
             vals.view(r, _BLOCK, nb).mul_(rel[r0 : r0 + r].unsqueeze(1))
-        flat = vals.view(r, k)
+        flat = vals.view(r, k)  # [r, K] in the chunk column order
         if m == 1:
             torch.mv(flat, a_perm[0], out=out[r0 : r0 + r, 0])
         else:
@@ -219,316 +556,51 @@ def _chunked_product(a_perm: torch.Tensor, words: torch.Tensor, rel: torch.Tenso
     return out.t()
 
 
-def _fused(a, a_s, b, b_s, rows_per_scale: int, act_block: int, codec: _WordCodec, reference: Callable,
-           cpu_kernel: str, batch_invariant: bool) -> torch.Tensor:
-    """The shared body of the FP4 and FP8 fused GEMMs: float32 [M, N] (leading dims flattened).
-    b_s: the weight's block scales, one row of them per `rows_per_scale` weight rows."""
-    if a.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"activations must be float8_e4m3fn (quantize with act_quant), got {a.dtype}")
-    k = a.size(-1)
-    if k % act_block or act_block % _BLOCK:
-        raise ValueError(f"K={k} and act_block_size={act_block} must be multiples of {_BLOCK}")
-    m = a.numel() // k
-    words = _words(b)  # [N, K/per_word]
-    n = words.size(0)
-    if words.size(1) * codec.per_word != k:
-        raise ValueError(f"packed weight {list(b.shape)} does not hold K={k} values per row")
-    kernels = _native_kernels(cpu_kernel)
-    if m == 0 or n == 0:
-        return torch.zeros(m, n, dtype=torch.float32)
-
-    w_raw, a_raw = _e8m0_bytes(b_s), _e8m0_bytes(a_s.reshape(m, -1))
-    if kernels is not None and w_raw is not None and a_raw is not None:
-        out, a_ok, w_ok = kernels.gemm(codec is _FP4, a.reshape(m, k).view(torch.uint8), a_raw, act_block,
-                                       words.view(torch.uint8), w_raw, rows_per_scale, _SPAN_OCTAVES, _CHUNK_VALUES,
-                                       block_order=batch_invariant)
-    else:  # the torch kernel (also for scales that are not E8M0, which the native kernel does not read)
-        a_scaled, a_top, a_ok = _activation_operand(a, a_s, act_block)
-        if w_raw is not None:
-            top_byte = w_raw.amax(dim=1).to(torch.int32)
-            w_top, w_ok = native.split_powers(top_byte, w_raw.amin(dim=1).to(torch.int32), _SPAN_OCTAVES)
-            w_rel = _relative_e8m0(w_raw, top_byte)
-        else:
-            w_top, w_rel, w_ok = _split(b_s.float())
-        # one entry per weight row rather than per block of rows
-        w_top, w_ok, w_rel = (t.repeat_interleave(rows_per_scale, dim=0)[:n] for t in (w_top, w_ok, w_rel))
-        table = None
-        if not _subnormals_kept():
-            table = fp4_to_float if codec is _FP4 else lambda raw: e4m3_to_float(raw.view(torch.float8_e4m3fn))
-        a_perm = _permute_columns(a_scaled, codec)
-        if batch_invariant:  # one token at a time: the same BLAS call whatever the token count
-            inner = torch.cat([_chunked_product(a_perm[i : i + 1], words, w_rel, codec, table) for i in range(m)])
-        else:
-            inner = _chunked_product(a_perm, words, w_rel, codec, table)
-        # the token's power of two first, then the row's: the order the reference applies a_s, w_s
-        out = inner * a_top.unsqueeze(1) * w_top.unsqueeze(0)
-
-    if a_ok is None:  # the native kernel's block order: no split scales, nothing to recompute
-        return out
-    # rows and tokens whose scales span too much for the pre-scaled operands: the reference,
-    # a bounded number of rows at a time
-    bad_rows = (~w_ok).nonzero().flatten()
-    bad_tokens = (~a_ok).nonzero().flatten()
-    if len(bad_rows) or len(bad_tokens):
-        a2, s2 = a.reshape(m, k), a_s.reshape(m, -1)
-        rows = max(1, _CHUNK_VALUES // k)
-        if len(bad_rows):
-            for i in range(0, len(bad_rows), rows):
-                idx = bad_rows[i : i + rows]
-                out[:, idx] = reference(a2, s2, idx)
-        if len(bad_tokens):
-            for r0 in range(0, words.size(0), rows):
-                idx = torch.arange(r0, min(words.size(0), r0 + rows))
-                out[bad_tokens.unsqueeze(1), idx.unsqueeze(0)] = reference(a2[bad_tokens], s2[bad_tokens], idx)
-    return out
+# ---------------------------------------------------------------------- placement
+def expert_devices(spec: DeviceSpec = None) -> list[torch.device]:
+    """Where the expert cache lives: None or "cpu" -> [cpu]; "cuda", "cuda:1" or a list of them ->
+    those devices. Without a usable GPU (no CUDA, or no Triton) this prints one line to stderr and
+    returns [cpu], so a notebook asking for the GPU still runs."""
+    specs = [spec] if spec is None or isinstance(spec, (str, torch.device)) else list(spec)
+    devices = [torch.device(s if s is not None else "cpu") for s in specs]
+    if not devices:
+        raise ValueError("expert_devices needs at least one device")
+    if all(d.type == "cpu" for d in devices):
+        return [torch.device("cpu")]
+    if any(d.type != "cuda" for d in devices):
+        raise ValueError(f"expert devices must all be cpu or all be cuda, got {[str(d) for d in devices]}")
+    reason = _triton_experts().unavailable_reason()
+    if reason is not None:
+        _say_once("devices", f"{reason}; routed experts stay on the CPU (fused packed-FP4 path)")
+        return [torch.device("cpu")]
+    count = torch.cuda.device_count()
+    devices = [torch.device("cuda", d.index if d.index is not None else 0) for d in devices]
+    bad = [str(d) for d in devices if d.index >= count]
+    if bad:
+        raise ValueError(f"no such CUDA device {', '.join(bad)} ({count} present)")
+    return devices
 
 
-def fp4_gemm_fused(
-    a: torch.Tensor,
-    a_s: torch.Tensor,
-    b: torch.Tensor,
-    b_s: torch.Tensor,
-    *,
-    act_block_size: int = 32,
-    out_dtype: torch.dtype = torch.bfloat16,
-    cpu_kernel: str = "auto",
-    batch_invariant: bool = False,
-) -> torch.Tensor:
-    """`fp4_gemm` without expanding the weight: FP8 [..., K] x packed FP4 [N, K/2] (I8, uint8 or
-    float4_e2m1fn_x2) with E8M0 scales [N, K/32] -> [..., N]; equal to `fp4_gemm` up to the order
-    of float32 additions."""
-    if b.dtype not in (torch.float4_e2m1fn_x2, torch.uint8, torch.int8):
-        raise TypeError(f"weight must be packed FP4 (float4_e2m1fn_x2, uint8 or int8), got {b.dtype}")
-    n, k = b.size(0), a.size(-1)
-    if b.size(1) * 2 != k:
-        raise ValueError(f"packed weight [{n}, {b.size(1)}] does not hold K={k} values per row")
-    if tuple(b_s.shape) != (n, k // _BLOCK):
-        raise ValueError(f"weight scales must be [{n}, {k // _BLOCK}], got {list(b_s.shape)}")
-
-    raw = b.view(torch.uint8)  # fp4_gemm takes float4 or uint8 bytes, not int8
-
-    def reference(a2, s2, rows):
-        return fp4_gemm(a2, s2, raw[rows], b_s[rows], act_block_size=act_block_size, out_dtype=torch.float32)
-
-    out = _fused(a, a_s, b, b_s, 1, act_block_size, _FP4, reference, cpu_kernel, batch_invariant)
-    return out.to(out_dtype).reshape(*a.shape[:-1], n)
-
-
-def fp8_gemm_fused(
-    a: torch.Tensor,
-    a_s: torch.Tensor,
-    b: torch.Tensor,
-    b_s: torch.Tensor,
-    *,
-    block_size: int = 32,
-    out_dtype: torch.dtype = torch.bfloat16,
-    cpu_kernel: str = "auto",
-    batch_invariant: bool = False,
-) -> torch.Tensor:
-    """`fp8_gemm` without expanding the weight: FP8 [..., K] x FP8 E4M3 [N, K] with E8M0 scales per
-    32x32 block [ceil(N/32), K/32] -> [..., N]; equal to `fp8_gemm` up to float32 addition order."""
-    if b.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"weight must be float8_e4m3fn, got {b.dtype}")
-    if block_size != _BLOCK:
-        raise ValueError(f"the fused FP8 path takes 32x32 weight blocks, got {block_size}")
-    n, k = b.shape
-    if k != a.size(-1):
-        raise ValueError(f"weight has K={k}, activations {a.size(-1)}")
-    n_blocks = -(-n // _BLOCK)
-    if tuple(b_s.shape) != (n_blocks, k // _BLOCK):
-        raise ValueError(f"weight scales must be [{n_blocks}, {k // _BLOCK}], got {list(b_s.shape)}")
-    def reference(a2, s2, rows):
-        # fp8_gemm needs whole 32-row scale blocks: take the rows' blocks, then the rows
-        blocks = torch.unique(rows // _BLOCK)
-        sub = torch.cat([b[i * _BLOCK : (i + 1) * _BLOCK] for i in blocks.tolist()])
-        full = fp8_gemm(a2, s2, sub, b_s[blocks], block_size=_BLOCK, out_dtype=torch.float32)
-        starts = torch.cumsum(torch.tensor([0] + [min(_BLOCK, n - i * _BLOCK) for i in blocks.tolist()]), 0)
-        pos = starts[torch.searchsorted(blocks, rows // _BLOCK)] + rows % _BLOCK
-        return full[:, pos]
-
-    out = _fused(a, a_s, b, b_s, _BLOCK, block_size, _FP8, reference, cpu_kernel, batch_invariant)
-    return out.to(out_dtype).reshape(*a.shape[:-1], n)
-
-
-def linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None, *,
-                 cpu_kernel: str = "auto", batch_invariant: bool = False) -> torch.Tensor:
-    """The op layer's `linear` (FP8 activation quantization, then the FP4 or FP8 product, output in
-    x's dtype) through the fused GEMMs; other weights are plain F.linear."""
-    if weight.dtype in (torch.int8, torch.uint8):
-        weight = weight.view(torch.float4_e2m1fn_x2)  # the checkpoint's I8 expert weights
-    if weight.dtype not in (torch.float4_e2m1fn_x2, torch.float8_e4m3fn):
-        return F.linear(x, weight)
-    if scale is None:
-        raise ValueError(f"a {weight.dtype} weight needs its block scales")
-    a, a_s = act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
-    return _quantized_product(a, a_s, weight, scale, x.dtype, cpu_kernel, batch_invariant)
-
-
-def _quantized_product(a, a_s, weight, scale, out_dtype, cpu_kernel, batch_invariant):
-    how = dict(out_dtype=out_dtype, cpu_kernel=cpu_kernel, batch_invariant=batch_invariant)
-    if weight.dtype in (torch.float4_e2m1fn_x2, torch.int8, torch.uint8):
-        return fp4_gemm_fused(a, a_s, weight, scale, act_block_size=32, **how)
-    return fp8_gemm_fused(a, a_s, weight, scale, block_size=32, **how)
-
-
-# ---------------------------------------------------------------------- experts
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(gate) * up in float32; with limit > 0 the up branch is clamped to [-limit, limit] and
-    the gate branch from above only, as in training."""
-    gate, up = gate.float(), up.float()
-    if limit > 0:
-        up = up.clamp(-limit, limit)
-        gate = gate.clamp(max=limit)
-    return F.silu(gate) * up
-
-
-def _run_experts(groups, dtype, swiglu_limit: float, products: Callable) -> list:
-    """Experts on FP8-quantized tokens: groups [(a, a_s, expert, routing weights [c, 1] or None)]
-    -> each expert's output in `dtype`: gate/up -> clamped SwiGLU -> routing weight -> down.
-    Every GEMM output is rounded to the activation dtype, as the reference's linears return it.
-    `products(jobs, dtype)` runs a list of (a, a_s, weight, scale) products; all gate and up
-    projections go in one list, then all down projections, so a kernel can take each list in one
-    pass."""
-    ups = products([(a, a_s, w, s) for a, a_s, expert, _ in groups
-                    for w, s in ((expert.w1, expert.w1_scale), (expert.w3, expert.w3_scale))], dtype)
-    downs = []
-    for (a, a_s, expert, weights), gate, up in zip(groups, ups[0::2], ups[1::2]):
-        h = clamped_swiglu(gate, up, swiglu_limit)  # [c, inter] float32
-        if weights is not None:
-            h = weights.to(h.device) * h  # the routing weight scales the activation before the down projection
-        h_q, h_s = act_quant(h.to(dtype), 32, "ue8m0", torch.float8_e8m0fnu)
-        downs.append((h_q, h_s, expert.w2, expert.w2_scale))
-    return products(downs, dtype)
-
-
-def _fused_products(cpu_kernel: str, batch_invariant: bool) -> Callable:
-    """`products` for `_run_experts` on the CPU: the native kernel's block-order products (up to
-    8 tokens each, or any number when batch_invariant) in one call, the rest one by one."""
-    def products(jobs, dtype):
-        kernels = _native_kernels(cpu_kernel)
-        outs = [None] * len(jobs)
-        batch = [(i, operands) for i, job in enumerate(jobs)
-                 if kernels is not None and (operands := _block_order_operands(*job, batch_invariant)) is not None]
-        if batch:
-            for (i, _), out in zip(batch, kernels.gemm_many([operands for _, operands in batch])):
-                outs[i] = out.to(dtype)
-        for i, job in enumerate(jobs):
-            if outs[i] is None:
-                outs[i] = _quantized_product(*job, dtype, cpu_kernel, batch_invariant)
-        return outs
-
-    return products
-
-
-def _block_order_operands(a, a_s, w, s, batch_invariant: bool):
-    """The native block-order kernel's operands for one product of [M, K] FP8 tokens, or None
-    where that kernel does not take it (more than 8 tokens unless batch_invariant, scales other
-    than E8M0, shapes that do not fit: those go through `_quantized_product`, which checks them)."""
-    if a.dtype != torch.float8_e4m3fn or a.dim() != 2:
-        return None
-    m, k = a.shape
-    a_raw, w_raw = _e8m0_bytes(a_s), _e8m0_bytes(s)
-    if (m > native.BLOCK_ORDER_MAX_TOKENS and not batch_invariant) or a_raw is None or w_raw is None:
-        return None
-    fp4 = w.dtype in (torch.float4_e2m1fn_x2, torch.int8, torch.uint8)
-    n, rows_per_scale = w.size(0), 1 if fp4 else _BLOCK
-    if fp4:
-        fits = w.dim() == 2 and w.size(1) * 2 == k and tuple(s.shape) == (n, k // _BLOCK)
-    else:
-        fits = w.dtype == torch.float8_e4m3fn and tuple(w.shape) == (n, k) and tuple(s.shape) == (-(-n // _BLOCK), k // _BLOCK)
-    if not fits or k % _BLOCK or tuple(a_raw.shape) != (m, k // _BLOCK):
-        return None
-    return fp4, a.view(torch.uint8), a_raw, _BLOCK, w.view(torch.uint8), w_raw, rows_per_scale
-
-
-def expert_ffn(x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0,
-               weights: Optional[torch.Tensor] = None, *, cpu_kernel: str = "auto",
-               batch_invariant: bool = False) -> torch.Tensor:
-    """One SwiGLU expert (FP4 routed or FP8 shared weights) on x [n, dim] -> [n, dim] in x's dtype,
-    through the fused GEMMs; `weights` [n, 1] scales the activation before the down projection."""
-    a, a_s = act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
-    return _run_experts([(a, a_s, expert, weights)], x.dtype, swiglu_limit,
-                        _fused_products(cpu_kernel, batch_invariant))[0]
-
-
-def expert_ffn_reference(x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0,
-                         weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`expert_ffn` through the op layer's reference `linear` (each weight expanded whole)."""
-    h = clamped_swiglu(linear(x, _as_fp4(expert.w1), expert.w1_scale),
-                       linear(x, _as_fp4(expert.w3), expert.w3_scale), swiglu_limit)
-    if weights is not None:
-        h = weights * h
-    return linear(h.to(x.dtype), _as_fp4(expert.w2), expert.w2_scale)
-
-
-def _as_fp4(w: torch.Tensor) -> torch.Tensor:
-    return w.view(torch.float4_e2m1fn_x2) if w.dtype in (torch.int8, torch.uint8) else w
-
-
-def _check_routing(x, expert_ids, weights):
-    if x.dim() != 2:
-        raise ValueError(f"x must be [tokens, dim], got shape {tuple(x.shape)}")
-    if expert_ids.shape != weights.shape or expert_ids.dim() != 2 or expert_ids.size(0) != x.size(0):
-        raise ValueError(f"expert_ids and weights must both be [{x.size(0)}, k], got "
-                         f"{tuple(expert_ids.shape)} and {tuple(weights.shape)}")
-
-
-def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
-                   swiglu_limit: float = 0.0, *, cpu_kernel: str = "auto", batch_invariant: bool = False,
-                   product: Optional[Callable] = None) -> torch.Tensor:
-    """y = sum_k weights[:, k] * expert_{expert_ids[:, k]}(x), float32 [n, dim], from packed weights.
-
-    Call contract (the same for `routed_experts_reference` and the Triton dispatcher):
-    x [n, dim] activations (bf16 in the model; GEMM outputs are rounded to x.dtype as the
-    reference's linears do); expert_ids [n, k] integer ids; weights [n, k] float32 routing weights
-    (already normalized and scaled); experts maps each id present in expert_ids to an object with
-    w1, w1_scale, w2, w2_scale, w3, w3_scale exactly as stored (`PackedExpert`): a dict
-    {id: expert} from the loader's cache, or a sequence indexed by id. Tokens are quantized to FP8
-    once, grouped by expert with one sort, and each selected expert runs once on all of its tokens,
-    in ascending id order, added into a float32 sum as the reference does. Weights are read packed,
-    never expanded as a whole. `cpu_kernel` ("auto", "native" or "torch") and `batch_invariant`:
-    see the module docstring. `product` replaces the GEMM (the Triton dispatcher uses it)."""
-    _check_routing(x, expert_ids, weights)
-    n, k = expert_ids.shape
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [n, dim]
-    if n == 0:
-        return y
-    if product is None:
-        products = _fused_products(cpu_kernel, batch_invariant)
-    else:
-        def products(jobs, dtype):
-            return [product(*job, dtype) for job in jobs]
-    a, a_s = act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)  # per token, so once for every expert
-    flat = expert_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending within one
-    ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    flat_weights = weights.reshape(-1).float()
-    groups, token_rows = [], []
-    for e, pairs in zip(ids.tolist(), torch.split(order, counts.tolist())):
-        rows = pairs // k  # [c] token indices
-        groups.append((a[rows], a_s[rows], experts[e], flat_weights[pairs].unsqueeze(1)))
-        token_rows.append(rows)
-    for rows, out in zip(token_rows, _run_experts(groups, x.dtype, swiglu_limit, products)):
-        y.index_add_(0, rows, out.to(y.device, torch.float32))  # ascending expert id, as the reference adds
-    return y
-
-
-def routed_experts_reference(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                             experts: Experts, swiglu_limit: float = 0.0) -> torch.Tensor:
-    """The plain reference for `routed_experts`: per selected expert (ascending id), its tokens
-    gathered, quantized to FP8 and multiplied by the op layer's `fp4_gemm`, which expands each
-    weight matrix to float32; the expert outputs summed in float32."""
-    _check_routing(x, expert_ids, weights)
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in torch.unique(expert_ids).tolist():
-        rows, slot = torch.where(expert_ids == e)
-        out = expert_ffn_reference(x[rows], experts[e], swiglu_limit, weights[rows, slot, None].float())
-        y.index_add_(0, rows, out.float())
-    return y
+def device_for(expert_id: int, devices: Sequence[torch.device]) -> torch.device:
+    """The device expert `expert_id` is placed on: round-robin over `devices` (from `expert_devices`)."""
+    return devices[expert_id % len(devices)]
 
 
 # ---------------------------------------------------------------------- kernel choice
-_NATIVE_FALLBACK_SAID: list = []  # the "auto" fallback line is printed once per process
+_SAID: set = set()  # keys of the one-line stderr notices already printed by this process
+
+
+def _say_once(key: str, message: str) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        print(f"dsv41: {message}", file=sys.stderr)
+
+
+def _triton_experts():
+    """The Triton module, imported on first need, so CPU-only runs never import Triton."""
+    from . import triton_experts
+
+    return triton_experts
 
 
 def _native_kernels(cpu_kernel: str) -> Optional["native.NativeKernels"]:
@@ -542,8 +614,5 @@ def _native_kernels(cpu_kernel: str) -> Optional["native.NativeKernels"]:
     if kernels is None:
         if cpu_kernel == "native":
             raise RuntimeError(f"cpu_kernel='native' is not available: {native.unavailable_reason()}")
-        if not _NATIVE_FALLBACK_SAID:
-            _NATIVE_FALLBACK_SAID.append(True)
-            print(f"dsv41: {native.unavailable_reason()}; expert GEMMs use the plain-PyTorch kernel",
-                  file=sys.stderr)
+        _say_once("native", f"{native.unavailable_reason()}; expert GEMMs use the plain-PyTorch kernel")
     return kernels
