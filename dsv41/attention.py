@@ -15,9 +15,9 @@ What a layer publishes goes into an `AttentionRuntime` passed to every forward, 
 so two stacks in a process never share state. Arithmetic, dtypes, quantization points and the
 index rows handed to `sparse_attn` follow the released reference runtime (`inference/model.py`);
 departures are named where they occur: one rank only, an explicit runtime, `reset_state`, and
-three opt-ins that default to the reference: `fix_stale_index_keys`, `window_layout="uniform"`
-(see `window_rows`) and `pad_f32_rows` (see `layers.f32_linear`). The last two make a prefill and
-the same tokens decoded one at a time bit-identical wherever no top-k has to cut.
+the `Numerics` a layer is built with (`dsv41.numerics`; the reference's arithmetic by default):
+its `fix_stale_index_keys` is read by the indexer, `window_layout` by `window_rows`, and
+`pad_f32_rows` by the compressor's float32 projections.
 
 Prefill runs from position 0; later calls take one token (the reference has no chunked prefill).
 """
@@ -40,6 +40,7 @@ from .layers import (
     linear_dtype,
     precompute_freqs_cis,
 )
+from .numerics import WINDOW_LAYOUTS, Numerics
 from .trace import AttentionRecord, Trace
 
 # Index-key and indexer-query FP4 blocks (E8M0 scales), compressed-KV FP4 blocks (E4M3 scales),
@@ -48,37 +49,17 @@ INDEX_FP4_BLOCK = 32
 KV_FP4_BLOCK = 16
 WINDOW_FP8_BLOCK = 32
 
-# The index-row layouts `window_rows` knows; the first is the released runtime's.
-WINDOW_LAYOUTS = ("reference", "uniform")
-
-
-def check_window_layout(layout: str) -> None:
-    if layout not in WINDOW_LAYOUTS:
-        raise ValueError(f"window_layout must be one of {', '.join(map(repr, WINDOW_LAYOUTS))}, got {layout!r}")
-
-
 class AttentionRuntime:
-    """What the layers of one stack hand down instead of recomputing, plus who wrote it.
+    """What the layers of one stack hand down instead of recomputing, plus who wrote it: per-call
+    state only (how it is computed is each layer's `Numerics`).
 
     compress_kv / index_k: the cache tensors of the last Full layer that published them (they
     persist across calls, as caches do); topk: the last index source's selection for the current
     call, as compressed positions [b, s, index_topk] padded with -1; candidates: the candidate
     source's position mask [b, s, T] for the current call.
-
-    fix_stale_index_keys=False keeps the reference's behaviour: a Full layer publishes its index
-    keys only on calls where its compressor completes a group, so on the other decode steps its
-    indexer scores against whichever layer published last. True republishes the owner's own key
-    cache on every call, as the Transformers port does.
-
-    window_layout: how every layer of the stack lays out the index rows it hands to sparse_attn
-    (`window_rows`): "reference" (default) as the released runtime, "uniform" one layout for
-    prefill and decode alike.
     """
 
-    def __init__(self, fix_stale_index_keys: bool = False, window_layout: str = "reference"):
-        check_window_layout(window_layout)
-        self.fix_stale_index_keys = fix_stale_index_keys
-        self.window_layout = window_layout
+    def __init__(self):
         self.reset()
 
     def reset(self) -> None:
@@ -94,8 +75,7 @@ class AttentionRuntime:
         self.candidates_call: Optional[tuple[int, int]] = None
 
     def __repr__(self) -> str:
-        return (f"AttentionRuntime(fix_stale_index_keys={self.fix_stale_index_keys}, "
-                f"window_layout={self.window_layout!r}, compress_kv_from={self.compress_kv_from}, "
+        return (f"AttentionRuntime(compress_kv_from={self.compress_kv_from}, "
                 f"index_k_from={self.index_k_from}, topk_from={self.topk_from}, "
                 f"candidates_from={self.candidates_from})")
 
@@ -111,8 +91,9 @@ class Compressor(nn.Module):
     are held in float32, as the reference runtime promotes them).
     """
 
-    def __init__(self, cfg, layer: int, max_batch_size: int = 1, *, pad_f32_rows: bool = False):
+    def __init__(self, cfg, layer: int, max_batch_size: int = 1, *, numerics: Numerics = Numerics()):
         super().__init__()
+        pad_f32_rows = numerics.pad_f32_rows
         self.ratio = cfg.compress_ratios[layer]
         self.head_dim = cfg.head_dim
         act = activation_dtype(cfg)
@@ -218,9 +199,10 @@ class Indexer(nn.Module):
     only inside it.
     """
 
-    def __init__(self, cfg, layer: int, max_batch_size: int = 1, max_seq_len: int = 4096):
+    def __init__(self, cfg, layer: int, max_batch_size: int = 1, max_seq_len: int = 4096, *,
+                 numerics: Numerics = Numerics()):
         super().__init__()
-        self.layer = layer
+        self.layer, self.numerics = layer, numerics
         self.ratio = cfg.compress_ratios[layer]
         self.owns_k = layer in cfg.kv_source_layers
         cand = cfg.candidate_source_layer if cfg.candidate_source_layer is not None else -1
@@ -253,50 +235,26 @@ class Indexer(nn.Module):
                 freqs_cis: torch.Tensor, runtime: AttentionRuntime,
                 record: Optional[AttentionRecord] = None, keep_scores: bool = False) -> torch.Tensor:
         """Compressed positions [b, s, min(index_topk, T)] per query, sorted, -1 where unreachable
-        (T = (start_pos + s) // ratio). `latent` is this layer's pre-RoPE compressor output."""
+        (T = (start_pos + s) // ratio). `latent` is this layer's pre-RoPE compressor output.
+        Publishes keys and candidate blocks to `runtime` as the layer's role says; the
+        arithmetic is `write_keys`, `scores` and `select`, the trace filling `_record`."""
         bsz, seqlen, _ = x.shape
-        ratio, rd = self.ratio, self.rope_head_dim
-        end_pos = start_pos + seqlen
-        width = end_pos // ratio
-
         if self.owns_k:
             if latent is not None:
-                first = start_pos // ratio
-                k = self.k_norm(self.wk(latent))  # [b, groups, index_head_dim]
-                group_pos = (first + torch.arange(k.size(1), device=k.device)) * ratio
-                apply_rotary_emb(k[..., -rd:], freqs_cis[group_pos])
-                fp4_act_quant(k, INDEX_FP4_BLOCK, inplace=True)
-                self.k_cache[:bsz, first : first + k.size(1)] = k
-            if latent is not None or runtime.fix_stale_index_keys:
+                self.write_keys(latent, start_pos, freqs_cis)
+            # the reference republishes only when a group completed (stale keys otherwise)
+            if latent is not None or self.numerics.fix_stale_index_keys:
                 runtime.index_k, runtime.index_k_from = self.k_cache, self.layer
         if runtime.index_k is None:
             raise RuntimeError(f"layer {self.layer}: no index keys have been published; run the layers in "
                                f"order from a prefill at position 0 (and after reset_state)")
 
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [b, s, heads, index_head_dim]
-        apply_rotary_emb(q[..., -rd:], freqs_cis[start_pos:end_pos])
-        fp4_act_quant(q, INDEX_FP4_BLOCK, inplace=True)
-
-        index_k = runtime.index_k[:bsz, :width]  # [b, T, index_head_dim]
-        weights = self.weights_proj(x) * (self.softmax_scale * self.n_heads ** -0.5)  # [b, s, heads]
-        score = torch.einsum("bshd,btd->bsht", q, index_k)
-        score = (score.relu_() * weights.unsqueeze(-1)).sum(dim=2)  # [b, s, T], activation dtype
-
-        # a compressed position is reachable once the query has passed its group's last token
-        positions = torch.arange(start_pos, end_pos, device=x.device)
-        reachable = (positions + 1) // ratio  # [s]
+        score, reachable = self.scores(x, qr, runtime.index_k[:bsz], start_pos, freqs_cis)
         lens = reachable.unsqueeze(-1)  # [s, 1]
-        score = score.masked_fill(torch.arange(width, device=x.device) >= lens, -torch.inf)
-
         if self.is_candidate_source:
             mask = select_candidate_blocks(score, lens, self.candidate_topk_blocks, self.candidate_block_size)
             runtime.candidates, runtime.candidates_from = mask, self.layer
             runtime.candidates_call = (start_pos, seqlen)
-            if record is not None:
-                block_scores = candidate_block_scores(score, lens, self.candidate_block_size)
-                reach_blocks = -(-reachable // self.candidate_block_size)
-                record.candidate_kth_score, record.candidate_next_score = (
-                    t.cpu() for t in _cut_scores(block_scores, reach_blocks, self.candidate_topk_blocks))
         elif self.uses_candidates:
             if runtime.candidates is None or runtime.candidates_call != (start_pos, seqlen) \
                     or runtime.candidates.shape != score.shape:
@@ -307,22 +265,67 @@ class Indexer(nn.Module):
         else:
             mask = None
 
-        k_sel = min(self.index_topk, width)
+        selected = self.select(score, lens)
+        if record is not None:
+            self._record(record, score, reachable, mask, runtime, keep_scores)
+        return selected
+
+    def write_keys(self, latent: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor) -> None:
+        """Index keys of the groups this call completed (latent [b, groups, head_dim], pre-RoPE)
+        into the key cache: rotated at each group's first position, FP4-quantized."""
+        first = start_pos // self.ratio
+        k = self.k_norm(self.wk(latent))  # [b, groups, index_head_dim]
+        group_pos = (first + torch.arange(k.size(1), device=k.device)) * self.ratio
+        apply_rotary_emb(k[..., -self.rope_head_dim :], freqs_cis[group_pos])
+        fp4_act_quant(k, INDEX_FP4_BLOCK, inplace=True)
+        self.k_cache[: k.size(0), first : first + k.size(1)] = k
+
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, index_k: torch.Tensor, start_pos: int,
+               freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index scores [b, s, T] in the activation dtype, -inf where a query cannot reach;
+        reachable counts [s]) against keys index_k [b, >= T, index_head_dim]."""
+        seqlen = x.size(1)
+        end_pos = start_pos + seqlen
+        width = end_pos // self.ratio
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [b, s, heads, index_head_dim]
+        apply_rotary_emb(q[..., -self.rope_head_dim :], freqs_cis[start_pos:end_pos])
+        fp4_act_quant(q, INDEX_FP4_BLOCK, inplace=True)
+
+        weights = self.weights_proj(x) * (self.softmax_scale * self.n_heads ** -0.5)  # [b, s, heads]
+        score = torch.einsum("bshd,btd->bsht", q, index_k[:, :width])
+        score = (score.relu_() * weights.unsqueeze(-1)).sum(dim=2)  # [b, s, T], activation dtype
+
+        # a compressed position is reachable once the query has passed its group's last token
+        positions = torch.arange(start_pos, end_pos, device=x.device)
+        reachable = (positions + 1) // self.ratio  # [s]
+        score = score.masked_fill(torch.arange(width, device=x.device) >= reachable.unsqueeze(-1), -torch.inf)
+        return score, reachable
+
+    def select(self, score: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """The top `index_topk` positions of score [b, s, T], sorted, -1 past a query's reach."""
+        k_sel = min(self.index_topk, score.size(-1))
         idx = score.topk(k_sel, dim=-1, sorted=False).indices.sort(dim=-1).values
         # A -inf pick at a reachable position is kept, as in the reference: where the candidate
         # pool holds fewer than index_topk positions, the remainder are positions outside it.
-        selected = torch.where(idx < lens, idx, -1)
+        return torch.where(idx < lens, idx, -1)
 
-        if record is not None:
-            record.index_keys_from = runtime.index_k_from
-            record.kth_score, record.next_score = (t.cpu() for t in _cut_scores(score, reachable, self.index_topk))
-            if keep_scores:
-                record.index_scores = score.float().cpu()
-            if mask is not None:
-                bs = self.candidate_block_size
-                record.candidate_blocks = mask[..., ::bs].cpu()
-                record.candidates_from = runtime.candidates_from
-        return selected
+    def _record(self, record: AttentionRecord, score, reachable, mask, runtime: AttentionRuntime,
+                keep_scores: bool) -> None:
+        """What a trace keeps of this call: the cut scores (and the block cut's, at the candidate
+        source), whose keys were scored, the candidate blocks, optionally every score."""
+        record.index_keys_from = runtime.index_k_from
+        record.kth_score, record.next_score = (t.cpu() for t in _cut_scores(score, reachable, self.index_topk))
+        if keep_scores:
+            record.index_scores = score.float().cpu()
+        if self.is_candidate_source:
+            # the block scores are taken before any candidate mask (this layer makes the mask)
+            block_scores = candidate_block_scores(score, reachable.unsqueeze(-1), self.candidate_block_size)
+            reach_blocks = -(-reachable // self.candidate_block_size)
+            record.candidate_kth_score, record.candidate_next_score = (
+                t.cpu() for t in _cut_scores(block_scores, reach_blocks, self.candidate_topk_blocks))
+        if mask is not None:
+            record.candidate_blocks = mask[..., :: self.candidate_block_size].cpu()
+            record.candidates_from = runtime.candidates_from
 
 
 # ---------------------------------------------------------------------------------- attention
@@ -341,7 +344,8 @@ def window_rows(start_pos: int, seqlen: int, window: int, layout: str = "referen
     the same query different columns (a prefill row narrower than the window, a decode row with
     empty slots in front) their float32 sums can round differently; "uniform" gives a query the
     same columns either way, so prefill and decode agree bit for bit."""
-    check_window_layout(layout)
+    if layout not in WINDOW_LAYOUTS:
+        raise ValueError(f"window_layout must be one of {', '.join(map(repr, WINDOW_LAYOUTS))}, got {layout!r}")
     if layout == "reference" and start_pos > 0:
         slots = (start_pos + 1 + torch.arange(window, device=device)) % window  # ring order from the oldest
         return torch.where(slots <= start_pos, slots, -1).unsqueeze(0)  # a slot past start_pos is unwritten
@@ -359,18 +363,18 @@ class Attention(nn.Module):
 
     Parameter names and runtime dtypes are the checkpoint's / reference runtime's (wo_a is held in
     BF16 although the checkpoint stores it FP8; ratio > 1 compressor projections in float32).
-    `max_batch_size` and `max_seq_len` size the caches and the RoPE table; `pad_f32_rows` goes to
-    the compressor's float32 projections (layers.f32_linear). The index-row layout is the
-    runtime's `window_layout`, one choice per stack.
+    `max_batch_size` and `max_seq_len` size the caches and the RoPE table; `numerics` says how the
+    index rows are laid out (`window_rows`), whether stale index keys are fixed (`Indexer`) and
+    whether the compressor's float32 projections pad their rows (`layers.f32_linear`).
     """
 
-    def __init__(self, cfg, layer: int, *, max_batch_size: int = 1, max_seq_len: int = 4096,
-                 pad_f32_rows: bool = False):
+    def __init__(self, cfg, layer: int, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
+                 max_seq_len: int = 4096):
         super().__init__()
         n_total = cfg.n_layers + (cfg.n_mtp_layers or 0)
         if not 0 <= layer < n_total:
             raise ValueError(f"layer {layer} is outside the config's {n_total} layers")
-        self.layer = layer
+        self.layer, self.numerics = layer, numerics
         self.dim, self.n_heads, self.head_dim = cfg.dim, cfg.n_heads, cfg.head_dim
         self.rope_head_dim = cfg.rope_head_dim
         self.n_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
@@ -395,9 +399,9 @@ class Attention(nn.Module):
         self.wo_a = Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank, dtype=act)
         self.wo_b = Linear(self.n_groups * self.o_lora_rank, cfg.dim, dtype=lin)
 
-        self.compressor = (Compressor(cfg, layer, max_batch_size, pad_f32_rows=pad_f32_rows)
+        self.compressor = (Compressor(cfg, layer, max_batch_size, numerics=numerics)
                            if self.mode == "full" else None)
-        self.indexer = (Indexer(cfg, layer, max_batch_size, max_seq_len)
+        self.indexer = (Indexer(cfg, layer, max_batch_size, max_seq_len, numerics=numerics)
                         if self.mode in ("full", "reindex") else None)
 
         self.register_buffer("window_kv_cache", torch.zeros(max_batch_size, self.window_size, self.head_dim,
@@ -452,7 +456,7 @@ class Attention(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [b, s, heads, head_dim]
         apply_rotary_emb(q[..., -rd:], freqs)
 
-        kv, idxs = self._window(x, freqs, start_pos, runtime.window_layout)  # [b, n_kv, head_dim], [b, s, w]
+        kv, idxs = self._window(x, freqs, start_pos)  # [b, n_kv, head_dim], [b, s, w]
         if self.ratio:
             compress_kv, selected = self._compressed(x, qr, start_pos, runtime, record, trace)
             # selected positions index the compressed rows appended after the window rows
@@ -476,7 +480,7 @@ class Attention(nn.Module):
             trace.attention.append(record)
         return out
 
-    def _window(self, x: torch.Tensor, freqs: torch.Tensor, start_pos: int, layout: str):
+    def _window(self, x: torch.Tensor, freqs: torch.Tensor, start_pos: int):
         """This layer's window KV (FP8 QAT over 32, RoPE tail included) and, per query, the rows of
         it to attend, [b, s, width] laid out by `window_rows`."""
         bsz, seqlen, _ = x.shape
@@ -493,7 +497,7 @@ class Attention(nn.Module):
         else:
             self.window_kv_cache[:bsz, start_pos % win] = kv[:, 0]
             window_kv = self.window_kv_cache[:bsz]
-        idxs = window_rows(start_pos, seqlen, win, layout, x.device)  # [s or 1, width]
+        idxs = window_rows(start_pos, seqlen, win, self.numerics.window_layout, x.device)  # [s or 1, width]
         return window_kv, idxs.int().unsqueeze(0).expand(bsz, seqlen, -1)
 
     def _compressed(self, x, qr, start_pos, runtime: AttentionRuntime, record, trace):
@@ -521,7 +525,7 @@ class Attention(nn.Module):
                 keep = trace is not None and trace.keep_index_scores
                 selected = self.indexer(x, qr, latent, start_pos, self.freqs_cis, runtime, record, keep)
             selected = selected.int()
-            if runtime.window_layout == "uniform":  # one width for prefill and decode (see window_rows)
+            if self.numerics.window_layout == "uniform":  # one width for prefill and decode (see window_rows)
                 selected = self._pad_topk(selected)
             runtime.topk, runtime.topk_from, runtime.topk_call = selected, self.layer, (start_pos, seqlen)
         else:
@@ -554,18 +558,17 @@ class AttentionStack(nn.Module):
     `forward` runs a residual chain (each layer reads the RMS-normalized stream, parameter-free,
     and adds its output back); `forward_each` feeds the same input to every layer and returns each
     layer's output, so a difference in one layer cannot leak into the next. Both advance the
-    caches; call `reset_state()` before an unrelated sequence. fix_stale_index_keys and
-    window_layout go to the runtime, pad_f32_rows to the layers; all three default to the reference.
+    caches; call `reset_state()` before an unrelated sequence. `numerics` reaches every layer (the
+    reference's arithmetic by default).
     """
 
-    def __init__(self, cfg, *, max_batch_size: int = 1, max_seq_len: int = 4096,
-                 fix_stale_index_keys: bool = False, window_layout: str = "reference",
-                 pad_f32_rows: bool = False, seed: Optional[int] = None):
+    def __init__(self, cfg, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
+                 max_seq_len: int = 4096, seed: Optional[int] = None):
         super().__init__()
-        self.cfg, self.pad_f32_rows = cfg, pad_f32_rows
-        self.runtime = AttentionRuntime(fix_stale_index_keys=fix_stale_index_keys, window_layout=window_layout)
-        self.layers = nn.ModuleList(Attention(cfg, i, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                              pad_f32_rows=pad_f32_rows) for i in range(cfg.n_layers))
+        self.cfg, self.numerics = cfg, numerics
+        self.runtime = AttentionRuntime()
+        self.layers = nn.ModuleList(Attention(cfg, i, numerics=numerics, max_batch_size=max_batch_size,
+                                              max_seq_len=max_seq_len) for i in range(cfg.n_layers))
         if seed is not None:
             init_random_(self, seed)
 

@@ -13,3 +13,11 @@ def cache_root() -> Path:
         return Path(os.environ[CACHE_ENV]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "dsv41"
+
+
+def current_umask() -> int:
+    """The process umask (read by setting it and putting it back), for files that must get the
+    mode any other file written here gets."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

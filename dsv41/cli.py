@@ -1,8 +1,11 @@
 """The `dsv41` command. Each subcommand lives in the module that owns its subject and is imported
-only when called, so `dsv41 audit` and `dsv41 config` run without importing torch."""
+only when called, so `dsv41 audit` and `dsv41 config` run without importing torch; `generate`,
+which joins the loader and the generation loop, lives here, above both."""
 
+import argparse
 import importlib
 import sys
+from typing import Optional
 
 # name -> (module, entry function taking argv and returning an exit code, one-line help)
 COMMANDS = {
@@ -11,7 +14,7 @@ COMMANDS = {
     "make-tiny": ("dsv41.tiny", "cli_main", "write the embedded tiny checkpoint in the exact release format"),
     "make-headers": ("dsv41.headers", "cli_main", "synthesize the released checkpoint's 48 shard headers (no payload)"),
     "engram": ("dsv41.engram", "cli_main", "Engram layout, multipliers and hash ids for a config (and tokenizer)"),
-    "generate": ("dsv41.generate", "cli_main", "generate text from a checkpoint (default: the embedded tiny one)"),
+    "generate": ("dsv41.cli", "generate_main", "generate text from a checkpoint (default: the embedded tiny one)"),
     "notebooks": ("dsv41.notebooks", "cli_main", "execute every notebook with papermill into a new outputs/run-NNN (figures, sidecars, summary)"),
     "bench": ("dsv41.bench", "cli_main", "time the fused packed-FP4 expert path against expanding experts to BF16"),
 }
@@ -37,6 +40,116 @@ def main(argv: list[str] | None = None) -> int:
     module_name, function_name, _ = COMMANDS[name]
     entry = getattr(importlib.import_module(module_name), function_name)
     return entry(rest)
+
+
+# ---------------------------------------------------------------------- dsv41 generate
+def generate_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dsv41 generate", description=(
+        "Generate from a checkpoint (default: the embedded tiny one, random-weighted, so its text is not "
+        "meaningful). The generated text goes to stdout; the load report, timings and errors to stderr."))
+    parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded tiny one)")
+    parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="tokens to generate (default 16)")
+    parser.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+                        help="positions the caches are sized for (default: the model's maximum, at most 4096)")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default) is greedy")
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (temperature > 0)")
+    parser.add_argument("--expert-cache", type=int, default=None, metavar="N", help="packed experts kept per layer")
+    parser.add_argument("--resident-engram", action="store_true", help="copy the Engram tables into RAM first")
+    parser.add_argument("--expert-device", default="cpu", metavar="DEV",
+                        help="where routed experts run: cpu (default), cuda, cuda:1 or a comma-separated list; "
+                             "without CUDA the CPU runs them, with one line on stderr")
+    parser.add_argument("--numerics", choices=("reference", "parity"), default="reference",
+                        help="reference (default): the released runtime's arithmetic; parity: a prefill equals "
+                             "the same tokens decoded one at a time until a top-k cuts (uniform window "
+                             "layout, padded float32 GEMMs)")
+    parser.add_argument("--fix-stale-index-keys", action="store_true",
+                        help="republish a Full layer's own index keys every step (the Transformers port's fix)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or report on stderr")
+    args = parser.parse_args(argv)
+
+    def fail(message: str) -> int:
+        print(f"dsv41 generate: {message}", file=sys.stderr)
+        return 1
+
+    if not args.prompt:
+        return fail("the prompt is empty; pass some text with --prompt")
+    if args.max_new_tokens < 0:
+        return fail(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        return fail(f"--temperature must be >= 0, got {args.temperature}")
+    if args.expert_cache is not None and args.expert_cache < 0:
+        return fail(f"--expert-cache must be >= 0, got {args.expert_cache}")
+
+    from .generate import generate
+    from .kernels.experts import expert_devices
+    from .loader import DEFAULT_EXPERT_CACHE, LoadError, load
+    from .numerics import Numerics
+
+    try:  # one device or a comma-separated list, resolved once (without CUDA: one line, the CPU)
+        devices = expert_devices([d.strip() for d in args.expert_device.split(",")])
+    except RuntimeError:
+        return fail(f"--expert-device {args.expert_device!r} is not a torch device name (try cpu, cuda or cuda:0,cuda:1)")
+    except ValueError as exc:
+        return fail(f"--expert-device {args.expert_device!r} is not usable: {exc}")
+    numerics = Numerics.named(args.numerics).with_options(fix_stale_index_keys=args.fix_stale_index_keys or None)
+
+    path = args.checkpoint
+    if path is None:
+        from .tiny import default_checkpoint
+
+        path = default_checkpoint(progress=not args.quiet)
+    problem = _audit_problem(path)
+    if problem:
+        return fail(problem)
+    try:
+        model = load(path, numerics=numerics, expert_device=devices, resident_engram=args.resident_engram,
+                     expert_cache=DEFAULT_EXPERT_CACHE if args.expert_cache is None else args.expert_cache,
+                     quiet=args.quiet, max_seq_len=args.max_seq_len)
+    except (LoadError, ValueError) as exc:
+        return fail(str(exc))
+
+    ids = model.encode(args.prompt)
+    if len(ids) > model.cfg.max_seq_len:
+        return fail(f"the prompt is {len(ids)} tokens, longer than the model's {model.cfg.max_seq_len}-token maximum")
+    if len(ids) + args.max_new_tokens - 1 > model.max_seq_len:
+        return fail(f"{len(ids)} prompt tokens + {args.max_new_tokens} new ones exceed the {model.max_seq_len} "
+                    f"positions the caches were sized for (raise --max-seq-len)")
+
+    if not args.quiet:
+        print(f"prompt: {len(ids)} tokens; generating {args.max_new_tokens} "
+              f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}, seed {args.seed}'})",
+              file=sys.stderr)
+    result = generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      seed=args.seed)
+    print(result.text)
+    if not args.quiet:
+        t = result.timings
+        rate = f", {t['tokens_per_s']:.2f} tokens/s decoding" if t["tokens_per_s"] else ""
+        hits = sum(model.experts.counters.hits.values())
+        misses = sum(model.experts.counters.misses.values())
+        print(f"{len(result.ids)} tokens ({result.finish_reason}); prefill {t['prefill_s']:.2f} s, decode "
+              f"{t['decode_s']:.2f} s{rate}; expert cache {hits} hits / {misses} misses", file=sys.stderr)
+    return 0
+
+
+def _audit_problem(path: str) -> Optional[str]:
+    """The header audit's verdict on `path` as one sentence when it fails (or cannot start), else None."""
+    from .audit import AuditError, run_audit
+
+    try:
+        report = run_audit(path, require_complete=True)
+    except AuditError as exc:
+        return str(exc)
+    if report.unreadable:
+        file, why = report.unreadable[0]
+        return f"{file}: {why}"
+    failed = [c for c in report.checks if c.status == "fail"]
+    if failed:
+        first = failed[0]
+        more = f" ({len(failed) - 1} more checks fail; run `dsv41 audit --checkpoint-dir {path}`)" if len(failed) > 1 else ""
+        return f"{path}: the checkpoint audit fails {first.id} ({first.title}): {first.detail}{more}"
+    return None
 
 
 if __name__ == "__main__":

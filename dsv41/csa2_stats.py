@@ -34,7 +34,6 @@ from .attention import (
     INDEX_FP4_BLOCK,
     KV_FP4_BLOCK,
     WINDOW_FP8_BLOCK,
-    WINDOW_LAYOUTS,
     Attention,
     AttentionRuntime,
     AttentionStack,
@@ -43,6 +42,7 @@ from .attention import (
 )
 from .kernels import fp4_act_quant
 from .layers import apply_rotary_emb
+from .numerics import WINDOW_LAYOUTS, Numerics
 from .trace import Trace
 
 WINDOW, COMPRESSED, INDEX_KEYS, TOPK, CANDIDATES = (
@@ -258,17 +258,14 @@ def allocated_cache_bytes(stack: AttentionStack) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------- weights
-def attention_stack(model, *, fix_stale_index_keys: bool = False, window_layout: str = "reference",
-                    pad_f32_rows: bool = False, max_seq_len: Optional[int] = None,
+def attention_stack(model, *, numerics: Numerics = Numerics(), max_seq_len: Optional[int] = None,
                     **config_changes) -> AttentionStack:
     """An AttentionStack holding the attention weights of a loaded `dsv41.load` model, over
     `model.cfg` with `config_changes` (e.g. index_topk=4, window_size=72); changes that alter a
-    weight's shape are refused by the state-dict copy. The three options are AttentionStack's
-    (reference by default, whatever the model was loaded with); max_seq_len defaults to the model's."""
+    weight's shape are refused by the state-dict copy. `numerics` is the stack's (the reference's
+    by default, whatever the model was loaded with); max_seq_len defaults to the model's."""
     cfg = model.cfg.replace(**config_changes) if config_changes else model.cfg
-    stack = AttentionStack(cfg, max_seq_len=max_seq_len or model.max_seq_len,
-                           fix_stale_index_keys=fix_stale_index_keys, window_layout=window_layout,
-                           pad_f32_rows=pad_f32_rows)
+    stack = AttentionStack(cfg, numerics=numerics, max_seq_len=max_seq_len or model.max_seq_len)
     weights = {f"layers.{i}.{name}": t for i, block in enumerate(model.backbone.layers)
                for name, t in block.attn.state_dict().items() if name in dict(stack.layers[i].named_parameters())}
     with torch.no_grad():
@@ -328,7 +325,7 @@ def compressor_trace(layer: Attention, x: torch.Tensor, prefill: int) -> Compres
     probe = copy.deepcopy(layer)  # same weights: recomputes the pre-RoPE latents and keys
     probe.reset_state()
     layer.reset_state()
-    runtime, trace = AttentionRuntime(fix_stale_index_keys=True), Trace()
+    runtime, trace = AttentionRuntime(), Trace()
     out = CompressorTrace(layer=layer.layer, ratio=ratio, n_tokens=n, prefill=prefill)
     emitted_by: dict[int, tuple[int, int]] = {}
     calls = [(0, prefill)] + [(p, 1) for p in range(prefill, n)]
@@ -568,7 +565,8 @@ def prefill_decode_divergence(stack: AttentionStack, x: torch.Tensor) -> Diverge
         return all(_at(sp, t) == _at(sd, t) for t in range(int(a[src]["reachable"][q])) if t not in apart)
 
     result = Divergence(index_topk=cfg.index_topk, n_tokens=x.size(1),
-                        numerics={"window_layout": stack.runtime.window_layout, "pad_f32_rows": stack.pad_f32_rows})
+                        numerics={"window_layout": stack.numerics.window_layout,
+                                  "pad_f32_rows": stack.numerics.pad_f32_rows})
     for layer in range(cfg.n_layers):
         ratio = cfg.compress_ratios[layer]
         out_diff = (pre[layer, 0].float() - dec[layer, 0].float()).abs().amax(-1)  # [s]
@@ -617,16 +615,16 @@ def untruncated_positions(cfg) -> int:
     return min(limits)
 
 
-def topk_sweep(model, x: torch.Tensor, widths: Sequence[int], *, window_layout: str = "reference",
-               pad_f32_rows: bool = False, **config_changes) -> list[Divergence]:
+def topk_sweep(model, x: torch.Tensor, widths: Sequence[int], *, numerics: Numerics = Numerics(),
+               **config_changes) -> list[Divergence]:
     """`prefill_decode_divergence` of the model's attention weights at each index_topk in `widths`,
-    with fix_stale_index_keys=True, so prefill and decode score the same keys: with
-    window_layout="uniform" and pad_f32_rows=True only ties remain; with the reference's defaults
-    rounding may add output differences (see `numerics_comparison`)."""
+    under `numerics` with fix_stale_index_keys=True, so prefill and decode score the same keys:
+    under `Numerics.parity()` only ties remain; with the reference's arithmetic rounding may add
+    output differences (see `numerics_comparison`)."""
+    numerics = numerics.with_options(fix_stale_index_keys=True)
     results = []
     for k in widths:
-        stack = attention_stack(model, fix_stale_index_keys=True, window_layout=window_layout,
-                                pad_f32_rows=pad_f32_rows, max_seq_len=x.size(1), index_topk=k, **config_changes)
+        stack = attention_stack(model, numerics=numerics, max_seq_len=x.size(1), index_topk=k, **config_changes)
         results.append(prefill_decode_divergence(stack, x))
     return results
 
@@ -636,7 +634,8 @@ def numerics_comparison(model, x: torch.Tensor, **config_changes) -> dict[tuple[
     under every window_layout and pad_f32_rows, keyed (window_layout, pad_f32_rows): which of the
     two opt-ins a bit-identical prefill and decode rests on, at the geometry `config_changes` set."""
     return {(layout, pad): prefill_decode_divergence(
-                attention_stack(model, fix_stale_index_keys=True, window_layout=layout, pad_f32_rows=pad,
+                attention_stack(model, numerics=Numerics(fix_stale_index_keys=True, window_layout=layout,
+                                                         pad_f32_rows=pad),
                                 max_seq_len=x.size(1), **config_changes), x)
             for layout in WINDOW_LAYOUTS for pad in (False, True)}
 
@@ -667,7 +666,8 @@ def stale_key_comparison(model, x: torch.Tensor, **config_changes) -> StaleKeys:
     prefill once each) over the model's attention weights; see `StaleKeys`."""
     runs = {}
     for fix in (False, True):
-        stack = attention_stack(model, fix_stale_index_keys=fix, max_seq_len=x.size(1), **config_changes)
+        stack = attention_stack(model, numerics=Numerics(fix_stale_index_keys=fix), max_seq_len=x.size(1),
+                                **config_changes)
         runs[fix] = _both_orders(stack, x)
     cfg = stack.cfg
     out = StaleKeys(n_tokens=x.size(1), index_topk=cfg.index_topk,

@@ -22,8 +22,10 @@ import os
 
 import torch
 
+from dsv41.cachedir import current_umask
+
 # the bit-level codecs are the op layer's: one E2M1 rounding rule for weights and activations
-from dsv41.kernels.codecs import E2M1_MAX, E4M3_MAX, e2m1_encode, fp4_to_float, pack_fp4
+from dsv41.kernels.codecs import E2M1_MAX, E4M3_MAX, e2m1_encode, e8m0_decode, fp4_to_float, pack_fp4
 FP8_BLOCK = (32, 32)
 ENGRAM_BLOCK = (1, 32)
 FP4_BLOCK = 32
@@ -68,11 +70,6 @@ def pow2_exponent(amax: torch.Tensor, max_value: float) -> torch.Tensor:
 def e8m0_from_exponent(e: torch.Tensor) -> torch.Tensor:
     """float8_e8m0fnu holding 2**e (biased byte e + 127)."""
     return (e.to(torch.int32) + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
-
-
-def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
-    """float32 value of E8M0 scales (2**-127 is a float32 subnormal, still exact)."""
-    return scale.float()
 
 
 def _exp2(e: torch.Tensor) -> torch.Tensor:
@@ -125,7 +122,7 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tupl
                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """float8_e4m3fn [R, C] with E8M0 block scales -> `dtype` [R, C] (block inferred when None)."""
     block = block or infer_fp8_block(tuple(weight.shape), tuple(scale.shape))
-    values = weight.float() * _expand(e8m0_to_float(scale), block, tuple(weight.shape))
+    values = weight.float() * _expand(e8m0_decode(scale), block, tuple(weight.shape))
     return values.to(dtype)
 
 
@@ -136,7 +133,7 @@ def quantize_engram_table(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def dequantize_engram_rows(rows: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Gathered Engram rows [..., D] with their scales [..., D/32] -> `dtype` [..., D]."""
-    values = rows.float().unflatten(-1, (-1, ENGRAM_BLOCK[1])) * e8m0_to_float(scales).unsqueeze(-1)
+    values = rows.float().unflatten(-1, (-1, ENGRAM_BLOCK[1])) * e8m0_decode(scales).unsqueeze(-1)
     return values.flatten(-2).to(dtype)
 
 
@@ -168,7 +165,7 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, block: int = FP4_B
     if values.shape[-1] != scale.shape[-1] * block:
         raise ValueError(f"FP4 weight {list(packed.shape)} (K = {values.shape[-1]}) does not match "
                          f"scale {list(scale.shape)} with {block} values per scale")
-    out = values.unflatten(-1, (-1, block)) * e8m0_to_float(scale).unsqueeze(-1)
+    out = values.unflatten(-1, (-1, block)) * e8m0_decode(scale).unsqueeze(-1)
     return out.flatten(-2).to(dtype)
 
 
@@ -199,10 +196,4 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict
     save_file({name: t.contiguous() for name, t in tensors.items()}, path,
               metadata={"format": "pt"} if metadata is None else metadata)
     # the library creates the file owner-only; give it the mode any other file written here gets
-    os.chmod(path, 0o666 & ~_umask())
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+    os.chmod(path, 0o666 & ~current_umask())

@@ -11,15 +11,12 @@ tokens fed one at a time — and reports where the logits, the indexer selection
 routing first part, and under which of the model's numerics options. With the reference's
 arithmetic (the defaults) the two already differ by float32 rounding at the first position: the
 float32 GEMMs take another BLAS kernel for a single row, and past 64 index columns sparse_attn
-groups a decode row's sums differently. Loaded with `window_layout="uniform", pad_f32_rows=True`
-they agree exactly until some top-k (indexer, candidate blocks, routing) has to break a tie or cut
+groups a decode row's sums differently. Loaded with `numerics=Numerics.parity()` they agree exactly until some top-k (indexer, candidate blocks, routing) has to break a tie or cut
 between values that differ by rounding; the report says at which position and layer that happened.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -169,7 +166,7 @@ class PrefillDecodeComparison:
     token differs; selection_partings / routing_partings: per layer, every position whose indexer
     selection / routed expert ids differ (layers that never differ are absent); the two traces are
     kept so a caller can ask whether each parting sits on a top-k tie; numerics: the model's
-    options the comparison ran under (`Model.numerics`)."""
+    options the comparison ran under (`Model.numerics` as a dict)."""
 
     positions: int
     max_abs_diff: list[float]
@@ -219,9 +216,8 @@ class PrefillDecodeComparison:
 
 def compare_prefill_decode(model, prompt) -> PrefillDecodeComparison:
     """Run `prompt` (text or ids) as one prefill over all positions and as one token per call, and
-    report where logits, indexer selections and routing first differ, under the options the model
-    was loaded with (`dsv41.load(..., window_layout=, pad_f32_rows=)`, kept in the report's
-    `numerics`). Leaves the model reset."""
+    report where logits, indexer selections and routing first differ, under the `Numerics` the
+    model was loaded with (kept in the report's `numerics`). Leaves the model reset."""
 
     ids = model.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
     if not ids:
@@ -243,7 +239,7 @@ def compare_prefill_decode(model, prompt) -> PrefillDecodeComparison:
         selection_partings=_partings(one.attention_by_layer(), step.attention_by_layer(), "selected"),
         routing_partings=_partings(one.routing_by_layer(), step.routing_by_layer(), "expert_ids"),
         prefill_logits=full, decode_logits=stepwise, prefill_trace=one, decode_trace=step,
-        numerics=dict(model.numerics))
+        numerics=model.numerics.as_dict())
 
 
 def _partings(a: dict, b: dict, name: str) -> dict[int, list[int]]:
@@ -260,114 +256,6 @@ def _partings(a: dict, b: dict, name: str) -> dict[int, list[int]]:
         if len(differ):
             out[layer] = [int(a[layer]["positions"][i]) for i in differ]
     return out
-
-
-# ---------------------------------------------------------------------- the command
-def cli_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dsv41 generate", description=(
-        "Generate from a checkpoint (default: the embedded tiny one, random-weighted, so its text is not "
-        "meaningful). The generated text goes to stdout; the load report, timings and errors to stderr."))
-    parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded tiny one)")
-    parser.add_argument("--prompt", required=True, help="prompt text")
-    parser.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="tokens to generate (default 16)")
-    parser.add_argument("--max-seq-len", type=int, default=None, metavar="N",
-                        help="positions the caches are sized for (default: the model's maximum, at most 4096)")
-    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default) is greedy")
-    parser.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (temperature > 0)")
-    parser.add_argument("--expert-cache", type=int, default=None, metavar="N", help="packed experts kept per layer")
-    parser.add_argument("--resident-engram", action="store_true", help="copy the Engram tables into RAM first")
-    parser.add_argument("--expert-device", default="cpu", metavar="DEV",
-                        help="where routed experts run: cpu (default), cuda, cuda:1 or a comma-separated list; "
-                             "without CUDA the CPU runs them, with one line on stderr")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar or report on stderr")
-    args = parser.parse_args(argv)
-
-    def fail(message: str) -> int:
-        print(f"dsv41 generate: {message}", file=sys.stderr)
-        return 1
-
-    if not args.prompt:
-        return fail("the prompt is empty; pass some text with --prompt")
-    if args.max_new_tokens < 0:
-        return fail(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        return fail(f"--temperature must be >= 0, got {args.temperature}")
-    if args.expert_cache is not None and args.expert_cache < 0:
-        return fail(f"--expert-cache must be >= 0, got {args.expert_cache}")
-    # one device or a comma-separated list; without CUDA, load() says so in one line and runs the
-    # experts on the CPU
-    names = [d.strip() for d in args.expert_device.split(",")]
-    try:
-        devices = [torch.device(d) for d in names]
-    except RuntimeError:
-        return fail(f"--expert-device {args.expert_device!r} is not a torch device name (try cpu, cuda or cuda:0,cuda:1)")
-    device = devices[0] if len(devices) == 1 else devices
-
-    from .config import ConfigError, load_config
-    from .loader import DEFAULT_EXPERT_CACHE, LoadError, load
-
-    path = args.checkpoint
-    if path is None:
-        from .tiny import default_checkpoint
-
-        path = default_checkpoint(progress=not args.quiet)
-    problem = _audit_problem(path)
-    if problem:
-        return fail(problem)
-    try:
-        cfg = load_config(path)
-    except ConfigError as exc:
-        return fail(str(exc))
-
-    try:
-        model = load(path, expert_cache=DEFAULT_EXPERT_CACHE if args.expert_cache is None else args.expert_cache,
-                     expert_device=device, resident_engram=args.resident_engram, quiet=args.quiet,
-                     max_seq_len=args.max_seq_len)
-    except (LoadError, ValueError) as exc:
-        return fail(str(exc))
-
-    ids = model.encode(args.prompt)
-    limit = cfg.max_seq_len
-    if len(ids) > limit:
-        return fail(f"the prompt is {len(ids)} tokens, longer than the model's {limit}-token maximum")
-    if len(ids) + args.max_new_tokens - 1 > model.max_seq_len:
-        return fail(f"{len(ids)} prompt tokens + {args.max_new_tokens} new ones exceed the {model.max_seq_len} "
-                    f"positions the caches were sized for (raise --max-seq-len)")
-
-    if not args.quiet:
-        print(f"prompt: {len(ids)} tokens; generating {args.max_new_tokens} "
-              f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}, seed {args.seed}'})",
-              file=sys.stderr)
-    result = generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      seed=args.seed)
-    print(result.text)
-    if not args.quiet:
-        t = result.timings
-        rate = f", {t['tokens_per_s']:.2f} tokens/s decoding" if t["tokens_per_s"] else ""
-        hits = sum(model.experts.counters.hits.values())
-        misses = sum(model.experts.counters.misses.values())
-        print(f"{len(result.ids)} tokens ({result.finish_reason}); prefill {t['prefill_s']:.2f} s, decode "
-              f"{t['decode_s']:.2f} s{rate}; expert cache {hits} hits / {misses} misses", file=sys.stderr)
-    return 0
-
-
-def _audit_problem(path: str) -> Optional[str]:
-    """The header audit's verdict on `path` as one sentence when it fails (or cannot start), else None."""
-    from .audit import AuditError, run_audit
-
-    try:
-        report = run_audit(path, require_complete=True)
-    except AuditError as exc:
-        return str(exc)
-    if report.unreadable:
-        file, why = report.unreadable[0]
-        return f"{file}: {why}"
-    failed = [c for c in report.checks if c.status == "fail"]
-    if failed:
-        first = failed[0]
-        more = f" ({len(failed) - 1} more checks fail; run `dsv41 audit --checkpoint-dir {path}`)" if len(failed) > 1 else ""
-        return f"{path}: the checkpoint audit fails {first.id} ({first.title}): {first.detail}{more}"
-    return None
 
 
 # ---------------------------------------------------------------------- expert-cache accounting

@@ -22,7 +22,8 @@ WEIGHT_BLOCK = 32
 
 
 
-def _param(t: torch.Tensor) -> nn.Parameter:
+def param(t: torch.Tensor) -> nn.Parameter:
+    """An inference-only parameter (no gradient)."""
     return nn.Parameter(t, requires_grad=False)
 
 
@@ -43,7 +44,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.dim, self.eps = dim, eps
-        self.weight = _param(torch.ones(dim, dtype=dtype))
+        self.weight = param(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -69,19 +70,19 @@ class Linear(nn.Module):
         self.pad_f32_rows = pad_f32_rows  # read only when the weight is float32 (see f32_linear)
         if dtype == torch.float4_e2m1fn_x2:
             # logically [out, in]; two values per byte
-            self.weight = _param(torch.zeros(out_features, in_features // 2, dtype=dtype))
-            self.scale = _param(torch.zeros(out_features, in_features // WEIGHT_BLOCK, dtype=torch.float8_e8m0fnu))
+            self.weight = param(torch.zeros(out_features, in_features // 2, dtype=dtype))
+            self.scale = param(torch.zeros(out_features, in_features // WEIGHT_BLOCK, dtype=torch.float8_e8m0fnu))
         elif dtype == torch.float8_e4m3fn:
-            self.weight = _param(torch.zeros(out_features, in_features, dtype=dtype))
+            self.weight = param(torch.zeros(out_features, in_features, dtype=dtype))
             blocks = (-(-out_features // WEIGHT_BLOCK), -(-in_features // WEIGHT_BLOCK))
-            self.scale = _param(torch.zeros(blocks, dtype=torch.float8_e8m0fnu))
+            self.scale = param(torch.zeros(blocks, dtype=torch.float8_e8m0fnu))
         else:
-            self.weight = _param(torch.zeros(out_features, in_features, dtype=dtype))
+            self.weight = param(torch.zeros(out_features, in_features, dtype=dtype))
             self.register_parameter("scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.float32:
-            return f32_linear(x, self.weight, pad_rows=self.pad_f32_rows)
+            return f32_linear(x, self.weight, pad_f32_rows=self.pad_f32_rows)
         # dense weights keep the reference GEMM and its reduction order (one float32 partial per
         # 32-wide K block); only routed experts, which dominate the bytes, take the fused path
         return linear(x, self.weight, self.scale)
@@ -114,11 +115,11 @@ class Linear(nn.Module):
 F32_ROW_PAD = 8
 
 
-def f32_linear(x: torch.Tensor, weight: torch.Tensor, *, pad_rows: bool) -> torch.Tensor:
-    """float32 x [..., K] @ weight [N, K]^T (both taken to float32). pad_rows: pad the row count to
-    a multiple of F32_ROW_PAD, so a row's result does not depend on how many rows share the call
-    (off: the reference's plain GEMM)."""
-    if not pad_rows:
+def f32_linear(x: torch.Tensor, weight: torch.Tensor, *, pad_f32_rows: bool) -> torch.Tensor:
+    """float32 x [..., K] @ weight [N, K]^T (both taken to float32). pad_f32_rows (`Numerics`):
+    pad the row count to a multiple of F32_ROW_PAD, so a row's result does not depend on how many
+    rows share the call (off: the reference's plain GEMM)."""
+    if not pad_f32_rows:
         return F.linear(x.float(), weight.float())
     rows = x.float().reshape(-1, x.size(-1))  # [M, K]
     pad = -rows.size(0) % F32_ROW_PAD

@@ -1,8 +1,8 @@
 """Loading a checkpoint: mapped shards, the dense tree filled, experts and Engram left where they are.
 
 `dsv41.load(path)` reads the config, checks every tensor header against `dsv41.inventory` (a missing
-or mis-shaped tensor is an error naming it), builds the backbone and fills its dense parameters by
-name, in the dtypes the released runtime holds them (`runtime_dtype`). Two families never enter
+or mis-shaped tensor is an error naming it), builds an empty `model.Model` and fills its dense
+parameters by name, in the dtypes the released runtime holds them (`runtime_dtype`). Two families never enter
 memory at load time: the routed experts, which an `ExpertCache` reads per layer on demand and keeps
 packed (FP4 bytes and E8M0 scales, never expanded), and the Engram tables, whose rows are gathered
 from the mapped shard on each forward (or from RAM with `resident_engram=True`). The MTP / DSpark
@@ -28,8 +28,13 @@ import numpy as np
 import torch
 
 from .config import Config, ConfigError, load_config
+from .formats import DTYPE_NAMES, SAFETENSORS_DTYPES, dequantize
 from .headers import INDEX_NAME, HeaderError, read_header
-from .inventory import DTYPE_SIZES, expected_tensors
+from .inventory import DTYPE_SIZES, expected_tensors, is_vision_name
+from .kernels.experts import PackedExpert, device_for, expert_devices
+from .layers import activation_dtype
+from .model import FetchedExperts, Model
+from .numerics import Numerics
 
 # Default number of packed experts a layer keeps between forwards.
 DEFAULT_EXPERT_CACHE = 16
@@ -42,12 +47,6 @@ LOADED, ROUTED, ENGRAM, MTP, VISION, UNEXPECTED = (
     "MTP / DSpark (not run)", "vision tower (not run)", "unexpected")
 ON_DISK = (ROUTED, ENGRAM, MTP, VISION)
 
-_STORAGE_TORCH = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "BF16": torch.bfloat16,
-                  "F32": torch.float32, "F16": torch.float16, "I8": torch.int8, "U8": torch.uint8}
-_TORCH_NAMES = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e8m0fnu: "F8_E8M0", torch.bfloat16: "BF16",
-                torch.float32: "F32", torch.float16: "F16", torch.int8: "I8", torch.uint8: "U8",
-                torch.float4_e2m1fn_x2: "I8"}
-
 
 class LoadError(ValueError):
     """A checkpoint that cannot be loaded; the message is one sentence naming the file or tensor."""
@@ -57,7 +56,7 @@ class LoadError(ValueError):
 def disposition(name: str) -> str:
     """Which report bucket a checkpoint tensor belongs to when the model is complete: LOADED or one
     of the on-disk reasons. (Whether it was actually read is checked separately.)"""
-    if name.startswith(("vision.", "aligner.", "image_")):
+    if is_vision_name(name):
         return VISION
     if name.startswith("mtp."):
         return MTP
@@ -74,7 +73,7 @@ def runtime_dtype(name: str, stored: str, cfg: Config) -> Optional[str]:
     activation dtype (it is applied by a grouped einsum, not a quantized GEMM), promotes the
     ratio > 1 compressor projections to float32 (the pooling runs in float32) and holds the head in
     float32 (so the logits come out float32). Everything else is held as stored."""
-    act = _TORCH_NAMES[_activation(cfg)]
+    act = DTYPE_NAMES[activation_dtype(cfg)]
     if name.endswith("attn.wo_a.scale"):
         return None
     if name.endswith("attn.wo_a.weight"):
@@ -103,10 +102,6 @@ def predict_retained_bytes(cfg: Config) -> dict:
         count += 1
         by_category[spec.category] = by_category.get(spec.category, 0) + nbytes
     return {"bytes": total, "tensors": count, "by_category": by_category, "on_disk_bytes": on_disk}
-
-
-def _activation(cfg: Config) -> torch.dtype:
-    return getattr(torch, cfg.param_dtype) if cfg.param_dtype else torch.bfloat16
 
 
 # ---------------------------------------------------------------------- the mapped checkpoint
@@ -191,7 +186,7 @@ class Checkpoint:
         if flat.size and (flat.min() < 0 or flat.max() >= entry.shape[0]):
             raise IndexError(f"{name}: row ids must lie in [0, {entry.shape[0]}), got {flat.min()}..{flat.max()}")
         out = torch.from_numpy(np.ascontiguousarray(table[flat]))  # [n, row_bytes] uint8
-        return out.view(_STORAGE_TORCH[entry.dtype]).reshape(*np.shape(ids), *entry.shape[1:])
+        return out.view(SAFETENSORS_DTYPES[entry.dtype]).reshape(*np.shape(ids), *entry.shape[1:])
 
 
 # ---------------------------------------------------------------------- routed experts
@@ -227,8 +222,8 @@ class ExpertCache:
 
     Experts are kept exactly as stored: packed FP4 weights (viewed as float4_e2m1fn_x2) and E8M0
     scales, about a quarter of their bf16 size; `capacity` experts per layer (0 keeps none).
-    `device` is one device or a list (as resolved by `kernels.triton_experts.expert_devices`);
-    expert e lives on `devices[e % len(devices)]`. Each requested expert counts as a hit or a miss
+    `device` is one device or a list (as resolved by `kernels.experts.expert_devices`), and each
+    expert is placed by `kernels.experts.device_for`. Each requested expert counts as a hit or a miss
     for its layer and the current step, and `fetch` returns the call's own counts."""
 
     def __init__(self, checkpoint: Checkpoint, capacity: int = DEFAULT_EXPERT_CACHE, device="cpu"):
@@ -246,8 +241,6 @@ class ExpertCache:
     def fetch(self, layer: int, expert_ids: Sequence[int]):
         """The packed experts `expert_ids` of `layer` (a `model.FetchedExperts`: a list, in the order
         asked, with this call's `hits` and `misses`)."""
-        from .model import FetchedExperts
-
         window = self._lru.setdefault(layer, OrderedDict())
         out = FetchedExperts()
         for e in expert_ids:
@@ -266,10 +259,8 @@ class ExpertCache:
             out.append(packed)
         return out
 
-    def _read(self, layer: int, expert: int):
-        from .kernels.experts import PackedExpert
-
-        device = self.devices[expert % len(self.devices)]  # round-robin, as triton_experts.device_for
+    def _read(self, layer: int, expert: int) -> PackedExpert:
+        device = device_for(expert, self.devices)
         prefix = f"layers.{layer}.ffn.experts.{expert}."
         parts = []
         for w in ("w1", "w2", "w3"):
@@ -444,32 +435,30 @@ def _unique_bytes(tensors) -> int:
     return total
 
 
-def load(path: Optional[str] = None, *, expert_cache: int = DEFAULT_EXPERT_CACHE, expert_device="cpu",
+def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
+         fix_stale_index_keys: Optional[bool] = None, window_layout: Optional[str] = None,
+         pad_f32_rows: Optional[bool] = None, expert_cache: int = DEFAULT_EXPERT_CACHE, expert_device="cpu",
          resident_engram: bool = False, max_seq_len: Optional[int] = None, max_batch_size: int = 1,
-         fix_stale_index_keys: bool = False, window_layout: str = "reference", pad_f32_rows: bool = False,
-         quiet: bool = False):
-    """Load a checkpoint directory (default: the embedded tiny one) -> `Model`.
+         quiet: bool = False) -> Model:
+    """Load a checkpoint directory (default: the embedded tiny one) -> `model.Model`, its
+    `report` the LoadReport.
 
+    numerics: a `Numerics` (default `Numerics.reference()`, the released runtime's arithmetic;
+    `Numerics.parity()` for a prefill that equals token-by-token decoding until a top-k cuts);
+    fix_stale_index_keys / window_layout / pad_f32_rows override its fields one by one.
     expert_cache: packed experts kept per layer; expert_device: where routed experts are held and
     computed: "cpu" (default), "cuda", "cuda:1" or a list of CUDA devices (experts spread
     round-robin); without a usable GPU one line on stderr says so and the CPU's fused path runs
-    them (a string that names no device raises ValueError); resident_engram: copy the Engram tables into RAM instead of gathering from the shards;
-    max_seq_len (default min(config, 4096)) and max_batch_size size the attention caches;
-    fix_stale_index_keys: the Transformers port's fix (off: the released runtime's behaviour);
-    window_layout ("reference" or "uniform") and pad_f32_rows (off: the reference's float32 GEMMs;
-    on: they are padded to 8 rows, and routed experts run batch-invariant, see kernels.experts):
-    "uniform" with pad_f32_rows=True makes a prefill and the same tokens decoded one at a time
-    agree bit for bit until a top-k cuts (attention.window_rows, layers.f32_linear);
-    quiet: no progress bar. Raises LoadError with one sentence on a bad checkpoint."""
+    them (a string that names no device raises ValueError); resident_engram: copy the Engram
+    tables into RAM instead of gathering from the shards; max_seq_len (default min(config, 4096))
+    and max_batch_size size the attention caches; quiet: no progress bar. Raises LoadError with
+    one sentence on a bad checkpoint."""
     from tqdm import tqdm
 
     from .engram import EngramError, NgramHasher
-    from .model import Backbone, RoutedExperts
-    from .attention import AttentionRuntime, check_window_layout
 
-    from .kernels.triton_experts import expert_devices
-
-    check_window_layout(window_layout)
+    numerics = (numerics or Numerics()).with_options(fix_stale_index_keys=fix_stale_index_keys,
+                                                     window_layout=window_layout, pad_f32_rows=pad_f32_rows)
     began = time.perf_counter()
     try:
         devices = expert_devices(expert_device)  # prints the one fallback line when CUDA is absent
@@ -500,54 +489,19 @@ def load(path: Optional[str] = None, *, expert_cache: int = DEFAULT_EXPERT_CACHE
     max_seq_len = int(max_seq_len or min(cfg.max_seq_len, DEFAULT_MAX_SEQ_LEN))
     report = LoadReport(checkpoint=ckpt.path)
     with torch.no_grad():
-        backbone = Backbone(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, pad_f32_rows=pad_f32_rows)
-        params = dict(backbone.named_parameters())
-        read: set[str] = set()
-        bar = tqdm(total=len(params), desc="loading", unit="tensor", file=sys.stderr, disable=quiet, leave=False)
-        for name, param in params.items():
-            if name not in ckpt:
-                raise LoadError(f"{ckpt.path}: the model needs tensor {name}, which the checkpoint does not hold")
-            stored = ckpt.read(name)
-            read.add(name)
-            report.bytes_read += ckpt.nbytes(name)
-            if stored.dtype in (torch.int8, torch.uint8) and param.dtype == torch.float4_e2m1fn_x2:
-                stored = stored.view(torch.float4_e2m1fn_x2)
-            if stored.dtype != param.dtype:
-                scale_name = name[: -len("weight")] + "scale" if name.endswith(".weight") else None
-                if stored.dtype == torch.float8_e4m3fn and scale_name in ckpt and scale_name not in params:
-                    from .formats import dequantize
-
-                    stored = dequantize(stored, ckpt.read(scale_name), dtype=param.dtype)
-                    read.add(scale_name)
-                    report.bytes_read += ckpt.nbytes(scale_name)
-                    report.dequantized.append((name, ckpt.dtype(name), _TORCH_NAMES[param.dtype]))
-                elif stored.is_floating_point() and stored.element_size() >= 2 and param.is_floating_point():
-                    stored = stored.to(param.dtype)  # a promotion (bf16 -> float32), exact
-                    report.dequantized.append((name, ckpt.dtype(name), _TORCH_NAMES[param.dtype]))
-                else:
-                    raise LoadError(f"{ckpt.path}: tensor {name} is {ckpt.dtype(name)} but the model holds it as "
-                                    f"{param.dtype}, and there is no conversion between them")
-            if tuple(stored.shape) != tuple(param.shape):
-                raise LoadError(f"{ckpt.path}: tensor {name} has shape {list(stored.shape)}, the model "
-                                f"expects {list(param.shape)}")
-            param.copy_(stored)
-            report.parameters_filled += 1
-            bar.update(1)
-        bar.close()
+        model = Model(cfg, numerics=numerics, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                      tokenizer=tokenizer, tokenizer_meta=tok_meta, hasher=hasher)
+        read = _fill_parameters(model.backbone, ckpt, report, quiet, tqdm)
 
     expert_store = ExpertCache(ckpt, expert_cache, devices)
     tables = {}
-    for block in backbone.layers:
-        # the padding's purpose, batch invariance, extends to the routed experts' GEMMs
-        block.ffn.experts = RoutedExperts(block.layer, expert_store, float(cfg.swiglu_limit or 0.0),
-                                          batch_invariant=pad_f32_rows)
-        if block.engram is not None:
-            table = ResidentEngramTable(ckpt, block.layer) if resident_engram else MappedEngramTable(ckpt, block.layer)
-            block.engram.table = tables[block.layer] = table
-            if resident_engram:
-                report.resident_engram_bytes += table.nbytes
-                for suffix in ("weight", "scale"):
-                    report.bytes_read += ckpt.nbytes(f"layers.{block.layer}.engram.embed.{suffix}")
+    for layer in cfg.engram_layer_ids or ():
+        table = tables[layer] = ResidentEngramTable(ckpt, layer) if resident_engram else MappedEngramTable(ckpt, layer)
+        if resident_engram:
+            report.resident_engram_bytes += table.nbytes
+            for suffix in ("weight", "scale"):
+                report.bytes_read += ckpt.nbytes(f"layers.{layer}.engram.embed.{suffix}")
+    model.attach(expert_store, tables)
 
     for name in read:
         if buckets.get(name) != LOADED:
@@ -557,119 +511,48 @@ def load(path: Optional[str] = None, *, expert_cache: int = DEFAULT_EXPERT_CACHE
             buckets[name] = UNEXPECTED  # the inventory lists it as dense, yet the model has no use for it
     report.tensors = buckets
     report.tensors_read = len(read)
-    report.bytes_retained = _unique_bytes(backbone.parameters())
+    report.bytes_retained = _unique_bytes(model.backbone.parameters())
     report.predicted_bytes_retained = predict_retained_bytes(cfg)["bytes"]
-    report.state_bytes = _unique_bytes(backbone.buffers())
+    report.state_bytes = _unique_bytes(model.backbone.buffers())
     report.seconds = time.perf_counter() - began
-
-    runtime = AttentionRuntime(fix_stale_index_keys=fix_stale_index_keys, window_layout=window_layout)
-    model = Model(cfg, backbone, runtime, hasher, tokenizer, tok_meta, expert_store, tables, report, ckpt)
+    model.report, model.checkpoint = report, ckpt
     if not quiet:
         print(report.summary(), file=sys.stderr)
     return model
 
 
-# ---------------------------------------------------------------------- the loaded model
-class Model:
-    """A loaded checkpoint: `model(input_ids, start_pos)` -> float32 logits [batch, vocab] of the last
-    position. Prefill at start_pos 0 (which starts a new sequence), then one call per new token at
-    the next position. `reset()` forgets the sequence. The generation verbs (`prefill`, `decode_one`,
-    `decode_n`, `generate`, `compare_prefill_decode`) are those of `dsv41.generate`."""
-
-    def __init__(self, cfg, backbone, runtime, hasher, tokenizer, tokenizer_meta, experts: ExpertCache,
-                 engram_tables: dict, report: LoadReport, checkpoint: Checkpoint):
-        self.cfg, self.backbone, self.runtime, self.hasher = cfg, backbone, runtime, hasher
-        self.tokenizer, self.tokenizer_meta = tokenizer, tokenizer_meta
-        self.experts, self.engram_tables, self.report, self.checkpoint = experts, engram_tables, report, checkpoint
-        self.position = 0  # positions consumed since the last reset
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.backbone.max_seq_len
-
-    @property
-    def numerics(self) -> dict:
-        """The load options that depart from the reference runtime when set (see `load`)."""
-        return {"fix_stale_index_keys": self.runtime.fix_stale_index_keys,
-                "window_layout": self.runtime.window_layout, "pad_f32_rows": self.backbone.pad_f32_rows}
-
-    def reset(self) -> None:
-        """Start a new sequence: attention caches, the shared runtime and the n-gram look-back."""
-        self.backbone.reset_state()
-        self.runtime.reset()
-        if self.hasher is not None:
-            self.hasher.reset()
-        self.position = 0
-
-    def reset_expert_cache(self) -> None:
-        """Start the expert cache cold: drop every cached expert and zero its hit / miss counters
-        (`experts.counters`, still read as before). The sequence itself is left as it is."""
-        self.experts.clear()
-        self.experts.counters.reset()
-
-    def __call__(self, input_ids, start_pos: int = 0, *, trace=None, image_mask=None,
-                 all_positions: bool = False) -> torch.Tensor:
-        ids = torch.as_tensor(input_ids, dtype=torch.long)
-        if ids.dim() == 1:
-            ids = ids.unsqueeze(0)
-        bsz, seqlen = ids.shape
-        if seqlen == 0:
-            raise ValueError("no input ids")
-        if start_pos == 0:
-            self.reset()
-        elif start_pos != self.position:
-            raise ValueError(f"start_pos {start_pos}, but this sequence has {self.position} positions; continue "
-                             f"at {self.position} or start again at 0")
-        if start_pos + seqlen > self.max_seq_len:
-            raise ValueError(f"positions up to {start_pos + seqlen} exceed max_seq_len {self.max_seq_len}")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
-        hash_ids = None
-        if self.hasher is not None:
-            mask = None if image_mask is None else ~torch.as_tensor(image_mask, dtype=torch.bool)
-            hash_ids = self.hasher(ids, mask)  # [b, s, n_engram_layers, n_hash_cols]
-        self.experts.counters.begin_step(start_pos, seqlen)
-        logits = self.backbone(ids, start_pos, self.runtime, hash_ids, image_mask, trace, all_positions)
-        self.position = start_pos + seqlen
-        return logits
-
-    # ------------------------------------------------------------------ text
-    @property
-    def add_bos(self) -> bool:
-        return bool(self.tokenizer_meta.get("add_bos_token", True)) and self.cfg.bos_token_id is not None
-
-    def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return ([self.cfg.bos_token_id] if self.add_bos else []) + ids
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    # ------------------------------------------------------------------ generation verbs
-    def prefill(self, prompt_ids, **kw):
-        from .generate import prefill
-
-        return prefill(self, prompt_ids, **kw)
-
-    def decode_one(self, token_id, **kw):
-        from .generate import decode_one
-
-        return decode_one(self, token_id, **kw)
-
-    def decode_n(self, token_id, n: int, **kw):
-        from .generate import decode_n
-
-        return decode_n(self, token_id, n, **kw)
-
-    def generate(self, prompt, **kw):
-        from .generate import generate
-
-        return generate(self, prompt, **kw)
-
-    def compare_prefill_decode(self, prompt, **kw):
-        from .generate import compare_prefill_decode
-
-        return compare_prefill_decode(self, prompt, **kw)
-
-    def __repr__(self) -> str:
-        return f"Model({self.report.checkpoint!r}, {self.cfg.summary()})"
+def _fill_parameters(backbone, ckpt: Checkpoint, report: LoadReport, quiet: bool, tqdm) -> set[str]:
+    """Copy every parameter of `backbone` from the checkpoint tensor of the same name, converting
+    to the dtype the model holds it in; returns the names read (scales consumed included)."""
+    params = dict(backbone.named_parameters())
+    read: set[str] = set()
+    bar = tqdm(total=len(params), desc="loading", unit="tensor", file=sys.stderr, disable=quiet, leave=False)
+    for name, param in params.items():
+        if name not in ckpt:
+            raise LoadError(f"{ckpt.path}: the model needs tensor {name}, which the checkpoint does not hold")
+        stored = ckpt.read(name)
+        read.add(name)
+        report.bytes_read += ckpt.nbytes(name)
+        if stored.dtype in (torch.int8, torch.uint8) and param.dtype == torch.float4_e2m1fn_x2:
+            stored = stored.view(torch.float4_e2m1fn_x2)
+        if stored.dtype != param.dtype:
+            scale_name = name[: -len("weight")] + "scale" if name.endswith(".weight") else None
+            if stored.dtype == torch.float8_e4m3fn and scale_name in ckpt and scale_name not in params:
+                stored = dequantize(stored, ckpt.read(scale_name), dtype=param.dtype)
+                read.add(scale_name)
+                report.bytes_read += ckpt.nbytes(scale_name)
+                report.dequantized.append((name, ckpt.dtype(name), DTYPE_NAMES[param.dtype]))
+            elif stored.is_floating_point() and stored.element_size() >= 2 and param.is_floating_point():
+                stored = stored.to(param.dtype)  # a promotion (bf16 -> float32), exact
+                report.dequantized.append((name, ckpt.dtype(name), DTYPE_NAMES[param.dtype]))
+            else:
+                raise LoadError(f"{ckpt.path}: tensor {name} is {ckpt.dtype(name)} but the model holds it as "
+                                f"{param.dtype}, and there is no conversion between them")
+        if tuple(stored.shape) != tuple(param.shape):
+            raise LoadError(f"{ckpt.path}: tensor {name} has shape {list(stored.shape)}, the model "
+                            f"expects {list(param.shape)}")
+        param.copy_(stored)
+        report.parameters_filled += 1
+        bar.update(1)
+    bar.close()
+    return read

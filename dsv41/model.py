@@ -1,4 +1,11 @@
-"""The backbone above attention: mixture of experts, hyper-connections, the Engram consumer, the head.
+"""The model: `Model` is where a forward starts; below it the backbone of blocks (mixture of
+experts, hyper-connections, the Engram consumer, CSA2 attention from `attention.py`) and the head.
+
+`Model(cfg, tokenizer=..., hasher=...)` holds the backbone, the attention runtime, the n-gram
+hasher and the sequence position; `model(ids, start_pos)` runs a forward, `encode` / `decode` turn
+text into ids and back. A Model is built empty: `loader.load` fills its parameters by name and
+attaches the routed-expert store and the Engram tables (`attach`); generation is the free
+functions of `generate.py` (the methods of the same names call them).
 
 A block carries its residual stream as `hc_mult` parallel copies. Each of its two sites (attention,
 then the FFN) collapses the copies into one input with a `pre` weighting, runs the sublayer, and
@@ -25,10 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import Attention, AttentionRuntime
-from .kernels import e8m0_decode, hc_split_sinkhorn
-from .kernels.experts import PackedExpert, clamped_swiglu
-from .kernels.triton_experts import routed_experts_device
-from .layers import F32_ROW_PAD, Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype
+from .formats import dequantize_engram_rows
+from .kernels import hc_split_sinkhorn
+from .kernels.experts import PackedExpert, clamped_swiglu, routed_experts
+from .layers import F32_ROW_PAD, Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype, param
+from .numerics import Numerics
 from .trace import EngramRecord, ForwardTrace, RoutingRecord
 
 # Added to the top-k routing weight sum before dividing; a training constant, not norm_eps.
@@ -92,10 +100,10 @@ class RoutedExperts:
 
     The one interface a faster implementation replaces: `forward(x [n, dim], expert_ids [n, k],
     weights [n, k]) -> float32 [n, dim]`. The selected experts are fetched once (ascending id) and
-    run through the fused packed-FP4 path (`kernels.experts.routed_experts`, dispatched by
-    `routed_experts_device`: Triton where the store placed an expert on CUDA, the fused CPU
-    path otherwise): tokens quantized to FP8 once, each expert once on all of its tokens, never
-    a float32 or bf16 copy of a whole weight matrix. It equals the op layer's reference
+    run through the fused packed-FP4 path (`kernels.experts.routed_experts`: Triton where the
+    store placed an expert on CUDA, the fused CPU kernels otherwise): tokens quantized to FP8
+    once, each expert once on all of its tokens, never a float32 or bf16 copy of a whole weight
+    matrix. It equals the op layer's reference
     `fp4_gemm` path up to the order of float32 additions. `last_fetch` holds the most recent
     call's `FetchedExperts` (its cache hits and misses). `batch_invariant`: a token's output does
     not depend on how many tokens an expert sees (see `kernels.experts`)."""
@@ -109,8 +117,8 @@ class RoutedExperts:
         selected = torch.unique(expert_ids).tolist()  # sorted ascending
         fetched = self.store.fetch(self.layer, selected)
         self.last_fetch = fetched if isinstance(fetched, FetchedExperts) else FetchedExperts(fetched)
-        return routed_experts_device(x, expert_ids, weights.float(), dict(zip(selected, fetched)),
-                                     self.swiglu_limit, batch_invariant=self.batch_invariant)
+        return routed_experts(x, expert_ids, weights.float(), dict(zip(selected, fetched)), self.swiglu_limit,
+                              batch_invariant=self.batch_invariant)
 
     __call__ = forward
 
@@ -120,19 +128,19 @@ class Gate(nn.Module):
     """The router `ffn.gate`: bf16 weight [E, dim], float32 selection bias [E], and (with a vision
     tower) `bias_vl` [E], the selection bias of image-span tokens. Text never applies bias_vl."""
 
-    def __init__(self, cfg, n_experts: int, topk: int, dtype=torch.bfloat16, *, pad_f32_rows: bool = False):
+    def __init__(self, cfg, n_experts: int, topk: int, dtype=torch.bfloat16, *, numerics: Numerics = Numerics()):
         super().__init__()
         self.topk, self.score_func = topk, cfg.score_func
-        self.pad_f32_rows = pad_f32_rows
+        self.pad_f32_rows = numerics.pad_f32_rows
         self.norm_topk_prob = True if cfg.norm_topk_prob is None else bool(cfg.norm_topk_prob)
         self.route_scale = float(cfg.route_scale)
-        self.weight = _param(torch.zeros(n_experts, cfg.dim, dtype=dtype))
-        self.bias = _param(torch.zeros(n_experts, dtype=torch.float32))
-        self.bias_vl = _param(torch.zeros(n_experts, dtype=torch.float32)) if cfg.vision_n_layers else None
+        self.weight = param(torch.zeros(n_experts, cfg.dim, dtype=dtype))
+        self.bias = param(torch.zeros(n_experts, dtype=torch.float32))
+        self.bias_vl = param(torch.zeros(n_experts, dtype=torch.float32)) if cfg.vision_n_layers else None
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None):
         """x [n, dim] -> (weights [n, k] float32, ids [n, k]); image_mask [n] bool selects bias_vl."""
-        logits = f32_linear(x, self.weight, pad_rows=self.pad_f32_rows)  # [n, E]
+        logits = f32_linear(x, self.weight, pad_f32_rows=self.pad_f32_rows)  # [n, E]
         if self.pad_f32_rows:
             # softplus is vectorized 32 values at a time and rounds a shorter tail another way (seen
             # with AVX-512), so a lone decode row's scores could differ from the same row's in a
@@ -165,14 +173,20 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     """Routed experts (top-k of E, through `experts`) plus the shared expert, summed in float32."""
 
-    def __init__(self, cfg, layer: int, *, pad_f32_rows: bool = False):
+    def __init__(self, cfg, layer: int, *, numerics: Numerics = Numerics()):
         super().__init__()
         n_experts, topk = cfg.moe_shape(layer)
-        self.layer, self.dim = layer, cfg.dim
-        self.gate = Gate(cfg, n_experts, topk, pad_f32_rows=pad_f32_rows)
-        self.shared_experts = SharedExpert(cfg.dim, cfg.moe_inter_dim, float(cfg.swiglu_limit or 0.0),
-                                           linear_dtype(cfg))
-        self.experts: Optional[RoutedExperts] = None  # attached by the loader (not a parameter)
+        self.layer, self.dim, self.numerics = layer, cfg.dim, numerics
+        self.swiglu_limit = float(cfg.swiglu_limit or 0.0)
+        self.gate = Gate(cfg, n_experts, topk, numerics=numerics)
+        self.shared_experts = SharedExpert(cfg.dim, cfg.moe_inter_dim, self.swiglu_limit, linear_dtype(cfg))
+        self.experts: Optional[RoutedExperts] = None  # see attach_store (not a parameter)
+
+    def attach_store(self, store: ExpertStore) -> None:
+        """Read this layer's routed experts from `store`. Under pad_f32_rows they run
+        batch-invariant: the padding's purpose, one arithmetic for any row count, extends to them."""
+        self.experts = RoutedExperts(self.layer, store, self.swiglu_limit,
+                                     batch_invariant=self.numerics.pad_f32_rows)
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None, trace=None,
                 start_pos: int = 0) -> torch.Tensor:
@@ -209,12 +223,6 @@ class TensorEngramTable:
         return self.weight[ids], self.scale[ids]
 
 
-def dequantize_rows(rows: torch.Tensor, scales: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """FP8 rows [..., D] with E8M0 scales [..., D/block] -> bf16, through float32."""
-    values = rows.float().unflatten(-1, (-1, block)) * e8m0_decode(scales).unsqueeze(-1)
-    return values.flatten(-2).to(torch.bfloat16)
-
-
 class Engram(nn.Module):
     """Adds an n-gram lookup into the residual stream, gated per hyper-connection copy.
 
@@ -229,8 +237,8 @@ class Engram(nn.Module):
         self.head_dim = cfg.engram_head_dim
         self.wkv = Linear(n_hash_cols * cfg.engram_head_dim, cfg.dim * (cfg.hc_mult + 1), linear_dtype(cfg))
         act = activation_dtype(cfg)
-        self.q_weight = _param(torch.ones(cfg.hc_mult, cfg.dim, dtype=act))
-        self.k_weight = _param(torch.ones(cfg.hc_mult, cfg.dim, dtype=act))
+        self.q_weight = param(torch.ones(cfg.hc_mult, cfg.dim, dtype=act))
+        self.k_weight = param(torch.ones(cfg.hc_mult, cfg.dim, dtype=act))
         self.table: Optional[EngramTable] = None  # attached by the loader (not a parameter)
 
     def forward(self, x: torch.Tensor, hash_ids: torch.Tensor, token_mask: Optional[torch.Tensor] = None,
@@ -239,7 +247,7 @@ class Engram(nn.Module):
         if self.table is None:
             raise RuntimeError(f"layer {self.layer}: no Engram table attached (load the model with dsv41.load)")
         rows, scales = self.table.gather(hash_ids.to(torch.long))  # [b, s, cols, D], [b, s, cols, D/32]
-        emb = dequantize_rows(rows.to(x.device), scales.to(x.device))  # [b, s, cols, D] bf16
+        emb = dequantize_engram_rows(rows.to(x.device), scales.to(x.device), torch.bfloat16)  # [b, s, cols, D]
         kv = self.wkv(emb.flatten(-2))  # [b, s, (hc + 1) * dim] bf16
         key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc_mult, self.dim))  # [b, s, hc, dim]
@@ -262,14 +270,14 @@ def engram_gate(x: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, eps: f
 
 # ---------------------------------------------------------------------- hyper-connections
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
-             iters: int, hc_eps: float, norm_eps: float, *, pad_f32_rows: bool = False):
+             iters: int, hc_eps: float, norm_eps: float, *, pad_f32_rows: bool):
     """x [b, s, hc, dim] -> float32 (pre [b, s, hc], post [b, s, hc], comb [b, s, hc, hc]).
 
     One projection of the whole flattened stream, RMS-normalized with one statistic per token
     (pad_f32_rows: see layers.f32_linear)."""
     flat = x.flatten(2).float()  # [b, s, hc * dim]
     rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    mixes = f32_linear(flat, fn, pad_rows=pad_f32_rows) * rstd  # [b, s, (2 + hc) * hc]
+    mixes = f32_linear(flat, fn, pad_f32_rows=pad_f32_rows) * rstd  # [b, s, (2 + hc) * hc]
     return hc_split_sinkhorn(mixes, scale, base, hc_mult, iters, hc_eps)
 
 
@@ -296,16 +304,15 @@ class Block(nn.Module):
     """Engram (at its layers), then attention and the MoE, each between a hyper-connection
     collapse and expansion. Parameter names are the checkpoint's (`layers.N.` + name)."""
 
-    def __init__(self, cfg, layer: int, *, max_batch_size: int = 1, max_seq_len: int = 4096,
-                 pad_f32_rows: bool = False):
+    def __init__(self, cfg, layer: int, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
+                 max_seq_len: int = 4096):
         super().__init__()
         self.layer, self.hc_mult = layer, cfg.hc_mult
         self.norm_eps, self.hc_eps, self.hc_iters = cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
-        self.pad_f32_rows = pad_f32_rows
+        self.pad_f32_rows = numerics.pad_f32_rows
         act = activation_dtype(cfg)
-        self.attn = Attention(cfg, layer, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                              pad_f32_rows=pad_f32_rows)
-        self.ffn = MoE(cfg, layer, pad_f32_rows=pad_f32_rows)
+        self.attn = Attention(cfg, layer, numerics=numerics, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+        self.ffn = MoE(cfg, layer, numerics=numerics)
         engram_layers = tuple(cfg.engram_layer_ids or ())
         self.engram = None
         if layer in engram_layers:
@@ -315,9 +322,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=act)
         mix, width = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.dim
         for site in ("attn", "ffn"):
-            setattr(self, f"hc_{site}_fn", _param(torch.zeros(mix, width, dtype=torch.float32)))
-            setattr(self, f"hc_{site}_base", _param(torch.zeros(mix, dtype=torch.float32)))
-            setattr(self, f"hc_{site}_scale", _param(torch.zeros(3, dtype=torch.float32)))
+            setattr(self, f"hc_{site}_fn", param(torch.zeros(mix, width, dtype=torch.float32)))
+            setattr(self, f"hc_{site}_base", param(torch.zeros(mix, dtype=torch.float32)))
+            setattr(self, f"hc_{site}_scale", param(torch.zeros(3, dtype=torch.float32)))
 
     def mixes(self, x: torch.Tensor, site: str):
         return hc_mixes(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
@@ -356,7 +363,7 @@ class Block(nn.Module):
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int, dtype=torch.bfloat16):
         super().__init__()
-        self.weight = _param(torch.zeros(vocab_size, dim, dtype=dtype))
+        self.weight = param(torch.zeros(vocab_size, dim, dtype=dtype))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
@@ -365,36 +372,34 @@ class Embedding(nn.Module):
 class Head(nn.Module):
     """The output projection, held in float32 (stored bf16) so the logits come out float32."""
 
-    def __init__(self, vocab_size: int, dim: int, *, pad_f32_rows: bool = False):
+    def __init__(self, vocab_size: int, dim: int, *, numerics: Numerics = Numerics()):
         super().__init__()
-        self.pad_f32_rows = pad_f32_rows
-        self.weight = _param(torch.zeros(vocab_size, dim, dtype=torch.float32))
+        self.pad_f32_rows = numerics.pad_f32_rows
+        self.weight = param(torch.zeros(vocab_size, dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
         """x [b, s, dim] -> float32 [b, vocab] for the last position ([b, s, vocab] with all_positions)."""
         if not all_positions:
             x = x[:, -1]
-        return f32_linear(x, self.weight, pad_rows=self.pad_f32_rows)
+        return f32_linear(x, self.weight, pad_f32_rows=self.pad_f32_rows)
 
 
 class Backbone(nn.Module):
     """Embedding, the blocks, the final collapse (with the last block's FFN pre), norm and head.
 
-    Holds only dense parameters; routed experts and Engram tables are attached by the loader as
-    `layers[i].ffn.experts` and `layers[i].engram.table`. `max_batch_size` and `max_seq_len` size the
-    attention caches. pad_f32_rows (off: the reference's GEMMs) reaches every float32 projection:
-    compressor pooling, router, hyper-connection mixes, head (see layers.f32_linear)."""
+    Holds only dense parameters, named as in the checkpoint; routed experts and Engram tables are
+    attached by `Model.attach`. `max_batch_size` and `max_seq_len` size the attention caches;
+    `numerics` reaches every layer that reads it."""
 
-    def __init__(self, cfg, *, max_batch_size: int = 1, max_seq_len: int = 4096, pad_f32_rows: bool = False):
+    def __init__(self, cfg, *, numerics: Numerics = Numerics(), max_batch_size: int = 1, max_seq_len: int = 4096):
         super().__init__()
-        self.cfg, self.hc_mult = cfg, cfg.hc_mult
+        self.cfg, self.hc_mult, self.numerics = cfg, cfg.hc_mult, numerics
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        self.pad_f32_rows = pad_f32_rows
         self.embed = Embedding(cfg.vocab_size, cfg.dim, activation_dtype(cfg))
-        self.layers = nn.ModuleList(Block(cfg, i, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                          pad_f32_rows=pad_f32_rows) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, numerics=numerics, max_batch_size=max_batch_size,
+                                          max_seq_len=max_seq_len) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=activation_dtype(cfg))
-        self.head = Head(cfg.vocab_size, cfg.dim, pad_f32_rows=pad_f32_rows)
+        self.head = Head(cfg.vocab_size, cfg.dim, numerics=numerics)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start_pos: int, runtime: AttentionRuntime,
@@ -417,5 +422,119 @@ class Backbone(nn.Module):
             block.reset_state()
 
 
-def _param(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t, requires_grad=False)
+# ---------------------------------------------------------------------- the runtime root
+class Model:
+    """The runtime root: `model(input_ids, start_pos)` -> float32 logits [batch, vocab] of the last
+    position. A call at start_pos 0 starts a new sequence (a prefill); later calls feed one token
+    at the next position. `reset()` forgets the sequence.
+
+    Built empty from a config; `loader.load` fills `backbone` by checkpoint name and `attach`es the
+    routed-expert store and the Engram tables (`report`, `checkpoint`: what it loaded from). The
+    generation verbs (`prefill`, `decode_one`, `decode_n`, `generate`, `compare_prefill_decode`)
+    are `dsv41.generate`'s functions over this object."""
+
+    def __init__(self, cfg, *, numerics: Numerics = Numerics(), max_batch_size: int = 1, max_seq_len: int = 4096,
+                 tokenizer=None, tokenizer_meta: Optional[dict] = None, hasher=None):
+        self.cfg, self.numerics = cfg, numerics
+        self.backbone = Backbone(cfg, numerics=numerics, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+        self.runtime = AttentionRuntime()
+        self.hasher = hasher
+        self.tokenizer, self.tokenizer_meta = tokenizer, dict(tokenizer_meta or {})
+        self.experts: Optional[ExpertStore] = None
+        self.engram_tables: dict[int, EngramTable] = {}
+        self.report = self.checkpoint = None
+        self.position = 0  # positions consumed since the last reset
+
+    def attach(self, experts: ExpertStore, engram_tables: dict[int, EngramTable]) -> None:
+        """Where routed experts and Engram rows are read from (neither is a parameter)."""
+        self.experts, self.engram_tables = experts, dict(engram_tables)
+        for block in self.backbone.layers:
+            block.ffn.attach_store(experts)
+            if block.engram is not None:
+                block.engram.table = self.engram_tables[block.layer]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.backbone.max_seq_len
+
+    def reset(self) -> None:
+        """Start a new sequence: attention caches, the shared runtime and the n-gram look-back."""
+        self.backbone.reset_state()
+        self.runtime.reset()
+        if self.hasher is not None:
+            self.hasher.reset()
+        self.position = 0
+
+    def reset_expert_cache(self) -> None:
+        """Start the expert cache cold: drop every cached expert and zero its hit / miss counters
+        (`experts.counters`). The sequence itself is left as it is."""
+        self.experts.clear()
+        self.experts.counters.reset()
+
+    def __call__(self, input_ids, start_pos: int = 0, *, trace=None, image_mask=None,
+                 all_positions: bool = False) -> torch.Tensor:
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        bsz, seqlen = ids.shape
+        if seqlen == 0:
+            raise ValueError("no input ids")
+        if start_pos == 0:
+            self.reset()
+        elif start_pos != self.position:
+            raise ValueError(f"start_pos {start_pos}, but this sequence has {self.position} positions; continue "
+                             f"at {self.position} or start again at 0")
+        if start_pos + seqlen > self.max_seq_len:
+            raise ValueError(f"positions up to {start_pos + seqlen} exceed max_seq_len {self.max_seq_len}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        hash_ids = None
+        if self.hasher is not None:
+            mask = None if image_mask is None else ~torch.as_tensor(image_mask, dtype=torch.bool)
+            hash_ids = self.hasher(ids, mask)  # [b, s, n_engram_layers, n_hash_cols]
+        counters = getattr(self.experts, "counters", None)  # a store without counters counts nothing
+        if counters is not None:
+            counters.begin_step(start_pos, seqlen)
+        logits = self.backbone(ids, start_pos, self.runtime, hash_ids, image_mask, trace, all_positions)
+        self.position = start_pos + seqlen
+        return logits
+
+    # ------------------------------------------------------------------ text
+    @property
+    def add_bos(self) -> bool:
+        return bool(self.tokenizer_meta.get("add_bos_token", True)) and self.cfg.bos_token_id is not None
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return ([self.cfg.bos_token_id] if self.add_bos else []) + ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ generation (dsv41.generate)
+    def prefill(self, prompt_ids, **kw):
+        return _generation().prefill(self, prompt_ids, **kw)
+
+    def decode_one(self, token_id, **kw):
+        return _generation().decode_one(self, token_id, **kw)
+
+    def decode_n(self, token_id, n: int, **kw):
+        return _generation().decode_n(self, token_id, n, **kw)
+
+    def generate(self, prompt, **kw):
+        return _generation().generate(self, prompt, **kw)
+
+    def compare_prefill_decode(self, prompt, **kw):
+        return _generation().compare_prefill_decode(self, prompt, **kw)
+
+    def __repr__(self) -> str:
+        where = self.report.checkpoint if self.report is not None else "not loaded"
+        return f"Model({where!r}, {self.cfg.summary()})"
+
+
+def _generation():
+    # generate.py sits above this module and imports nothing of it; the verbs are looked up when
+    # called so the import stays one-way
+    from . import generate
+
+    return generate

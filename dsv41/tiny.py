@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dsv41.cachedir import cache_root
+from dsv41.cachedir import cache_root, current_umask
 from dsv41.headers import INDEX_NAME
 
 # Bump when the writer's output changes in a way the source digest below would not notice.
@@ -231,12 +231,6 @@ def content_version() -> str:
     return f"v{WRITER_VERSION}-{h.hexdigest()[:10]}"
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def default_checkpoint(seed: int = 0, progress: bool | None = None) -> str:
     """The embedded default checkpoint's folder, written on first use and cached after that.
 
@@ -250,7 +244,7 @@ def default_checkpoint(seed: int = 0, progress: bool | None = None) -> str:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=root))
     try:
         write_tiny_checkpoint(tmp, seed=seed, progress=progress)
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp made it owner-only
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp made it owner-only
         try:
             os.rename(tmp, final)
         except OSError:

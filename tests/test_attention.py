@@ -13,7 +13,6 @@ import torch
 
 from dsv41 import attention as attention_module
 from dsv41.attention import (
-    WINDOW_LAYOUTS,
     Attention,
     AttentionRuntime,
     AttentionStack,
@@ -24,15 +23,15 @@ from dsv41.attention import (
 from dsv41.config import TINY
 from dsv41.kernels import SPARSE_ATTN_CHUNK, fp4_act_quant, sparse_attn
 from dsv41.layers import apply_rotary_emb, init_random_, precompute_freqs_cis
+from dsv41.numerics import WINDOW_LAYOUTS, Numerics
 from dsv41.trace import Trace
 
 # wide enough that nothing is truncated at the lengths used here: every reachable position kept
 WIDE = dataclasses.replace(TINY, index_topk=64, candidate_topk_blocks=64)
 MAX_SEQ = 64
 FULL, REINDEX, REUSE = (2, 4), (6,), (0, 1, 3, 5, 7)
-# the two opt-ins under which a prefill and token-by-token decode share their arithmetic
-PARITY = dict(window_layout="uniform", pad_f32_rows=True)
-
+# the parity options, with both orders scoring the same index keys
+PARITY_FIXED_KEYS = Numerics.parity().with_options(fix_stale_index_keys=True)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -170,8 +169,7 @@ def test_the_block_being_filled_is_kept_even_when_an_older_full_block_outscores_
 # ------------------------------------------------------------------------------ parity
 @pytest.mark.parametrize("batch", [1, 2])
 def test_prefill_and_token_by_token_decode_are_bit_identical_when_nothing_is_truncated(batch):
-    stack = AttentionStack(WIDE, max_batch_size=batch, max_seq_len=MAX_SEQ, seed=0, fix_stale_index_keys=True,
-                           **PARITY)
+    stack = AttentionStack(WIDE, max_batch_size=batch, max_seq_len=MAX_SEQ, seed=0, numerics=PARITY_FIXED_KEYS)
     x = _x(21, seed=11, batch=batch)
     pre, dec, tp, td = _grouped(stack, x)
     assert pre.shape == x.shape and torch.isfinite(pre.float()).all()
@@ -180,7 +178,7 @@ def test_prefill_and_token_by_token_decode_are_bit_identical_when_nothing_is_tru
     for layer in (2, 3, 4, 5, 6):
         assert torch.equal(tp[layer]["selected"], td[layer]["selected"]), layer
     if batch == 2:  # rows of a batch do not see each other
-        single = AttentionStack(WIDE, max_seq_len=MAX_SEQ, seed=0, fix_stale_index_keys=True, **PARITY)
+        single = AttentionStack(WIDE, max_seq_len=MAX_SEQ, seed=0, numerics=PARITY_FIXED_KEYS)
         assert torch.equal(single(x[1:], 0), pre[1:])
 
 
@@ -206,8 +204,9 @@ def test_a_window_wider_than_one_sparse_attn_chunk(monkeypatch, layout):
     # Once the ring is full both list the same positions oldest first.
     win = SPARSE_ATTN_CHUNK + 8
     cfg = dataclasses.replace(TINY, window_size=win)
-    layer = init_random_(Attention(cfg, 0, max_seq_len=96), 0)  # a pure window layer
-    x, rt, n = _x(90, seed=21), AttentionRuntime(window_layout=layout), 90
+    # a pure window layer
+    layer = init_random_(Attention(cfg, 0, numerics=Numerics(window_layout=layout), max_seq_len=96), 0)
+    x, rt, n = _x(90, seed=21), AttentionRuntime(), 90
     calls = _sparse_attn_calls(monkeypatch)
     pre = layer(x, 0, rt)
     layer.reset_state()
@@ -243,8 +242,9 @@ def _expected_window_row(p, start_pos, seqlen, win, layout):
 @pytest.mark.parametrize("layout", WINDOW_LAYOUTS)
 def test_index_rows_handed_to_sparse_attn(monkeypatch, layout):
     win, k = TINY.window_size, TINY.index_topk
-    assert win > 5 and AttentionRuntime().window_layout == "reference"  # the default
-    stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=8, fix_stale_index_keys=True, window_layout=layout)
+    assert win > 5 and AttentionStack(TINY, max_seq_len=MAX_SEQ).numerics.window_layout == "reference"  # the default
+    stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=8,
+                           numerics=Numerics(fix_stale_index_keys=True, window_layout=layout))
     calls = _sparse_attn_calls(monkeypatch)
     trace = Trace()
     x = _x(2 * win + 4, seed=22)
@@ -274,18 +274,18 @@ def test_index_rows_handed_to_sparse_attn(monkeypatch, layout):
 
 def test_an_unknown_window_layout_is_refused_by_name():
     with pytest.raises(ValueError, match="window_layout must be one of 'reference', 'uniform'"):
-        AttentionStack(TINY, max_seq_len=MAX_SEQ, window_layout="oldest-first")
+        AttentionStack(TINY, max_seq_len=MAX_SEQ, numerics=Numerics(window_layout="oldest-first"))
 
 
 def test_stale_key_default_is_also_bit_identical_when_nothing_is_truncated():
     # with every reachable position selected the scores do not matter, stale keys or not
-    stack = AttentionStack(WIDE, max_seq_len=MAX_SEQ, seed=1, **PARITY)
+    stack = AttentionStack(WIDE, max_seq_len=MAX_SEQ, seed=1, numerics=Numerics.parity())
     pre, dec, _, _ = _grouped(stack, _x(17, seed=12))
     assert torch.equal(pre, dec)
 
 
 def test_selections_are_causal_sorted_and_minus_one_padded():
-    stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=2, fix_stale_index_keys=True)
+    stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=2, numerics=Numerics(fix_stale_index_keys=True))
     for trace in _grouped(stack, _x(26, seed=13), "forward_each")[2:]:
         for layer, ratio in enumerate(TINY.compress_ratios[: TINY.n_layers]):
             if not ratio:
@@ -328,7 +328,7 @@ def _differs(a, b):
 
 
 def test_caches_and_runtime_slots_are_written_only_by_their_owners():
-    stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=3, fix_stale_index_keys=True)
+    stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=3, numerics=Numerics(fix_stale_index_keys=True))
     x = _x(10, seed=14)
     calls = [(x[:, :7], 0)] + [(x[:, p : p + 1], p) for p in range(7, 10)]
     for chunk, pos in calls:
@@ -394,7 +394,7 @@ def test_calls_out_of_order_fail_with_a_sentence():
 
 # ------------------------------------------------------------------------------ index scores
 def test_trace_records_the_kth_and_next_index_scores_per_query():
-    stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=5, fix_stale_index_keys=True)
+    stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=5, numerics=Numerics(fix_stale_index_keys=True))
     trace = Trace(keep_index_scores=True)
     stack.forward_each(_x(30, seed=17), 0, trace)
     k = TINY.index_topk
@@ -430,7 +430,7 @@ def test_trace_records_the_kth_and_next_index_scores_per_query():
 
 
 def test_reindex_ranks_inside_the_candidate_pool():
-    stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=6, fix_stale_index_keys=True)
+    stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=6, numerics=Numerics(fix_stale_index_keys=True))
     trace, x = Trace(), _x(30, seed=18)
     for p in range(30):  # decode rows hold reachable positions only, so every pick is reachable
         stack.forward_each(x[:, p : p + 1], p, trace)
@@ -455,7 +455,7 @@ def test_stale_index_keys_default_and_fix_differ_exactly_on_the_incomplete_group
     x = _x(28, seed=19)
     runs = {}
     for fix in (False, True):
-        stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=7, fix_stale_index_keys=fix)
+        stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=7, numerics=Numerics(fix_stale_index_keys=fix))
         runs[fix] = _both_orders(stack, x, "forward_each")
     # prefill publishes every Full layer's keys anyway: identical
     assert torch.equal(runs[False][0], runs[True][0])
@@ -491,7 +491,7 @@ def test_every_prefill_decode_difference_under_truncation_is_a_tie():
     k_blocks = TINY.candidate_topk_blocks
     n_diff = n_checked = 0
     for seed in range(3):
-        stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=seed, fix_stale_index_keys=True, **PARITY)
+        stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=seed, numerics=PARITY_FIXED_KEYS)
         pre, dec, tp, td = _grouped(stack, _x(28, seed=20 + seed), "forward_each")
         for layer, ratio in enumerate(TINY.compress_ratios[: TINY.n_layers]):
             out_diff = (pre[layer] != dec[layer]).any(-1)[0]

@@ -9,6 +9,7 @@ import torch
 from dsv41 import csa2_stats as cs
 from dsv41.attention import AttentionStack, select_candidate_blocks
 from dsv41.config import RELEASED, TINY
+from dsv41.numerics import Numerics
 from dsv41.trace import Trace
 
 
@@ -28,7 +29,7 @@ def model(tiny_checkpoint):
 
 
 # the opt-ins under which prefill and decode outputs part only where a selection does
-PARITY = dict(window_layout="uniform", pad_f32_rows=True)
+PARITY_FIXED_KEYS = Numerics.parity().with_options(fix_stale_index_keys=True)
 
 
 def _x(seqlen, seed=0):
@@ -165,19 +166,19 @@ def test_divergence_every_difference_a_tie_and_parity_untruncated():
     x = _x(28, seed=20)
     n_differ = 0
     for seed in (0, 1):
-        stack = AttentionStack(TINY, max_seq_len=28, seed=seed, fix_stale_index_keys=True, **PARITY)
+        stack = AttentionStack(TINY, max_seq_len=28, seed=seed, numerics=PARITY_FIXED_KEYS)
         d = cs.prefill_decode_divergence(stack, x)
-        assert d.numerics == PARITY
+        assert d.numerics == {"window_layout": "uniform", "pad_f32_rows": True}
         assert d.n_differ == d.n_ties and all(tie for _, _, tie in d.differ_at)
         assert d.n_output_differ_without_selection == 0 and d.n_truncated > 0
         assert all(r["max_output_diff"] == 0 for r in d.layers if not r["ratio"])
         n_differ += d.n_differ
     assert n_differ > 0  # the truncating width produces tie-broken differences at all
     assert cs.untruncated_topk(TINY, 28) == 28
-    wide = AttentionStack(TINY.replace(index_topk=28), max_seq_len=28, seed=0, fix_stale_index_keys=True, **PARITY)
+    wide = AttentionStack(TINY.replace(index_topk=28), max_seq_len=28, seed=0, numerics=PARITY_FIXED_KEYS)
     d = cs.prefill_decode_divergence(wide, x)
     assert d.identical and d.n_differ == 0 and d.max_output_diff == 0.0
-    narrow = AttentionStack(TINY.replace(index_topk=27), max_seq_len=28, seed=0, fix_stale_index_keys=True)
+    narrow = AttentionStack(TINY.replace(index_topk=27), max_seq_len=28, seed=0, numerics=Numerics(fix_stale_index_keys=True))
     assert cs.prefill_decode_divergence(narrow, x).n_truncated > 0  # one short of it truncates
 
 
@@ -195,7 +196,7 @@ def test_spare_picks_outside_a_small_candidate_pool_are_ties_the_trace_cut_misse
     # index_topk 16 over a pool of at most 4 x 2 positions: a Reindex query reaching 9..16 positions
     # is not truncated by its reachable count (kth_score NaN), yet its prefill row (every position,
     # the unreachable ones at -inf) fills the spare picks from -inf ties, so the orders may differ
-    stack = AttentionStack(TINY.replace(index_topk=16), max_seq_len=28, seed=0, fix_stale_index_keys=True)
+    stack = AttentionStack(TINY.replace(index_topk=16), max_seq_len=28, seed=0, numerics=Numerics(fix_stale_index_keys=True))
     x = _x(28, seed=20)
     d = cs.prefill_decode_divergence(stack, x)
     early = [(q, tie) for layer, q, tie in d.differ_at if layer == 6 and q < 16]
@@ -208,12 +209,12 @@ def test_spare_picks_outside_a_small_candidate_pool_are_ties_the_trace_cut_misse
 
 def test_stale_keys_make_divergences_that_are_not_ties():
     # the negative control of the tie classifier: stale keys change scores, not tie-breaking
-    stack = AttentionStack(TINY, max_seq_len=28, seed=0, fix_stale_index_keys=False)
+    stack = AttentionStack(TINY, max_seq_len=28, seed=0, numerics=Numerics(fix_stale_index_keys=False))
     d = cs.prefill_decode_divergence(stack, _x(28, seed=20))
     not_tie = [(layer, q) for layer, q, tie in d.differ_at if not tie]
     assert not_tie and {layer for layer, _ in not_tie} <= {2, 3}
     assert d.n_ties == d.n_differ - len(not_tie)
-    fixed = cs.prefill_decode_divergence(AttentionStack(TINY, max_seq_len=28, seed=0, fix_stale_index_keys=True),
+    fixed = cs.prefill_decode_divergence(AttentionStack(TINY, max_seq_len=28, seed=0, numerics=Numerics(fix_stale_index_keys=True)),
                                          _x(28, seed=20))
     assert fixed.n_differ == fixed.n_ties  # the same input with the fix: every difference a tie again
 
@@ -252,7 +253,7 @@ def test_a_finite_pick_difference_inside_a_small_pool_is_not_a_tie(monkeypatch, 
     # layer 6 ranks inside layer 4's pool of at most 4 blocks of 2 positions; at index_topk 16 a
     # query at position 20 reaches 21 positions, so topk fills its 16 picks with -inf spares. The
     # k-th and (k+1)-th scores of that row are both -inf, which once excused any difference.
-    stack = AttentionStack(TINY.replace(index_topk=16), max_seq_len=28, seed=0, fix_stale_index_keys=True)
+    stack = AttentionStack(TINY.replace(index_topk=16), max_seq_len=28, seed=0, numerics=Numerics(fix_stale_index_keys=True))
     x = _x(28, seed=20)
     honest = cs.prefill_decode_divergence(stack, x)
     assert honest.n_differ == honest.n_ties
@@ -268,7 +269,7 @@ def test_a_finite_pick_difference_inside_a_small_pool_is_not_a_tie(monkeypatch, 
 def test_block_ties_explain_pools_that_differ():
     # at index_topk 8 the candidate source's block cut ties (ReLU'd scores are often exactly 0) and
     # the two orders keep different pools; those differences count as ties, and only those
-    stack = AttentionStack(TINY, max_seq_len=28, seed=2, fix_stale_index_keys=True)
+    stack = AttentionStack(TINY, max_seq_len=28, seed=2, numerics=Numerics(fix_stale_index_keys=True))
     d = cs.prefill_decode_divergence(stack, _x(28, seed=20))
     assert d.n_differ == d.n_ties
     by_layer = {r["layer"]: r for r in d.layers}

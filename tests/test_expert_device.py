@@ -1,5 +1,5 @@
 """Where routed experts live and run: `expert_device` resolved by the loader through
-`triton_experts.expert_devices`, the one-line CPU fallback when CUDA is absent, device lists, and
+`kernels.experts.expert_devices`, the one-line CPU fallback when CUDA is absent, device lists, and
 the model's routed path against the reference `fp4_gemm` experts."""
 
 import math
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from dsv41.generate import cli_main
-from dsv41.kernels import triton_experts
+from dsv41.cli import generate_main as cli_main
+from dsv41.kernels import experts as kernel_experts, triton_experts
 from dsv41.kernels.experts import routed_experts_reference
 from dsv41.loader import load
 from dsv41.model import DictExpertStore, PackedExpert, RoutedExperts
@@ -23,7 +23,7 @@ PROMPT = "Once upon a time"
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """The fallback line is printed once per process; start each test with none printed yet."""
-    monkeypatch.setattr(triton_experts, "_WARNED", set())
+    monkeypatch.setattr(kernel_experts, "_SAID", set())
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,14 @@ import shutil
 import pytest
 import torch
 
-from dsv41.generate import cli_main, compare_prefill_decode, decode_n, decode_one, generate, greedy, prefill, sample
+from dsv41.cli import generate_main as cli_main
+from dsv41.generate import compare_prefill_decode, decode_n, decode_one, generate, greedy, prefill, sample
 from dsv41.loader import load
+from dsv41.numerics import Numerics
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # the opt-ins under which a prefill and token-by-token decode share their arithmetic
-PARITY = dict(window_layout="uniform", pad_f32_rows=True)
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def model(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def parity_model(tiny_checkpoint):
-    return load(tiny_checkpoint, quiet=True, **PARITY)
+    return load(tiny_checkpoint, quiet=True, numerics=Numerics.parity())
 
 
 # ---------------------------------------------------------------------- sampling
@@ -99,7 +100,7 @@ def test_prefill_then_decode_equals_one_longer_prefill(parity_model):
     assert report.identical and report.first_argmax_divergence is None
     assert report.selections == {} and report.routing == {}
     assert report.max_abs_diff == [0.0] * 8
-    assert report.numerics == {"fix_stale_index_keys": False, **PARITY}
+    assert report.numerics == Numerics.parity().as_dict()
     assert "window_layout='uniform'" in report.summary()
 
 
@@ -111,7 +112,7 @@ def test_reference_numerics_part_prefill_and_decode_by_rounding_only(model):
     # selection, routing or greedy token moves
     ids = model.encode("Four score and seven years")[:8]
     report = compare_prefill_decode(model, ids)
-    assert report.numerics == {"fix_stale_index_keys": False, "window_layout": "reference", "pad_f32_rows": False}
+    assert report.numerics == Numerics.reference().as_dict()
     assert not report.identical and report.first_logit_divergence == 0
     assert max(report.max_abs_diff) <= torch.finfo(torch.bfloat16).eps * report.max_abs_logit
     assert report.first_argmax_divergence is None

@@ -13,6 +13,7 @@ import torch
 import dsv41
 from dsv41.config import RELEASED
 from dsv41.inventory import expected_tensors
+from dsv41.numerics import Numerics
 from dsv41.loader import (
     ENGRAM,
     LOADED,
@@ -335,14 +336,13 @@ def test_numerics_options_reach_every_float32_projection_and_the_runtime(tiny_ch
     from dsv41 import layers, model as model_module
 
     m = load(tiny_checkpoint, quiet=True, window_layout="uniform" if pad else "reference", pad_f32_rows=pad)
-    assert m.numerics == {"fix_stale_index_keys": False, "window_layout": "uniform" if pad else "reference",
-                          "pad_f32_rows": pad}
+    assert m.numerics == (Numerics.parity() if pad else Numerics.reference())
     seen = []
     original = layers.f32_linear
 
-    def recording(x, weight, *, pad_rows):
-        seen.append(pad_rows)
-        return original(x, weight, pad_rows=pad_rows)
+    def recording(x, weight, *, pad_f32_rows):
+        seen.append(pad_f32_rows)
+        return original(x, weight, pad_f32_rows=pad_f32_rows)
 
     monkeypatch.setattr(layers, "f32_linear", recording)
     monkeypatch.setattr(model_module, "f32_linear", recording)
