@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .experts import check_operands
+from .operands import check_operands
 
 try:
     import triton
