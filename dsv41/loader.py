@@ -41,6 +41,8 @@ DEFAULT_EXPERT_CACHE = 16
 # Attention caches are sized for this many positions unless asked otherwise (the released config
 # allows a million, whose caches alone would not fit a host).
 DEFAULT_MAX_SEQ_LEN = 4096
+# The caches hold one row per sequence; generation here runs one (larger batches are for tests).
+MAX_BATCH_SIZE = 64
 
 LOADED, ROUTED, ENGRAM, MTP, VISION, UNEXPECTED = (
     "loaded", "routed experts (read on demand)", "Engram tables (rows gathered on demand)",
@@ -104,6 +106,123 @@ def predict_retained_bytes(cfg: Config) -> dict:
     return {"bytes": total, "tensors": count, "by_category": by_category, "on_disk_bytes": on_disk}
 
 
+def _named(path: str, message: str) -> str:
+    """`message` as one sentence naming `path` once: messages from headers / config / engram often
+    start with the file already, and prefixing it again would name it twice."""
+    return message if message.startswith(path) else f"{path}: {message}"
+
+
+def _json_kind(value) -> str:
+    """What a JSON value is, in JSON's words (for messages)."""
+    if isinstance(value, bool):
+        return "a boolean"
+    return {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _brief(value, limit: int = 60) -> str:
+    """A JSON value for a message: short, and never recursive (a damaged file can hold a megabyte
+    string or an array nested a thousand deep)."""
+    if isinstance(value, (list, dict)):
+        return f"{_json_kind(value)} of {len(value):,} items" if value else ("[]" if isinstance(value, list) else "{}")
+    text = repr(value) if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= limit else text[:limit - 4] + " ..."
+
+
+def _read_json(path: str):
+    """A JSON file's value, or LoadError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise LoadError(f"{path}: cannot be read ({exc.strerror}); check its permissions or download it "
+                        "again") from None
+    except UnicodeDecodeError:
+        raise LoadError(f"{path}: not UTF-8 text, so not a JSON file; download it again") from None
+    except json.JSONDecodeError as exc:
+        raise LoadError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}); download it again") from None
+    except (ValueError, RecursionError) as exc:  # an integer too long to convert, nesting too deep
+        raise LoadError(f"{path}: not JSON this reader accepts ({exc}); download it again") from None
+
+
+def _plain_file_name(name: str) -> bool:
+    """A file name inside the checkpoint directory: no separator, no '..', no absolute path."""
+    return (bool(name) and "/" not in name and "\\" not in name and ".." not in name and "\0" not in name
+            and os.sep not in name and (os.altsep is None or os.altsep not in name)
+            and not os.path.isabs(name))
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a string JSON decoded from an unpaired surrogate escape ("\\ud800"), which no file
+    name or terminal can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _read_index(index: str) -> dict[str, str]:
+    """model.safetensors.index.json's weight_map (tensor name -> shard file name), checked."""
+    doc = _read_json(index)
+    if not isinstance(doc, dict):
+        raise LoadError(f"{index}: holds {_json_kind(doc)}, not an object with a weight_map; download the index again")
+    weight_map = doc.get("weight_map")
+    if not isinstance(weight_map, dict):
+        what = "no weight_map" if weight_map is None else f"a weight_map that is {_json_kind(weight_map)}"
+        raise LoadError(f"{index}: has {what}, not an object of tensor name -> shard file; download the index again")
+    for name, file in weight_map.items():
+        if not isinstance(name, str) or not isinstance(file, str):
+            raise LoadError(f"{index}: weight_map maps {_brief(name)} to {_json_kind(file)} ({_brief(file)}), not a "
+                            "tensor name to a shard file name; download the index again")
+        if not (_is_unicode(name) and _is_unicode(file)):
+            raise LoadError(f"{index}: weight_map maps {_brief(name)} to {_brief(file)}, which holds an unpaired "
+                            "surrogate escape and is not Unicode text; download the index again")
+        if not _plain_file_name(file):
+            shown = name if len(name) <= 120 else name[:116] + " ..."
+            raise LoadError(f"{index}: tensor {shown} is listed in {_brief(file)}, which is not a file name in "
+                            "the checkpoint directory (paths and '..' are refused); download the index again")
+    return weight_map
+
+
+def _read_shard_header(shard: str):
+    """One shard's parsed header, or LoadError naming the shard once."""
+    try:
+        return read_header(shard)
+    except HeaderError as exc:
+        raise LoadError(_named(shard, str(exc))) from None
+    except (ValueError, TypeError, RecursionError) as exc:  # read_header lets a few malformed headers through
+        raise LoadError(f"{shard}: the header cannot be parsed ({type(exc).__name__}: {exc}); the file is damaged "
+                        "or not a safetensors file, download it again") from None
+
+
+def _extent_problem(shard: str, header) -> Optional[str]:
+    """The first way a shard's tensors fail to tile its data area, as one sentence naming the shard
+    and the tensor (None when they tile it): each tensor's span matches its dtype and shape, the
+    spans follow each other without gap or overlap from byte 0, and nothing follows the last."""
+    fix = "the shard is damaged, download it again"
+    position, previous = 0, None
+    for e in sorted(header.entries.values(), key=lambda e: (e.begin, e.end)):
+        if e.nbytes != e.expected_nbytes:
+            return (f"{shard}: tensor {e.name} is {e.dtype} {list(e.shape)} ({e.expected_nbytes:,} bytes) but its "
+                    f"data_offsets span {e.nbytes:,} bytes; {fix}")
+        if e.begin < position:
+            return (f"{shard}: tensor {e.name} (data bytes {e.begin:,}-{e.end:,}) overlaps tensor {previous}, "
+                    f"which ends at byte {position:,}; {fix}")
+        if e.begin > position:
+            where = f"after tensor {previous}" if previous is not None else "at the start of the data area"
+            return (f"{shard}: tensor {e.name} starts at data byte {e.begin:,}, leaving a gap of "
+                    f"{e.begin - position:,} unreferenced bytes {where}; {fix}")
+        position, previous = e.end, e.name
+    if position > header.data_size:
+        return (f"{shard}: tensor {previous} runs past the end of the file (its data ends at byte {position:,}, the "
+                f"file holds {max(header.data_size, 0):,}); the shard is truncated, download it again")
+    if position < header.data_size:
+        after = f"after the last tensor, {previous}," if previous is not None else "after the header"
+        return (f"{shard}: {header.data_size - position:,} trailing bytes {after} belong to no tensor; {fix}")
+    return None
+
+
 # ---------------------------------------------------------------------- the mapped checkpoint
 class Checkpoint:
     """The shards of a checkpoint directory, headers parsed, payloads mapped and read by name.
@@ -115,15 +234,16 @@ class Checkpoint:
         self.path = os.path.abspath(path)
         index = os.path.join(self.path, INDEX_NAME)
         if os.path.isfile(index):
-            try:
-                with open(index, encoding="utf-8") as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (OSError, ValueError, KeyError) as exc:
-                raise LoadError(f"{index}: not a readable safetensors index ({exc})") from None
+            weight_map = _read_index(index)
             files = sorted(set(weight_map.values()))
+            if not files:
+                raise LoadError(f"{index}: the weight_map lists no tensors; download the index again")
         else:
             weight_map = None
-            files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
+            try:
+                files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
+            except OSError as exc:
+                raise LoadError(f"{self.path}: cannot list the directory ({exc.strerror})") from None
         if not files:
             raise LoadError(f"{self.path}: no .safetensors shards and no {INDEX_NAME}")
         self.entries = {}  # name -> (shard path, HeaderEntry, data start)
@@ -131,13 +251,16 @@ class Checkpoint:
             shard = os.path.join(self.path, file)
             if not os.path.isfile(shard):
                 raise LoadError(f"{shard}: listed in {INDEX_NAME} but missing; download it again")
-            try:
-                header = read_header(shard)
-            except HeaderError as exc:
-                raise LoadError(str(exc)) from None
+            header = _read_shard_header(shard)
+            problem = _extent_problem(shard, header)
+            if problem:
+                raise LoadError(problem)
             for name, entry in header.entries.items():
-                if entry.end + header.data_start > header.file_size:
-                    raise LoadError(f"{shard}: tensor {name} runs past the end of the file; the shard is truncated")
+                earlier = self.entries.get(name)
+                if earlier is not None:
+                    raise LoadError(f"{self.path}: tensor {name} is stored in both {os.path.basename(earlier[0])} "
+                                    f"and {file}; a tensor must live in one shard only, so remove the stray copy "
+                                    "(or download the checkpoint again)")
                 self.entries[name] = (shard, entry, header.data_start)
         if weight_map is not None:
             for name, file in weight_map.items():
@@ -164,13 +287,18 @@ class Checkpoint:
 
     def read(self, name: str) -> torch.Tensor:
         """One tensor, copied out of the mapping (packed FP4 comes back as int8, as stored)."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         shard = self.entries[name][0]
-        handle = self._open.get(shard)
-        if handle is None:
-            handle = self._open[shard] = safe_open(shard, framework="pt")
-        return handle.get_tensor(name)
+        try:
+            handle = self._open.get(shard)
+            if handle is None:
+                handle = self._open[shard] = safe_open(shard, framework="pt")
+            return handle.get_tensor(name)
+        except (SafetensorError, OSError) as exc:  # e.g. the file changed on disk after its header was checked
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise LoadError(f"{shard}: tensor {name} cannot be read ({why}); the shard is damaged or changed "
+                            "on disk, download it again") from None
 
     def rows(self, name: str, ids: np.ndarray) -> torch.Tensor:
         """Rows `ids` (any shape, int) of a 2-D tensor -> [*ids.shape, cols], read through a memory
@@ -179,8 +307,12 @@ class Checkpoint:
         table = self._maps.get(name)
         if table is None:
             row_bytes = math.prod(entry.shape[1:]) * DTYPE_SIZES[entry.dtype]
-            table = np.memmap(shard, dtype=np.uint8, mode="r", offset=start + entry.begin,
-                              shape=(entry.shape[0], row_bytes))
+            try:
+                table = np.memmap(shard, dtype=np.uint8, mode="r", offset=start + entry.begin,
+                                  shape=(entry.shape[0], row_bytes))
+            except (OSError, ValueError) as exc:  # the file shrank or vanished after its header was checked
+                raise LoadError(f"{shard}: tensor {name} cannot be mapped ({exc}); the shard is damaged or "
+                                "changed on disk, download it again") from None
             self._maps[name] = table
         flat = np.asarray(ids, dtype=np.int64).reshape(-1)
         if flat.size and (flat.min() < 0 or flat.max() >= entry.shape[0]):
@@ -377,7 +509,7 @@ def check_tensors(cfg: Config, ckpt: Checkpoint) -> dict[str, str]:
     try:
         specs = expected_tensors(cfg)
     except ValueError as exc:
-        raise LoadError(f"{cfg.source}: {exc}") from None
+        raise LoadError(_named(str(cfg.source), str(exc))) from None
     problems = []
     for spec in specs:
         if spec.name not in ckpt:
@@ -410,12 +542,18 @@ def load_tokenizer(path: str, cfg: Config):
     meta = {}
     meta_file = os.path.join(path, "tokenizer_config.json")
     if os.path.isfile(meta_file):
-        with open(meta_file, encoding="utf-8") as f:
-            meta = json.load(f)
+        meta = _read_json(meta_file)
+        if not isinstance(meta, dict):
+            raise LoadError(f"{meta_file}: holds {_json_kind(meta)}, not an object of tokenizer settings; "
+                            "download it again")
     for role in ("bos", "eos", "pad"):
-        text, want = meta.get(f"{role}_token"), getattr(cfg, f"{role}_token_id")
+        key = f"{role}_token"
+        text, want = meta.get(key), getattr(cfg, f"{role}_token_id")
         if isinstance(text, dict):
             text = text.get("content")
+        if text is not None and not isinstance(text, str):
+            raise LoadError(f"{meta_file}: {key} is {_json_kind(text)} ({_brief(text)}), not the token's "
+                            f"text; write it as a string (or {{\"content\": string}}) as tokenizer.json spells it")
         if text is None or want is None:
             continue
         got = tok.token_to_id(text)
@@ -465,9 +603,13 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
     except (RuntimeError, ValueError) as exc:
         raise ValueError(f"expert_device {expert_device!r} is not usable: {exc}") from None
     if path is None:
+        from .cachedir import CacheError
         from .tiny import default_checkpoint
 
-        path = default_checkpoint(progress=not quiet)
+        try:
+            path = default_checkpoint(progress=not quiet)
+        except CacheError as exc:
+            raise LoadError(str(exc)) from None
     if not os.path.isdir(path):
         raise LoadError(f"{path}: not a checkpoint directory")
     try:
@@ -476,15 +618,21 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
         raise LoadError(str(exc)) from None
     problems = cfg.verify()
     if problems:
-        raise LoadError(f"{cfg.source}: {problems[0]}" + (f" (and {len(problems) - 1} more problems)"
-                                                          if len(problems) > 1 else ""))
+        raise LoadError(_named(str(cfg.source), problems[0]) + (f" (and {len(problems) - 1} more problems)"
+                                                                if len(problems) > 1 else ""))
+    # checked before any cache is sized: a length past the config's would allocate for nothing
+    if max_seq_len is not None and not 1 <= max_seq_len <= cfg.max_seq_len:
+        raise ValueError(f"max_seq_len must lie in [1, {cfg.max_seq_len}] (the config's max_position_embeddings), "
+                         f"got {max_seq_len}")
+    if not 1 <= max_batch_size <= MAX_BATCH_SIZE:
+        raise ValueError(f"max_batch_size must lie in [1, {MAX_BATCH_SIZE}], got {max_batch_size}")
     ckpt = Checkpoint(path)
     buckets = check_tensors(cfg, ckpt)
     tokenizer, tok_meta = load_tokenizer(path, cfg)
     try:
         hasher = NgramHasher.from_tokenizer(cfg, tokenizer) if cfg.engram_layer_ids else None
     except EngramError as exc:
-        raise LoadError(f"{path}: {exc}") from None
+        raise LoadError(_named(path, str(exc))) from None
 
     max_seq_len = int(max_seq_len or min(cfg.max_seq_len, DEFAULT_MAX_SEQ_LEN))
     report = LoadReport(checkpoint=ckpt.path)
