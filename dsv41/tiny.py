@@ -14,6 +14,10 @@ one stream per (seed, tensor name), turned into near-normal values with integer 
 IEEE arithmetic only; with the exact power-of-two quantization in `dsv41.formats` the output is
 byte-identical for a seed on every machine.
 
+Beside them it leaves `dsv41-tiny.json`, a manifest of the seed, the content version and each
+file's size and sha256 (as deterministic as the files): make-tiny replaces only a folder it
+describes, unless forced, and the cache rebuilds a folder that no longer matches it.
+
 `default_checkpoint()` builds it once into a user cache and returns the folder; every command that
 takes a checkpoint defaults to it.
 """
@@ -31,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dsv41.cachedir import cache_root, current_umask
+from dsv41.cachedir import cache_dir, cache_error, cache_root, current_umask, file_sha256
 from dsv41.headers import INDEX_NAME
 
 # Bump when the writer's output changes in a way the source digest below would not notice.
@@ -154,20 +158,44 @@ def _shard_tensors(specs, by_name, seed: int) -> dict:
 
 
 # ---------------------------------------------------------------------- writer
-def write_tiny_checkpoint(out_dir, seed: int = 0, progress: bool | None = False) -> str:
-    """Write the tiny checkpoint for `seed` into `out_dir` (created if needed) and return its path.
+# Left in every checkpoint the writer makes: its seed and content version and each file's size and
+# sha256, so make-tiny knows what it may replace and the cache what it must rebuild.
+MANIFEST_NAME = "dsv41-tiny.json"
+_MANIFEST_FORMAT = "dsv41-tiny-checkpoint"
 
-    progress: a tqdm bar on stderr; None shows it only when stderr is a terminal."""
+
+def write_tiny_checkpoint(out_dir, seed: int = 0, progress: bool | None = False, force: bool = False) -> str:
+    """Write the tiny checkpoint for `seed` into `out_dir` and return its path.
+
+    It is built in a folder beside `out_dir` and renamed into place when complete. An existing
+    `out_dir` must be empty or an earlier tiny checkpoint of the same seed with nothing added;
+    `force` replaces whatever is there. progress: a tqdm bar on stderr; None shows it only when
+    stderr is a terminal."""
+    out = Path(os.path.realpath(out_dir))  # through a link: the checkpoint goes where it points
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out}: exists and is not a directory; give make-tiny a folder")
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise NotADirectoryError(f"{out}: {blocker} is a file, not a directory; give make-tiny a folder elsewhere")
+    taken = None if force else _occupied(out, seed)
+    if taken:
+        raise FileExistsError(f"{out}: {taken}; pass --force (force=True) to replace it, or give another folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _build_beside(out, seed, progress)
+    try:
+        _put_in_place(tmp, out)
+    finally:
+        _remove(tmp)
+    return str(out)
+
+
+def _write_files(folder: Path, seed: int, progress: bool | None) -> None:
+    """Every file of the checkpoint but the manifest, into the empty `folder`."""
     from dsv41.config import write_config_pair
     from dsv41.formats import save_safetensors
     from dsv41.headers import write_index
     from dsv41.inventory import expected_tensors, shard_names
     from dsv41.tokenizer import build_tiny_tokenizer, tokenizer_config
-
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"{out}: exists and is not a directory; give make-tiny a folder")
-    out.mkdir(parents=True, exist_ok=True)
 
     tokenizer = build_tiny_tokenizer()
     cfg = tiny_config(tokenizer)
@@ -193,21 +221,109 @@ def write_tiny_checkpoint(out_dir, seed: int = 0, progress: bool | None = False)
     try:
         with tqdm(total=len(shards), desc="make-tiny", unit="shard", file=sys.stderr, disable=not progress) as bar:
             for shard in shards:
-                save_safetensors(_shard_tensors(per_shard[shard], by_name, seed), str(out / shard))
+                save_safetensors(_shard_tensors(per_shard[shard], by_name, seed), str(folder / shard))
                 bar.update(1)
     finally:
         torch.set_num_threads(threads)
 
-    write_index(str(out), specs)
-    write_config_pair(cfg, str(out))
-    (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(cfg), indent=2) + "\n", encoding="utf-8")
+    write_index(str(folder), specs)
+    write_config_pair(cfg, str(folder))
+    (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(cfg), indent=2) + "\n",
+                                                  encoding="utf-8")
 
-    stale = sorted(p.name for p in out.glob("*.safetensors") if p.name not in per_shard)
-    if stale:
-        print(f"make-tiny: note: {out} also holds shards this checkpoint does not list: {', '.join(stale)}",
-              file=sys.stderr)
-    return str(out)
+
+def _build_beside(target: Path, seed: int, progress: bool | None) -> Path:
+    """A new folder beside `target` (one rename puts it in place) holding the complete checkpoint
+    and its manifest; removed again if writing fails."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        _write_files(tmp, seed, progress)
+        files = {rel: {"size": (tmp / rel).stat().st_size, "sha256": file_sha256(tmp / rel)}
+                 for rel in sorted(_entries(tmp)) if (tmp / rel).is_file()}
+        manifest = {"format": _MANIFEST_FORMAT, "seed": seed, "content_version": content_version(), "files": files}
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp made it owner-only
+    except BaseException:
+        _remove(tmp)
+        raise
+    return tmp
+
+
+def _put_in_place(tmp: Path, target: Path) -> None:
+    """Rename `tmp` to `target`; whatever `target` holds is moved aside first and deleted only once
+    `tmp` has its place."""
+    try:
+        os.rename(tmp, target)  # target missing or an empty folder
+        return
+    except OSError:
+        if not os.path.lexists(target):
+            raise
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+    try:
+        os.rename(target, aside / target.name)
+    except OSError:
+        _remove(aside)
+        raise
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        os.rename(aside / target.name, target)  # should even this fail, the old one is kept in `aside`
+        _remove(aside)
+        raise
+    _remove(aside)
+
+
+def _remove(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _entries(folder: Path) -> set[str]:
+    """Every file and folder under `folder`, as relative POSIX paths; the manifest excepted."""
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*")} - {MANIFEST_NAME}
+
+
+def _read_manifest(folder: Path) -> tuple[dict | None, str]:
+    """(the manifest in `folder`, "") or (None, what is wrong with it)."""
+    try:
+        manifest = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (FileNotFoundError, NotADirectoryError):
+        return None, f"{MANIFEST_NAME} is missing"
+    except (OSError, ValueError):
+        return None, f"{MANIFEST_NAME} is unreadable"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if (not isinstance(files, dict) or manifest.get("format") != _MANIFEST_FORMAT
+            or not isinstance(manifest.get("seed"), int)
+            or not all(isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
+                       for e in files.values())):
+        return None, f"{MANIFEST_NAME} is not a tiny checkpoint manifest"
+    return manifest, ""
+
+
+def _unlisted(folder: Path, manifest: dict) -> list[str]:
+    """What `folder` holds that its manifest does not list (the folders of listed files aside)."""
+    listed = set(manifest["files"])
+    listed |= {parent.as_posix() for rel in listed for parent in Path(rel).parents if parent != Path(".")}
+    return sorted(_entries(folder) - listed)
+
+
+def _occupied(out: Path, seed: int) -> str | None:
+    """Why `out` may not be replaced by the checkpoint of `seed` (None: it is missing, empty or an
+    earlier tiny checkpoint of that seed with nothing added)."""
+    if not out.is_dir() or not any(out.iterdir()):
+        return None
+    manifest, _ = _read_manifest(out)
+    if manifest is None:
+        names = sorted(p.name for p in out.iterdir())
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return f"is not empty ({shown}) and holds no tiny checkpoint"
+    if manifest["seed"] != seed:
+        return f"holds the tiny checkpoint of seed {manifest['seed']}, not {seed}"
+    foreign = _unlisted(out, manifest)
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        return f"holds {foreign[0]}{more} besides the tiny checkpoint"
+    return None
 
 
 # ---------------------------------------------------------------------- cache
@@ -231,29 +347,65 @@ def content_version() -> str:
     return f"v{WRITER_VERSION}-{h.hexdigest()[:10]}"
 
 
+# The cached folders this process has checked: only its first use reads their bytes.
+_VERIFIED: set[str] = set()
+
+
 def default_checkpoint(seed: int = 0, progress: bool | None = None) -> str:
     """The embedded default checkpoint's folder, written on first use and cached after that.
 
-    The folder is built under a temporary name and renamed into place in one step, so a build that
-    dies half way is never mistaken for a checkpoint; two processes racing both succeed."""
-    root = cache_root()
-    final = root / f"tiny-{seed}-{content_version()}"
-    if (final / INDEX_NAME).is_file():
+    A process's first use checks every file's size and sha256 against the manifest written with
+    them (about 6 MB) and rebuilds a damaged or incomplete folder, saying so in one stderr line.
+    The build happens beside the final folder and ends in one rename, so a build that dies half
+    way is never mistaken for a checkpoint and two processes racing both succeed. Raises
+    CacheError where the cache folder cannot be used."""
+    version = content_version()
+    final = cache_root() / f"tiny-{seed}-{version}"
+    if str(final) in _VERIFIED:
         return str(final)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=root))
-    try:
-        write_tiny_checkpoint(tmp, seed=seed, progress=progress)
-        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp made it owner-only
+    damage = _damage(final, seed, version)
+    if damage:
+        if os.path.lexists(final):
+            print(f"dsv41: the cached tiny checkpoint {final} is damaged or incomplete ({damage}); rebuilding it",
+                  file=sys.stderr)
+        cache_dir()
         try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / INDEX_NAME).is_file():  # not a lost race: a real failure
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            tmp = _build_beside(final, seed, progress)
+            try:
+                try:
+                    os.rename(tmp, final)
+                except OSError:
+                    if _damage(final, seed, version):  # not a race lost to an equal build
+                        _put_in_place(tmp, final)
+            finally:
+                _remove(tmp)
+        except OSError as exc:
+            raise cache_error(final, exc) from None
+    _VERIFIED.add(str(final))
     return str(final)
+
+
+def _damage(folder: Path, seed: int, version: str) -> str | None:
+    """What differs in `folder` from the checkpoint its manifest describes (None: nothing)."""
+    manifest, problem = _read_manifest(folder)
+    if manifest is None:
+        return problem
+    if (manifest["seed"], manifest.get("content_version")) != (seed, version):
+        return f"{MANIFEST_NAME} describes another checkpoint"
+    unlisted = _unlisted(folder, manifest)
+    if unlisted:
+        return f"{unlisted[0]} is not part of it"
+    files = sorted(manifest["files"].items())
+    for rel, entry in files:  # sizes first: a truncated file costs no hashing
+        path = folder / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        if path.stat().st_size != entry["size"]:
+            return f"{rel} is {path.stat().st_size} bytes, not {entry['size']}"
+    for rel, entry in files:
+        if file_sha256(folder / rel) != entry["sha256"]:
+            return f"{rel} does not match its sha256"
+    return None
 
 
 # ---------------------------------------------------------------------- CLI
@@ -261,15 +413,23 @@ def cli_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dsv41 make-tiny", description=(
         "Write the embedded default checkpoint: a tiny random-weighted model in the exact release "
         "format (both configs, index, shards, tokenizer). Same seed, same bytes."))
-    parser.add_argument("out_dir", metavar="OUT_DIR", help="folder to write into (created if missing)")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help=(
+        "folder to write (created if missing); it must be empty or an earlier tiny checkpoint of the same seed"))
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument("--force", action="store_true", help="replace OUT_DIR whatever it holds")
     args = parser.parse_args(argv)
     if args.seed < 0:
         parser.error("--seed must be a non-negative integer")
     start = time.perf_counter()
     try:
-        path = write_tiny_checkpoint(args.out_dir, seed=args.seed, progress=None)
-    except (OSError, RuntimeError) as exc:
+        path = write_tiny_checkpoint(args.out_dir, seed=args.seed, progress=None, force=args.force)
+    except OSError as exc:
+        # the system's own errors carry a file name; the writer's are already a sentence
+        message = (f"cannot write {exc.filename} ({exc.strerror}); {args.out_dir} is left as it was: fix that "
+                   f"and rerun, or give another folder") if exc.filename and exc.strerror else str(exc)
+        print(f"dsv41 make-tiny: {message}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
         print(f"dsv41 make-tiny: {exc}", file=sys.stderr)
         return 1
     elapsed = time.perf_counter() - start

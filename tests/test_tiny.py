@@ -53,7 +53,7 @@ def test_same_seed_same_bytes_and_fast(tiny_checkpoint, tmp_path):
     again = tiny.write_tiny_checkpoint(tmp_path / "again", seed=0)
     elapsed = time.perf_counter() - start
     first, second = _files(tiny_checkpoint), _files(again)
-    assert sorted(first) == sorted(second)
+    assert sorted(first) == sorted(second) and tiny.MANIFEST_NAME in first
     differing = [name for name in first if first[name] != second[name]]
     assert not differing, f"files differ between two writes with seed 0: {differing}"
     assert elapsed < 30, f"writing took {elapsed:.1f} s"
@@ -74,6 +74,8 @@ def test_cli_other_seed_changes_weights_not_layout(tiny_checkpoint, tmp_path, ca
     for name in a:
         if name in same:
             assert a[name] == b[name], name
+        elif name == tiny.MANIFEST_NAME:
+            assert json.loads(b[name])["seed"] == 1 and json.loads(a[name])["seed"] == 0
         else:
             assert a[name] != b[name], f"{name} did not change with the seed"
             assert read_header(str(Path(tiny_checkpoint) / name)).raw == read_header(str(out / name)).raw
@@ -252,23 +254,23 @@ def test_default_checkpoint_builds_once_atomically(tiny_checkpoint, tmp_path, mo
     import shutil
 
     monkeypatch.setenv("DSV41_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tiny, "_VERIFIED", set())
     calls = []
 
-    def failing(out_dir, seed=0, progress=None):
+    def failing(out_dir, seed, progress):
         Path(out_dir, "model-00001-of-00016.safetensors").write_bytes(b"half")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(tiny, "write_tiny_checkpoint", failing)
+    monkeypatch.setattr(tiny, "_write_files", failing)
     with pytest.raises(RuntimeError):
         tiny.default_checkpoint(seed=0)
     assert list((tmp_path / "cache").iterdir()) == [], "a failed build leaves nothing behind"
 
-    def copying(out_dir, seed=0, progress=None):
+    def copying(out_dir, seed, progress):
         calls.append(seed)
         shutil.copytree(tiny_checkpoint, out_dir, dirs_exist_ok=True)
-        return str(out_dir)
 
-    monkeypatch.setattr(tiny, "write_tiny_checkpoint", copying)
+    monkeypatch.setattr(tiny, "_write_files", copying)
     path = tiny.default_checkpoint(seed=0)
     assert Path(path).name == f"tiny-0-{tiny.content_version()}"
     assert Path(path).parent == tmp_path / "cache"

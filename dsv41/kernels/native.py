@@ -4,9 +4,12 @@ through ctypes.
 The library is compiled on first use into the dsv41 cache (`$DSV41_CACHE`, else
 ~/.cache/dsv41) under a name derived from the source, the compiler, the flags and the CPU's
 feature flags, so a cache shared by different machines never hands one a library built for the
-other's instruction set. `$CC` picks the compiler (default `cc`). Building takes about a second;
-where it cannot be done (no compiler, a read-only cache, a failed build) `available()` is False and
-`unavailable_reason()` says why in one sentence; callers then take the plain-PyTorch path.
+other's instruction set. Its sha256 is recorded beside it (`NAME.so.sha256`) and only a library
+that matches its record is loaded; anything else under that name (a half-copied cache, another
+build) is rebuilt, with one line on stderr. `$CC` picks the compiler (default `cc`). Building takes
+about a second; where it cannot be done (no compiler, a read-only cache, a failed build)
+`available()` is False and `unavailable_reason()` says why in one sentence; callers then take the
+plain-PyTorch path.
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from ..cachedir import cache_root
+from ..cachedir import CacheError, cache_dir, cache_error, current_umask, file_sha256
 
 SOURCE = Path(__file__).with_name("native.c")
 _ABI_VERSION = 8  # must equal ABI_VERSION in native.c
@@ -178,16 +182,18 @@ def _build_and_load() -> NativeKernels:
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise _Unavailable(f"no C compiler ({compiler}) on PATH")
-    folder = cache_root() / "native"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise _Unavailable(f"cannot create {folder} ({exc.strerror})") from None
+        folder = cache_dir("native")
+    except CacheError as exc:
+        raise _Unavailable(str(exc)) from None
     source = SOURCE.read_bytes()
     errors = []
     for flags in _FLAG_SETS:
         path = folder / f"dsv41_native-{_build_key(compiler, flags, source)}.so"
-        if not path.is_file():
+        unknown = _not_ours(path)
+        if unknown:
+            if path.exists():
+                print(f"dsv41: {path} {unknown}; rebuilding it", file=sys.stderr)
             error = _compile(compiler, flags, path)
             if error:
                 errors.append(f"{' '.join(flags)}: {error}")
@@ -197,11 +203,30 @@ def _build_and_load() -> NativeKernels:
         except OSError as exc:
             errors.append(f"loading {path}: {exc}")
             continue
-        if lib.dsv41_abi_version() != _ABI_VERSION:
-            errors.append(f"{path} is ABI {lib.dsv41_abi_version()}, expected {_ABI_VERSION}")
+        abi = getattr(lib, "dsv41_abi_version", None)
+        if abi is None or abi() != _ABI_VERSION:
+            errors.append(f"{path} is ABI {abi() if abi else '(none)'}, expected {_ABI_VERSION}")
             continue
         return NativeKernels(lib, path, flags)
     raise _Unavailable("the native expert kernels did not build: " + "; ".join(errors))
+
+
+def _record(path: Path) -> Path:
+    """Where the sha256 of the library at `path` is kept, written by the build that made it."""
+    return path.with_name(path.name + ".sha256")
+
+
+def _not_ours(path: Path) -> Optional[str]:
+    """Why the file at `path` is not a library this cache built (None: it is)."""
+    if not path.is_file():
+        return "is missing"
+    try:
+        recorded = _record(path).read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return f"has no readable {_record(path).name}"
+    if file_sha256(path) != recorded:
+        return f"does not match the sha256 in {_record(path).name}"
+    return None
 
 
 def _build_key(compiler: str, flags: list[str], source: bytes) -> str:
@@ -233,20 +258,32 @@ def _cpu_features() -> str:
 
 def _compile(compiler: str, flags: list[str], path: Path) -> Optional[str]:
     """Build into a temporary name and rename into place, so racing processes both succeed and a
-    half-written library is never loaded. Returns the compiler's complaint, or None."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".so", dir=path.parent)
-    os.close(fd)
+    half-written library is never loaded; its sha256 record goes first, so a library in place is
+    never newer than its record. Returns the compiler's complaint, or None."""
+    temps = []
     try:
-        done = subprocess.run([compiler, *flags, *_COMMON_FLAGS, "-o", tmp, str(SOURCE)],
+        for suffix in (".so", ".sha256"):
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=suffix, dir=path.parent)
+            os.close(fd)
+            temps.append(tmp)
+        library, record = temps
+        done = subprocess.run([compiler, *flags, *_COMMON_FLAGS, "-o", library, str(SOURCE)],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             lines = (done.stderr or done.stdout).strip().splitlines()
             errors = [line for line in lines if "error" in line] or lines
             return errors[0] if errors else f"exit status {done.returncode}"
-        os.replace(tmp, path)
+        with open(record, "w", encoding="ascii") as f:
+            f.write(file_sha256(library) + "\n")
+        os.chmod(record, 0o666 & ~current_umask())  # mkstemp made it owner-only
+        os.replace(record, _record(path))
+        os.replace(library, path)
         return None
-    except (OSError, subprocess.SubprocessError) as exc:
+    except OSError as exc:
+        return str(cache_error(path, exc))
+    except subprocess.SubprocessError as exc:
         return str(exc)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for tmp in temps:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
