@@ -72,16 +72,18 @@ def generate_main(argv: list[str]) -> int:
         print(f"dsv41 generate: {message}", file=sys.stderr)
         return 1
 
-    if not args.prompt:
-        return fail("the prompt is empty; pass some text with --prompt")
-    if args.max_new_tokens < 0:
-        return fail(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        return fail(f"--temperature must be >= 0, got {args.temperature}")
+    from .generate import NonFiniteLogits, check_prompt, check_sampling, generate
+
+    try:  # the same sentences a Python caller of generate() gets
+        check_prompt(args.prompt)
+        check_sampling(args.max_new_tokens, args.temperature, args.seed)
+    except ValueError as exc:
+        return fail(f"{exc} (see --help)")
     if args.expert_cache is not None and args.expert_cache < 0:
         return fail(f"--expert-cache must be >= 0, got {args.expert_cache}")
+    if args.max_seq_len is not None and args.max_seq_len <= 0:
+        return fail(f"--max-seq-len must be > 0, got {args.max_seq_len}")
 
-    from .generate import generate
     from .kernels.experts import expert_devices
     from .loader import DEFAULT_EXPERT_CACHE, LoadError, load
     from .numerics import Numerics
@@ -96,9 +98,13 @@ def generate_main(argv: list[str]) -> int:
 
     path = args.checkpoint
     if path is None:
+        from .cachedir import CacheError
         from .tiny import default_checkpoint
 
-        path = default_checkpoint(progress=not args.quiet)
+        try:
+            path = default_checkpoint(progress=not args.quiet)
+        except CacheError as exc:
+            return fail(str(exc))
     problem = _audit_problem(path)
     if problem:
         return fail(problem)
@@ -120,8 +126,11 @@ def generate_main(argv: list[str]) -> int:
         print(f"prompt: {len(ids)} tokens; generating {args.max_new_tokens} "
               f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}, seed {args.seed}'})",
               file=sys.stderr)
-    result = generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      seed=args.seed)
+    try:
+        result = generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          seed=args.seed)
+    except NonFiniteLogits as exc:
+        return fail(str(exc))
     print(result.text)
     if not args.quiet:
         t = result.timings
@@ -143,7 +152,7 @@ def _audit_problem(path: str) -> Optional[str]:
         return str(exc)
     if report.unreadable:
         file, why = report.unreadable[0]
-        return f"{file}: {why}"
+        return why if why.startswith(file) else f"{file}: {why}"  # header errors already name the shard
     failed = [c for c in report.checks if c.status == "fail"]
     if failed:
         first = failed[0]

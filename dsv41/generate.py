@@ -17,6 +17,8 @@ between values that differ by rounding; the report says at which position and la
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -24,6 +26,64 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .trace import ForwardTrace, GenerationTrace, StepRecord
+
+class NonFiniteLogits(RuntimeError):
+    """A forward gave NaN or Inf logits: generation stops; the message names where it began."""
+
+
+# torch.Generator.manual_seed takes any 64-bit pattern; a seed outside that would be cut silently
+SEED_LIMIT = 2**64
+
+
+def check_prompt(prompt) -> None:
+    """The errors a bad prompt gets, in Python and from `dsv41 generate` alike."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a surrogate-escaped byte from a non-UTF-8 argv or file
+            raise ValueError(f"the prompt is not valid UTF-8 text (character {exc.start}); pass UTF-8") from None
+    elif len(prompt) == 0:
+        raise ValueError("the prompt is empty")
+
+
+def check_sampling(max_new_tokens, temperature, seed) -> None:
+    """The errors bad sampling arguments get, in Python and from `dsv41 generate` alike."""
+    if not _whole(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature!r}")
+    if not _whole(seed) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be a whole number in [0, 2**64), got {seed!r}")
+
+
+def _whole(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def locate_non_finite(model, ids: Sequence[int]) -> str:
+    """Where the forward of `ids` first goes non-finite, as a phrase: runs them once more as a
+    prefill with a finite check per site (leaves the model reset)."""
+    trace = ForwardTrace(check_finite=True)
+    try:
+        model(torch.tensor([list(ids)]), 0, trace=trace)
+    finally:
+        model.reset()
+    bad = trace.first_non_finite()
+    if bad is None:
+        return "a rerun of the sequence as one prefill stays finite"
+    where = bad.site if bad.layer is None else f"layer {bad.layer}'s {bad.site} site"
+    return f"the first non-finite output is {where}"
+
+
+def _check_finite(model, logits: torch.Tensor, sequence: Sequence[int]) -> None:
+    """Stop with one sentence when the logits of the last position of `sequence` are not finite."""
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogits(
+            f"the logits at position {len(sequence) - 1} are NaN or Inf, so generation stops: "
+            f"{locate_non_finite(model, sequence)}; `dsv41 audit --values` finds non-finite weights")
+
 
 # ---------------------------------------------------------------------- sampling
 
@@ -77,15 +137,19 @@ def decode_one(model, token_id, *, trace=None) -> torch.Tensor:
 
 def decode_n(model, token_id, n: int, *, temperature: float = 0.0, generator: Optional[torch.Generator] = None,
              callback: Optional[Callable[[int, int, torch.Tensor], Optional[bool]]] = None,
-             stop_ids: Sequence[int] = (), trace=None, steps: Optional[list] = None) -> list[int]:
+             stop_ids: Sequence[int] = (), trace=None, steps: Optional[list] = None,
+             history: Optional[Sequence[int]] = None) -> list[int]:
     """Feed `token_id` (batch 1) and keep going for up to `n` tokens, sampling each from the last
     logits. Returns the produced ids (the fed token excluded). `callback(step, token, logits)` runs
-    after each token; returning False stops. A token in `stop_ids` is kept and stops the loop."""
+    after each token; returning False stops. A token in `stop_ids` is kept and stops the loop.
+    `history`: the ids before `token_id`, to say where NaN or Inf logits began (NonFiniteLogits)."""
     out: list[int] = []
     token = int(token_id)
     for step in range(n):
         began = time.perf_counter()
         logits = decode_one(model, token, trace=trace)
+        if history is not None:
+            _check_finite(model, logits, [*history, int(token_id), *out])  # every id fed so far
         token = int(sample(logits, temperature, generator)[0])
         out.append(token)
         if steps is not None:
@@ -102,11 +166,11 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
     """Generate from `prompt` (text, or a list of token ids) -> GenerationResult.
 
     Greedy at temperature 0 (ties to the lowest id); otherwise seeded Gumbel-max. `trace=True`
-    records the run (see GenerationTrace). `callback(step, token, logits)` as in decode_n."""
-
+    records the run (see GenerationTrace). `callback(step, token, logits)` as in decode_n. NaN or
+    Inf logits stop the run with NonFiniteLogits, naming the first site that went non-finite."""
+    check_prompt(prompt)
+    check_sampling(max_new_tokens, temperature, seed)
     prompt_ids = model.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
     # the last new token is sampled, never fed back: it takes no cache position
     if len(prompt_ids) + max_new_tokens - 1 > model.max_seq_len:
         raise ValueError(f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new ones need "
@@ -119,6 +183,7 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
 
     began = time.perf_counter()
     logits = prefill(model, prompt_ids, trace=ftrace)
+    _check_finite(model, logits, prompt_ids)
     ids: list[int] = []
     finish = "length"
     if max_new_tokens > 0:
@@ -137,7 +202,8 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
             return callback(step + 1, token, lg)
 
         more = decode_n(model, ids[-1], max_new_tokens - 1, temperature=temperature, generator=generator,
-                        callback=shifted if callback is not None else None, stop_ids=stop_ids, trace=ftrace, steps=steps)
+                        callback=shifted if callback is not None else None, stop_ids=stop_ids, trace=ftrace, steps=steps,
+                        history=prompt_ids)
         ids += more
         if more and more[-1] in stop_ids:
             finish = "eos"

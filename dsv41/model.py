@@ -37,7 +37,7 @@ from .kernels import hc_split_sinkhorn
 from .kernels.experts import PackedExpert, clamped_swiglu, routed_experts
 from .layers import F32_ROW_PAD, Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype, param
 from .numerics import Numerics
-from .trace import EngramRecord, ForwardTrace, RoutingRecord
+from .trace import EngramRecord, FiniteRecord, ForwardTrace, RoutingRecord
 
 # Added to the top-k routing weight sum before dividing; a training constant, not norm_eps.
 ROUTE_SUM_EPS = 1e-20
@@ -299,6 +299,11 @@ def identity_pre(batch: int, seq: int, hc_mult: int, device=None) -> torch.Tenso
     return pre
 
 
+def record_finite(trace, layer: Optional[int], site: str, start_pos: int, out: torch.Tensor) -> None:
+    if isinstance(trace, ForwardTrace) and trace.check_finite:
+        trace.finite.append(FiniteRecord(layer, site, start_pos, bool(torch.isfinite(out).all())))
+
+
 # ---------------------------------------------------------------------- the stack
 class Block(nn.Module):
     """Engram (at its layers), then attention and the MoE, each between a hyper-connection
@@ -342,18 +347,21 @@ class Block(nn.Module):
             if hash_ids is None:
                 raise ValueError(f"layer {self.layer} is an Engram layer and needs its hash ids")
             x = self.engram(x, hash_ids, None if image_mask is None else ~image_mask, trace, start_pos)
+            record_finite(trace, self.layer, "engram", start_pos, x)
 
         residual = x
         attn_pre, post, comb = self.mixes(x, "attn")
         h = self.attn_norm(hc_pre(x, pre))  # [b, s, dim]
         h = self.attn(h, start_pos, runtime, trace)
         x = hc_post(h, residual, post, comb)  # [b, s, hc, dim]
+        record_finite(trace, self.layer, "attention", start_pos, x)
 
         residual = x
         ffn_pre, post, comb = self.mixes(x, "ffn")
         h = self.ffn_norm(hc_pre(x, attn_pre))
         h = self.ffn(h, image_mask, trace, start_pos)
         x = hc_post(h, residual, post, comb)
+        record_finite(trace, self.layer, "ffn", start_pos, x)
         return x, ffn_pre
 
     def reset_state(self) -> None:
@@ -409,13 +417,16 @@ class Backbone(nn.Module):
         all_positions). hash_ids [b, s, n_engram_layers, n_hash_cols] from the n-gram hasher."""
         bsz, seqlen = input_ids.shape
         h = self.embed(input_ids)  # [b, s, dim]
+        record_finite(trace, None, "embedding", start_pos, h)
         h = h.unsqueeze(2).repeat(1, 1, self.hc_mult, 1)  # [b, s, hc, dim]: equal copies
         pre = identity_pre(bsz, seqlen, self.hc_mult, h.device)
         for block in self.layers:
             ids = hash_ids[:, :, block.engram_index] if block.engram is not None and hash_ids is not None else None
             h, pre = block(h, start_pos, pre, runtime, ids, image_mask, trace)
         h = self.norm(hc_pre(h, pre))  # the last block's FFN pre is the final collapse
-        return self.head(h, all_positions)
+        logits = self.head(h, all_positions)
+        record_finite(trace, None, "head", start_pos, logits)
+        return logits
 
     def reset_state(self) -> None:
         for block in self.layers:

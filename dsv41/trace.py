@@ -151,17 +151,35 @@ class EngramRecord:
 
 
 @dataclass
+class FiniteRecord:
+    """Whether one site's output held only finite values (`ForwardTrace.check_finite`)."""
+
+    layer: Optional[int]  # None for the embedding and the head
+    site: str  # 'embedding' | 'engram' | 'attention' | 'ffn' | 'head'
+    start_pos: int
+    finite: bool
+
+
+@dataclass
 class ForwardTrace(Trace):
     """A Trace that the backbone also fills: routing per MoE layer and gate values per Engram layer,
-    on top of the attention records. Records append in call order (a prefill, then decode steps)."""
+    on top of the attention records; with `check_finite`, one FiniteRecord per site (embedding,
+    each block's Engram, attention and FFN sites, head), which is how a NaN is traced to where it
+    began. Records append in call order (a prefill, then decode steps)."""
 
     routing: list[RoutingRecord] = field(default_factory=list)
     engram: list[EngramRecord] = field(default_factory=list)
+    check_finite: bool = False
+    finite: list[FiniteRecord] = field(default_factory=list)
+
+    def first_non_finite(self) -> Optional[FiniteRecord]:
+        return next((r for r in self.finite if not r.finite), None)
 
     def clear(self) -> None:
         super().clear()
         self.routing.clear()
         self.engram.clear()
+        self.finite.clear()
 
     def routing_by_layer(self) -> dict[int, dict[str, torch.Tensor]]:
         """Per layer: 'positions' [n], 'expert_ids' [b, n, k], 'weights' [b, n, k] over all calls."""

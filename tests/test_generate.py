@@ -4,15 +4,28 @@ token-by-token decoding, the trace, and `dsv41 generate` on good and bad input."
 import json
 import math
 import os
+import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from dsv41.cli import generate_main as cli_main
-from dsv41.generate import compare_prefill_decode, decode_n, decode_one, generate, greedy, prefill, sample
+from dsv41.generate import (
+    NonFiniteLogits,
+    compare_prefill_decode,
+    decode_n,
+    decode_one,
+    generate,
+    greedy,
+    prefill,
+    sample,
+)
 from dsv41.loader import load
 from dsv41.numerics import Numerics
+from dsv41.trace import ForwardTrace
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -230,3 +243,106 @@ def test_a_run_that_exactly_fills_the_caches_is_allowed(tiny_checkpoint):
     assert len(result.ids) == 9
     with pytest.raises(ValueError, match="need 13 positions, more than max_seq_len 12"):
         generate(small, prompt, max_new_tokens=10, stop_at_eos=False)
+
+
+# ---------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("argv, kwargs, words", [
+    (["--temperature", "nan"], dict(temperature=float("nan")), "temperature must be a finite number"),
+    (["--temperature", "-1"], dict(temperature=-1.0), "temperature must be a finite number"),
+    (["--temperature", "inf"], dict(temperature=float("inf")), "temperature must be a finite number"),
+    (["--seed", str(2**64)], dict(seed=2**64), "seed must be a whole number in [0, 2**64)"),
+    (["--seed", "-1"], dict(seed=-1), "seed must be a whole number in [0, 2**64)"),
+    (["--max-new-tokens", "-3"], dict(max_new_tokens=-3), "max_new_tokens must be a whole number >= 0"),
+])
+def test_bad_sampling_arguments_get_one_sentence_in_python_and_from_the_cli(tiny_checkpoint, capsys, model,
+                                                                             argv, kwargs, words):
+    code, out, err = _run(capsys, "--checkpoint", tiny_checkpoint, "--prompt", "x", "--quiet", *argv)
+    assert code == 1 and out == "" and err.count("\n") == 1 and words in err
+    with pytest.raises(ValueError, match=re.escape(words)):
+        model.generate("x", **{"max_new_tokens": 2, **kwargs})
+
+
+def test_an_empty_or_non_utf8_prompt_is_the_same_error_in_python_and_from_the_cli(tiny_checkpoint, capsys, model):
+    for prompt, words in (("", "the prompt is empty"), ("caf\udce9", "the prompt is not valid UTF-8")):
+        code, out, err = _run(capsys, "--checkpoint", tiny_checkpoint, "--prompt", prompt, "--quiet")
+        assert code == 1 and out == "" and err.count("\n") == 1 and words in err
+        with pytest.raises(ValueError, match=words):
+            model.generate(prompt)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        model.generate([])
+
+
+def test_a_non_utf8_argv_prompt_is_one_sentence(tiny_checkpoint):
+    # a byte that is not UTF-8 reaches Python as a surrogate escape
+    run = subprocess.run([sys.executable, "-m", "dsv41", "generate", "--checkpoint", tiny_checkpoint,
+                          "--prompt", b"caf\xe9", "--quiet"], capture_output=True)
+    err = run.stderr.decode("utf-8", "replace")
+    assert run.returncode == 1 and run.stdout == b"" and err.count("\n") == 1 and "not valid UTF-8" in err
+
+
+def test_max_seq_len_must_be_positive(tiny_checkpoint, capsys):
+    code, out, err = _run(capsys, "--checkpoint", tiny_checkpoint, "--prompt", "x", "--max-seq-len", "0")
+    assert code == 1 and out == "" and err.count("\n") == 1 and "--max-seq-len must be > 0" in err
+
+
+def _with_nan(tiny_checkpoint, tmp_path, name: str):
+    """A copy of the tiny checkpoint whose tensor `name` holds one NaN (first element)."""
+    import safetensors.torch as st
+
+    folder = tmp_path / "nan"
+    shutil.copytree(tiny_checkpoint, folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = folder / index[name]
+    tensors = st.load_file(shard)
+    weight = tensors[name].clone()
+    weight.view(-1)[0] = float("nan")
+    tensors[name] = weight
+    st.save_file(tensors, shard, metadata={"format": "pt"})
+    return str(folder)
+
+
+@pytest.mark.parametrize("name, where", [("norm.weight", "the first non-finite output is head"),
+                                         ("layers.3.attn_norm.weight", "layer 3's attention site")])
+def test_nan_weights_stop_generation_naming_where_it_began(tiny_checkpoint, tmp_path, capsys, name, where):
+    folder = _with_nan(tiny_checkpoint, tmp_path, name)
+    broken = load(folder, quiet=True)
+    with pytest.raises(NonFiniteLogits, match=re.escape(where)):
+        broken.generate("hello", max_new_tokens=3)
+    assert broken.position == 0  # the diagnosis left the model reset
+    code, out, err = _run(capsys, "--checkpoint", folder, "--prompt", "hello", "--quiet")
+    assert code == 1 and out == "" and err.count("\n") == 1 and "NaN or Inf" in err and where in err
+
+
+def test_finite_checks_record_every_site_and_change_nothing(model):
+    ids = model.encode("Finite everywhere")
+    plain = model(ids, 0)
+    trace = ForwardTrace(check_finite=True)
+    checked = model(ids, 0, trace=trace)
+    assert torch.equal(plain, checked) and trace.first_non_finite() is None
+    sites = [(r.layer, r.site) for r in trace.finite]
+    engram = set(model.cfg.engram_layer_ids)
+    want = [(None, "embedding")]
+    for layer in range(model.cfg.n_layers):
+        want += ([(layer, "engram")] if layer in engram else []) + [(layer, "attention"), (layer, "ffn")]
+    assert sites == want + [(None, "head")]
+
+
+def test_max_seq_len_beyond_the_config_is_refused_before_any_cache_is_sized(tiny_checkpoint, capsys):
+    limit = load(tiny_checkpoint, quiet=True).cfg.max_seq_len
+    with pytest.raises(ValueError, match=re.escape(f"max_seq_len must lie in [1, {limit}]")):
+        load(tiny_checkpoint, quiet=True, max_seq_len=limit + 1)
+    code, out, err = _run(capsys, "--checkpoint", tiny_checkpoint, "--prompt", "x", "--max-seq-len", str(10**12))
+    assert code == 1 and out == "" and err.count("\n") == 1 and "max_position_embeddings" in err
+
+
+def test_a_cache_that_is_a_file_is_one_sentence_from_load_and_generate(tmp_path, monkeypatch, capsys):
+    from dsv41 import tiny
+    from dsv41.loader import LoadError
+
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("DSV41_CACHE", str(tmp_path / "file"))
+    monkeypatch.setattr(tiny, "_VERIFIED", set(), raising=False)
+    with pytest.raises(LoadError, match="DSV41_CACHE"):
+        load(quiet=True)
+    code, out, err = _run(capsys, "--prompt", "x", "--quiet")
+    assert code == 1 and out == "" and err.count("\n") == 1 and "DSV41_CACHE" in err
