@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -130,6 +131,105 @@ NESTED_ONLY_KEYS = tuple(name for name, _ in NESTED_ONLY)
 NULLABLE = frozenset({"vision_max_wh_ratio"})
 
 
+# ---------------------------------------------------------------------- value bounds
+# verify() rejects values no checkpoint can have before it looks at any relationship, and the
+# tensor inventory (so the audit, make-headers and the loader) refuses a config that fails them,
+# because every consumer enumerates the config: n_layers = 10**9 makes the inventory list billions
+# of tensors, n_mtp_layers = 2**37 a 2**37-entry tuple of DSpark targets, o_groups = 0 a division by
+# zero. Each ceiling is the released value times a generous factor (about 16-64x, rounded to a
+# power of two; the released value is in the comment), so a successor several times the release's
+# size still verifies while nothing absurd does. Sizes start at 1; counts that may be absent start
+# at 0. Two joint bounds then cap what the counts multiply into (MAX_INVENTORY_TENSORS,
+# MAX_ENGRAM_COLUMNS, below). Layer ids, token ids and ratios are placed by the relationship checks
+# of verify(); here they only need to be 64-bit integers.
+MAX_LAYERS = 1024  # n_layers 40
+MAX_INT64 = (1 << 63) - 1
+VALUE_BOUNDS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 1 << 22),  # 129,280
+    "dim": (1, 1 << 17),  # 5,120
+    "moe_inter_dim": (1, 1 << 17),  # 2,304
+    "n_layers": (1, MAX_LAYERS),
+    "n_mtp_layers": (0, 64),  # 3
+    "dspark_block_size": (1, 256),  # 5
+    "dspark_noise_token_id": (-MAX_INT64, MAX_INT64),
+    "dspark_markov_rank": (1, 1 << 14),  # 256
+    "dspark_n_routed_experts": (0, 1 << 14),  # 128; 0 routes the MTP layers like the backbone
+    "dspark_n_activated_experts": (0, 1 << 14),  # 3
+    "n_heads": (1, 1 << 12),  # 64
+    "n_routed_experts": (1, 1 << 14),  # 384
+    "n_shared_experts": (0, 64),  # 1
+    "n_activated_experts": (1, 1 << 14),  # 6
+    "q_lora_rank": (1, 1 << 16),  # 1,280
+    "head_dim": (1, 1 << 14),  # 512
+    "rope_head_dim": (1, 1 << 14),  # 64
+    "o_groups": (1, 1 << 12),  # 8
+    "o_lora_rank": (1, 1 << 16),  # 1,024
+    "window_size": (1, 1 << 13),  # 128; every layer's KV window cache holds this many positions
+    "original_seq_len": (1, 1 << 22),  # 65,536
+    "beta_fast": (1, 1 << 10),  # 32; YaRN divides by these numbers of turns
+    "beta_slow": (1, 1 << 10),  # 1
+    "index_n_heads": (1, 1 << 11),  # 32
+    "index_head_dim": (1, 1 << 13),  # 128
+    "index_topk": (1, 1 << 15),  # 512
+    "candidate_source_layer": (-1, MAX_LAYERS - 1),  # 20; -1 turns candidate blocks off
+    "candidate_topk_blocks": (0, 1 << 17),  # 2,048
+    "candidate_block_size": (0, 1 << 9),  # 8
+    "hc_mult": (1, 64),  # 4
+    "hc_sinkhorn_iters": (1, 1 << 10),  # 20
+    "engram_vocab_size": (1, 1 << 30),  # 16,000,000; the primes are searched upward from it
+    "engram_max_ngram_size": (1, 64),  # 4
+    "engram_pad_id": (-MAX_INT64, MAX_INT64),
+    "engram_compressed_vocab_size": (1, 1 << 22),  # 99,092
+    "vision_n_layers": (0, MAX_LAYERS),  # 32; 0 is a checkpoint without the vision tower
+    "vision_dim": (1, 1 << 16),  # 1,024
+    "vision_n_heads": (1, 1 << 10),  # 16
+    "vision_inter_dim": (1, 1 << 17),  # 2,816
+    "vision_patch_size": (1, 1 << 9),  # 14
+    "vision_downsample_ratio": (1, 64),  # 3
+    "vision_max_n_token": (1, 1 << 16),  # 1,024
+    "vision_min_pixels": (1, 1 << 24),  # 295,936
+    "image_token_id": (-MAX_INT64, MAX_INT64),
+    "engram_n_heads": (1, 1 << 10),  # 8
+    "engram_head_dim": (1, 1 << 14),  # 256
+    "bos_token_id": (-MAX_INT64, MAX_INT64),
+    "eos_token_id": (-MAX_INT64, MAX_INT64),
+    "pad_token_id": (-MAX_INT64, MAX_INT64),
+    "max_position_embeddings": (1, 1 << 26),  # 1,048,576
+    "num_key_value_heads": (1, 1 << 12),  # 1
+}
+# Lists: at most one entry per layer (MAX_LAYERS backbone + 64 MTP), each entry at most this.
+MAX_LIST_ENTRIES = MAX_LAYERS + 64
+LIST_BOUNDS: dict[str, int] = {
+    "dspark_target_layer_ids": MAX_INT64, "kv_source_layers": MAX_INT64, "index_source_layers": MAX_INT64,
+    "engram_layer_ids": MAX_INT64,
+    "engram_num_embeddings": 1 << 35,  # 384,016,682 rows; a table is rows x engram_head_dim bytes
+    "compress_ratios": 1 << 10,  # 2; positions pooled into one compressed entry
+    "architectures": 0,  # strings: only the length applies
+}
+# Floats: every one must be finite, and at least (>=) or above (>) its minimum, and at most its
+# ceiling. A RoPE base of 1 makes YaRN divide by log(1) = 0; a YaRN factor below 1 would shrink
+# the context it extends, and original_seq_len x rope_factor must stay a modest integer.
+FLOAT_LIMITS: dict[str, tuple[str, float, float | None]] = {
+    "route_scale": (">", 0, None),  # 1.5
+    "swiglu_limit": (">=", 0, None),  # 10.0; 0 turns the clamp off
+    "norm_eps": (">=", 0, None),  # 1e-20
+    "rope_theta": (">", 1, None),  # 10,000
+    "rope_factor": (">=", 1, 1 << 10),  # 16
+    "hc_eps": (">=", 0, None),  # 1e-06
+    "compress_rope_theta": (">", 1, None),  # 160,000
+    "vision_max_wh_ratio": (">", 0, None),  # null: no limit
+    "vision_rope_theta": (">", 1, None),  # 10,000
+}
+MAX_FP8_BLOCK = 1 << 12  # [32, 32]
+# Joint bounds. Every consumer enumerates the inventory (the audit spends about 10 us a tensor on
+# two slow cores, the loader more), so its size is capped at about 5x the release's 96,085:
+# a geometry with twice the layers and twice the experts still fits, and the audit of the largest
+# allowed config finishes in seconds. The Engram prime search grows with the square of the hash
+# columns (1 s for 384 columns from a 2**30 vocabulary), so those are capped at 8x the release's 48.
+MAX_INVENTORY_TENSORS = 500_000
+MAX_ENGRAM_COLUMNS = 384
+
+
 class ConfigError(ValueError):
     """A config file that cannot be read as either released layout."""
 
@@ -226,6 +326,9 @@ class Config:
         """Read either layout; the nested one is recognised by its `text_config`."""
         if not isinstance(data, dict):
             raise ConfigError(f"{source or 'config'}: expected a JSON object, got {type(data).__name__}")
+        problem = _shape_problem(data)
+        if problem:
+            raise ConfigError(f"{source or 'config'}: {problem}")
         if "text_config" in data:
             return cls._from_nested(data, source)
         return cls._from_flat(data, source)
@@ -252,7 +355,11 @@ class Config:
                 fmt.append((path, value))
                 seen.add(path)
         _check_types(values, source)
-        unknown = tuple(sorted(".".join(p) for p in _leaf_paths(data) if p not in seen))
+        block = dict(fmt).get((Q, "weight_block_size"), [32, 32])
+        if not (isinstance(block, list) and len(block) == 2 and all(_is_int(b) for b in block)):
+            raise ConfigError(f"{source or 'config'}: field {Q}.weight_block_size is {_brief(block)}, "
+                              "expected a list of two integers")
+        unknown = tuple(sorted(".".join(map(str, p)) for p in _leaf_paths(data) if p not in seen))
         return cls(**values, layout="nested", source=source, nested_format=tuple(fmt), unknown_keys=unknown)
 
     # ------------------------------------------------------------------ writing
@@ -368,6 +475,89 @@ class Config:
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ checking
+    def value_problems(self) -> list[str]:
+        """Values no checkpoint can have, one sentence each: a non-finite or out-of-sign float, a
+        size below its minimum, a count above the ceiling in VALUE_BOUNDS, a list longer than the
+        layers it can describe, or counts that together imply more tensors than an inventory may
+        hold (MAX_INVENTORY_TENSORS) or more Engram hash columns than MAX_ENGRAM_COLUMNS. Fields
+        the config does not state are skipped (verify() reports them as missing). Cheap: it never
+        enumerates anything, which is why the tensor inventory, the audit and the loader call it
+        before they do."""
+        problems: list[str] = []
+        for name, (low, high) in VALUE_BOUNDS.items():
+            value = getattr(self, name)
+            if _is_int(value) and not low <= value <= high:
+                problems.append(f"{self._label(name)} is {_number(value)}, outside [{low:,}, {high:,}]")
+        for name, high in LIST_BOUNDS.items():
+            value = getattr(self, name)
+            if not isinstance(value, tuple):
+                continue
+            if len(value) > MAX_LIST_ENTRIES:
+                problems.append(f"{self._label(name)} has {len(value):,} entries; no list in a config describes "
+                                f"more than {MAX_LIST_ENTRIES:,} layers")
+            elif (bad := next((v for v in value if _is_int(v) and not -MAX_INT64 <= v <= high), None)) is not None:
+                limit = f"above {high:,}" if bad > 0 and high < MAX_INT64 else "beyond a 64-bit integer"
+                problems.append(f"{self._label(name)} holds {_number(bad)}, {limit}")
+        for name, (relation, low, high) in FLOAT_LIMITS.items():
+            value = getattr(self, name)
+            if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if not _finite(value):
+                problems.append(f"{self._label(name)} is {_number(value)}, not a finite number")
+            elif value < low or (relation == ">" and value == low):
+                word = "above" if relation == ">" else "at least"
+                problems.append(f"{self._label(name)} is {_number(value)}, it must be {word} {low}")
+            elif high is not None and value > high:
+                problems.append(f"{self._label(name)} is {_number(value)}, above {high:,}")
+        fmt = dict(self.nested_format)
+        block = fmt.get((Q, "weight_block_size"), [32, 32])
+        if not _block_ok(block):
+            problems.append(f"quantization_config.weight_block_size {_brief(block)} is not two integers in "
+                            f"[1, {MAX_FP8_BLOCK:,}]")
+        if problems:
+            return problems  # the joint bounds below multiply these
+        tensors = self.inventory_tensor_bound()
+        if tensors is not None and tensors > MAX_INVENTORY_TENSORS:
+            problems.append(f"these counts imply up to {tensors:,} tensors (n_layers {self.n_layers:,} + n_mtp_layers "
+                            f"{self.n_mtp_layers:,} layers of {self.n_routed_experts:,} routed experts); an inventory "
+                            f"holds at most {MAX_INVENTORY_TENSORS:,}")
+        columns = self.engram_column_count()
+        if columns is not None and columns > MAX_ENGRAM_COLUMNS:
+            problems.append(f"{len(self.engram_layer_ids)} Engram layers x (engram_max_ngram_size - 1) x "
+                            f"engram_n_heads = {columns:,} hash columns, above the {MAX_ENGRAM_COLUMNS:,} "
+                            "whose primes can be derived promptly")
+        return problems
+
+    def inventory_tensor_bound(self) -> int | None:
+        """An upper bound on the tensors the release-layout inventory lists for this config (None
+        while a count it needs is unstated): 6 per routed expert (w1/w2/w3, each weight + scale),
+        at most 48 others per backbone or MTP layer, 8 per vision block, 6 per Engram table and a
+        few global ones. The released geometry: 96,812 against its 96,085."""
+        counts = (self.n_layers, self.n_mtp_layers, self.n_routed_experts, self.vision_n_layers)
+        if not all(_is_int(c) for c in counts):
+            return None
+        n, mtp, experts, vision = counts
+        mtp_experts = self.dspark_n_routed_experts if _is_int(self.dspark_n_routed_experts) else 0
+        engram = len(self.engram_layer_ids) if isinstance(self.engram_layer_ids, tuple) else 0
+        return (6 * (n * experts + mtp * (mtp_experts or experts)) + 48 * (n + mtp) + 8 * vision
+                + 6 * engram + 16)
+
+    def engram_column_count(self) -> int | None:
+        """Hash columns over all Engram layers, each of which owns one prime: the prime search that
+        lays the tables out grows with the square of this."""
+        if not (isinstance(self.engram_layer_ids, tuple) and _is_int(self.engram_max_ngram_size)
+                and _is_int(self.engram_n_heads)):
+            return None
+        return len(self.engram_layer_ids) * max(self.engram_max_ngram_size - 1, 0) * self.engram_n_heads
+
+    def _label(self, name: str) -> str:
+        """The canonical field name, with the nested file's own name beside it when it differs."""
+        if self.layout == "nested":
+            path = _NESTED_PATHS.get(name)
+            if path and path[-1] != name:
+                return f"{name} ({'.'.join(path)})"
+        return name
+
     def verify(self) -> list[str]:
         """Relationships between fields that a consumer would otherwise hold in its head.
         Returns one sentence per problem; empty means self-consistent."""
@@ -379,6 +569,9 @@ class Config:
         if missing:
             problems.append(f"required fields missing: {', '.join(missing)}")
             return problems  # the relationships below need them
+        problems += self.value_problems()
+        if problems:
+            return problems  # the relationships below would divide by, loop over or allocate these values
 
         n, n_all = self.n_layers, self.n_total_layers
         ratios = self.compress_ratios
@@ -532,15 +725,25 @@ def resolve_config_path(path: str) -> str:
 
 
 def load_config(path: str) -> Config:
-    """Read a config file (either layout) or a checkpoint directory."""
+    """Read a config file (either layout) or a checkpoint directory. Every file that cannot be read
+    as a config raises ConfigError, one sentence naming it."""
     path = resolve_config_path(path)
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            data = json.loads(f.read(), parse_int=_config_int)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a UTF-8 text file") from None
+    except _LongInteger as exc:
+        raise ConfigError(f"{path}: holds an integer of {exc.digits:,} digits; no config value needs more "
+                          f"than {MAX_CONFIG_INT_DIGITS}, so the file is damaged") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nests too deep to read (a config nests three levels), so the file is damaged") from None
+    except MemoryError:
+        raise ConfigError(f"{path}: too large to read as a config") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     return Config.from_dict(data, source=path)
 
 
@@ -579,6 +782,96 @@ def compare_layouts(directory: str) -> dict:
 
 
 # ---------------------------------------------------------------------- helpers
+_NESTED_PATHS = {name: path for name, path in FLAT_ALIASES + NESTED_ONLY}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _number(value) -> str:
+    """A number for a message: huge integers by their size (str() refuses past 4,300 digits)."""
+    if _is_int(value) and value.bit_length() > 64:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1:,} digits"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return f"{value:,}" if _is_int(value) and abs(value) >= 10_000 else repr(value)
+
+
+def _block_ok(block) -> bool:
+    return (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(_is_int(b) and 1 <= b <= MAX_FP8_BLOCK for b in block))
+
+
+def _brief(value, limit: int = 60) -> str:
+    """A JSON value for a message, kept short and never recursive."""
+    if isinstance(value, (list, tuple)):
+        if len(value) <= 8 and not any(isinstance(v, (list, tuple, dict)) for v in value):
+            return "[" + ", ".join(_brief(v, 24) for v in value) + "]"
+        return f"a list of {len(value):,} items"
+    if isinstance(value, dict):
+        return f"an object of {len(value):,} keys" if value else "{}"
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, (int, float)):
+        return _number(value)
+    text = json.dumps(value) if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit - 4] + " ..."
+
+
+# A config nests three levels (text_config.rope_scaling.factor); anything past this is damage, and
+# the readers below recurse over the nesting.
+MAX_CONFIG_DEPTH = 32
+# No config value needs more digits than this (the largest, engram_num_embeddings, has 9); json
+# would otherwise convert up to 4,300 digits, or any number of them where that limit is lifted.
+MAX_CONFIG_INT_DIGITS = 40
+
+
+class _LongInteger(ValueError):
+    def __init__(self, digits: int):
+        super().__init__(digits)
+        self.digits = digits
+
+
+def _config_int(text: str) -> int:
+    digits = len(text) - text.startswith("-")
+    if digits > MAX_CONFIG_INT_DIGITS:
+        raise _LongInteger(digits)
+    return int(text)
+
+
+def _shape_problem(data) -> str | None:
+    """Why a parsed config cannot be one, judged without recursing: lists and objects nested past
+    MAX_CONFIG_DEPTH (the readers below recurse over them), a key that is not a string, or a string
+    holding an unpaired surrogate (json decodes "\\ud800" to one, and no terminal can print it)."""
+    stack = [(data, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"holds the string {ascii(node)[:40]} with an unpaired surrogate escape, which is not Unicode text"
+        elif isinstance(node, (dict, list, tuple)):
+            if level > MAX_CONFIG_DEPTH:
+                return f"nests more than {MAX_CONFIG_DEPTH} levels deep (a config nests three), so it is not a config"
+            if isinstance(node, dict):
+                if not all(isinstance(k, str) for k in node):
+                    return "has a key that is not a string"
+                stack.extend((k, level) for k in node)
+                stack.extend((v, level + 1) for v in node.values())
+            else:
+                stack.extend((v, level + 1) for v in node)
+    return None
+
+
 def distinct_ascending(ids) -> bool:
     return list(ids) == sorted(set(ids))
 
@@ -612,7 +905,7 @@ def _check_types(values: dict, source: str | None) -> None:
     for name, value in values.items():
         if not _type_ok(value, _ANNOTATIONS[name]):
             expected = _ANNOTATIONS[name].replace(" | None", "").replace("tuple[", "list of ").replace(", ...]", "")
-            raise ConfigError(f"{source or 'config'}: field {name} is {json.dumps(_thaw(value))}, expected {expected}")
+            raise ConfigError(f"{source or 'config'}: field {name} is {_brief(value)}, expected {expected}")
 
 
 def _freeze(value):
@@ -681,6 +974,11 @@ def cli_main(argv: list[str]) -> int:
         report = {"source": cfg.source, "layout": cfg.layout, "flat": cfg.as_reference_dict(),
                   "nested_only": {k: _thaw(getattr(cfg, k)) for k in NESTED_ONLY_KEYS},
                   "unknown_keys": list(cfg.unknown_keys), "problems": problems}
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+        try:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=2)
+        except OSError as exc:
+            print(f"dsv41 config: cannot write {args.json} ({exc.strerror or exc}); pass --json a path in an "
+                  "existing, writable folder", file=sys.stderr)
+            return 1
     return 1 if problems else 0

@@ -101,17 +101,26 @@ def read_header(path: str) -> ShardHeader:
     except OSError as exc:
         raise HeaderError(f"{path}: cannot be read ({exc.strerror})") from None
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"), parse_int=_header_int)
     except UnicodeDecodeError:
         raise HeaderError(f"{path}: the header is not UTF-8 text, so this is not a safetensors file") from None
     except json.JSONDecodeError as exc:
         raise HeaderError(f"{path}: the header is not valid JSON ({exc.msg} at byte {exc.pos}); "
                           "the file is damaged or not a safetensors file") from None
+    except _LongInteger as exc:
+        raise HeaderError(f"{path}: the header holds an integer of {exc.digits:,} digits, beyond the 64-bit "
+                          "offsets and shapes of a safetensors header; the file is damaged or not a shard") from None
+    except RecursionError:
+        raise HeaderError(f"{path}: the header nests too deep to read (a safetensors header nests three "
+                          "levels); the file is damaged or not a shard") from None
     if not isinstance(data, dict):
         raise HeaderError(f"{path}: the header is JSON but not an object, so this is not a safetensors file")
     metadata = data.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise HeaderError(f"{path}: __metadata__ must map strings to strings")
+    if not all(_is_unicode(k) and _is_unicode(v) for k, v in metadata.items()):
+        raise HeaderError(f"{path}: __metadata__ holds a string with an unpaired surrogate escape, "
+                          "which is not Unicode text; the file is damaged")
     entries = {}
     for name, info in data.items():
         entries[name] = _entry(path, name, info)
@@ -119,23 +128,83 @@ def read_header(path: str) -> ShardHeader:
 
 
 def _entry(path: str, name: str, info) -> HeaderEntry:
+    if not _is_unicode(name):
+        raise HeaderError(f"{path}: tensor name {_brief(name)} holds an unpaired surrogate escape, which is not "
+                          "Unicode text; the file is damaged")
     if type(info) is not dict:
-        raise HeaderError(f"{path}: tensor {name!r} is described by {type(info).__name__}, not an object")
+        raise HeaderError(f"{path}: tensor {_brief(name)} is described by {type(info).__name__}, not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if (dtype in DTYPE_SIZES and type(shape) is list and type(offsets) is list and len(offsets) == 2
-            and type(offsets[0]) is int and type(offsets[1]) is int and 0 <= offsets[0] <= offsets[1]
-            and all(type(d) is int and d >= 0 for d in shape)):
+    # type(dtype) is str first: a list or object there is unhashable, and `in DTYPE_SIZES` would raise
+    if (type(dtype) is str and dtype in DTYPE_SIZES and type(shape) is list and type(offsets) is list
+            and len(offsets) == 2 and type(offsets[0]) is int and type(offsets[1]) is int
+            and 0 <= offsets[0] <= offsets[1] <= MAX_OFFSET and all(type(d) is int and 0 <= d <= MAX_OFFSET for d in shape)
+            and _fits(shape, DTYPE_SIZES[dtype])):
         return HeaderEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
     # the slow path only words the problem
-    if dtype not in DTYPE_SIZES:
-        raise HeaderError(f"{path}: tensor {name!r} has unknown dtype {dtype!r} "
+    if type(dtype) is not str or dtype not in DTYPE_SIZES:
+        raise HeaderError(f"{path}: tensor {_brief(name)} has unknown dtype {_brief(dtype)} "
                           f"(known: {', '.join(sorted(DTYPE_SIZES))})")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise HeaderError(f"{path}: tensor {name!r} has shape {shape!r}, not a list of non-negative integers")
+        raise HeaderError(f"{path}: tensor {_brief(name)} has shape {_brief(shape)}, not a list of non-negative integers")
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets)
             or offsets[0] > offsets[1]):
-        raise HeaderError(f"{path}: tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
-    return HeaderEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
+        raise HeaderError(f"{path}: tensor {_brief(name)} has data_offsets {_brief(offsets)}, "
+                          "not [begin, end] with 0 <= begin <= end")
+    raise HeaderError(f"{path}: tensor {_brief(name)} has shape {_brief(shape)} and data_offsets {_brief(offsets)}, "
+                      "beyond the 64-bit byte range a safetensors file can address")
+
+
+# safetensors stores offsets and dimensions as 64-bit unsigned integers (usize)
+MAX_OFFSET = (1 << 64) - 1
+_MAX_INT_DIGITS = 20  # len(str(MAX_OFFSET)); json would otherwise convert up to 4,300 digits (or any, unlimited)
+
+
+class _LongInteger(ValueError):
+    def __init__(self, digits: int):
+        super().__init__(digits)
+        self.digits = digits
+
+
+def _header_int(text: str) -> int:
+    digits = len(text) - text.startswith("-")
+    if digits > _MAX_INT_DIGITS:
+        raise _LongInteger(digits)
+    return int(text)
+
+
+def _fits(shape: list[int], itemsize: int) -> bool:
+    """Whether the tensor's byte size fits in 64 bits; stops multiplying once it cannot, so a long
+    shape of huge dimensions costs nothing."""
+    n = itemsize
+    for d in shape:
+        if d == 0:
+            return True
+        n *= d
+        if n > MAX_OFFSET:
+            return False
+    return True
+
+
+def _is_unicode(text: str) -> bool:
+    # json decodes "\ud800" to a lone surrogate, which no file name, report or terminal can encode
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _brief(value, limit: int = 60) -> str:
+    """A header value for a message, kept short and never recursive: a damaged header can hold a
+    megabyte-long string or a list nested a thousand deep."""
+    if isinstance(value, list):
+        if len(value) <= 8 and not any(isinstance(v, (list, dict)) for v in value):
+            return "[" + ", ".join(_brief(v, 24) for v in value) + "]"
+        return f"a list of {len(value):,} items"
+    if isinstance(value, dict):
+        return f"an object of {len(value):,} keys" if value else "{}"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 4] + " ..."
 
 
 def layout_problems(header: ShardHeader, header_prefix: bool = False) -> list[str]:

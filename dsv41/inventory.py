@@ -26,7 +26,7 @@ import re
 from collections import Counter
 from typing import NamedTuple
 
-from dsv41.config import Config
+from dsv41.config import Config, ConfigError
 
 # Bytes per element of each safetensors dtype name. I8 holds two packed FP4 values; its element
 # count is the stored (packed) shape, so no special case is needed here.
@@ -79,9 +79,22 @@ def shard_file_name(number: int, total: int) -> str:
     return f"model-{number:05d}-of-{total:05d}.safetensors"
 
 
+def _refuse_absurd(cfg: Config) -> None:
+    """ConfigError (a ValueError) naming the first value verify() rejects as impossible, before
+    anything enumerates the config: n_layers = 10**9 would otherwise build billions of specs. The
+    relationships verify() also checks do not stop an inventory (the audit compares a config that
+    breaks them with the tensors on disk)."""
+    problems = cfg.value_problems()
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ConfigError(f"{cfg.source or 'the config'}: {problems[0]}{more}; no tensor inventory is derived "
+                          "from it until it is fixed")
+
+
 def shard_contents(cfg: Config) -> list[tuple[str, str]]:
     """(shard file name, what it holds), in file order: vision and aligner; embedding and image
     markers; one per backbone layer; head and final norm; one per MTP layer; one per Engram table."""
+    _refuse_absurd(cfg)
     parts = []
     if cfg.vision_n_layers:
         parts.append("vision and aligner")
@@ -154,6 +167,7 @@ def expected_tensors(cfg: Config) -> list[TensorSpec]:
     missing = [k for k in REQUIRED_KEYS if getattr(cfg, k) is None]
     if missing:
         raise ValueError(f"the config does not state {', '.join(missing)}, which the tensor inventory needs")
+    _refuse_absurd(cfg)
     if len(cfg.engram_num_embeddings) != len(cfg.engram_layer_ids):
         raise ValueError(f"{len(cfg.engram_num_embeddings)} Engram row counts for "
                          f"{len(cfg.engram_layer_ids)} Engram layers")

@@ -515,3 +515,154 @@ def test_written_tiny_checkpoint_passes_and_a_retyped_weight_in_it_fails(tiny_ch
     assert not_passed(bad) == {"inventory.shapes": audit.FAIL, "packing.fp8_block": audit.FAIL}
     for name in ("layers.0.attn.wq_a.weight", "layers.0.ffn.shared_experts.w1.weight"):
         assert f"{name} is I8, expected F8_E4M3" in bad.check("inventory.shapes").detail
+
+
+# ---------------------------------------------------------------------- a config no checkpoint can have
+ABSURD = [({"norm_eps": float("nan")}, "norm_eps (text_config.rms_norm_eps) is NaN, not a finite number"),
+          ({"rope_theta": -1}, "rope_theta is -1, it must be above 1"),
+          ({"dim": -1}, "dim (text_config.hidden_size) is -1"),
+          ({"n_heads": 0}, "n_heads (text_config.num_attention_heads) is 0"),
+          ({"n_routed_experts": 10 ** 12}, "n_routed_experts is 1,000,000,000,000"),
+          ({"n_layers": 10 ** 9}, "n_layers (text_config.num_hidden_layers) is 1,000,000,000"),
+          ({"n_mtp_layers": 137438953471}, "n_mtp_layers (text_config.num_nextn_predict_layers) is 137,438,953,471")]
+
+
+@pytest.mark.parametrize("change, sentence", ABSURD, ids=[next(iter(c)) for c, _ in ABSURD])
+def test_an_absurd_config_fails_its_config_check_promptly(tiny, tmp_path, capsys, change, sentence):
+    """These hung the audit (or exhausted memory) enumerating the inventory; now the audit reports
+    the value as config.required_keys's failure, evaluates nothing else, and returns at once."""
+    import time
+
+    good = audit.run_audit(str(tiny))
+    other = tmp_path / "absurd"
+    write_config_pair(tiny_config().replace(**change), str(other))
+    began = time.perf_counter()
+    r = audit.run_audit(str(tiny), config=str(other))
+    assert time.perf_counter() - began < 2
+    assert [c.id for c in r.checks] == [c.id for c in good.checks] and len(r.checks) == 39
+    required = r.check("config.required_keys")
+    assert required.status == audit.FAIL and sentence in required.detail
+    assert required.title.endswith("are present, with values a checkpoint can have")
+    for c in r.checks:
+        if c.id != "config.required_keys":
+            assert c.status == audit.FAIL and c.detail.startswith("not evaluated: the config has values no checkpoint can have")
+    assert r.exit_code == 1 and r.expected_tensors == 0 and r.tensors == len(expected_tensors(tiny_config()))
+    json.dumps(r.to_dict())
+    code, out, _ = cli(["--checkpoint-dir", tiny, "--config", other, "--json", tmp_path / "r.json"], capsys)
+    assert code == 1 and "[FAIL     ] config.required_keys" in out and sentence in out
+    assert json.loads((tmp_path / "r.json").read_text())["summary"]["failed"] == 39
+
+
+def test_passing_titles_and_json_keys_are_unchanged(tiny):
+    r = audit.run_audit(str(tiny))
+    assert r.check("config.required_keys").title == "the 36 keys the tensor inventory is derived from are present"
+    doc = r.to_dict()
+    assert "values" not in doc and "value_problems" not in doc["summary"]
+
+
+# ---------------------------------------------------------------------- --values: the payloads
+def _patch(path, entry_offset: int, data: bytes):
+    with open(path, "r+b") as f:
+        f.seek(entry_offset)
+        f.write(data)
+
+
+def _located(directory, name):
+    """(shard path, absolute byte offset of the tensor's first element, header entry)."""
+    for shard in sorted(os.listdir(directory)):
+        if shard.endswith(".safetensors"):
+            h = headers.read_header(str(directory / shard))
+            if name in h.entries:
+                return directory / shard, h.data_start + h.entries[name].begin, h.entries[name]
+    raise AssertionError(name)
+
+
+@pytest.fixture
+def tiny_copy(tiny_checkpoint, tmp_path):
+    """A copy of the embedded default checkpoint (dsv41.tiny's bytes, seed 0), safe to damage."""
+    copy = tmp_path / "payloads"
+    shutil.copytree(tiny_checkpoint, copy)
+    return copy
+
+
+def test_values_of_a_clean_checkpoint_report_none(tiny_copy, tmp_path, capsys):
+    r = audit.run_audit(str(tiny_copy), values=True)
+    v = r.values
+    assert v.findings == [] and v.unread == [] and v.files == 16 and r.exit_code == 0
+    assert v.tensors + v.not_float == r.tensors and v.tensors > 0
+    assert v.bytes == sum(e.nbytes for f in r.files for e in headers.read_header(f.path).entries.values()
+                          if e.dtype not in ("I8", "U8", "I16", "I32", "I64", "BOOL"))
+    code, out, err = cli(["--checkpoint-dir", tiny_copy, "--values", "--json", tmp_path / "v.json"], capsys)
+    assert code == 0 and "no NaN or Inf codes" in out
+    doc = json.loads((tmp_path / "v.json").read_text())
+    assert doc["values"]["findings"] == [] and doc["summary"]["value_problems"] == 0
+
+
+def test_values_name_a_nan_in_norm_weight_with_its_count(tiny_copy, tmp_path, capsys):
+    path, start, entry = _located(tiny_copy, "norm.weight")
+    assert entry.dtype == "BF16"
+    _patch(path, start + 2 * 5, struct.pack("<H", 0x7FC1))  # a BF16 NaN at element 5
+    _patch(path, start + 2 * 9, struct.pack("<H", 0xFF80))  # -Inf at element 9
+    _patch(path, start + 2 * 11, struct.pack("<H", 0xFFC0))  # a negative NaN at element 11
+    assert audit.run_audit(str(tiny_copy)).exit_code == 0  # the headers are as they were
+    r = audit.run_audit(str(tiny_copy), values=True)
+    [finding] = r.values.findings
+    assert (finding.tensor, finding.dtype, finding.nan, finding.inf, finding.elements) == ("norm.weight", "BF16", 2, 1, 128)
+    assert finding.shard == path.name and r.exit_code == 1 and r.passed == 39
+    code, out, err = cli(["--checkpoint-dir", tiny_copy, "--values", "--json", tmp_path / "v.json"], capsys)
+    assert code == 1
+    assert f"[FAIL     ] norm.weight (BF16 [128] in {path.name}): 2 NaN and 1 Inf of 128 values" in out
+    assert "values: 1 tensor(s) with non-finite codes; exit 1" in out
+    doc = json.loads((tmp_path / "v.json").read_text())
+    assert doc["values"]["findings"] == [{"tensor": "norm.weight", "shard": path.name, "dtype": "BF16", "shape": [128],
+                                          "elements": 128, "nan": 2, "inf": 1}]
+    assert doc["summary"]["value_problems"] == 1 and doc["summary"]["exit_code"] == 1
+
+
+def test_values_find_fp8_nan_codes_and_e8m0_nan_scales(tiny_copy):
+    weight, scale = "layers.0.attn.wq_a.weight", "layers.0.attn.wq_a.scale"
+    path, start, entry = _located(tiny_copy, weight)
+    assert entry.dtype == "F8_E4M3"
+    _patch(path, start, b"\x7f\xff\x7e\xfe")  # NaN, NaN, 448, -448: only the first two are not finite
+    path, start, entry = _located(tiny_copy, scale)
+    assert entry.dtype == "F8_E8M0"
+    _patch(path, start + 1, b"\xff")  # the E8M0 NaN: no scale
+    path, start, entry = _located(tiny_copy, "layers.0.attn.attn_sink")
+    assert entry.dtype == "F32"
+    _patch(path, start, struct.pack("<ff", float("inf"), float("nan")))
+    found = {f.tensor: (f.dtype, f.nan, f.inf) for f in audit.run_audit(str(tiny_copy), values=True).values.findings}
+    assert found == {weight: ("F8_E4M3", 2, 0), scale: ("F8_E8M0", 1, 0), "layers.0.attn.attn_sink": ("F32", 1, 1)}
+
+
+def test_values_of_header_prefixes_are_unread_not_guessed(tmp_path):
+    d = write_checkpoint(tmp_path / "h", payload=False)
+    r = audit.run_audit(str(d), header_prefix=True, values=True)
+    assert r.values.tensors == 0 and r.values.findings == [] and r.exit_code == 0
+    assert len(r.values.unread) == r.tensors - r.values.not_float > 0
+    assert "run past the end" in r.values.unread[0][1] and "[not read ]" in r.format()
+
+
+@pytest.mark.parametrize("dtype, codes, counts", [
+    ("F8_E4M3", b"\x7f\xff\x00\x7e\x80", (2, 0)),
+    ("F8_E5M2", b"\x7c\xfc\x7d\xff\x7b", (2, 2)),
+    ("F8_E8M0", b"\xff\xfe\x00", (1, 0)),
+    ("BF16", struct.pack("<5H", 0x7F80, 0xFF80, 0x7FC0, 0x7F7F, 0x0001), (1, 2)),
+    ("F16", struct.pack("<4H", 0x7C00, 0xFC01, 0x7BFF, 0x0000), (1, 1)),
+    ("F32", struct.pack("<4f", float("inf"), float("-inf"), float("nan"), 3.4e38), (1, 2)),
+    ("F64", struct.pack("<3d", float("nan"), 1e308, float("-inf")), (1, 1)),
+])
+def test_count_codes(dtype, codes, counts):
+    from dsv41.audit.values import count_codes
+
+    assert count_codes(dtype, codes) == counts
+
+
+def test_values_read_in_bounded_chunks(tiny_copy, monkeypatch):
+    from dsv41.audit import values
+
+    monkeypatch.setattr(values, "CHUNK_BYTES", 64)  # many chunks per tensor: counts must not change
+    path, start, entry = _located(tiny_copy, "head.weight")
+    _patch(path, start + entry.nbytes - 2, struct.pack("<H", 0x7FC0))  # the very last element
+    _patch(path, start + 62, struct.pack("<H", 0x7F80))  # the last element of the first 64-byte chunk
+    [finding] = audit.run_audit(str(tiny_copy), values=True).values.findings
+    assert (finding.tensor, finding.nan, finding.inf) == ("head.weight", 1, 1)

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -240,3 +241,121 @@ def test_compare_layouts_of_a_written_pair(tmp_path):
     report = compare_layouts(str(tmp_path))
     assert not report["flat file from nested"] and report["flat file from flat"]
     assert any(line.startswith("index_topk:") for line in report["differs"])
+
+
+# ---------------------------------------------------------------------- malformed files (found by fuzzing)
+def _write(tmp_path, text: str | bytes, name="config.json"):
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return str(path)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("[" * 100_000 + "]" * 100_000, "nests too deep"),  # was RecursionError
+    ('{"text_config": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests too deep"),
+    ('{"dim": ' + "1" * 5_000 + "}", "an integer of 5,000 digits"),  # was ValueError (4,300-digit limit)
+    ('{"dim": -' + "9" * 41 + "}", "an integer of 41 digits"),
+    ('{"a": ' + "[" * 40 + "]" * 40 + "}", "nests more than 32 levels"),  # parsable, but the readers recurse
+    ('{"score_func": "\\ud800"}', "unpaired surrogate"),  # no terminal can print it
+    ('{"text_config": {}, "quantization_config": {"weight_block_size": 5}}', "weight_block_size is 5"),
+    ('{"text_config": {}, "quantization_config": {"weight_block_size": ["a", "b"]}}', "expected a list of two integers"),
+    ('{"text_config": {}, "quantization_config": {"weight_block_size": [32]}}', "expected a list of two integers"),
+    ('{"n_layers": {"a": 1}}', "field n_layers is an object of 1 keys, expected int"),
+    ('{"compress_ratios": ' + json.dumps(list(range(5000)) + ["x"]) + "}", "is a list of 5,001 items"),
+], ids=["array-deep", "object-deep", "int-5000-digits", "int-41-digits", "depth-40", "surrogate",
+        "block-int", "block-strings", "block-short", "object-for-int", "long-list-message"])
+def test_every_malformed_config_is_one_config_error(tmp_path, text, fragment):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError, match=re.escape(fragment)) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(path) and "\n" not in message and len(message) < 400
+
+
+def test_an_unreadable_config_file_is_a_config_error(tmp_path, monkeypatch):
+    path = _write(tmp_path, "{}")
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr("builtins.open", refuse)
+    with pytest.raises(ConfigError, match="cannot be read .Permission denied."):
+        load_config(path)
+
+
+def test_cli_json_to_a_missing_folder_is_one_sentence(tmp_path):
+    write_config_pair(toy(), str(tmp_path))
+    run = _cli(str(tmp_path), "--json", "/nonexistent/x.json")
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "/nonexistent/x.json" in lines[0] and "No such file or directory" in lines[0]
+
+
+# ---------------------------------------------------------------------- values no checkpoint can have
+# Each passed `dsv41 config` as [ok] before; the counts then hung or exhausted memory in anything
+# that enumerated them (the audit, the inventory, the loader).
+ABSURD = [
+    (("text_config", "rms_norm_eps"), float("nan"), "norm_eps (text_config.rms_norm_eps) is NaN, not a finite number"),
+    (("text_config", "rms_norm_eps"), float("inf"), "is Infinity, not a finite number"),
+    (("text_config", "rope_theta"), -1, "rope_theta is -1, it must be above 1"),
+    (("text_config", "rope_theta"), 1, "rope_theta is 1, it must be above 1"),  # YaRN divides by log(theta)
+    (("text_config", "rope_scaling", "beta_fast"), 0, "beta_fast is 0, outside [1, 1,024]"),  # YaRN divides by it
+    (("text_config", "rope_scaling", "factor"), 0.5, "rope_factor (text_config.rope_scaling.factor) is 0.5, it must be at least 1"),
+    (("text_config", "hidden_size"), -1, "dim (text_config.hidden_size) is -1, outside [1, 131,072]"),
+    (("text_config", "num_attention_heads"), 0, "n_heads (text_config.num_attention_heads) is 0, outside [1, 4,096]"),
+    (("text_config", "o_groups"), 0, "o_groups is 0"),  # verify() divided by it
+    (("text_config", "n_routed_experts"), 10 ** 12, "n_routed_experts is 1,000,000,000,000, outside [1, 16,384]"),
+    (("text_config", "num_hidden_layers"), 10 ** 9, "n_layers (text_config.num_hidden_layers) is 1,000,000,000"),
+    (("text_config", "num_nextn_predict_layers"), 137438953471, "is 137,438,953,471, outside [0, 64]"),
+    (("text_config", "rope_theta"), 10 ** 39 * 10 ** 300, None),  # replaced below: the reader refuses 340 digits
+    (("text_config", "compress_ratios"), [0] * 5000, "compress_ratios has 5,000 entries"),
+    (("text_config", "engram_num_embeddings"), [10, 2 ** 40], "engram_num_embeddings holds 1,099,511,627,776"),
+    (("quantization_config", "weight_block_size"), [0, 32], "weight_block_size [0, 32] is not two integers"),
+    # in range one by one, too many together
+    (("text_config", "engram_n_heads"), 1_000, "= 4,000 hash columns, above the 384"),
+]
+ABSURD = [case for case in ABSURD if case[2] is not None]
+
+
+@pytest.mark.parametrize("path, value, fragment", ABSURD, ids=[f"{p[-1]}={v!r:.12}" for p, v, _ in ABSURD])
+def test_verify_rejects_values_no_checkpoint_can_have(tmp_path, path, value, fragment):
+    import time
+
+    data = json.loads(json.dumps(TOY_NESTED))
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    file = _write(tmp_path, json.dumps(data))
+    began = time.perf_counter()
+    problems = load_config(file).verify()
+    assert time.perf_counter() - began < 1
+    assert any(fragment in p for p in problems), problems
+    run = _cli(file)
+    assert run.returncode == 1 and "[fail]" in run.stdout and "[ok]" not in run.stdout
+    assert fragment in run.stdout and "Traceback" not in run.stderr
+
+
+def test_the_bounds_admit_the_release_with_room_to_grow():
+    assert RELEASED.value_problems() == [] and TINY.value_problems() == [] and toy().value_problems() == []
+    grown = RELEASED.replace(n_layers=80, n_routed_experts=768, dspark_target_layer_ids=tuple(range(77, 80)),
+                             compress_ratios=RELEASED.compress_ratios + (1,) * 40)
+    assert grown.value_problems() == []  # twice the layers and twice the experts: still an inventory
+    assert RELEASED.inventory_tensor_bound() == 96_812 and RELEASED.engram_column_count() == 48
+
+
+def test_value_problems_skip_unstated_fields_and_python_made_values():
+    assert Config(dim=None).value_problems() == []
+    # a value built in Python can exceed what str() converts; the message still forms
+    problems = RELEASED.replace(dim=10 ** 5000, rope_theta=10 ** 400).value_problems()
+    assert problems == ["dim (text_config.hidden_size) is an integer of about 5,001 digits, outside [1, 131,072]",
+                        "rope_theta is an integer of about 401 digits, not a finite number"]
+
+
+def test_counts_in_range_one_by_one_can_imply_too_many_tensors(tmp_path):
+    cfg = RELEASED.replace(n_routed_experts=3_000)  # 40 x 3,000 experts x 6 tensors: 7.5x the release
+    problems = cfg.verify()
+    assert problems == ["these counts imply up to 724,652 tensors (n_layers 40 + n_mtp_layers 3 layers of 3,000 "
+                        "routed experts); an inventory holds at most 500,000"]
+    write_config_pair(cfg, str(tmp_path))
+    run = _cli(str(tmp_path))
+    assert run.returncode == 1 and "[fail] 1 problem(s)" in run.stdout

@@ -161,3 +161,63 @@ def test_make_headers_bad_usage(tmp_path, capsys):
     assert "outside 1-48" in capsys.readouterr().err
     assert hd.cli_main([]) == 2
     assert not any(p.endswith(".safetensors") for p in os.listdir(tmp_path))
+
+
+# ---------------------------------------------------------------------- damage found by fuzzing
+# Each of these raised something other than HeaderError before (TypeError, RecursionError, a plain
+# ValueError): the audit then died with a traceback instead of listing the shard as unreadable.
+@pytest.mark.parametrize("entry, message", [
+    # 693 of 10,000 fuzzed headers with one field replaced crashed on these: `[] in DTYPE_SIZES`
+    ({"dtype": [], "shape": [1], "data_offsets": [0, 1]}, r"unknown dtype \[\]"),
+    ({"dtype": {}, "shape": [1], "data_offsets": [0, 1]}, r"unknown dtype \{\}"),
+    ({"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}, r"unknown dtype \['F32'\]"),
+    ({"dtype": None, "shape": [1], "data_offsets": [0, 4]}, "unknown dtype None"),
+    # safetensors offsets and dimensions are 64-bit
+    ({"dtype": "F32", "shape": [2 ** 64], "data_offsets": [0, 4]}, "beyond the 64-bit byte range"),
+    ({"dtype": "F32", "shape": [2 ** 40, 2 ** 40], "data_offsets": [0, 4]}, "beyond the 64-bit byte range"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": [0, 2 ** 64]}, "beyond the 64-bit byte range"),
+], ids=["dtype-list", "dtype-object", "dtype-list-of-name", "dtype-null", "dim-2^64", "bytes-2^82", "offset-2^64"])
+def test_malformed_entries_found_by_fuzzing(tmp_path, entry, message):
+    path = raw_file(tmp_path / "m.safetensors", {"t": entry}, b"\0" * 8)
+    with pytest.raises(hd.HeaderError, match=message) as info:
+        hd.read_header(path)
+    assert str(info.value).startswith(path)
+
+
+@pytest.mark.parametrize("body, message", [
+    (b"[" * 100_000 + b"]" * 100_000, "nests too deep"),  # was RecursionError
+    (b'{"t": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests too deep"),
+    (b'{"t": {"dtype": "F32", "shape": [' + b"7" * 5_000 + b'], "data_offsets": [0, 4]}}',
+     "an integer of 5,000 digits"),  # was ValueError: Exceeds the limit (4300 digits)
+    (b'{"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, -' + b"9" * 30 + b']}}', "an integer of 30 digits"),
+    (b'{"\\ud800": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', "unpaired surrogate"),
+    (b'{"__metadata__": {"format": "\\udfff"}}', "unpaired surrogate"),
+], ids=["array-100000-deep", "object-100000-deep", "int-5000-digits", "int-30-digits", "surrogate-name",
+        "surrogate-metadata"])
+def test_pathological_headers_are_one_sentence(tmp_path, body, message):
+    path = raw_file(tmp_path / "deep.safetensors", body, b"\0" * 4)
+    with pytest.raises(hd.HeaderError, match=message) as info:
+        hd.read_header(path)
+    text = str(info.value)
+    assert text.startswith(path) and "\n" not in text and len(text) < 400
+
+
+def test_messages_about_huge_values_stay_short(tmp_path):
+    name = "n" * 1_000_000
+    path = raw_file(tmp_path / "big.safetensors", {name: {"dtype": "F32", "shape": list(range(-1, 100_000)),
+                                                           "data_offsets": [0, 4]}}, b"\0" * 4)
+    with pytest.raises(hd.HeaderError, match="a list of 100,001 items") as info:
+        hd.read_header(path)
+    assert len(str(info.value)) < 400
+
+
+def test_a_long_shape_of_huge_dimensions_is_cheap(tmp_path):
+    # a byte count that cannot fit 64 bits is refused as soon as it cannot, without multiplying on
+    import time
+
+    path = raw_file(tmp_path / "s.safetensors", {"t": {"dtype": "F32", "shape": [2 ** 63] * 200_000,
+                                                        "data_offsets": [0, 4]}}, b"\0" * 4)
+    began = time.perf_counter()
+    with pytest.raises(hd.HeaderError, match="64-bit"):
+        hd.read_header(path)
+    assert time.perf_counter() - began < 2

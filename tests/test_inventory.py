@@ -211,3 +211,34 @@ def test_unquantized_config_stores_dense_linears_without_scales():
     assert specs["layers.0.attn.wq_a.weight"].dtype == "BF16"
     assert "layers.0.attn.wq_a.scale" not in specs
     assert specs["layers.0.ffn.experts.0.w1.weight"].dtype == "I8"  # experts still fp4
+
+
+# ---------------------------------------------------------------------- configs no inventory can follow
+@pytest.mark.parametrize("change, fragment", [
+    ({"n_layers": 10 ** 9}, "n_layers is 1,000,000,000"),  # was billions of specs: the audit and load hung
+    ({"n_mtp_layers": 137438953471}, "n_mtp_layers is 137,438,953,471"),
+    ({"n_routed_experts": 10 ** 12}, "n_routed_experts is 1,000,000,000,000"),
+    ({"n_routed_experts": 3_000}, "imply up to 724,652 tensors"),
+    ({"dim": -1}, "dim is -1"),
+    ({"o_groups": 0}, "o_groups is 0"),  # ZeroDivisionError in the builder otherwise
+])
+def test_an_absurd_config_is_refused_before_anything_is_enumerated(change, fragment):
+    import time
+
+    from dsv41.config import ConfigError
+
+    cfg = RELEASED.replace(**change, layout=None)
+    for enumerate_it in (inv.expected_tensors, inv.shard_names):
+        began = time.perf_counter()
+        with pytest.raises(ConfigError, match=fragment) as info:
+            enumerate_it(cfg)
+        assert time.perf_counter() - began < 1
+        assert isinstance(info.value, ValueError)  # what the loader's check_tensors catches
+        assert "no tensor inventory is derived from it" in str(info.value)
+
+
+def test_the_tensor_bound_bounds_the_inventory(released):
+    assert len(released) <= RELEASED.inventory_tensor_bound() < 1.01 * len(released)
+    for cfg in (tiny_config(), tiny_config().replace(dtype="bf16"), tiny_config().replace(vision_n_layers=0),
+                RELEASED.replace(dspark_n_routed_experts=0), RELEASED.replace(n_mtp_layers=0, dspark_target_layer_ids=())):
+        assert len(inv.expected_tensors(cfg)) <= cfg.inventory_tensor_bound()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple
 
 from dsv41.audit.report import FAIL, PASS, UNDECIDED, ShardFile, describe_shards, wrong
@@ -188,6 +188,7 @@ class Context:
     index_total: int | None  # the index's metadata.total_size
     duplicated_names: dict[str, list[str]]  # tensor name -> every file defining it, when more than one
     inventory_error: str | None  # why the inventory cannot be derived from this config
+    value_problems: list[str] = field(default_factory=list)  # Config.value_problems(): nothing else runs
 
 
 class Missing(Exception):

@@ -39,6 +39,37 @@ class CategoryRow:
 
 
 @dataclass
+class ValueFinding:
+    """A tensor whose payload holds codes that are not finite values (`dsv41 audit --values`)."""
+    tensor: str
+    shard: str  # the file's name
+    dtype: str
+    shape: list[int]
+    elements: int
+    nan: int
+    inf: int
+
+    def sentence(self) -> str:
+        counts = " and ".join(f"{n:,} {what}" for n, what in ((self.nan, "NaN"), (self.inf, "Inf")) if n)
+        return f"{self.tensor} ({self.dtype} {self.shape} in {self.shard}): {counts} of {self.elements:,} values"
+
+
+@dataclass
+class ValueScan:
+    """What `--values` read: tensors and bytes read, those with non-finite codes, those it could not read."""
+    files: int = 0
+    tensors: int = 0  # floating-point tensors read
+    bytes: int = 0
+    not_float: int = 0  # integer tensors (packed FP4 included): no non-finite codes to look for
+    findings: list[ValueFinding] = field(default_factory=list)
+    unread: list[tuple[str, str]] = field(default_factory=list)  # (tensor or file, why)
+
+    @property
+    def problems(self) -> int:
+        return len(self.findings)
+
+
+@dataclass
 class AuditReport:
     # the field order is the order of the --json document's keys
     checkpoint_dir: str
@@ -61,6 +92,7 @@ class AuditReport:
     expected_bytes: int
     index_tensors: int | None
     config_summary: str = ""
+    values: ValueScan | None = None  # the payload scan, with --values only
 
     def count(self, status: str) -> int:
         return sum(c.status == status for c in self.checks)
@@ -79,7 +111,7 @@ class AuditReport:
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.failed or self.unreadable else 0
+        return 1 if self.failed or self.unreadable or (self.values is not None and self.values.problems) else 0
 
     def as_required_complete(self) -> "AuditReport":
         """The same report with every undecided check failed, as --require-complete reports it."""
@@ -101,6 +133,11 @@ class AuditReport:
         doc["summary"] = {"checks": len(self.checks), "passed": self.passed, "failed": self.failed,
                           "undecided": self.undecided, "gib": round(self.bytes / GIB, 2),
                           "exit_code": self.exit_code}
+        if self.values is None:
+            del doc["values"]  # without --values the document is what it always was
+        else:
+            doc["values"]["unread"] = [{"what": a, "reason": b} for a, b in self.values.unread]
+            doc["summary"]["value_problems"] = self.values.problems
         return doc
 
     def format(self) -> str:
@@ -188,7 +225,29 @@ def _format_report(r: AuditReport) -> list[str]:
     for c in r.checks:
         lines.append(f"  [{c.status.upper():<9}] {c.id:<{width}}  {c.title}")
         lines.append(f"  {'':11} {'':<{width}}  -> {c.detail}")
+    values = ""
+    if r.values is not None:
+        lines += [""] + _format_values(r.values)
+        values = f"; values: {r.values.problems} tensor(s) with non-finite codes"
     lines.append("")
     lines.append(f"{len(r.checks)} checks: {r.passed} passed, {r.failed} failed, {r.undecided} undecided; "
-                 f"{r.tensors:,} tensors, {r.bytes:,} bytes ({_gib(r.bytes)}); exit {r.exit_code}")
+                 f"{r.tensors:,} tensors, {r.bytes:,} bytes ({_gib(r.bytes)}){values}; exit {r.exit_code}")
+    return lines
+
+
+VALUES_SHOWN = 20  # tensors the text report names; --json lists every one
+
+
+def _format_values(v: ValueScan) -> list[str]:
+    lines = [f"values (--values): {v.tensors:,} floating-point tensors read ({_size(v.bytes, v.bytes)}) in {v.files} files, "
+             f"{v.not_float:,} integer tensors skipped; "
+             + (f"{v.problems:,} hold NaN or Inf codes:" if v.problems else "no NaN or Inf codes")]
+    for f in v.findings[:VALUES_SHOWN]:
+        lines.append(f"  [FAIL     ] {f.sentence()}")
+    if v.problems > VALUES_SHOWN:
+        lines.append(f"  ... and {v.problems - VALUES_SHOWN:,} more tensors (--json lists every one)")
+    for what, why in v.unread[:VALUES_SHOWN]:
+        lines.append(f"  [not read ] {what}: {why}")
+    if len(v.unread) > VALUES_SHOWN:
+        lines.append(f"  ... and {len(v.unread) - VALUES_SHOWN:,} more not read")
     return lines

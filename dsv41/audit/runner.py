@@ -17,6 +17,9 @@ from dsv41.headers import INDEX_NAME, HeaderError, ShardHeader, layout_problems,
 from dsv41.inventory import TensorSpec, category_of, category_totals, expected_tensors, layer_of, shard_names
 
 
+VALUE_BOUNDS_CHECK = "config.required_keys"  # the check that reports the config's impossible values
+
+
 class AuditError(Exception):
     """Input the audit cannot start on; the message is one sentence naming the file and the fix."""
 
@@ -35,17 +38,26 @@ def find_shard_files(checkpoint_dir: str) -> list[str]:
 
 def run_audit(checkpoint_dir: str, config: str | None = None, index: str | None = None,
               header_prefix: bool = False, require_complete: bool = False,
-              expect_fp8_block: tuple[int, int] | None = None) -> AuditReport:
+              expect_fp8_block: tuple[int, int] | None = None, values: bool = False,
+              progress: bool = False) -> AuditReport:
     """Audit a checkpoint directory (or a directory of header prefixes, with header_prefix=True).
-    config and index default to the directory's own files. Raises AuditError on input it cannot
-    start on (missing directory, no shards, no config)."""
+    config and index default to the directory's own files. values=True also reads every tensor's
+    payload and counts its NaN and Inf codes (report.values; any found makes the exit code 1),
+    with a progress bar on stderr when progress=True. Raises AuditError on input it cannot start
+    on (missing directory, no shards, no config)."""
     paths, config_path, cfg, index_path = _inputs(checkpoint_dir, config, index)
     block = tuple(expect_fp8_block) if expect_fp8_block else cfg.fp8_block
-    try:
-        specs = expected_tensors(cfg)
-        inventory_error = None
-    except (ValueError, TypeError, IndexError, KeyError, AttributeError) as exc:
-        specs, inventory_error = [], str(exc)
+    # values no checkpoint can have (n_layers = 10**9, a NaN eps) stop the audit before anything
+    # enumerates the config: config.required_keys fails naming them and every other check is not evaluated
+    value_problems = cfg.value_problems()
+    if value_problems:
+        specs, inventory_error = [], f"the config has values no checkpoint can have ({value_problems[0]})"
+    else:
+        try:
+            specs = expected_tensors(cfg)
+            inventory_error = None
+        except (ValueError, TypeError, IndexError, KeyError, AttributeError, ArithmeticError) as exc:
+            specs, inventory_error = [], str(exc)
     expected = {s.name: s for s in specs}
 
     index_map = index_total = index_problem = None
@@ -73,10 +85,11 @@ def run_audit(checkpoint_dir: str, config: str | None = None, index: str | None 
     layer_shards = {layer_of(s.name): s.shard for s in specs if s.name.endswith(".attn_norm.weight")}
 
     ev = Evidence(expected, headers, index_map, on_disk, layer_shards, broken)
-    ctx = Context(cfg, ev, specs, block, files, layout, index_problem, index_total, dict(owners), inventory_error)
+    ctx = Context(cfg, ev, specs, block, files, layout, index_problem, index_total, dict(owners), inventory_error,
+                  value_problems)
     checks = _run_checks(ctx, with_index=index_path is not None)
 
-    n_layers = cfg.n_layers or 0
+    n_layers = cfg.n_layers if isinstance(cfg.n_layers, int) and not value_problems else 0
     modes = ev.presence_modes(n_layers) if specs else []
     counts = _layer_tensor_counts(ev, n_layers, complete=index_map is not None or not missing_shards)
     report = AuditReport(
@@ -88,6 +101,10 @@ def run_audit(checkpoint_dir: str, config: str | None = None, index: str | None 
         expected_tensors=len(specs), expected_bytes=sum(s.nbytes for s in specs),
         index_tensors=len(index_map) if index_map is not None else None,
         config_summary=_summary(cfg))
+    if values:
+        from dsv41.audit.values import scan_values
+
+        report.values = scan_values([f.path for f in files], progress=progress)
     return report.as_required_complete() if require_complete else report
 
 
@@ -170,6 +187,9 @@ def _run_checks(ctx: Context, with_index: bool) -> list[CheckResult]:
         if c.needs_index and not with_index:
             continue
         title = c.title(ctx) if callable(c.title) else c.title
+        if ctx.value_problems and c.id != VALUE_BOUNDS_CHECK:
+            results.append(CheckResult(c.id, c.group, title, FAIL, f"not evaluated: {ctx.inventory_error}"))
+            continue
         if c.needs_inventory and ctx.inventory_error:
             results.append(CheckResult(c.id, c.group, title, FAIL, f"not evaluated: {ctx.inventory_error}"))
             continue
@@ -177,7 +197,7 @@ def _run_checks(ctx: Context, with_index: bool) -> list[CheckResult]:
             first, second = c.run(ctx)
         except Missing as exc:
             first, second = FAIL, str(exc)
-        except (TypeError, ValueError, IndexError, KeyError, AttributeError) as exc:
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError, ArithmeticError) as exc:
             # a config value of the wrong kind: a failed check, not a traceback
             first, second = FAIL, f"cannot be evaluated on this config ({type(exc).__name__}: {exc})"
         if isinstance(first, Tally):
@@ -222,7 +242,7 @@ def _duplicated_bytes(headers, owners) -> int:
 def _summary(cfg: Config) -> str:
     try:
         return cfg.summary()
-    except (TypeError, AttributeError):
+    except (TypeError, AttributeError, ValueError):
         return "(the config is incomplete)"
 
 
@@ -252,6 +272,9 @@ def cli_main(argv: list[str]) -> int:
     parser.add_argument("--list-tensors", metavar="PATTERN", help="print name, dtype, shape, bytes, shard (tab-separated) of the "
                         "tensors on disk whose name matches this regular expression, instead of the report")
     parser.add_argument("--expect-fp8-block", nargs=2, type=int, metavar=("R", "C"), help="FP8 block the scale check expects (default: the config's)")
+    parser.add_argument("--values", action="store_true", help="also read every tensor's payload (the whole checkpoint) and "
+                        "report, per tensor, its NaN and Inf codes (FP8 E4M3 0x7F/0xFF, E8M0 0xFF, BF16/F16/F32 "
+                        "NaN and Inf); exit 1 when any is found")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
@@ -268,7 +291,8 @@ def cli_main(argv: list[str]) -> int:
             return 2
     try:
         report = run_audit(args.checkpoint_dir, args.config, args.index, args.header_prefix, args.require_complete,
-                           tuple(args.expect_fp8_block) if args.expect_fp8_block else None)
+                           tuple(args.expect_fp8_block) if args.expect_fp8_block else None,
+                           values=args.values, progress=args.values)
     except AuditError as exc:
         print(f"dsv41 audit: {exc}", file=sys.stderr)
         return 1

@@ -11,10 +11,17 @@ from dsv41.inventory import REQUIRED_KEYS
 CHECKS, check = registry("Config")
 
 
-@check("config.required_keys", f"the {len(REQUIRED_KEYS)} keys the tensor inventory is derived from are present", False)
+def _required_title(ctx) -> str:
+    title = f"the {len(REQUIRED_KEYS)} keys the tensor inventory is derived from are present"
+    # values no checkpoint can have fail here too, and stop every other check (Config.value_problems)
+    return title + ", with values a checkpoint can have" if ctx.value_problems else title
+
+
+@check("config.required_keys", _required_title, False)
 def _required(ctx):
     missing = [k for k in REQUIRED_KEYS if getattr(ctx.cfg, k) is None]
-    return verdict([f"missing: {', '.join(missing)}"] if missing else [], f"all {len(REQUIRED_KEYS)} present")
+    problems = ([f"missing: {', '.join(missing)}"] if missing else []) + list(ctx.value_problems)
+    return verdict(problems, f"all {len(REQUIRED_KEYS)} present")
 
 
 @check("config.compress_ratios_length", "len(compress_ratios) == n_layers + n_mtp_layers", False)
