@@ -170,12 +170,20 @@ def export_figure(fig, name: str, out_dir: str, data: dict) -> dict[str, str]:
     return paths
 
 
+# Decimals of a figure fraction kept when a solved layout is frozen: 1e-9 of an 8-inch figure at
+# 100 dpi is a millionth of a pixel, and the solver's drift (~1e-16) is far below it.
+LAYOUT_DIGITS = 9
+
+
 def _freeze_layout(fig) -> None:
     """Run the figure's layout engine once more and then keep those positions.
 
     Constrained/tight layout re-solves on every draw and drifts in the last float digits; the SVG
     clip-path ids hash those floats, so a second export would differ. Freezing makes every later
-    export (and display) of this figure draw the same positions.
+    export (and display) of this figure draw the same positions. The solver's result itself also
+    differs in its last bits from one process to another (the constraint solver's internal order
+    follows memory addresses), so the frozen positions are rounded to LAYOUT_DIGITS decimals of the
+    figure size, far below a pixel: two runs of a notebook then export the same bytes.
     """
     from matplotlib.layout_engine import PlaceHolderLayoutEngine
 
@@ -183,6 +191,8 @@ def _freeze_layout(fig) -> None:
     if engine is not None and not isinstance(engine, PlaceHolderLayoutEngine):
         fig.draw_without_rendering()
         fig.set_layout_engine("none")
+        for ax in fig.axes:
+            ax.set_position([round(v, LAYOUT_DIGITS) for v in ax.get_position(original=True).bounds], which="both")
 
 
 # ---------------------------------------------------------------------- tables

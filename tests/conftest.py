@@ -24,10 +24,25 @@ def tiny_checkpoint(tmp_path_factory) -> str:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "checkpoint", seed=0, progress=False)
 
 
-def run_notebooks_smoke(tmp_path_factory, checkpoint, only: str, threads: int | None = None):
+# (notebooks, threads) -> (run folder, summary) of the session's first smoke run of them
+_SMOKE_RUNS: dict = {}
+
+
+def run_notebooks_smoke(tmp_path_factory, checkpoint, only: str, threads: int | None = None, *,
+                        fresh: bool = False):
     """Execute notebooks `only` ("01,02") in smoke mode on `checkpoint` into a fresh run folder and
     fail the calling fixture, naming the failing cells, unless all of them ran clean. Returns the
-    run folder and its summary. `threads` pins the kernels' torch threads (OMP_NUM_THREADS)."""
+    run folder and its summary. `threads` pins the kernels' torch threads (OMP_NUM_THREADS). The
+    session's first run of the same notebooks is reused unless `fresh` (a second, independent run)."""
+    key = (only, threads, str(checkpoint))
+    if not fresh and key in _SMOKE_RUNS:
+        return _SMOKE_RUNS[key]
+    run_and_summary = _run_smoke(tmp_path_factory, checkpoint, only, threads)
+    _SMOKE_RUNS.setdefault(key, run_and_summary)
+    return run_and_summary
+
+
+def _run_smoke(tmp_path_factory, checkpoint, only: str, threads):
     import json
 
     from dsv41.cli import main as dsv41_main

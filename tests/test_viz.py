@@ -54,6 +54,26 @@ def test_png_bytes_are_the_exported_png(tmp_path):
     assert viz._png_image(fig).data == exported  # what viz.show displays headless
 
 
+def test_a_layout_solved_a_few_ulps_apart_exports_the_same_bytes(tmp_path, monkeypatch):
+    # the constraint solver's last bits differ between processes; the frozen layout must not carry
+    # them into the SVG's clip-path ids (they hash the clip rectangles at full precision)
+    from matplotlib.figure import Figure
+
+    solve = Figure.draw_without_rendering
+    exports = []
+    for nudge in (0.0, 1e-15, -3e-16):
+        def drifted(fig, nudge=nudge):
+            solve(fig)
+            for ax in fig.axes:
+                x, y, w, h = ax.get_position(original=True).bounds
+                ax.set_position([x + nudge, y - nudge, w + nudge, h], which="both")
+
+        monkeypatch.setattr(Figure, "draw_without_rendering", drifted)
+        exports.append(_read(viz.export_figure(_figure(), "fig", str(tmp_path / str(nudge)), DATA))["svg"])
+    assert exports[0] == exports[1] == exports[2]
+    assert re.search(rb'clip-path="url\(#p[0-9a-f]+\)"', exports[0])
+
+
 def test_identical_bytes_across_processes(tmp_path):
     # the SVG ids hash a salt; without a fixed one each process would pick a random salt
     script = textwrap.dedent(f"""
