@@ -229,7 +229,9 @@ class Table:
 
         head = tr(self.columns, "th") if self.columns else ""
         caption = f"<caption style='text-align:left'><b>{escape(self.title)}</b></caption>" if self.title else ""
-        return f"<table>{caption}{head}{''.join(tr(r, 'td') for r in self.rows)}</table>"
+        # a wide table scrolls inside its own box instead of spilling past the notebook's column
+        return (f"<div style='overflow-x:auto;max-width:100%'><table>{caption}{head}"
+                f"{''.join(tr(r, 'td') for r in self.rows)}</table></div>")
 
 
 def table(rows, columns=None, title: str | None = None) -> Table:

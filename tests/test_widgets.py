@@ -4,6 +4,7 @@ the adapters on a real tiny generation, byte-identical export, and the prompt pr
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -312,3 +313,31 @@ def test_prompt_probe_run_handler_refreshes_the_views(model):
     probe.on_run(probe.button)  # generate's own refusal, shown the same way
     assert "not run" in probe.status.value and "max_seq_len" in probe.status.value and not probe.button.disabled
     assert probe.runs == 1 and probe.views["routing"].data is after["routing"]
+
+
+def test_prompt_probe_counts_tokens_and_refreshes_the_views_handed_to_it(model):
+    probe0 = widgets.PromptProbe(model, "Once upon a time", 2, compare=False)
+    above = [widgets.RoutingView(probe0.views["routing"].data), widgets.CacheView(probe0.views["cache"].data),
+             widgets.TieView(probe0.views["ties"].data)]
+    probe = widgets.PromptProbe(model, "Once upon a time", 2, compare=False, result=probe0.result, refresh=above)
+    probe.text.value, probe.tokens.value = "Something else entirely", 5
+    probe.on_run()
+    assert probe.progress.value == probe.progress.max == 5 and "5 generated" in probe.status.value
+    assert [v.data for v in above] == [probe.views[n].data for n in ("routing", "cache", "ties")]
+    assert above[0].data is not probe0.views["routing"].data
+    with pytest.raises(TypeError, match="refreshes routing, cache and tie views"):
+        widgets.PromptProbe(model, "x", 1, compare=False, result=probe0.result, refresh=[object()])
+
+
+def test_prompt_probe_stop_button_ends_a_background_run_early(model):
+    probe = widgets.PromptProbe(model, "Once upon a time", 1, compare=False, background=True)
+    probe.tokens.value = 400
+    probe.on_run()
+    assert probe.button.disabled and not probe.stop_button.disabled
+    deadline = time.monotonic() + 60
+    while probe.progress.value < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    probe.stop()
+    probe.wait(60)
+    assert probe.runs == 1 and probe.result.finish_reason == "callback" and len(probe.result.ids) < 400
+    assert "stopped" in probe.status.value and not probe.button.disabled and probe.stop_button.disabled

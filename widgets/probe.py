@@ -3,10 +3,18 @@
 Each run clears the expert cache first, so the recorded hit rates and the LRU replay (which starts
 cold) describe the same thing, then generates greedily with a trace and, unless `compare=False`,
 runs the same tokens as one prefill and token by token (`compare_prefill_decode`) for the tie view.
-Nothing here needs a kernel: a test builds the probe and calls `on_run` directly.
+A progress bar counts the generated tokens (with tokens/s so far) and the comparison's positions;
+the stop button ends the generation after the current token. In a live kernel the run goes on a
+background thread, so the stop button's click is handled while it runs; elsewhere (a test, a
+script) `on_run` runs to the end before it returns. Views handed in as `refresh=` (a notebook's
+own views above the probe) are refreshed with its tabs. Nothing here needs a kernel: a test
+builds the probe and calls `on_run` directly.
 """
 
 from __future__ import annotations
+
+import threading
+import time
 
 from .cache import CacheView, cache_data
 from .routing import RoutingView, routing_data
@@ -24,20 +32,31 @@ class PromptProbe:
     """Text box, token count and run button over a loaded model, above the routing, cache and tie
     views. `result` / `comparison` show an existing run instead of generating on construction;
     `compare_limit` caps the positions the prefill/decode comparison runs (it costs one forward
-    per position)."""
+    per position). `refresh`: RoutingView / CacheView / TieView objects shown elsewhere that each
+    run refreshes too; `background`: run on a thread (default: when a person is looking)."""
 
     def __init__(self, model, prompt: str = "Once upon a time", max_new_tokens: int = 8, *, compare: bool = True,
-                 compare_limit: int | None = None, result=None, comparison=None):
+                 compare_limit: int | None = None, result=None, comparison=None, refresh=(),
+                 background: bool | None = None):
         import ipywidgets as w
 
+        from dsv41 import viz
+
         self.model, self.compare, self.compare_limit = model, compare, compare_limit
+        self.refresh = list(refresh)
+        self.background = not viz.is_headless() if background is None else background
         self.text = w.Text(value=prompt, description="prompt", layout=w.Layout(width="60%"))
         self.tokens = w.BoundedIntText(value=max_new_tokens, min=1, max=4096, description="new tokens")
         self.button = w.Button(description="run", button_style="primary")
+        self.stop_button = w.Button(description="stop", button_style="warning", disabled=True)
+        self.progress = w.IntProgress(value=0, min=0, max=max(1, max_new_tokens), description="tokens")
         self.status = w.HTML()
         self.button.on_click(self.on_run)
+        self.stop_button.on_click(self.stop)
         self.runs = 0
         self.views: dict[str, object] = {}
+        self._stop_asked = False
+        self._thread: threading.Thread | None = None
         if result is None:
             result, comparison = self._generate(prompt, max_new_tokens)
         self._show(result, comparison)
@@ -46,11 +65,30 @@ class PromptProbe:
     # ------------------------------------------------------------------ running
     def _generate(self, prompt: str, max_new_tokens: int):
         self.model.reset_expert_cache()  # start cold: the replay assumes an empty cache
-        result = self.model.generate(prompt, max_new_tokens=max_new_tokens, trace=True, stop_at_eos=False)
+        self.progress.max, self.progress.value, self.progress.description = max(1, max_new_tokens), 0, "tokens"
+        began = time.perf_counter()
+
+        def counted(step, _token, _logits):
+            self.progress.value = step + 1
+            rate = (step + 1) / max(time.perf_counter() - began, 1e-9)
+            self.status.value = f"generating: {step + 1} / {max_new_tokens} tokens, {rate:.1f} tokens/s"
+            return not self._stop_asked  # False ends the generation after this token
+
+        result = self.model.generate(prompt, max_new_tokens=max_new_tokens, trace=True, stop_at_eos=False,
+                                     callback=counted)
         comparison = None
         if self.compare and len(result.prompt_ids) + len(result.ids) > 1:
-            comparison = self.model.compare_prefill_decode(traced_ids(result, self.compare_limit))
+            ids = traced_ids(result, self.compare_limit)
+            self.progress.description, self.progress.max, self.progress.value = "comparing", len(ids), 0
+            self.status.value = f"comparing a prefill with token-by-token decoding over {len(ids)} positions"
+            comparison = self.model.compare_prefill_decode(ids)
+            self.progress.value = len(ids)
         return result, comparison
+
+    def stop(self, _button=None) -> None:
+        """The stop button's handler: the generation ends after the token being computed."""
+        self._stop_asked = True
+        self.status.value = "stopping after this token..."
 
     def _show(self, result, comparison) -> None:
         self.result, self.comparison = result, comparison
@@ -58,30 +96,54 @@ class PromptProbe:
         data = {"routing": routing_data(result, n_experts),
                 "cache": cache_data(result, capacity=self.model.experts.capacity, n_experts=n_experts),
                 "ties": tie_data(result, comparison)}
-        for name, cls in (("routing", RoutingView), ("cache", CacheView), ("ties", TieView)):
+        kinds = {"routing": RoutingView, "cache": CacheView, "ties": TieView}
+        for name, cls in kinds.items():
             if name in self.views:
                 self.views[name].update(data[name])
             else:
                 self.views[name] = cls(data[name])
+        for view in self.refresh:  # the notebook's own views, by kind
+            name = next((n for n, cls in kinds.items() if isinstance(view, cls)), None)
+            if name is None:
+                raise TypeError(f"the probe refreshes routing, cache and tie views, not {type(view).__name__}")
+            view.update(data[name])
+        rate = result.timings.get("tokens_per_s")
         self.status.value = (f"{len(result.prompt_ids)} prompt tokens, {len(result.ids)} generated "
                              f"({result.timings['prefill_s']:.2f} s prefill, {result.timings['decode_s']:.2f} s "
-                             f"decode): <code>{_escape(result.text)}</code>")
+                             f"decode{f', {rate:.1f} tokens/s' if rate else ''}"
+                             f"{', stopped' if result.finish_reason == 'callback' else ''}): "
+                             f"<code>{_escape(result.text)}</code>")
 
     def on_run(self, _button=None) -> None:
         """The run button's handler: regenerate from the text box and refresh the views; a bad prompt
-        becomes one line in the status, not a traceback."""
+        becomes one line in the status, not a traceback. On a background thread when `background`."""
         if not self.text.value.strip():
             self.status.value = "<b>not run:</b> the prompt box is empty; type a prompt first"
             return
-        self.button.disabled = True
+        if self._thread is not None and self._thread.is_alive():
+            return  # one run at a time: the button is disabled meanwhile anyway
+        self.button.disabled, self.stop_button.disabled, self._stop_asked = True, False, False
         self.status.value = "running..."
+        prompt, n = self.text.value, int(self.tokens.value)
+        if self.background:
+            self._thread = threading.Thread(target=self._run, args=(prompt, n), daemon=True)
+            self._thread.start()
+        else:
+            self._run(prompt, n)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until a background run has finished."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self, prompt: str, n: int) -> None:
         try:
-            result, comparison = self._generate(self.text.value, int(self.tokens.value))
-        except ValueError as exc:
+            result, comparison = self._generate(prompt, n)
+        except (ValueError, RuntimeError) as exc:  # bad input, or NaN logits: one line, the views stay
             self.status.value = f"<b>not run:</b> {_escape(str(exc))}"
             return
         finally:
-            self.button.disabled = False
+            self.button.disabled, self.stop_button.disabled = False, True
         self.runs += 1
         self._show(result, comparison)
 
@@ -93,7 +155,8 @@ class PromptProbe:
 
             tabs = w.Tab(children=[v.widget for v in self.views.values()])
             tabs.titles = ("routing", "expert cache", "ties")
-            self._box = w.VBox([w.HBox([self.text, self.tokens, self.button]), self.status, tabs])
+            controls = w.HBox([self.text, self.tokens, self.button, self.stop_button])
+            self._box = w.VBox([controls, w.HBox([self.progress]), self.status, tabs])
         return self._box
 
     def show(self, static: bool = True) -> None:

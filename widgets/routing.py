@@ -82,24 +82,24 @@ def render(data: dict, phase: str = "all"):
     fig, axes = viz.new_figure(2, 2, figsize=(8.0, 5.6), height_ratios=(3, 2))
     (ax_load, ax_w), (ax_max, ax_ent) = axes
     with viz.style():
-        for ax, grid, label, cmap in ((ax_load, load, "tokens routed", "viridis"),
-                                      (ax_w, mean_w, "mean weight when chosen", "magma")):
+        for ax, grid, label, unit, cmap in ((ax_load, load, "tokens routed", "tokens", "viridis"),
+                                            (ax_w, mean_w, "mean weight when chosen", "routing weight", "magma")):
             image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap=cmap,
                               extent=(-0.5, n_experts - 0.5, len(layers) - 0.5, -0.5))
             ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
             ax.set(xlabel="expert", ylabel="layer", title=label)
             ax.grid(False)
-            fig.colorbar(image, ax=ax, shrink=0.9)
+            fig.colorbar(image, ax=ax, shrink=0.9, label=unit)
         x = np.arange(len(layers))
         max_over_mean = np.array([np.nan if v is None else v for v in bal["max_over_mean"]], dtype=float)
         entropy = np.array([np.nan if v is None else v for v in bal["entropy"]], dtype=float)
         ax_max.bar(x, max_over_mean, color=viz.PALETTE[1])
         ax_max.axhline(1.0, color="#444444", lw=0.8, ls="--")
         ax_max.set(xticks=x, xticklabels=[str(layer) for layer in layers], xlabel="layer",
-                   ylabel="max / mean load", title="balance: 1 is even")
+                   ylabel="max / mean load", title="peak load (1 is even)")
         ax_ent.bar(x, entropy, color=viz.PALETTE[2])
         ax_ent.set(xticks=x, xticklabels=[str(layer) for layer in layers], xlabel="layer", ylim=(0, 1.05),
-                   ylabel="entropy / log E", title="balance: 1 is even")
+                   ylabel="entropy / log E", title="spread over experts (1 is even)")
         fig.suptitle(f"routing, {phase}: {data['n_tokens'][phase]} tokens x top-{data['top_k']} of {n_experts} experts")
     return fig
 

@@ -58,6 +58,7 @@ def tie_data(result, comparison=None) -> dict:
             "first_argmax_divergence": comparison.first_argmax_divergence,
             "selection_parting": {str(k): v for k, v in sorted(comparison.selection_partings.items())},
             "routing_parting": {str(k): v for k, v in sorted(comparison.routing_partings.items())},
+            "numerics": dict(comparison.numerics),
         }
     return data
 
@@ -130,7 +131,36 @@ def render(data: dict, tol: float = 0.0):
         ax_margin.set_title("top-1 minus top-2 logit of each generated token", fontsize=9)
         for ax in axes:
             ax.axvline(decode_from, color=viz.PALETTE[7], lw=0.8)
+        _reference_line_legend(fig, data, viz)
+        fig.suptitle(_arithmetic_title(cmp), fontsize=10)
     return fig
+
+
+def _reference_line_legend(fig, data: dict, viz) -> None:
+    """One legend for the vertical lines every panel shares."""
+    from matplotlib.lines import Line2D
+
+    lines = [Line2D([], [], color=viz.PALETTE[7], lw=0.8, label="decoding starts (prompt before)")]
+    if data["first_cut"] is not None:
+        lines.append(Line2D([], [], color="#444444", lw=0.8, ls="--", label="first top-k cut"))
+    cmp = data["comparison"]
+    if cmp is not None and cmp["first_logit_divergence"] is not None:
+        lines.append(Line2D([], [], color=viz.PALETTE[3], lw=0.8, ls=":", label="logits first differ"))
+    # "outside": the layout engine makes room below the x labels instead of drawing over them
+    fig.legend(handles=lines, loc="outside lower center", ncol=len(lines), fontsize=8, frameon=False)
+
+
+def _arithmetic_title(cmp) -> str:
+    """Which arithmetic the comparison ran under (the model's Numerics)."""
+    if cmp is None or not cmp.get("numerics"):
+        return "top-k cuts and margins of one generation"
+    numerics = cmp["numerics"]
+    name = {"reference": "the reference's arithmetic", "uniform": "the parity options"}
+    kind = name["uniform"] if numerics.get("window_layout") == "uniform" and numerics.get("pad_f32_rows") \
+        else name["reference"] if numerics.get("window_layout") == "reference" and not numerics.get("pad_f32_rows") \
+        else "mixed options"
+    options = ", ".join(f"{k}={v}" for k, v in numerics.items())
+    return f"prefill vs token-by-token under {kind}\n({options})"
 
 
 class TieView(View):
