@@ -541,6 +541,8 @@ def bench_hasher(n_tokens: int = 32768, cfg: Any = None, repeats: int = 5, seed:
 
     import numpy as np
 
+    if int(n_tokens) < 1:
+        raise EngramError(f"the benchmark needs a prompt of at least one token, got {n_tokens}")
     if cfg is None:
         from dsv41.config import RELEASED as cfg
     if cfg.engram_compressed_vocab_size is None:
@@ -568,6 +570,9 @@ def bench_hasher(n_tokens: int = 32768, cfg: Any = None, repeats: int = 5, seed:
 
 # ---------------------------------------------------------------------- report and CLI
 _GIB = 1 << 30
+# `dsv41 engram --bench-tokens`: at the bound the benchmark holds about 1.3 GB (the released
+# geometry hashes each token into 2 x 24 int64 ids) and runs for seconds
+MAX_BENCH_TOKENS = 1 << 20
 
 
 def engram_report(cfg: Any, tokenizer=None, text: str | None = None, tokenizer_label: str | None = None) -> dict:
@@ -684,6 +689,43 @@ def _print_report(report: dict) -> None:
           else f"[fail] {len(report['problems'])} problem(s)")
 
 
+def _bench_tokens(text: str) -> int:
+    """A --bench-tokens value: a whole number from 1 to MAX_BENCH_TOKENS."""
+    import argparse
+
+    try:
+        n = int(text.strip())
+    except ValueError:
+        n = None
+    if n is None or not 1 <= n <= MAX_BENCH_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be a whole number of tokens from 1 to {MAX_BENCH_TOKENS:,}, "
+                                         f"got {text!r}")
+    return n
+
+
+def _not_utf8(text: str) -> str | None:
+    """None when `text` encodes as UTF-8, else what stops it: a byte of the command line that was
+    not UTF-8 (Python decodes it to a lone surrogate U+DC80..U+DCFF), or another lone surrogate."""
+    for i, ch in enumerate(text):
+        if "\ud800" <= ch <= "\udfff":
+            if "\udc80" <= ch <= "\udcff":
+                return f"the byte \\x{ord(ch) - 0xDC00:02x} at character {i} is not UTF-8"
+            return f"the lone surrogate U+{ord(ch):04X} at character {i} is not a character UTF-8 can encode"
+    return None
+
+
+def _json_target_problem(path: str) -> str | None:
+    """Why the --json report cannot be written at `path` (checked before any work), or None."""
+    import os
+
+    if os.path.isdir(path):
+        return "it is a folder"
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        return f"the folder {folder} does not exist" if not os.path.exists(folder) else f"{folder} is not a folder"
+    return None
+
+
 def cli_main(argv: list[str]) -> int:
     import argparse
     import json
@@ -694,15 +736,37 @@ def cli_main(argv: list[str]) -> int:
         "disagreement."))
     parser.add_argument("--config", metavar="PATH", help="config file or checkpoint directory (required unless --bench)")
     parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer.json or the directory holding it")
-    parser.add_argument("--text", metavar="STR", help="encode this text and print its hash ids (needs --tokenizer)")
+    parser.add_argument("--text", metavar="STR", help="encode this text (UTF-8) and print its hash ids (needs --tokenizer)")
     parser.add_argument("--json", metavar="OUT", help="write the report here (also when a check fails)")
     parser.add_argument("--bench", action="store_true", help="time the hasher on a synthetic prompt and exit")
-    parser.add_argument("--bench-tokens", type=int, default=32768, metavar="N", help="prompt length for --bench")
+    parser.add_argument("--bench-tokens", type=_bench_tokens, default=32768, metavar="N",
+                        help=f"prompt length for --bench: 1 to {MAX_BENCH_TOKENS:,} tokens (default 32,768)")
     args = parser.parse_args(argv)
     if args.text is not None and args.tokenizer is None:
         parser.error("--text needs --tokenizer to turn the text into token ids")
+    if args.text is not None and (why := _not_utf8(args.text)):
+        parser.error(f"argument --text: {why}; pass the text in UTF-8")
     if args.config is None and not args.bench:
         parser.error("--config is required (or --bench)")
+
+    def fail(message: str) -> int:
+        print(f"dsv41 engram: {message}", file=sys.stderr)
+        return 1
+
+    def write_json(report: dict) -> bool:
+        """Write the --json report; False (after one sentence on stderr) when that fails."""
+        if not args.json:
+            return True
+        try:
+            _write_json(args.json, report, json)
+        except OSError as exc:
+            fail(f"--json {args.json}: cannot write the report there ({exc.strerror or exc})")
+            return False
+        return True
+
+    if args.json and (why := _json_target_problem(args.json)):
+        return fail(f"--json {args.json}: cannot write the report there ({why}); pass a file path in an "
+                    f"existing folder")
 
     from dsv41.config import ConfigError, load_config
 
@@ -712,19 +776,23 @@ def cli_main(argv: list[str]) -> int:
             cfg = load_config(args.config)
         except ConfigError as exc:
             print(f"dsv41 engram: {exc}", file=sys.stderr)
-            _write_json(args.json, {"config": args.config, "layers": [], "problems": [str(exc)]}, json)
+            write_json({"config": args.config, "layers": [], "problems": [str(exc)]})
+            return 1
+        # impossible sizes first: the prime search grows with the square of the hash columns
+        absurd = cfg.value_problems()
+        if absurd:
+            print(f"dsv41 engram: {cfg.source}: {absurd[0]}", file=sys.stderr)
+            write_json({"config": cfg.source, "layers": [], "problems": absurd})
             return 1
     if args.bench:
         try:
             result = bench_hasher(args.bench_tokens, cfg)
         except EngramError as exc:
-            print(f"dsv41 engram: cannot benchmark this config: {exc}", file=sys.stderr)
-            return 1
+            return fail(f"cannot benchmark this config: {exc}")
         print(f"hashed a {result['n_tokens']:,}-token prompt into {result['n_layers']} layers x "
               f"{result['n_hash_cols']} columns in {result['prefill_s'] * 1e3:.1f} ms "
               f"({result['tokens_per_s'] / 1e6:.2f} M tokens/s); one decode step {result['decode_step_s'] * 1e6:.0f} us")
-        _write_json(args.json, {"bench": result}, json)
-        return 0
+        return 0 if write_json({"bench": result}) else 1
 
     tokenizer = None
     report: dict
@@ -735,7 +803,8 @@ def cli_main(argv: list[str]) -> int:
     except EngramError as exc:
         report = {"config": cfg.source, "layers": [], "problems": [str(exc)]}
     _print_report(report)
-    _write_json(args.json, report, json)
+    if not write_json(report):
+        return 1
     return 1 if report["problems"] else 0
 
 

@@ -6,6 +6,12 @@ executed notebooks, the figures and sidecars they export (each notebook gets the
 the failing cell and the error line. A failed notebook does not stop the others; the exit code is 1
 when any failed, 2 for bad usage.
 
+A run stopped by SIGINT or SIGTERM still leaves a truthful folder: `summary.json` with status
+"interrupted", the notebook and the cell that were running, and the notebooks that never started as
+"not run"; the interrupted notebook's executed copy marks the stopped cell "interrupted" and the
+cells after it papermill's "pending" (not run). The exit code is 128 + the signal (130 for SIGINT,
+143 for SIGTERM). A cell past --cell-timeout is "failed" in both files, like any failing cell.
+
 Kernel: the notebooks run in *this* Python. A private `python3` kernelspec pinned to sys.executable
 is put first on JUPYTER_PATH for the run, so a fresh machine needs nothing registered and a user's
 own `python3` kernel (possibly another interpreter without dsv41) is never picked by accident.
@@ -15,11 +21,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
+import logging
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,10 +41,103 @@ KERNEL_NAME = "python3"
 # The parameters every notebook declares in its one cell tagged `parameters`.
 STANDARD_PARAMETERS = ("checkpoint", "prompt", "device", "output_dir", "smoke")
 SUMMARY_NAME = "summary.json"
+# --cell-timeout: a whole number of seconds (nbclient's timeout is an integer), at most a day
+MAX_CELL_TIMEOUT_S = 86_400
+# Cell statuses in the executed notebook's papermill metadata: papermill's own four, and ours for a
+# cell a signal stopped. "pending" is papermill's word for a cell that has not run.
+PENDING, RUNNING, COMPLETED, FAILED, INTERRUPTED = "pending", "running", "completed", "failed", "interrupted"
 
 
 class NotebookRunError(Exception):
-    """Bad usage or an unusable set-up: one sentence for a person, exit 2."""
+    """Bad usage or an unusable set-up: one sentence for a person, exit 2 (`exit_code` 1 for a
+    failure that is not the caller's usage, such as a folder the system refuses to create)."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the run (a KeyboardInterrupt, so asyncio and the kernel client let
+    it through as they do Ctrl-C)."""
+
+    def __init__(self, signum: int = signal.SIGINT):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def _as_interrupt(exc: KeyboardInterrupt) -> RunInterrupted:
+    """A plain KeyboardInterrupt (Python's own SIGINT handler) is a SIGINT."""
+    return exc if isinstance(exc, RunInterrupted) else RunInterrupted(signal.SIGINT)
+
+
+class _SignalState:
+    """What `stop_on_signals` shares with the kernel code: whether a stop was raised, and whether a
+    signal must wait (`deferred`) because raising it would tear a kernel shutdown in half."""
+
+    def __init__(self) -> None:
+        self.installed = False
+        self.raised = False
+        self.finished = False  # the run folder is complete: a late signal changes nothing
+        self.depth = 0
+        self.pending: int | None = None
+
+    def handler(self, signum, frame) -> None:
+        if self.finished:
+            return
+        if self.raised:
+            # os.write, not print: a handler may run in the middle of a print to stderr
+            os.write(2, f"dsv41 notebooks: {signal.Signals(signum).name} again; already stopping, "
+                        f"writing {SUMMARY_NAME}\n".encode())
+            return
+        if self.depth:
+            self.pending = signum
+            return
+        self.raised = True
+        raise RunInterrupted(signum)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A signal that arrives inside is raised when the block ends (at once if it raised too)."""
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if not self.depth and self.pending is not None and not self.raised:
+                signum, self.pending, self.raised = self.pending, None, True
+                raise RunInterrupted(signum)
+
+
+_SIGNALS = _SignalState()
+
+
+@contextlib.contextmanager
+def stop_on_signals(signals=(signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """While inside, SIGINT and SIGTERM raise RunInterrupted in the main thread, once: a repeated
+    signal while the run winds down (kernel shut down, summary written) is ignored with a note, so
+    the run folder is left whole, and one during a kernel shutdown waits until it is done. Outside
+    the main thread, or nested, this changes nothing."""
+    if threading.current_thread() is not threading.main_thread() or _SIGNALS.installed:
+        yield
+        return
+    _SIGNALS.__init__()
+    _SIGNALS.installed = True
+    previous = {s: signal.signal(s, _SIGNALS.handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        _SIGNALS.__init__()
 
 
 # ---------------------------------------------------------------------- finding things
@@ -88,11 +191,23 @@ def declared_parameters(path: Path) -> set[str]:
 
 
 # ---------------------------------------------------------------------- run folders
-def new_run_dir(root: str | os.PathLike) -> Path:
+def _folder_problem(flag: str, path: Path, exc: OSError) -> NotebookRunError:
+    """One sentence for a folder that cannot be created; exit 2 when the path runs through a file."""
+    if exc.errno in (errno.EEXIST, errno.ENOTDIR):
+        blocker = next((p for p in [path, *path.parents] if p.exists() and not p.is_dir()), None)
+        where = "is a file" if blocker == path else f"runs through the file {blocker}"
+        return NotebookRunError(f"{flag} {path}: {where}, not a folder; pass a folder path")
+    return NotebookRunError(f"{flag} {path}: cannot create this folder ({exc.strerror or exc})", exit_code=1)
+
+
+def new_run_dir(root: str | os.PathLike, flag: str = "--outputs-root") -> Path:
     """Create and return `root/run-NNN`, one past the highest existing number (never reused)."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    numbers = [int(m.group(1)) for p in root.iterdir() if (m := RUN_PATTERN.match(p.name))]
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        numbers = [int(m.group(1)) for p in root.iterdir() if (m := RUN_PATTERN.match(p.name))]
+    except OSError as exc:
+        raise _folder_problem(flag, root, exc) from None
     n = max(numbers, default=0) + 1
     while True:
         candidate = root / f"run-{n:03d}"
@@ -101,15 +216,23 @@ def new_run_dir(root: str | os.PathLike) -> Path:
             return candidate
         except FileExistsError:
             n += 1
+        except OSError as exc:
+            raise _folder_problem(flag, root, exc) from None
 
 
-def claim_out_dir(path: str | os.PathLike) -> Path:
+def claim_out_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     """Create `path` for a run; refuse one that already holds anything (an earlier run)."""
     path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise NotebookRunError(f"{path}: already exists and is not an empty folder; an earlier run is "
-                               f"never overwritten; choose another --out or leave it out for run-NNN")
-    path.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not path.is_dir():
+        raise NotebookRunError(f"{flag} {path}: is a file, not a folder; choose a folder path that does "
+                               f"not exist yet, or leave --out out for run-NNN")
+    try:
+        if path.is_dir() and any(path.iterdir()):
+            raise NotebookRunError(f"{flag} {path}: already exists and is not an empty folder; an earlier "
+                                   f"run is never overwritten; choose another --out or leave it out for run-NNN")
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _folder_problem(flag, path, exc) from None
     return path
 
 
@@ -149,19 +272,210 @@ def kernel_environment(extra_env: dict[str, str] | None = None) -> Iterator[None
                     os.environ[k] = v
 
 
+# ---------------------------------------------------------------------- the papermill engine
+ENGINE_NAME = "dsv41"
+# nbclient's own log lines ("Timeout waiting for execute reply") would interleave with the progress
+# lines; what they say reaches the progress line and summary.json as the error
+_CLIENT_LOG = logging.getLogger("dsv41.notebooks.nbclient")
+_CLIENT_LOG.addHandler(logging.NullHandler())
+_ENGINE_REGISTERED: list[bool] = []
+
+
+def _engine() -> str:
+    """Register (once) the papermill engine the runner uses and return its name.
+
+    It is papermill's nbclient engine with three changes, none of which touches what a cell
+    computes. (1) Papermill marks a cell "completed" whenever its execution ends, and at the end
+    marks every "pending" cell "completed" too, so a timeout or a signal left a notebook claiming
+    that every cell ran; here a cell an exception leaves (a timeout, a dead kernel: "failed"; a
+    signal: "interrupted") says so, and the cells after it stay "pending". (2) That cell is
+    interrupted in the kernel before the kernel is shut down, so the shutdown is quick and the
+    kernel prints no traceback. (3) A signal while the kernel starts kills it (it has run nothing),
+    and one during the kernel's shutdown waits until the shutdown is done, so no kernel outlives
+    the run.
+    """
+    if _ENGINE_REGISTERED:
+        return ENGINE_NAME
+    import datetime
+
+    from jupyter_core.utils import ensure_async, run_sync
+    from nbclient.exceptions import CellExecutionError
+    from papermill.clientwrap import PapermillNotebookClient
+    from papermill.engines import NBClientEngine, NotebookExecutionManager, papermill_engines
+    from papermill.utils import merge_kwargs, remove_args
+
+    class Manager(NotebookExecutionManager):
+        stopped_by: BaseException | None = None
+
+        def stop(self, exc: BaseException) -> None:
+            """`exc` ended the execution: the cell still "running" did not finish."""
+            self.stopped_by = exc
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            now = self.now()
+            for cell in self.nb.cells:
+                meta = cell.metadata.get("papermill", {})
+                if meta.get("status") != RUNNING:
+                    continue
+                meta["status"] = INTERRUPTED if interrupted else FAILED
+                meta["exception"] = not interrupted
+                meta["end_time"] = now.isoformat()
+                if meta.get("start_time"):
+                    begun = datetime.datetime.fromisoformat(meta["start_time"])
+                    meta["duration"] = (now - begun).total_seconds()
+            if not interrupted:
+                self.nb.metadata.papermill["exception"] = True
+
+        def notebook_complete(self, **kwargs):
+            if self.stopped_by is None:
+                return super().notebook_complete(**kwargs)
+            # papermill's version marks every "pending" cell "completed"; after a stop they never ran
+            self.end_time = self.now()
+            self.nb.metadata.papermill["end_time"] = self.end_time.isoformat()
+            if self.start_time is not None:
+                self.nb.metadata.papermill["duration"] = (self.end_time - self.start_time).total_seconds()
+            self.cleanup_pbar()
+            self.save()
+
+    class Client(PapermillNotebookClient):
+        def papermill_execute_cells(self):
+            # papermill's loop, except that a cell an exception leaves stays "running" (the manager
+            # marks it) instead of being marked "completed" on the way out
+            for index, cell in enumerate(self.nb.cells):
+                self.nb_man.cell_start(cell, index)
+                try:
+                    self.execute_cell(cell, index)
+                except CellExecutionError as ex:
+                    self.nb_man.cell_exception(self.nb.cells[index], cell_index=index, exception=ex)
+                    self.nb_man.cell_complete(self.nb.cells[index], cell_index=index)
+                    break
+                except BaseException:
+                    self._interrupt_busy_kernel()
+                    raise
+                self.nb_man.cell_complete(self.nb.cells[index], cell_index=index)
+
+        def _interrupt_busy_kernel(self) -> None:
+            with _SIGNALS.deferred():
+                if self.km is not None and self.km.has_kernel:
+                    with contextlib.suppress(Exception):
+                        run_sync(self._async_interrupt_busy_kernel)()
+
+        async def _async_end_left_over_tasks(self) -> None:
+            """End the tasks a KeyboardInterrupt left on the event loop (nbclient polls the kernel's
+            channels in tasks of its own; they would read the replies waited for next), reading
+            their exceptions (nbclient turns a cancellation into DeadKernelError) so that asyncio
+            does not print them as never retrieved."""
+            import asyncio
+
+            left_over = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in left_over:
+                task.cancel()
+            if left_over:
+                await asyncio.wait(left_over, timeout=2)
+            for task in left_over:
+                if task.done() and not task.cancelled():
+                    task.exception()
+
+        async def _async_interrupt_busy_kernel(self, wait_s: float = 5.0) -> None:
+            """Interrupt the running cell and wait (at most `wait_s`) until the kernel has answered a
+            request sent after it, so that the shutdown that follows closes no socket the kernel is
+            still replying on (it would print a traceback)."""
+            import queue
+
+            await self._async_end_left_over_tasks()
+            await ensure_async(self.km.interrupt_kernel())
+            if self.kc is None:
+                return
+            msg_id = self.kc.kernel_info()  # shell requests are answered in order
+            deadline = time.monotonic() + wait_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    reply = await ensure_async(self.kc.shell_channel.get_msg(timeout=left))
+                except queue.Empty:
+                    return
+                if reply.get("parent_header", {}).get("msg_id") == msg_id:
+                    return
+
+        async def _async_kill_starting_kernel(self) -> None:
+            await self._async_end_left_over_tasks()
+            await ensure_async(self.km.signal_kernel(signal.SIGKILL))
+
+        @contextlib.contextmanager
+        def setup_kernel(self, **kwargs):
+            # nbclient's, except that a signal while the kernel starts kills it (it has run nothing;
+            # a shutdown would interrupt its imports and print their traceback, and nbclient cleans
+            # up only after an Exception), and one during the shutdown waits until the shutdown ends
+            cleanup_kc = kwargs.pop("cleanup_kc", self.owns_km)
+            if self.km is None:
+                self.km = self.create_kernel_manager()
+            try:
+                if not self.km.has_kernel:
+                    self.start_new_kernel(**kwargs)
+                if self.kc is None:
+                    self.start_new_kernel_client()
+            except KeyboardInterrupt:
+                with _SIGNALS.deferred():
+                    if self.km is not None and self.km.has_kernel:
+                        with contextlib.suppress(Exception):
+                            run_sync(self._async_kill_starting_kernel)()
+                    if self.km is not None:
+                        with contextlib.suppress(Exception):
+                            self._cleanup_kernel()
+                raise
+            try:
+                yield
+            finally:
+                if cleanup_kc and self.km is not None:
+                    with _SIGNALS.deferred():
+                        self._cleanup_kernel()
+
+    class Engine(NBClientEngine):
+        @classmethod
+        def execute_notebook(cls, nb, kernel_name, output_path=None, progress_bar=True, log_output=False,
+                             autosave_cell_every=30, **kwargs):
+            nb_man = Manager(nb, output_path=output_path, progress_bar=progress_bar, log_output=log_output,
+                             autosave_cell_every=autosave_cell_every)
+            nb_man.notebook_start()
+            try:
+                cls.execute_managed_notebook(nb_man, kernel_name, log_output=log_output, **kwargs)
+            except BaseException as exc:
+                nb_man.stop(exc)
+                raise
+            finally:
+                nb_man.cleanup_pbar()
+                nb_man.notebook_complete()
+            return nb_man.nb
+
+        @classmethod
+        def execute_managed_notebook(cls, nb_man, kernel_name, log_output=False, stdout_file=None,
+                                     stderr_file=None, start_timeout=60, execution_timeout=None, **kwargs):
+            # NBClientEngine's, with this module's client and its quiet log
+            kwargs = remove_args(["input_path"], **kwargs)
+            safe_kwargs = remove_args(["timeout", "startup_timeout"], **kwargs)
+            final_kwargs = merge_kwargs(
+                safe_kwargs, timeout=execution_timeout if execution_timeout else kwargs.get("timeout"),
+                startup_timeout=start_timeout, kernel_name=kernel_name, log=_CLIENT_LOG,
+                log_output=log_output, stdout_file=stdout_file, stderr_file=stderr_file)
+            return Client(nb_man, **final_kwargs).execute()
+
+    papermill_engines.register(ENGINE_NAME, Engine)
+    _ENGINE_REGISTERED.append(True)
+    return ENGINE_NAME
+
+
 # ---------------------------------------------------------------------- running
 @dataclass
 class NotebookResult:
     name: str
     source: str
-    executed: str
-    status: str = "pending"  # "ok" | "failed"
+    executed: str | None  # None for a notebook that never started
+    status: str = "pending"  # "ok" | "failed" | "interrupted" | "not run"
     duration_s: float = 0.0
     outputs: list[str] = field(default_factory=list)
+    # the failing cell, or for "interrupted" the cell a signal stopped
     failed_cell: int | None = None  # index in the source notebook (what a person edits)
     failed_cell_executed: int | None = None  # index in the executed file (papermill adds cells)
     failed_cell_source: str | None = None  # first line of that cell
-    error: str | None = None  # one line: "ExceptionName: message"
+    error: str | None = None  # one line: "ExceptionName: message", or "interrupted by SIGINT"
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -177,8 +491,8 @@ _PAPERMILL_TAGS = ("injected-parameters", "papermill-error-cell-tag")
 
 
 def _locate_failure(executed_path: Path, fallback_index: int | None) -> tuple[int | None, int | None, str | None]:
-    """(source index, executed-file index, first source line) of the failing cell, read back from
-    the executed notebook, where papermill marks each cell's status in its metadata."""
+    """(source index, executed-file index, first source line) of the cell that failed or was stopped,
+    read back from the executed notebook, where papermill marks each cell's status in its metadata."""
     import nbformat
 
     try:
@@ -186,7 +500,7 @@ def _locate_failure(executed_path: Path, fallback_index: int | None) -> tuple[in
     except Exception:
         return None, fallback_index, None
     statuses = [c.get("metadata", {}).get("papermill", {}).get("status") for c in nb.cells]
-    index = next((statuses.index(s) for s in ("failed", "running") if s in statuses), None)
+    index = next((statuses.index(s) for s in (FAILED, INTERRUPTED, RUNNING) if s in statuses), None)
     if index is None:
         return None, fallback_index, None
     added_before = sum(1 for c in nb.cells[:index]
@@ -199,75 +513,141 @@ def _files_under(directory: Path) -> set[str]:
 
 
 def run_notebook(path: Path, run_dir: Path, parameters: dict[str, Any],
-                 cell_timeout: float | None = None) -> NotebookResult:
-    """Execute one notebook into `run_dir`; never raises for a notebook's own failure."""
+                 cell_timeout: int | None = None) -> NotebookResult:
+    """Execute one notebook into `run_dir`; never raises for a notebook's own failure.
+
+    A signal (KeyboardInterrupt) is re-raised as RunInterrupted carrying `.result`, this notebook's
+    entry with status "interrupted" and the cell that was running."""
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
     executed = run_dir / path.name
     result = NotebookResult(name=path.stem, source=str(path), executed=path.name)
-    before = _files_under(run_dir)
     start = time.perf_counter()
-    problem = parameters_cell_problem(path)
-    if problem:
-        result.status, result.error = "failed", problem
-        return result
+    before: set[str] = set()
     try:
-        papermill.execute_notebook(
-            str(path), str(executed), parameters=parameters, kernel_name=KERNEL_NAME, language="python",
-            progress_bar=False, log_output=False, cwd=str(path.parent), start_timeout=120,
-            execution_timeout=cell_timeout)
-        result.status = "ok"
-    except PapermillExecutionError as exc:
-        result.status = "failed"
-        result.error = f"{exc.ename}: {_first_line(exc.evalue)}" if exc.evalue else exc.ename
-        (result.failed_cell, result.failed_cell_executed,
-         result.failed_cell_source) = _locate_failure(executed, exc.cell_index)
-    except Exception as exc:  # timeouts, a dead kernel, an unreadable notebook
-        result.status = "failed"
-        result.error = f"{type(exc).__name__}: {_first_line(str(exc))}"
+        before = _files_under(run_dir)
+        problem = parameters_cell_problem(path)
+        if problem:
+            result.status, result.error = "failed", problem
+            return result
+        try:
+            papermill.execute_notebook(
+                str(path), str(executed), parameters=parameters, kernel_name=KERNEL_NAME, language="python",
+                progress_bar=False, log_output=False, cwd=str(path.parent), start_timeout=120,
+                execution_timeout=cell_timeout, engine_name=_engine())
+            result.status = "ok"
+        except PapermillExecutionError as exc:
+            result.status = "failed"
+            result.error = f"{exc.ename}: {_first_line(exc.evalue)}" if exc.evalue else exc.ename
+            (result.failed_cell, result.failed_cell_executed,
+             result.failed_cell_source) = _locate_failure(executed, exc.cell_index)
+        except Exception as exc:  # timeouts, a dead kernel, an unreadable notebook
+            result.status = "failed"
+            result.error = f"{type(exc).__name__}: {_first_line(str(exc))}"
+            if executed.exists():
+                (result.failed_cell, result.failed_cell_executed,
+                 result.failed_cell_source) = _locate_failure(executed, None)
+        result.duration_s = round(time.perf_counter() - start, 2)
+        result.outputs = sorted(_files_under(run_dir) - before - {path.name})
+        return result
+    except KeyboardInterrupt as exc:
+        stop = _as_interrupt(exc)
+        result.status, result.error = "interrupted", f"interrupted by {stop.signal_name}"
         if executed.exists():
             (result.failed_cell, result.failed_cell_executed,
              result.failed_cell_source) = _locate_failure(executed, None)
-    result.duration_s = round(time.perf_counter() - start, 2)
-    result.outputs = sorted(_files_under(run_dir) - before - {path.name})
-    return result
+        else:
+            result.executed = None
+        result.duration_s = round(time.perf_counter() - start, 2)
+        result.outputs = sorted(_files_under(run_dir) - before - {path.name})
+        stop.result = result
+        raise stop from None
 
 
-def run_notebooks(notebooks: list[Path], run_dir: Path, parameters: dict[str, Any],
-                  cell_timeout: float | None = None, progress=sys.stderr) -> dict[str, Any]:
-    """Execute `notebooks` in order into `run_dir` and write `summary.json`; returns the summary."""
-    run_dir = Path(run_dir).resolve()
-    parameters = {**parameters, "output_dir": str(run_dir)}
-    results = []
-    started = time.perf_counter()
-    with kernel_environment():
-        for i, path in enumerate(notebooks, 1):
-            tag = f"[{i}/{len(notebooks)}] {path.stem}"
-            print(f"{tag} ...", file=progress, flush=True)
-            result = run_notebook(path, run_dir, parameters, cell_timeout)
-            if result.status == "ok":
-                line = f"{tag} ok in {result.duration_s:.1f} s, {len(result.outputs)} files"
-            else:
-                where = f" at cell {result.failed_cell}" if result.failed_cell is not None else ""
-                code = f" ({result.failed_cell_source})" if result.failed_cell_source else ""
-                line = f"{tag} FAILED{where}{code} after {result.duration_s:.1f} s: {result.error}"
-            print(line, file=progress, flush=True)
-            results.append(result)
-    summary = {
+def _progress_line(tag: str, result: NotebookResult) -> str:
+    if result.status == "ok":
+        return f"{tag} ok in {result.duration_s:.1f} s, {len(result.outputs)} files"
+    where = f" at cell {result.failed_cell}" if result.failed_cell is not None else ""
+    code = f" ({result.failed_cell_source})" if result.failed_cell_source else ""
+    verdict = "INTERRUPTED" if result.status == "interrupted" else "FAILED"
+    return f"{tag} {verdict}{where}{code} after {result.duration_s:.1f} s: {result.error}"
+
+
+def _summary(run_dir: Path, notebooks: list[Path], parameters: dict[str, Any], results: list[NotebookResult],
+             duration_s: float, stop: RunInterrupted | None = None) -> dict[str, Any]:
+    """summary.json's content; after a stop, the notebooks without a result are "not run"."""
+    done = {r.source for r in results}
+    entries = results + [NotebookResult(name=p.stem, source=str(p), executed=None, status="not run")
+                         for p in notebooks if str(p) not in done]
+    stopped = next((r for r in results if r.status == "interrupted"), None)
+    failed = sum(r.status == "failed" for r in entries)
+    return {
         "run": run_dir.name,
         "run_dir": str(run_dir),
         "notebooks_dir": str(notebooks[0].parent.resolve()) if notebooks else None,
         "parameters": parameters,
-        "ok": all(r.status == "ok" for r in results),
-        "n_ok": sum(r.status == "ok" for r in results),
-        "n_failed": sum(r.status != "ok" for r in results),
-        "duration_s": round(time.perf_counter() - started, 2),
-        "notebooks": [r.as_dict() for r in results],
+        "status": "interrupted" if stop is not None else "failed" if failed else "ok",
+        "interrupted": None if stop is None else {
+            "signal": stop.signal_name,
+            "notebook": stopped.name if stopped else None,  # None: it stopped between notebooks
+            "cell": stopped.failed_cell if stopped else None,
+            "cell_executed": stopped.failed_cell_executed if stopped else None,
+            "cell_source": stopped.failed_cell_source if stopped else None,
+        },
+        "ok": stop is None and all(r.status == "ok" for r in entries),
+        "n_ok": sum(r.status == "ok" for r in entries),
+        "n_failed": failed,
+        "n_interrupted": sum(r.status == "interrupted" for r in entries),
+        "n_not_run": sum(r.status == "not run" for r in entries),
+        "duration_s": round(duration_s, 2),
+        "notebooks": [r.as_dict() for r in entries],
     }
-    with open(run_dir / SUMMARY_NAME, "w", encoding="utf-8") as f:
+
+
+def _write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    """Write summary.json whole (a temporary file renamed over it), so it is never half written."""
+    tmp = run_dir / f".{SUMMARY_NAME}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2, sort_keys=False)
         f.write("\n")
+    os.replace(tmp, run_dir / SUMMARY_NAME)
+
+
+def run_notebooks(notebooks: list[Path], run_dir: Path, parameters: dict[str, Any],
+                  cell_timeout: int | None = None, progress=None) -> dict[str, Any]:
+    """Execute `notebooks` in order into `run_dir` and write `summary.json`; returns the summary.
+    A progress line per notebook goes to `progress` (default: stderr).
+
+    On SIGINT or SIGTERM (RunInterrupted under `stop_on_signals`, or Python's own KeyboardInterrupt)
+    it writes summary.json with status "interrupted", then raises RunInterrupted with `.summary`."""
+    progress = sys.stderr if progress is None else progress  # the stderr of the call, not of the import
+    run_dir = Path(run_dir).resolve()
+    parameters = {**parameters, "output_dir": str(run_dir)}
+    results: list[NotebookResult] = []
+    started = time.perf_counter()
+    stop = None
+    try:
+        with kernel_environment():
+            for i, path in enumerate(notebooks, 1):
+                tag = f"[{i}/{len(notebooks)}] {path.stem}"
+                print(f"{tag} ...", file=progress, flush=True)
+                try:
+                    result = run_notebook(path, run_dir, parameters, cell_timeout)
+                except RunInterrupted as exc:
+                    if getattr(exc, "result", None) is not None:
+                        results.append(exc.result)
+                        print(_progress_line(tag, exc.result), file=progress, flush=True)
+                    raise
+                results.append(result)
+                print(_progress_line(tag, result), file=progress, flush=True)
+    except KeyboardInterrupt as exc:
+        stop = _as_interrupt(exc)
+    summary = _summary(run_dir, notebooks, parameters, results, time.perf_counter() - started, stop)
+    _write_summary(run_dir, summary)
+    if stop is not None:
+        stop.summary = summary
+        raise stop from None
     return summary
 
 
@@ -280,11 +660,24 @@ def parse_value(text: str) -> Any:
         return text
 
 
+def cell_timeout_seconds(text: str) -> int:
+    """A --cell-timeout value: a whole number of seconds from 1 to MAX_CELL_TIMEOUT_S."""
+    try:
+        seconds = int(text.strip())
+    except ValueError:
+        seconds = None
+    if seconds is None or not 1 <= seconds <= MAX_CELL_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"must be a whole number of seconds from 1 to {MAX_CELL_TIMEOUT_S}, "
+                                         f"got {text!r}")
+    return seconds
+
+
 def cli_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dsv41 notebooks", description=(
         "Execute every numbered notebook (NN_*.ipynb) with papermill into a new run folder "
         "(outputs/run-NNN, never overwritten): executed notebooks, figures, JSON sidecars and "
-        "summary.json. Defaults run on the embedded tiny checkpoint."))
+        "summary.json. Defaults run on the embedded tiny checkpoint. SIGINT or SIGTERM stops the run "
+        "and still writes summary.json (status interrupted); the exit code is then 130 or 143."))
     parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded tiny checkpoint)")
     parser.add_argument("--out", metavar="DIR", help="run folder to create (must not exist or be empty); default outputs/run-NNN")
     parser.add_argument("--outputs-root", metavar="DIR", default="outputs", help="where run-NNN folders go (default: ./outputs)")
@@ -293,33 +686,68 @@ def cli_main(argv: list[str]) -> int:
                         help="comma-separated notebook names or number prefixes, e.g. 01,02_engram_hashing")
     parser.add_argument("-p", "--parameter", nargs=2, metavar=("NAME", "VALUE"), action="append", default=[],
                         help="pass a parameter to every notebook; VALUE is read as JSON when it parses, else as text")
-    parser.add_argument("--cell-timeout", type=float, metavar="SECONDS", help="fail a cell that runs longer than this")
+    parser.add_argument("--cell-timeout", type=cell_timeout_seconds, metavar="SECONDS",
+                        help=f"fail a cell that runs longer than this: a whole number of seconds from 1 to "
+                             f"{MAX_CELL_TIMEOUT_S} (default: no limit)")
     args = parser.parse_args(argv)
 
-    try:
-        only = [name for group in args.only for name in group.split(",") if name.strip()]
-        notebooks = find_notebooks(args.notebooks or default_notebooks_dir(), only)
-        parameters: dict[str, Any] = {}
-        if args.checkpoint:
-            if not os.path.isdir(args.checkpoint):
-                raise NotebookRunError(f"--checkpoint {args.checkpoint}: no such directory")
-            parameters["checkpoint"] = os.path.abspath(args.checkpoint)
-        for name, value in args.parameter:
-            if name == "output_dir":
-                raise NotebookRunError("-p output_dir: the run folder is the output folder; use --out DIR")
-            parameters[name] = parse_value(value)
-        declared = set().union(*(declared_parameters(p) for p in notebooks))
-        unknown = sorted(set(parameters) - declared)
-        if unknown:
-            raise NotebookRunError(f"-p {', '.join(unknown)}: no notebook declares this parameter; "
-                                   f"they declare {', '.join(sorted(declared))}")
-        check_kernel()  # before a run folder exists
-        run_dir = claim_out_dir(args.out) if args.out else new_run_dir(args.outputs_root)
-        summary = run_notebooks(notebooks, run_dir, parameters, args.cell_timeout)
-    except NotebookRunError as exc:
-        print(f"dsv41 notebooks: {exc}", file=sys.stderr)
-        return 2
-    verdict = "all ok" if summary["ok"] else f"{summary['n_failed']} failed"
-    print(f"{summary['run_dir']}: {summary['n_ok']}/{len(summary['notebooks'])} notebooks ok ({verdict}); "
-          f"summary in {SUMMARY_NAME}")
+    run_dir: Path | None = None
+    notebooks: list[Path] = []
+    with stop_on_signals():
+        try:
+            only = [name for group in args.only for name in group.split(",") if name.strip()]
+            notebooks = find_notebooks(args.notebooks or default_notebooks_dir(), only)
+            parameters: dict[str, Any] = {}
+            if args.checkpoint:
+                if not os.path.isdir(args.checkpoint):
+                    raise NotebookRunError(f"--checkpoint {args.checkpoint}: no such directory")
+                parameters["checkpoint"] = os.path.abspath(args.checkpoint)
+            for name, value in args.parameter:
+                if name == "output_dir":
+                    raise NotebookRunError("-p output_dir: the run folder is the output folder; use --out DIR")
+                parameters[name] = parse_value(value)
+            declared = set().union(*(declared_parameters(p) for p in notebooks))
+            unknown = sorted(set(parameters) - declared)
+            if unknown:
+                raise NotebookRunError(f"-p {', '.join(unknown)}: no notebook declares this parameter; "
+                                       f"they declare {', '.join(sorted(declared))}")
+            check_kernel()  # before a run folder exists
+            run_dir = claim_out_dir(args.out) if args.out else new_run_dir(args.outputs_root)
+            summary = run_notebooks(notebooks, run_dir, parameters, args.cell_timeout)
+            _SIGNALS.finished = True
+        except NotebookRunError as exc:
+            print(f"dsv41 notebooks: {exc}", file=sys.stderr)
+            return exc.exit_code
+        except KeyboardInterrupt as exc:
+            return _report_interrupt(_as_interrupt(exc), run_dir, notebooks)
+        verdict = "all ok" if summary["ok"] else f"{summary['n_failed']} failed"
+        print(f"{summary['run_dir']}: {summary['n_ok']}/{len(summary['notebooks'])} notebooks ok ({verdict}); "
+              f"summary in {SUMMARY_NAME}")
     return 0 if summary["ok"] else 1
+
+
+def _report_interrupt(stop: RunInterrupted, run_dir: Path | None, notebooks: list[Path]) -> int:
+    """The one sentence for a stopped run (writing summary.json if the run stopped before
+    run_notebooks could); returns the exit code, 128 + the signal."""
+    summary = getattr(stop, "summary", None)
+    if summary is None and run_dir is not None:
+        written = run_dir / SUMMARY_NAME
+        try:  # the run had just finished and written it
+            summary = json.loads(written.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            summary = _summary(run_dir.resolve(), notebooks, {}, [], 0.0, stop)
+            _write_summary(run_dir, summary)
+    if summary is None:
+        print(f"dsv41 notebooks: interrupted by {stop.signal_name} before any notebook ran; "
+              f"no run folder was created", file=sys.stderr)
+        return stop.exit_code
+    where = summary.get("interrupted")
+    if where and where["notebook"]:
+        cell = f" at cell {where['cell']} ({where['cell_source']})" if where["cell"] is not None else ""
+        at = f" while running {where['notebook']}{cell}"
+    else:
+        at = " between notebooks" if where else " after the last notebook"
+    print(f"dsv41 notebooks: interrupted by {stop.signal_name}{at}; {summary['n_ok']} of "
+          f"{len(summary['notebooks'])} notebooks finished ok; summary in "
+          f"{Path(summary['run_dir']) / SUMMARY_NAME}", file=sys.stderr)
+    return stop.exit_code

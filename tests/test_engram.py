@@ -549,3 +549,82 @@ def test_report_without_compressed_size_is_a_problem():
 def test_bench_reports_a_figure(capsys):
     assert cli_main(["--bench", "--bench-tokens", "512"]) == 0
     assert "512-token prompt" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- CLI: arguments it cannot use
+def _one_sentence(err: str, start: str) -> str:
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and lines, err
+    assert lines[-1].startswith(start), err
+    return lines[-1]
+
+
+@pytest.mark.parametrize("case", ["report", "bad config", "bench", "a folder"])
+def test_cli_json_that_cannot_be_written_is_one_sentence(tmp_path, capsys, case):
+    """Reproduces: --json /nonexistent/x.json was a FileNotFoundError traceback."""
+    out = tmp_path / "no-such-folder" / "x.json"
+    if case == "a folder":
+        out = tmp_path
+    args = {"report": ["--config", _write_cfg(tmp_path, RELEASED)],
+            "bad config": ["--config", str(tmp_path / "missing")],
+            "bench": ["--bench", "--bench-tokens", "64"],
+            "a folder": ["--config", _write_cfg(tmp_path, RELEASED)]}[case]
+    assert cli_main(args + ["--json", str(out)]) == 1
+    line = _one_sentence(capsys.readouterr().err, f"dsv41 engram: --json {out}: ")
+    assert "cannot write" in line
+
+
+@pytest.mark.parametrize("value", ["0", "-1", str(10**9), "1048577", "many", "1.5"])
+def test_bench_tokens_out_of_bounds_is_a_usage_error(capsys, value):
+    """Reproduces: --bench-tokens 0 was a ZeroDivisionError, -1 a numpy traceback, 10**9 a 7.45 GiB
+    allocation."""
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["--bench", "--bench-tokens", value])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "--bench-tokens" in err and "from 1 to 1,048,576" in err and "Traceback" not in err, err
+
+
+def test_bench_tokens_bound_is_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["--help"])
+    assert "1 to 1,048,576" in " ".join(capsys.readouterr().out.split())
+
+
+def test_bench_at_the_bounds(capsys):
+    assert cli_main(["--bench", "--bench-tokens", "1"]) == 0  # one token: one decode step, no division by 0
+    assert "1-token prompt" in capsys.readouterr().out
+
+
+def test_text_that_is_not_utf8_is_one_sentence(tmp_path, fold_tokenizer, capsys):
+    """Reproduces: --text with bytes that are not UTF-8 (argv decodes them to lone surrogates) was a
+    TypeError traceback from the tokenizer."""
+    import subprocess
+    import sys
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    fold_tokenizer.save(str(tok_dir / "tokenizer.json"))
+    cfg = _write_cfg(tmp_path, _small_cfg(13))
+    base = ["--config", cfg, "--tokenizer", str(tok_dir), "--text"]
+    done = subprocess.run([sys.executable, "-m", "dsv41", "engram", *base, b"Hello \xff world"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    line = _one_sentence(done.stderr, "dsv41 engram: error: argument --text: ")
+    assert "UTF-8" in line and "\\xff" in line, line
+    with pytest.raises(SystemExit) as stop:  # the same in-process, where argv holds the surrogate
+        cli_main(base + ["Hello \udcff world"])
+    assert stop.value.code == 2
+    assert "UTF-8" in capsys.readouterr().err
+
+
+
+def test_cli_refuses_impossible_sizes_before_the_prime_search(tmp_path, capsys):
+    import time
+
+    absurd = dataclasses.replace(RELEASED, engram_n_heads=2000)  # a prime search quadratic in the columns
+    began = time.perf_counter()
+    assert cli_main(["--config", _write_cfg(tmp_path, absurd)]) == 1
+    assert time.perf_counter() - began < 5
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "engram" in err
