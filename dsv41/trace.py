@@ -8,14 +8,21 @@ memory. Repeated calls (a prefill, then decode steps) append records in call ord
 
 `ForwardTrace` is the Trace the whole backbone fills: also a `RoutingRecord` per MoE layer call
 and an `EngramRecord` per Engram layer call. `GenerationTrace` is what a traced `generate` run
-returns: that ForwardTrace, a `StepRecord` per produced token and the expert-cache accounting.
-This module imports no model code.
+returns: that ForwardTrace, a `StepRecord` per produced token and the expert-cache accounting;
+`GenerationTrace.save(path)` / `GenerationTrace.load(path)` keep one in a file without pickle (an
+NPZ archive of plain arrays and a JSON manifest), so a trace recorded on the real checkpoint can be
+replayed (`dsv41.cache_policy`) anywhere. This module imports no model code.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
+import json
+import os
+import zipfile
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -220,11 +227,14 @@ class GenerationTrace:
 
     forward: the backbone's ForwardTrace (attention records: indexer selections and candidate blocks;
     routing records: expert ids and weights per layer and token; Engram gate values); steps: per
-    produced token its logit margin; cache: per forward call the expert-cache hits and misses by layer."""
+    produced token its logit margin; cache: per forward call the expert-cache hits and misses by layer;
+    meta: plain facts about the run a reader of a saved trace needs (`n_routed_experts`,
+    `expert_cache`, the checkpoint, the prompt...), JSON values only, kept by `save` / `load`."""
 
     forward: ForwardTrace
     steps: list[StepRecord] = field(default_factory=list)
     cache: list[dict] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
 
     @property
     def margins(self) -> list[float]:
@@ -247,3 +257,151 @@ class GenerationTrace:
         return {"steps": [vars(s) for s in self.steps], "cache": self.cache,
                 "routing": plain(self.routing()), "engram": plain(self.engram_gates()),
                 "attention": plain(self.attention())}
+
+    # ------------------------------------------------------------------ files (no pickle)
+    def save(self, path, meta: Optional[dict] = None) -> str:
+        """Write the whole trace to `path` (an NPZ archive, whatever the name): every record of the
+        ForwardTrace with its options, the steps, the per-call cache counts and `meta` (updated with
+        `meta` if given). Tensors are stored as plain arrays with their torch dtype named (bf16 and
+        FP8 as same-width integers), everything else in a JSON manifest; `load` reads it back with
+        `allow_pickle=False`. Returns the path."""
+        return save_trace(self, path, meta)
+
+    @classmethod
+    def load(cls, path) -> "GenerationTrace":
+        """A trace written by `save`. TraceFileError (a ValueError) when the file is not one;
+        FileNotFoundError when it does not exist."""
+        return load_trace(path)
+
+
+# ---------------------------------------------------------------------- trace files
+TRACE_FORMAT = "dsv41.GenerationTrace"
+TRACE_VERSION = 1
+_MANIFEST = "manifest"
+# torch dtypes numpy has no type for, stored as the same bytes in an integer of their width
+_VIEW_AS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+if hasattr(torch, "float8_e8m0fnu"):
+    _VIEW_AS[torch.float8_e8m0fnu] = torch.uint8
+_RECORDS = {"attention": AttentionRecord, "routing": RoutingRecord, "engram": EngramRecord, "finite": FiniteRecord}
+
+
+class TraceFileError(ValueError):
+    """A file that is not a trace `GenerationTrace.save` wrote (or one from a newer version)."""
+
+
+def save_trace(trace: GenerationTrace, path, meta: Optional[dict] = None) -> str:
+    import numpy as np
+
+    path = os.fspath(path)
+    arrays: dict[str, Any] = {}
+
+    def tensor(t: torch.Tensor) -> dict:
+        key = f"t{len(arrays)}"
+        t = t.detach().cpu().contiguous()
+        stored = t.view(_VIEW_AS[t.dtype]) if t.dtype in _VIEW_AS else t
+        arrays[key] = stored.numpy()
+        return {"tensor": key, "dtype": str(t.dtype).removeprefix("torch.")}
+
+    def value(v):
+        if isinstance(v, torch.Tensor):
+            return tensor(v)
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        raise TypeError(f"a trace record holds a {type(v).__name__}, which a trace file cannot keep")
+
+    def record(rec) -> dict:
+        return {f.name: value(getattr(rec, f.name)) for f in dataclasses.fields(rec)}
+
+    fwd = trace.forward
+    manifest = {
+        "format": TRACE_FORMAT, "version": TRACE_VERSION,
+        "forward": {"class": type(fwd).__name__,
+                    "options": {"keep_index_scores": fwd.keep_index_scores, "keep_outputs": fwd.keep_outputs,
+                                "check_finite": getattr(fwd, "check_finite", False)},
+                    **{name: [record(r) for r in getattr(fwd, name, [])] for name in _RECORDS}},
+        "steps": [record(s) for s in trace.steps],
+        "cache": [{**{k: v for k, v in step.items() if k != "layers"},
+                   "layers": [[int(layer), [int(c) for c in counts]] for layer, counts in step.get("layers", {}).items()]}
+                  for step in trace.cache],
+        "meta": {**trace.meta, **(meta or {})},
+    }
+    try:
+        text = json.dumps(manifest, allow_nan=True)
+    except TypeError as exc:
+        raise TypeError(f"the trace's meta or cache holds something JSON cannot keep: {exc}") from None
+    arrays[_MANIFEST] = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    # the archive np.savez_compressed writes, with a fixed date on every member, so the same trace
+    # gives the same bytes (and the name stays as given: numpy would append ".npz")
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for key, array in arrays.items():
+            info = zipfile.ZipInfo(f"{key}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED
+            with archive.open(info, "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.ascontiguousarray(array), allow_pickle=False)
+    return path
+
+
+def load_trace(path) -> GenerationTrace:
+    import numpy as np
+
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise TraceFileError(f"{path} is a folder, not a trace file")
+    try:
+        with open(path, "rb") as f:
+            blob = f.read()
+        if not zipfile.is_zipfile(io.BytesIO(blob)):
+            raise TraceFileError(f"{path} is not a trace written by GenerationTrace.save (not an NPZ archive)")
+        archive = np.load(io.BytesIO(blob), allow_pickle=False)
+        if not hasattr(archive, "files") or _MANIFEST not in archive.files:
+            raise TraceFileError(f"{path} is not a trace written by GenerationTrace.save (no manifest)")
+        manifest = json.loads(archive[_MANIFEST].tobytes().decode("utf-8"))
+        arrays = {k: archive[k] for k in archive.files if k != _MANIFEST}
+    except TraceFileError:
+        raise
+    except (OSError, ValueError, zipfile.BadZipFile, UnicodeDecodeError, EOFError) as exc:
+        raise TraceFileError(f"{path} is not a trace written by GenerationTrace.save ({_reason(exc)})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != TRACE_FORMAT:
+        raise TraceFileError(f"{path} is not a trace written by GenerationTrace.save (its manifest names no "
+                             f"{TRACE_FORMAT})")
+    version = manifest.get("version")
+    if not isinstance(version, int) or version > TRACE_VERSION:
+        raise TraceFileError(f"{path} is a trace file of version {version!r}; this dsv41 reads version "
+                             f"{TRACE_VERSION} and older")
+    try:
+        return _from_manifest(manifest, arrays)
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        raise TraceFileError(f"{path} is a damaged trace file ({_reason(exc)})") from None
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().rstrip(".") or type(exc).__name__
+    if "pickle" in text:
+        return "it holds pickled objects, which are never loaded"
+    return text.splitlines()[0]
+
+
+def _from_manifest(manifest: dict, arrays: dict) -> GenerationTrace:
+    def value(v):
+        if isinstance(v, dict) and "tensor" in v:
+            dtype = getattr(torch, v["dtype"])
+            t = torch.from_numpy(arrays[v["tensor"]].copy())
+            return t.view(dtype) if dtype in _VIEW_AS else t.to(dtype)
+        return v
+
+    def record(cls, fields: dict):
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: value(v) for k, v in fields.items() if k in known})
+
+    fwd = manifest["forward"]
+    forward = ForwardTrace(**fwd.get("options", {}))
+    for name, cls in _RECORDS.items():
+        getattr(forward, name).extend(record(cls, r) for r in fwd.get(name, []))
+    steps = [record(StepRecord, s) for s in manifest.get("steps", [])]
+    cache = [{**{k: v for k, v in step.items() if k != "layers"},
+              "layers": {int(layer): list(counts) for layer, counts in step.get("layers", [])}}
+             for step in manifest.get("cache", [])]
+    return GenerationTrace(forward, steps, cache, dict(manifest.get("meta", {})))

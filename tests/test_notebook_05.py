@@ -10,7 +10,7 @@ from widgets import replay_counts
 
 from conftest import run_notebooks_smoke, sidecar
 
-EXPECTED_OUTPUTS = sorted([f"05_{stem}.{ext}" for stem in ("routing", "expert_cache", "ties")
+EXPECTED_OUTPUTS = sorted([f"05_{stem}.{ext}" for stem in ("routing", "expert_cache", "ties", "expert_policy")
                            for ext in ("json", "png", "svg")] + ["05_generation_facts.json"])
 
 

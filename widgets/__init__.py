@@ -10,6 +10,9 @@ data from a traced `GenerationResult`, and a thin `View` wrapper (controls above
   any size.
 - ties: `tie_data(result, comparison)`, `render_ties`, `TieView` — top-k score gaps, where prefill
   and decode part, top-2 logit margins.
+- policy: `policy_data(result)` (from `dsv41.cache_policy`), `render_policy`, `PolicyView` — the
+  recorded routing replayed through LRU, LFU, a static top-N and Belady's optimum at every cache
+  size, per layer and overall, with the disk bytes per token each size would read.
 - `PromptProbe(model)` — a text box and run button that regenerate and refresh all three.
 
 Widgets import dsv41, never the reverse; `View.show()` shows the live widget in JupyterLab and the
@@ -18,12 +21,14 @@ static figure under papermill (`dsv41.viz.show`).
 
 from .cache import CacheView, cache_data, lru_replay, replay_accounting, replay_counts
 from .cache import render as render_cache
+from .policy import PolicyView, policy_data
+from .policy import render as render_policy
 from .probe import PromptProbe, traced_ids
 from .routing import RoutingView, balance, routing_data
 from .routing import render as render_routing
 from .ties import TieView, tie_data
 from .ties import render as render_ties
 
-__all__ = ["CacheView", "PromptProbe", "RoutingView", "TieView", "balance", "cache_data", "lru_replay",
-           "render_cache", "render_routing", "render_ties", "replay_accounting", "replay_counts", "routing_data",
-           "tie_data", "traced_ids"]
+__all__ = ["CacheView", "PolicyView", "PromptProbe", "RoutingView", "TieView", "balance", "cache_data", "lru_replay",
+           "policy_data", "render_cache", "render_policy", "render_routing", "render_ties", "replay_accounting",
+           "replay_counts", "routing_data", "tie_data", "traced_ids"]

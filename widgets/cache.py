@@ -11,47 +11,11 @@ exactly; above the number of distinct experts it is left with the compulsory mis
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Iterable, Sequence
+from typing import Sequence
+
+from dsv41.cache_policy import call_lookups, lru_replay, replay_counts  # the one home of the replay
 
 from ._common import View, routing_calls
-
-
-# ---------------------------------------------------------------------- the replay (pure Python)
-def lru_replay(lookups: Iterable[int], capacity: int) -> list[bool]:
-    """Hit (True) or miss per lookup through an LRU holding `capacity` items, starting empty.
-    A hit moves the item to most recent; a miss inserts it and evicts the least recent beyond
-    capacity; capacity 0 keeps nothing (every lookup misses), as the loader's ExpertCache does."""
-    if capacity < 0:
-        raise ValueError(f"capacity must be >= 0, got {capacity}")
-    window: OrderedDict = OrderedDict()
-    out = []
-    for item in lookups:
-        hit = item in window
-        out.append(hit)
-        if hit:
-            window.move_to_end(item)
-        elif capacity:
-            window[item] = None
-            while len(window) > capacity:
-                window.popitem(last=False)
-    return out
-
-
-def call_lookups(expert_ids: Sequence[Sequence[int]]) -> list[int]:
-    """The lookups one forward call makes in one layer: the distinct chosen ids, ascending."""
-    return sorted({int(e) for row in expert_ids for e in row})
-
-
-def replay_counts(calls: Sequence[Sequence[int]], capacity: int) -> list[list[int]]:
-    """[hits, misses] per call for per-call lookup lists replayed through one LRU of `capacity`."""
-    hits = lru_replay([e for call in calls for e in call], capacity)
-    out, k = [], 0
-    for call in calls:
-        part = hits[k:k + len(call)]
-        k += len(call)
-        out.append([sum(part), len(part) - sum(part)])
-    return out
 
 
 # ---------------------------------------------------------------------- trace -> plain data
