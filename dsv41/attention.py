@@ -19,7 +19,9 @@ the `Numerics` a layer is built with (`dsv41.numerics`; the reference's arithmet
 its `fix_stale_index_keys` is read by the indexer, `window_layout` by `window_rows`, and
 `pad_f32_rows` by the compressor's float32 projections.
 
-Prefill runs from position 0; later calls take one token (the reference has no chunked prefill).
+A call takes any number of tokens at the sequence's next position: a prefill at 0, one token per
+decode step, or a chunk of several (the reference has no chunked prefill; its window rows and
+compressor groups are those of a one-shot prefill, see `window_rows` and `Compressor`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from .layers import (
     linear_dtype,
     precompute_freqs_cis,
 )
-from .numerics import WINDOW_LAYOUTS, Numerics
+from .numerics import TIE_BREAKS, WINDOW_LAYOUTS, Numerics
 from .trace import AttentionRecord, Trace
 
 # Index-key and indexer-query FP4 blocks (E8M0 scales), compressed-KV FP4 blocks (E4M3 scales),
@@ -74,6 +76,15 @@ class AttentionRuntime:
         self.candidates_from: Optional[int] = None
         self.candidates_call: Optional[tuple[int, int]] = None
 
+    def published(self) -> tuple:
+        """What persists from call to call: which layers' caches were published last (the stale-key
+        rule makes that part of the sequence's state). `republish` puts it back."""
+        return self.compress_kv, self.compress_kv_from, self.index_k, self.index_k_from
+
+    def republish(self, published: tuple) -> None:
+        self.reset()
+        self.compress_kv, self.compress_kv_from, self.index_k, self.index_k_from = published
+
     def __repr__(self) -> str:
         return (f"AttentionRuntime(compress_kv_from={self.compress_kv_from}, "
                 f"index_k_from={self.index_k_from}, topk_from={self.topk_from}, "
@@ -86,7 +97,8 @@ class Compressor(nn.Module):
 
     Returns the normalized latents of the groups completed by this call, before RoPE (the
     indexer needs them unrotated), or None when no group completes. The trailing partial group
-    waits in kv_state / score_state for the next call. Ratio 1 has no group to pool: no gate, a
+    waits in kv_state / score_state for the next call; a call of several tokens at a later
+    position completes it first, so any split of a sequence into calls pools the same groups. Ratio 1 has no group to pool: no gate, a
     plain BF16 projection. Above ratio 1 the projections and pooling run in float32 (the weights
     are held in float32, as the reference runtime promotes them).
     """
@@ -121,18 +133,23 @@ class Compressor(nn.Module):
 
         x32 = x.float()
         kv, score = self.wkv(x32), self.wgate(x32)  # [b, s, head_dim] float32 each
-        if start_pos == 0:
-            n_groups = seqlen // ratio
+        if start_pos == 0 or seqlen > 1:
+            held = start_pos % ratio  # the partial group's earlier tokens, waiting in the state
+            if held:  # [b, held + s, head_dim]: the group's held rows first, then this call's
+                kv = torch.cat([self.kv_state[:bsz, :held], kv], dim=1)
+                score = torch.cat([self.score_state[:bsz, :held], score], dim=1)
+            rows = held + seqlen
+            n_groups = rows // ratio
             cut = n_groups * ratio
-            if seqlen > cut:  # the partial trailing group waits for the decode steps
-                self.kv_state[:bsz, : seqlen - cut] = kv[:, cut:]
-                self.score_state[:bsz, : seqlen - cut] = score[:, cut:]
+            if rows > cut:  # the partial trailing group waits for the next call (slot = position % ratio)
+                self.kv_state[:bsz, : rows - cut] = kv[:, cut:]
+                self.score_state[:bsz, : rows - cut] = score[:, cut:]
             if n_groups == 0:
                 return None
             kv = kv[:, :cut].unflatten(1, (n_groups, ratio))  # [b, groups, ratio, head_dim]
             score = score[:, :cut].unflatten(1, (n_groups, ratio))
             pooled = (kv * score.softmax(dim=2)).sum(dim=2)  # [b, groups, head_dim]
-        else:
+        else:  # one token at a later position: into its slot, pooled once the group is complete
             slot = start_pos % ratio
             self.kv_state[:bsz, slot] = kv[:, 0]
             self.score_state[:bsz, slot] = score[:, 0]
@@ -162,17 +179,32 @@ def candidate_block_scores(logits: torch.Tensor, compress_lens: torch.Tensor | i
     return scores.masked_fill(blocks == newest, torch.inf)
 
 
+def top_k(scores: torch.Tensor, k: int, tie_break: str = "topk") -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest along the last dim. tie_break "topk" is torch.topk's own
+    order among equal scores (the reference's; it follows memory layout, so a prefill row and a
+    decode row may keep different ones of a tie); "lowest" keeps the lower position of equal scores
+    (a stable sort), the same in any call shape."""
+    if tie_break == "topk":
+        top = scores.topk(k, dim=-1)
+        return top.values, top.indices
+    if tie_break != "lowest":
+        raise ValueError(f"tie_break must be one of {', '.join(map(repr, TIE_BREAKS))}, got {tie_break!r}")
+    order = scores.sort(dim=-1, descending=True, stable=True)
+    return order.values[..., :k], order.indices[..., :k]
+
+
 def select_candidate_blocks(logits: torch.Tensor, compress_lens: torch.Tensor | int,
-                            topk_blocks: int, block_size: int) -> torch.Tensor:
+                            topk_blocks: int, block_size: int, tie_break: str = "topk") -> torch.Tensor:
     """Level one of the two-level top-k: a bool mask shaped like `logits` [..., T] keeping each
     query's `topk_blocks` best blocks of `block_size` compressed positions, the block holding its
     newest position always among them. `logits` must already be -inf where the query cannot
-    reach; `compress_lens` (reachable count) is an int or broadcasts against logits[..., :1]."""
+    reach; `compress_lens` (reachable count) is an int or broadcasts against logits[..., :1];
+    `tie_break` as in `top_k`."""
     width = logits.size(-1)
     scores = candidate_block_scores(logits, compress_lens, block_size)
-    top = scores.topk(min(topk_blocks, scores.size(-1)), dim=-1)
+    values, indices = top_k(scores, min(topk_blocks, scores.size(-1)), tie_break)
     # with fewer reachable blocks than topk_blocks the spare picks are -inf: not kept
-    keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
+    keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, indices, values > -torch.inf)
     return keep.repeat_interleave(block_size, dim=-1)[..., :width]
 
 
@@ -252,7 +284,8 @@ class Indexer(nn.Module):
         score, reachable = self.scores(x, qr, runtime.index_k[:bsz], start_pos, freqs_cis)
         lens = reachable.unsqueeze(-1)  # [s, 1]
         if self.is_candidate_source:
-            mask = select_candidate_blocks(score, lens, self.candidate_topk_blocks, self.candidate_block_size)
+            mask = select_candidate_blocks(score, lens, self.candidate_topk_blocks, self.candidate_block_size,
+                                           self.numerics.tie_break)
             runtime.candidates, runtime.candidates_from = mask, self.layer
             runtime.candidates_call = (start_pos, seqlen)
         elif self.uses_candidates:
@@ -304,7 +337,10 @@ class Indexer(nn.Module):
     def select(self, score: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """The top `index_topk` positions of score [b, s, T], sorted, -1 past a query's reach."""
         k_sel = min(self.index_topk, score.size(-1))
-        idx = score.topk(k_sel, dim=-1, sorted=False).indices.sort(dim=-1).values
+        if self.numerics.tie_break == "topk":
+            idx = score.topk(k_sel, dim=-1, sorted=False).indices.sort(dim=-1).values
+        else:
+            idx = top_k(score, k_sel, self.numerics.tie_break)[1].sort(dim=-1).values
         # A -inf pick at a reachable position is kept, as in the reference: where the candidate
         # pool holds fewer than index_topk positions, the remainder are positions outside it.
         return torch.where(idx < lens, idx, -1)
@@ -333,7 +369,9 @@ def window_rows(start_pos: int, seqlen: int, window: int, layout: str = "referen
                 device=None) -> torch.Tensor:
     """Which rows of the window KV each query attends to, int64 [s, width] (a decode step's single
     query: [1, width]), -1 = absent. The window KV is the call's own KV on a prefill (row =
-    position) and the ring on a decode step (row = position % window).
+    position), the ring on a decode step (row = position % window), and on a call of several
+    tokens at a later position the ring as it was before the call followed by the call's own KV
+    (row = position % window before start_pos, window + position - start_pos from it on).
 
     "reference", the released runtime: a prefill has min(seqlen, window) columns, present positions
     oldest first, then -1; a decode step lists all `window` ring slots starting after the newest,
@@ -343,16 +381,22 @@ def window_rows(start_pos: int, seqlen: int, window: int, layout: str = "referen
     sparse_attn sums a row in column order, 64 columns at a time, so where the two orderings give
     the same query different columns (a prefill row narrower than the window, a decode row with
     empty slots in front) their float32 sums can round differently; "uniform" gives a query the
-    same columns either way, so prefill and decode agree bit for bit."""
+    same columns either way, so prefill and decode agree bit for bit. A call of several tokens at a
+    later position (the reference has none) lists `window` columns, oldest first, in either layout."""
     if layout not in WINDOW_LAYOUTS:
         raise ValueError(f"window_layout must be one of {', '.join(map(repr, WINDOW_LAYOUTS))}, got {layout!r}")
     if layout == "reference" and start_pos > 0:
         slots = (start_pos + 1 + torch.arange(window, device=device)) % window  # ring order from the oldest
         return torch.where(slots <= start_pos, slots, -1).unsqueeze(0)  # a slot past start_pos is unwritten
     positions = torch.arange(start_pos, start_pos + seqlen, device=device)
-    width = min(seqlen, window) if layout == "reference" else window
+    width = min(seqlen, window) if layout == "reference" and start_pos == 0 else window
     seen = (positions - window + 1).clamp_min(0).unsqueeze(-1) + torch.arange(width, device=device)  # [s, width]
-    rows = seen if start_pos == 0 else seen % window
+    if start_pos == 0:
+        rows = seen
+    elif seqlen == 1:
+        rows = seen % window
+    else:
+        rows = torch.where(seen >= start_pos, window + seen - start_pos, seen % window)
     return torch.where(seen <= positions.unsqueeze(-1), rows, -1)
 
 
@@ -430,18 +474,46 @@ class Attention(nn.Module):
         if self.indexer is not None:
             self.indexer.reset_state()
 
+    def capture(self, start: int, end: int) -> dict:
+        """Copies of the cache rows a call over positions [start, end) may write (or, with start 0,
+        every row a sequence of `end` positions has written): the window ring slots of the last
+        `window` of those positions, the compressed-KV and index-key rows of the groups they can
+        complete, and the compressor's partial group. `restore` writes them back."""
+        win = self.window_size
+        slots = torch.arange(max(start, end - win), end, device=self.window_kv_cache.device) % win
+        saved = {"slots": slots, "window": self.window_kv_cache[:, slots].clone()}
+        if self.ratio:
+            groups = slice(start // self.ratio, end // self.ratio)
+            saved["groups"] = groups
+            if self.compressor is not None:
+                saved["compressed"] = self.compress_kv_cache[:, groups].clone()
+                if self.compressor.ratio > 1:
+                    saved["kv_state"] = self.compressor.kv_state.clone()
+                    saved["score_state"] = self.compressor.score_state.clone()
+            if self.indexer is not None and self.indexer.owns_k:
+                saved["index_keys"] = self.indexer.k_cache[:, groups].clone()
+        return saved
+
+    def restore(self, saved: dict) -> None:
+        self.window_kv_cache[:, saved["slots"]] = saved["window"]
+        if "compressed" in saved:
+            self.compress_kv_cache[:, saved["groups"]] = saved["compressed"]
+        if "kv_state" in saved:
+            self.compressor.kv_state.copy_(saved["kv_state"])
+            self.compressor.score_state.copy_(saved["score_state"])
+        if "index_keys" in saved:
+            self.indexer.k_cache[:, saved["groups"]] = saved["index_keys"]
+
     def _random_init_(self, gen: torch.Generator) -> None:
         self.attn_sink.copy_(torch.randn(self.n_heads, generator=gen) * 0.5)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, start_pos: int, runtime: AttentionRuntime,
                 trace: Optional[Trace] = None) -> torch.Tensor:
-        """x [b, s, dim] -> [b, s, dim]. start_pos 0 is a prefill of any length; later calls take
-        one token. Reads and writes `runtime`; appends an AttentionRecord to `trace` if given."""
+        """x [b, s, dim] -> [b, s, dim]: any number of tokens at start_pos (0 starts a sequence; a
+        later call continues it: one token is a decode step, several a chunk, causal inside it).
+        Reads and writes `runtime`; appends an AttentionRecord to `trace` if given."""
         bsz, seqlen, _ = x.shape
-        if start_pos > 0 and seqlen != 1:
-            raise ValueError(f"layer {self.layer}: a call at start_pos {start_pos} takes one token, got {seqlen} "
-                             f"(prefill starts at 0; there is no chunked prefill)")
         if start_pos + seqlen > self.max_seq_len or bsz > self.max_batch_size:
             raise ValueError(f"layer {self.layer}: batch {bsz} x positions up to {start_pos + seqlen} exceed the "
                              f"caches ({self.max_batch_size} x {self.max_seq_len}); build with larger limits")
@@ -488,15 +560,16 @@ class Attention(nn.Module):
         kv = self.kv_norm(self.wkv(x))  # [b, s, head_dim]
         apply_rotary_emb(kv[..., -self.rope_head_dim :], freqs)
         act_quant(kv, WINDOW_FP8_BLOCK, "ue8m0", torch.float8_e8m0fnu, inplace=True)
-        if start_pos == 0:
-            # seed the ring: position p lives in slot p % win
-            keep = min(seqlen, win)
-            slots = torch.arange(seqlen - keep, seqlen, device=x.device) % win
-            self.window_kv_cache[:bsz, slots] = kv[:, seqlen - keep :]
-            window_kv = kv
-        else:
+        if start_pos > 0 and seqlen == 1:
             self.window_kv_cache[:bsz, start_pos % win] = kv[:, 0]
             window_kv = self.window_kv_cache[:bsz]
+        else:
+            # a later chunk reads the earlier positions from the ring as it was: [b, win + s, head_dim]
+            window_kv = kv if start_pos == 0 else torch.cat([self.window_kv_cache[:bsz], kv], dim=1)
+            # then position p takes slot p % win (the chunk's last `win` positions)
+            keep = min(seqlen, win)
+            slots = torch.arange(start_pos + seqlen - keep, start_pos + seqlen, device=x.device) % win
+            self.window_kv_cache[:bsz, slots] = kv[:, seqlen - keep :]
         idxs = window_rows(start_pos, seqlen, win, self.numerics.window_layout, x.device)  # [s or 1, width]
         return window_kv, idxs.int().unsqueeze(0).expand(bsz, seqlen, -1)
 

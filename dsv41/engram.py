@@ -358,6 +358,14 @@ class NgramHasher:
         self._history = None  # [batch, max_ngram_size - 1] compressed ids, oldest first; DEAD = none
         self.n_positions = 0  # positions hashed since the last reset
 
+    def state(self) -> tuple:
+        """The carried look-back, to put back with `set_state` (a model's rollback and snapshots)."""
+        return (None if self._history is None else self._history.copy()), self.n_positions
+
+    def set_state(self, state: tuple) -> None:
+        history, self.n_positions = state
+        self._history = None if history is None else history.copy()
+
     def __call__(self, token_ids, token_mask=None):
         return self.hash_ids(token_ids, token_mask)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -123,10 +124,25 @@ class GenerationResult:
 
 
 # ---------------------------------------------------------------------- the three verbs
-def prefill(model, prompt_ids, *, trace=None) -> torch.Tensor:
-    """Run the prompt [b, s] (or [s]) from position 0 (a new sequence) -> float32 logits [b, vocab]."""
+def prefill(model, prompt_ids, *, trace=None, start_pos: int = 0, chunk: Optional[int] = None,
+            progress: bool = False) -> torch.Tensor:
+    """Run the prompt [b, s] (or [s]) from `start_pos` (0: a new sequence) -> float32 logits
+    [b, vocab] of its last position. `chunk`: at most that many tokens per forward (the same
+    logits as one call under Numerics.parity()); `progress`: a tqdm bar on stderr (tokens, tokens/s)."""
     ids = torch.as_tensor(prompt_ids, dtype=torch.long)
-    return model(ids.unsqueeze(0) if ids.dim() == 1 else ids, 0, trace=trace)
+    ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+    if chunk is None:
+        return model(ids, start_pos, trace=trace)
+    if not _whole(chunk) or chunk < 1:
+        raise ValueError(f"prefill_chunk must be a whole number >= 1, got {chunk!r}")
+    from tqdm import tqdm
+
+    with tqdm(total=ids.size(1), desc="prefill", unit="tok", file=sys.stderr, disable=not progress,
+              leave=False) as bar:
+        for at in range(0, ids.size(1), chunk):
+            logits = model(ids[:, at : at + chunk], start_pos + at, trace=trace)
+            bar.update(min(chunk, ids.size(1) - at))
+    return logits
 
 
 def decode_one(model, token_id, *, trace=None) -> torch.Tensor:
@@ -162,12 +178,18 @@ def decode_n(model, token_id, n: int, *, temperature: float = 0.0, generator: Op
 
 
 def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.0, seed: int = 0,
-             trace: bool = False, callback: Optional[Callable] = None, stop_at_eos: bool = True) -> GenerationResult:
+             trace: bool = False, callback: Optional[Callable] = None, stop_at_eos: bool = True,
+             prefill_chunk: Optional[int] = None, reuse_prefix: bool = False,
+             progress: bool = False) -> GenerationResult:
     """Generate from `prompt` (text, or a list of token ids) -> GenerationResult.
 
     Greedy at temperature 0 (ties to the lowest id); otherwise seeded Gumbel-max. `trace=True`
     records the run (see GenerationTrace). `callback(step, token, logits)` as in decode_n. NaN or
-    Inf logits stop the run with NonFiniteLogits, naming the first site that went non-finite."""
+    Inf logits stop the run with NonFiniteLogits, naming the first site that went non-finite.
+    `prefill_chunk`: prefill in chunks of that many tokens (`progress`: a bar on stderr);
+    `reuse_prefix`: continue the model's current sequence where the prompt starts with it (rolled
+    back to the longest shared prefix, as far as `Model.rollback_limit` allows) instead of
+    prefilling it again; `timings['reused_positions']` says how many positions were reused."""
     check_prompt(prompt)
     check_sampling(max_new_tokens, temperature, seed)
     prompt_ids = model.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
@@ -182,7 +204,11 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
     steps_before = len(model.experts.counters.steps)
 
     began = time.perf_counter()
-    logits = prefill(model, prompt_ids, trace=ftrace)
+    reused = _reusable_prefix(model, prompt_ids) if reuse_prefix else 0
+    if reused:
+        model.rollback(model.position - reused)
+    logits = prefill(model, prompt_ids[reused:], trace=ftrace, start_pos=reused, chunk=prefill_chunk,
+                     progress=progress)
     _check_finite(model, logits, prompt_ids)
     ids: list[int] = []
     finish = "length"
@@ -214,12 +240,27 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
     per_token = [s.seconds for s in steps]
     timings = {"prefill_s": prefill_s, "decode_s": decode_s, "per_token_s": per_token,
                "tokens_per_s": (len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else None,
-               "prompt_tokens": len(prompt_ids)}
+               "prompt_tokens": len(prompt_ids), "reused_positions": reused}
     gtrace = None
     if trace:
         gtrace = GenerationTrace(ftrace, steps, [dict(s, layers={k: list(v) for k, v in s["layers"].items()})
                                                  for s in model.experts.counters.steps[steps_before:]])
     return GenerationResult(prompt_ids, ids, model.decode(ids), timings, finish, gtrace)
+
+
+def _reusable_prefix(model, prompt_ids: Sequence[int]) -> int:
+    """How many leading positions of the model's current (batch 1) sequence the prompt shares and
+    a rollback can keep; at least the prompt's last token is always run again (its logits start
+    the generation)."""
+    held = model.token_ids
+    if held.size(0) != 1 or not held.size(1):
+        return 0
+    shared = 0
+    for have, want in zip(held[0].tolist(), prompt_ids[:-1]):
+        if have != want:
+            break
+        shared += 1
+    return shared if shared >= model.rollback_limit else 0
 
 
 # ---------------------------------------------------------------------- prefill vs decode

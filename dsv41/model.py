@@ -25,6 +25,8 @@ and are read a row at a time.
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
 import torch
@@ -445,7 +447,7 @@ class Model:
     are `dsv41.generate`'s functions over this object."""
 
     def __init__(self, cfg, *, numerics: Numerics = Numerics(), max_batch_size: int = 1, max_seq_len: int = 4096,
-                 tokenizer=None, tokenizer_meta: Optional[dict] = None, hasher=None):
+                 tokenizer=None, tokenizer_meta: Optional[dict] = None, hasher=None, undo_calls: int = 64):
         self.cfg, self.numerics = cfg, numerics
         self.backbone = Backbone(cfg, numerics=numerics, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
         self.runtime = AttentionRuntime()
@@ -455,6 +457,8 @@ class Model:
         self.engram_tables: dict[int, EngramTable] = {}
         self.report = self.checkpoint = None
         self.position = 0  # positions consumed since the last reset
+        self.token_ids = torch.zeros(1, 0, dtype=torch.long)  # [b, position]: what the sequence holds
+        self._undo: deque = deque(maxlen=undo_calls)
 
     def attach(self, experts: ExpertStore, engram_tables: dict[int, EngramTable]) -> None:
         """Where routed experts and Engram rows are read from (neither is a parameter)."""
@@ -475,6 +479,8 @@ class Model:
         if self.hasher is not None:
             self.hasher.reset()
         self.position = 0
+        self.token_ids = torch.zeros(1, 0, dtype=torch.long)
+        self._undo.clear()
 
     def reset_expert_cache(self) -> None:
         """Start the expert cache cold: drop every cached expert and zero its hit / miss counters
@@ -490,25 +496,102 @@ class Model:
         bsz, seqlen = ids.shape
         if seqlen == 0:
             raise ValueError("no input ids")
-        if start_pos == 0:
-            self.reset()
-        elif start_pos != self.position:
+        # every check before anything changes: a refused call leaves the sequence as it was
+        if start_pos != 0 and start_pos != self.position:
             raise ValueError(f"start_pos {start_pos}, but this sequence has {self.position} positions; continue "
                              f"at {self.position} or start again at 0")
         if start_pos + seqlen > self.max_seq_len:
-            raise ValueError(f"positions up to {start_pos + seqlen} exceed max_seq_len {self.max_seq_len}")
+            raise ValueError(f"positions {start_pos} to {start_pos + seqlen - 1} exceed max_seq_len "
+                             f"{self.max_seq_len}; load with a larger max_seq_len")
+        if bsz > self.backbone.max_batch_size or (start_pos and bsz != self.token_ids.size(0)):
+            raise ValueError(f"a batch of {bsz} sequences, but the caches hold {self.backbone.max_batch_size}"
+                             + (f" and this sequence has {self.token_ids.size(0)}" if start_pos else ""))
         if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
-        hash_ids = None
-        if self.hasher is not None:
-            mask = None if image_mask is None else ~torch.as_tensor(image_mask, dtype=torch.bool)
-            hash_ids = self.hasher(ids, mask)  # [b, s, n_engram_layers, n_hash_cols]
-        counters = getattr(self.experts, "counters", None)  # a store without counters counts nothing
-        if counters is not None:
-            counters.begin_step(start_pos, seqlen)
-        logits = self.backbone(ids, start_pos, self.runtime, hash_ids, image_mask, trace, all_positions)
+        if start_pos == 0:
+            self.reset()
+            self.token_ids = torch.zeros(bsz, 0, dtype=torch.long)
+        undo = self._capture(start_pos, start_pos + seqlen, ids, image_mask)
+        try:
+            hash_ids = None
+            if self.hasher is not None:
+                mask = None if image_mask is None else ~torch.as_tensor(image_mask, dtype=torch.bool)
+                hash_ids = self.hasher(ids, mask)  # [b, s, n_engram_layers, n_hash_cols]
+            counters = getattr(self.experts, "counters", None)  # a store without counters counts nothing
+            if counters is not None:
+                counters.begin_step(start_pos, seqlen)
+            logits = self.backbone(ids, start_pos, self.runtime, hash_ids, image_mask, trace, all_positions)
+        except BaseException:
+            self._put_back(undo)  # nothing half-applied: the caches as they were before the call
+            raise
+        self._undo.append(undo)
+        self.token_ids = torch.cat([self.token_ids, ids], dim=1)
         self.position = start_pos + seqlen
         return logits
+
+    # ------------------------------------------------------------------ rollback and snapshots
+    def _capture(self, start: int, end: int, ids=None, image_mask=None) -> "SequenceState":
+        layers = [block.attn.capture(start, end) for block in self.backbone.layers]
+        return SequenceState(start, layers, self.runtime.published(),
+                             None if self.hasher is None else self.hasher.state(),
+                             self.token_ids[:, :start].clone(), ids, image_mask, model_id=id(self))
+
+    def _put_back(self, state: "SequenceState") -> None:
+        for block, saved in zip(self.backbone.layers, state.layers):
+            block.attn.restore(saved)
+        self.runtime.republish(state.published)
+        if self.hasher is not None:
+            self.hasher.set_state(state.hasher)
+        self.token_ids = state.token_ids.clone()
+        self.position = state.position
+
+    @property
+    def rollback_limit(self) -> int:
+        """The shortest length `rollback` can return to: the start of the oldest call it still
+        remembers (each call keeps what it overwrote; the last `undo_calls` calls are kept)."""
+        return self._undo[0].position if self._undo else self.position
+
+    def rollback(self, n_positions: int) -> None:
+        """Return the sequence to `n_positions` fewer positions, so that continuing from there
+        equals never having gone past it, bit for bit: the calls after it are undone (each kept
+        what it overwrote) and the part of the first undone call that stays is run again as one
+        call, exactly as a sequence that stopped there would have run it. Reaches back as far as
+        `rollback_limit`; 0 positions back to 0 is a reset."""
+        if not isinstance(n_positions, int) or not 0 <= n_positions <= self.position:
+            raise ValueError(f"rollback takes 0 to {self.position} positions, got {n_positions!r}")
+        target = self.position - n_positions
+        if n_positions == 0:
+            return
+        if target == 0:
+            self.reset()
+            return
+        if target < self.rollback_limit:
+            raise ValueError(f"can roll back to position {self.rollback_limit} at the earliest (the oldest call "
+                             f"kept; load with a larger undo_calls), not to {target}")
+        last = None
+        while self.position > target:
+            last = self._undo.pop()
+            self._put_back(last)
+        if self.position < target:  # the undone call's kept part, as the one call it would have been
+            keep = target - last.position
+            mask = None if last.image_mask is None else torch.as_tensor(last.image_mask)[:, :keep]
+            self(last.ids[:, :keep], last.position, image_mask=mask)
+
+    def snapshot(self) -> "SequenceState":
+        """A copy of the sequence so far (caches, look-back, what was published), for `restore`:
+        a later request continues from a shared prefix instead of running it again."""
+        state = self._capture(0, self.position)
+        state.position, state.token_ids = self.position, self.token_ids.clone()
+        state.undo = list(self._undo)  # earlier calls' records: a restored sequence can still roll back
+        return state
+
+    def restore(self, state: "SequenceState") -> None:
+        """Continue from a `snapshot` of this model (the sequence as it was then)."""
+        if state.model_id != id(self):
+            raise ValueError("this snapshot was taken of another model")
+        self.reset()
+        self._put_back(state)
+        self._undo = deque(state.undo, maxlen=self._undo.maxlen)
 
     # ------------------------------------------------------------------ text
     @property
@@ -541,6 +624,23 @@ class Model:
     def __repr__(self) -> str:
         where = self.report.checkpoint if self.report is not None else "not loaded"
         return f"Model({where!r}, {self.cfg.summary()})"
+
+
+@dataclass
+class SequenceState:
+    """What a call overwrote (an undo record) or what a sequence holds (a snapshot): per layer the
+    cache rows `Attention.capture` copied, the runtime's published caches, the n-gram look-back,
+    the token ids before `position`; an undo record also keeps its call's ids to run again."""
+
+    position: int
+    layers: list
+    published: tuple
+    hasher: Optional[tuple]
+    token_ids: torch.Tensor
+    ids: Optional[torch.Tensor] = None
+    image_mask: Optional[torch.Tensor] = None
+    undo: list = field(default_factory=list)
+    model_id: int = 0
 
 
 def _generation():

@@ -1,8 +1,8 @@
 """Where dsv41's arithmetic may knowingly depart from the released runtime's: one frozen value.
 
 `Numerics.reference()` (the default everywhere) does what the released runtime does.
-`Numerics.parity()` is the set under which a prefill and the same tokens decoded one at a time
-agree bit for bit until some top-k has to cut between equal or rounding-close scores:
+`Numerics.parity()` is the set under which a prefill, the same tokens decoded one at a time and
+any split of them into chunks agree bit for bit:
 
 - window_layout "uniform": every query lists its window rows the same way in a prefill and a
   decode step (`attention.window_rows`); the reference's decode lists the ring with its empty
@@ -11,8 +11,17 @@ agree bit for bit until some top-k has to cut between equal or rounding-close sc
   their row count to a multiple of 8 so CPU BLAS takes one kernel for any row count
   (`layers.f32_linear`), and routed experts run batch-invariant (`kernels.experts`).
 
-fix_stale_index_keys is the Transformers port's fix for stale indexer keys (`attention.Indexer`);
-it changes what is computed, not how it rounds, so `parity()` leaves it off.
+- tie_break "lowest": equal scores in the indexer's top-k and the candidate-block cut go to the
+  lower position (`attention.top_k`); torch.topk's own order (the reference's) follows memory
+  layout, so a prefill row and a decode row could keep different members of a tie. With one tie
+  rule the selections cannot differ, so the equality holds at every position, not only until
+  the first tie.
+
+- fix_stale_index_keys: the Transformers port's fix for stale indexer keys (`attention.Indexer`).
+  The reference republishes a Full layer's index keys only on calls that complete one of its
+  groups, so what a layer scores depends on how the sequence was split into calls; with the fix
+  every order scores the same keys. It changes what is computed, not only how it rounds, which
+  is why it is a field of its own; `parity()` needs it.
 
 Standard library only: the header-only commands import it without torch.
 """
@@ -23,6 +32,8 @@ from dataclasses import asdict, dataclass, replace
 
 # The index-row layouts `attention.window_rows` knows; the first is the released runtime's.
 WINDOW_LAYOUTS = ("reference", "uniform")
+# How `attention.top_k` orders equal scores; the first is the released runtime's (torch.topk).
+TIE_BREAKS = ("topk", "lowest")
 
 
 @dataclass(frozen=True)
@@ -30,11 +41,14 @@ class Numerics:
     fix_stale_index_keys: bool = False
     window_layout: str = "reference"
     pad_f32_rows: bool = False
+    tie_break: str = "topk"
 
     def __post_init__(self):
         if self.window_layout not in WINDOW_LAYOUTS:
             raise ValueError(f"window_layout must be one of {', '.join(map(repr, WINDOW_LAYOUTS))}, "
                              f"got {self.window_layout!r}")
+        if self.tie_break not in TIE_BREAKS:
+            raise ValueError(f"tie_break must be one of {', '.join(map(repr, TIE_BREAKS))}, got {self.tie_break!r}")
         for name in ("fix_stale_index_keys", "pad_f32_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -45,7 +59,7 @@ class Numerics:
 
     @classmethod
     def parity(cls) -> "Numerics":
-        return cls(window_layout="uniform", pad_f32_rows=True)
+        return cls(fix_stale_index_keys=True, window_layout="uniform", pad_f32_rows=True, tie_break="lowest")
 
     @classmethod
     def named(cls, name: str) -> "Numerics":

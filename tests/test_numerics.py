@@ -8,9 +8,10 @@ import pytest
 from dsv41.numerics import WINDOW_LAYOUTS, Numerics
 
 
-def test_the_default_is_the_reference_and_parity_is_the_two_rounding_options():
-    assert Numerics() == Numerics.reference() == Numerics(False, "reference", False)
-    assert Numerics.parity() == Numerics(fix_stale_index_keys=False, window_layout="uniform", pad_f32_rows=True)
+def test_the_default_is_the_reference_and_parity_departs_in_every_field():
+    assert Numerics() == Numerics.reference() == Numerics(False, "reference", False, "topk")
+    assert Numerics.parity() == Numerics(fix_stale_index_keys=True, window_layout="uniform", pad_f32_rows=True,
+                                         tie_break="lowest")
     assert Numerics.named("reference") == Numerics.reference() and Numerics.named("parity") == Numerics.parity()
     assert Numerics.reference().window_layout == WINDOW_LAYOUTS[0]
 
@@ -19,15 +20,17 @@ def test_it_is_frozen_and_with_options_keeps_fields_given_none():
     n = Numerics.parity()
     with pytest.raises(dataclasses.FrozenInstanceError):
         n.pad_f32_rows = False
-    fixed = n.with_options(fix_stale_index_keys=True, window_layout=None)
-    assert fixed == Numerics(True, "uniform", True) and n == Numerics.parity()
-    assert n.as_dict() == {"fix_stale_index_keys": False, "window_layout": "uniform", "pad_f32_rows": True}
+    plain = n.with_options(tie_break="topk", window_layout=None)
+    assert plain == Numerics(True, "uniform", True, "topk") and n == Numerics.parity()
+    assert n.as_dict() == {"fix_stale_index_keys": True, "window_layout": "uniform", "pad_f32_rows": True,
+                           "tie_break": "lowest"}
 
 
 @pytest.mark.parametrize("bad, match", [
     (dict(window_layout="ring"), "window_layout must be one of 'reference', 'uniform'"),
     (dict(pad_f32_rows=1), "pad_f32_rows must be True or False"),
     (dict(fix_stale_index_keys="yes"), "fix_stale_index_keys must be True or False"),
+    (dict(tie_break="random"), "tie_break must be one of 'topk', 'lowest'"),
 ])
 def test_bad_values_are_refused_by_name(bad, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -39,13 +42,13 @@ def test_bad_values_are_refused_by_name(bad, match):
 def test_load_takes_a_numerics_value_and_the_keyword_shortcuts_override_its_fields(tiny_checkpoint):
     import dsv41
 
-    m = dsv41.load(tiny_checkpoint, quiet=True, numerics=Numerics.parity(), fix_stale_index_keys=True)
-    assert m.numerics == Numerics(True, "uniform", True)
+    m = dsv41.load(tiny_checkpoint, quiet=True, numerics=Numerics.parity(), fix_stale_index_keys=False)
+    assert m.numerics == Numerics(False, "uniform", True, "lowest")
     # the one value reaches every layer that reads it
     for block in m.backbone.layers:
         assert block.attn.numerics is m.numerics and block.ffn.gate.pad_f32_rows and block.ffn.experts.batch_invariant
         if block.attn.indexer is not None:
-            assert block.attn.indexer.numerics.fix_stale_index_keys
+            assert not block.attn.indexer.numerics.fix_stale_index_keys and block.attn.indexer.numerics.tie_break == "lowest"
     assert m.backbone.head.pad_f32_rows
     assert dsv41.load(tiny_checkpoint, quiet=True).numerics == Numerics.reference()
 
