@@ -322,7 +322,8 @@ def test_prompt_probe_counts_tokens_and_refreshes_the_views_handed_to_it(model):
     probe = widgets.PromptProbe(model, "Once upon a time", 2, compare=False, result=probe0.result, refresh=above)
     probe.text.value, probe.tokens.value = "Something else entirely", 5
     probe.on_run()
-    assert probe.progress.value == probe.progress.max == 5 and "5 generated" in probe.status.value
+    assert probe.progress.value == probe.progress.max == 5 and probe.progress.description == "done"
+    assert "5 generated" in probe.status.value
     assert [v.data for v in above] == [probe.views[n].data for n in ("routing", "cache", "ties")]
     assert above[0].data is not probe0.views["routing"].data
     with pytest.raises(TypeError, match="refreshes routing, cache and tie views"):

@@ -82,7 +82,8 @@ class PromptProbe:
             self.progress.description, self.progress.max, self.progress.value = "comparing", len(ids), 0
             self.status.value = f"comparing a prefill with token-by-token decoding over {len(ids)} positions"
             comparison = self.model.compare_prefill_decode(ids)
-            self.progress.value = len(ids)
+        self.progress.description, self.progress.max = "done", max(1, len(result.ids))
+        self.progress.value = len(result.ids)  # a finished run shows its tokens, not the last phase
         return result, comparison
 
     def stop(self, _button=None) -> None:
