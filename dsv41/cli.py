@@ -16,7 +16,10 @@ COMMANDS = {
     "engram": ("dsv41.engram", "cli_main", "Engram layout, multipliers and hash ids for a config (and tokenizer)"),
     "generate": ("dsv41.cli", "generate_main", "generate text from a checkpoint (default: the embedded tiny one)"),
     "notebooks": ("dsv41.notebooks", "cli_main", "execute every notebook with papermill into a new outputs/run-NNN (figures, sidecars, summary)"),
-    "bench": ("dsv41.bench", "cli_main", "time the fused packed-FP4 expert path against expanding experts to BF16"),
+    "replay": ("dsv41.cache_policy", "cli_main", "replay a saved trace's routing through expert-cache policies (LRU, LFU, static, Belady): hit rates and disk bytes per token"),
+    "bench": ("dsv41.bench", "cli_main", "time the fused packed-FP4 expert path against expanding experts to BF16, "
+                                         "decode end to end, and torch threads on the embedded checkpoint"),
+    "lab": ("dsv41.lab", "cli_main", "copy the notebooks into outputs/lab (edited copies kept) and start JupyterLab there"),
 }
 
 
@@ -60,11 +63,15 @@ def generate_main(argv: list[str]) -> int:
                         help="where routed experts run: cpu (default), cuda, cuda:1 or a comma-separated list; "
                              "without CUDA the CPU runs them, with one line on stderr")
     parser.add_argument("--numerics", choices=("reference", "parity"), default="reference",
-                        help="reference (default): the released runtime's arithmetic; parity: a prefill equals "
-                             "the same tokens decoded one at a time until a top-k cuts (uniform window "
-                             "layout, padded float32 GEMMs)")
+                        help="reference (default): the released runtime's arithmetic; parity: a prefill, the same "
+                             "tokens decoded one at a time and any chunking agree bit for bit (uniform window "
+                             "layout, padded float32 GEMMs, ties to the lower position, fresh index keys)")
     parser.add_argument("--fix-stale-index-keys", action="store_true",
                         help="republish a Full layer's own index keys every step (the Transformers port's fix)")
+    parser.add_argument("--threads", type=_threads_arg, default="auto", metavar="auto|N",
+                        help="torch intra-op threads, which the native expert kernel uses too: auto (default) is one "
+                             "thread for a model with small expert matrices (the embedded checkpoint), every core "
+                             "otherwise (the released geometry); N sets N; the load report says which")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or report on stderr")
     args = parser.parse_args(argv)
 
@@ -111,7 +118,7 @@ def generate_main(argv: list[str]) -> int:
     try:
         model = load(path, numerics=numerics, expert_device=devices, resident_engram=args.resident_engram,
                      expert_cache=DEFAULT_EXPERT_CACHE if args.expert_cache is None else args.expert_cache,
-                     quiet=args.quiet, max_seq_len=args.max_seq_len)
+                     quiet=args.quiet, max_seq_len=args.max_seq_len, threads=args.threads)
     except (LoadError, ValueError) as exc:
         return fail(str(exc))
 
@@ -140,6 +147,19 @@ def generate_main(argv: list[str]) -> int:
         print(f"{len(result.ids)} tokens ({result.finish_reason}); prefill {t['prefill_s']:.2f} s, decode "
               f"{t['decode_s']:.2f} s{rate}; expert cache {hits} hits / {misses} misses", file=sys.stderr)
     return 0
+
+
+def _threads_arg(text: str):
+    """A --threads value: "auto" or a whole number >= 1."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes auto or a whole number of threads >= 1, got {text!r}")
+    return value
 
 
 def _audit_problem(path: str) -> Optional[str]:

@@ -11,6 +11,13 @@ layers and the vision tower are left in the shards on purpose; nothing here runs
 What the load did is returned as a `LoadReport`: every checkpoint tensor is accounted for as loaded,
 left on disk on purpose, or unexpected, with the parameter count, the dequantizations and the bytes
 retained, next to the bytes `predict_retained_bytes` derives from the inventory alone.
+
+`threads=` sets torch's intra-op threads (process-wide; the native expert kernel runs on
+`torch.get_num_threads()` too): "auto" (default) gives a model whose expert matrices are small
+(`auto_threads`: under AUTO_THREADS_MIN_WEIGHTS weights each, as the embedded checkpoint's) one
+thread, since their threads only hand tiny pieces of work back and forth, and anything larger
+(the released geometry) every core; an int sets that many; None leaves torch alone. The report
+says which it chose and why.
 """
 
 from __future__ import annotations
@@ -43,6 +50,14 @@ DEFAULT_EXPERT_CACHE = 16
 DEFAULT_MAX_SEQ_LEN = 4096
 # The caches hold one row per sequence; generation here runs one (larger batches are for tests).
 MAX_BATCH_SIZE = 64
+# threads="auto": one intra-op thread below this many weights per expert matrix (dim x
+# moe_inter_dim), every core at or above it. For the embedded checkpoint's 128 x 64 = 8,192,
+# `dsv41 bench threads` on a shared two-core machine measured two threads at 0.14x-1.21x the
+# tokens/s of one (a little faster with the second core idle, 7x slower with it busy): little to
+# win, much to lose. The released 5,120 x 2,304 = 11,796,480 is far past it: a decode step's expert
+# GEMVs are megabytes each, and the native kernel splits their rows over the threads (two threads
+# measured up to 1.57x one there).
+AUTO_THREADS_MIN_WEIGHTS = 1 << 22
 
 LOADED, ROUTED, ENGRAM, MTP, VISION, UNEXPECTED = (
     "loaded", "routed experts (read on demand)", "Engram tables (rows gathered on demand)",
@@ -448,6 +463,51 @@ class ResidentEngramTable:
         return self.weight.nbytes + self.scale.nbytes
 
 
+# ---------------------------------------------------------------------- torch threads
+def all_cores() -> int:
+    """The cores this process may run on ($OMP_NUM_THREADS when it is set to a positive number,
+    as a cap the user chose; else the CPU affinity set, else os.cpu_count())."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def auto_threads(cfg: Config) -> tuple[int, str]:
+    """(threads, why) for threads="auto": 1 when an expert matrix (dim x moe_inter_dim weights)
+    is under AUTO_THREADS_MIN_WEIGHTS, else `all_cores()`."""
+    weights = cfg.dim * cfg.moe_inter_dim
+    shape = f"expert matrices {cfg.dim} x {cfg.moe_inter_dim} = {weights:,} weights"
+    if weights < AUTO_THREADS_MIN_WEIGHTS:
+        return 1, f"auto: {shape}, under {AUTO_THREADS_MIN_WEIGHTS:,}: one thread; more would only hand tiny work back and forth"
+    cores = all_cores()
+    return cores, f"auto: {shape}, at least {AUTO_THREADS_MIN_WEIGHTS:,}: all {cores} cores"
+
+
+def check_threads(threads) -> None:
+    """ValueError unless `threads` is "auto", None or a whole number >= 1."""
+    if threads is None or threads == "auto":
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f'threads must be "auto", None (leave torch alone) or a whole number >= 1, got {threads!r}')
+
+
+def apply_threads(threads, cfg: Config) -> tuple[int, str]:
+    """Set torch's intra-op threads as `load(threads=...)` does; returns (threads now, why)."""
+    check_threads(threads)
+    if threads is None:
+        return torch.get_num_threads(), "left alone (threads=None)"
+    if threads == "auto":
+        count, why = auto_threads(cfg)
+    else:
+        count, why = threads, f"threads={threads}"
+    torch.set_num_threads(count)
+    return torch.get_num_threads(), why
+
+
 # ---------------------------------------------------------------------- the report
 @dataclass
 class LoadReport:
@@ -465,6 +525,8 @@ class LoadReport:
     dequantized: list[tuple[str, str, str]] = field(default_factory=list)
     tensors: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    threads: Optional[int] = None  # torch's intra-op threads after the load
+    threads_choice: str = ""  # why: "auto: ...", "threads=N" or "left alone (threads=None)"
 
     def names(self, bucket: str) -> list[str]:
         return [n for n, b in self.tensors.items() if b == bucket]
@@ -487,6 +549,8 @@ class LoadReport:
                  f"predicted {self.predicted_bytes_retained:,}; caches {self.state_bytes:,} bytes",
                  f"  {len(self.dequantized)} conversions at load: "
                  + _conversion_summary(self.dequantized)]
+        if self.threads is not None:
+            lines.append(f"  torch threads: {self.threads} ({self.threads_choice})")
         for bucket, n in self.counts().items():
             lines.append(f"  {bucket}: {n} tensors")
         if self.resident_engram_bytes:
@@ -577,7 +641,7 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
          fix_stale_index_keys: Optional[bool] = None, window_layout: Optional[str] = None,
          pad_f32_rows: Optional[bool] = None, expert_cache: int = DEFAULT_EXPERT_CACHE, expert_device="cpu",
          resident_engram: bool = False, max_seq_len: Optional[int] = None, max_batch_size: int = 1,
-         quiet: bool = False) -> Model:
+         threads="auto", undo_calls: int = 64, quiet: bool = False) -> Model:
     """Load a checkpoint directory (default: the embedded tiny one) -> `model.Model`, its
     `report` the LoadReport.
 
@@ -589,14 +653,20 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
     round-robin); without a usable GPU one line on stderr says so and the CPU's fused path runs
     them (a string that names no device raises ValueError); resident_engram: copy the Engram
     tables into RAM instead of gathering from the shards; max_seq_len (default min(config, 4096))
-    and max_batch_size size the attention caches; quiet: no progress bar. Raises LoadError with
-    one sentence on a bad checkpoint."""
+    and max_batch_size size the attention caches; threads: torch's intra-op threads for the whole
+    process, which the native expert kernel uses too: "auto" (default; one thread for a model
+    whose expert matrices are under AUTO_THREADS_MIN_WEIGHTS weights, as the embedded checkpoint's,
+    every core otherwise, see `auto_threads`), a whole number, or None to leave torch as it is
+    (the report's summary says which); undo_calls: how many calls `Model.rollback` can undo;
+    quiet: no progress bar. Raises LoadError with one sentence
+    on a bad checkpoint."""
     from tqdm import tqdm
 
     from .engram import EngramError, NgramHasher
 
     numerics = (numerics or Numerics()).with_options(fix_stale_index_keys=fix_stale_index_keys,
                                                      window_layout=window_layout, pad_f32_rows=pad_f32_rows)
+    check_threads(threads)
     began = time.perf_counter()
     try:
         devices = expert_devices(expert_device)  # prints the one fallback line when CUDA is absent
@@ -634,11 +704,12 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
     except EngramError as exc:
         raise LoadError(_named(path, str(exc))) from None
 
+    n_threads, threads_choice = apply_threads(threads, cfg)  # once the checkpoint checks out; before the fill
     max_seq_len = int(max_seq_len or min(cfg.max_seq_len, DEFAULT_MAX_SEQ_LEN))
-    report = LoadReport(checkpoint=ckpt.path)
+    report = LoadReport(checkpoint=ckpt.path, threads=n_threads, threads_choice=threads_choice)
     with torch.no_grad():
         model = Model(cfg, numerics=numerics, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                      tokenizer=tokenizer, tokenizer_meta=tok_meta, hasher=hasher)
+                      tokenizer=tokenizer, tokenizer_meta=tok_meta, hasher=hasher, undo_calls=undo_calls)
         read = _fill_parameters(model.backbone, ckpt, report, quiet, tqdm)
 
     expert_store = ExpertCache(ckpt, expert_cache, devices)
