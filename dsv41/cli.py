@@ -68,6 +68,8 @@ def generate_main(argv: list[str]) -> int:
                              "layout, padded float32 GEMMs, ties to the lower position, fresh index keys)")
     parser.add_argument("--fix-stale-index-keys", action="store_true",
                         help="republish a Full layer's own index keys every step (the Transformers port's fix)")
+    parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                        help="prefill the prompt N tokens per forward, with a progress bar (default: one forward)")
     parser.add_argument("--threads", type=_threads_arg, default="auto", metavar="auto|N",
                         help="torch intra-op threads, which the native expert kernel uses too: auto (default) is one "
                              "thread for a model with small expert matrices (the embedded checkpoint), every core "
@@ -88,6 +90,8 @@ def generate_main(argv: list[str]) -> int:
         return fail(f"{exc} (see --help)")
     if args.expert_cache is not None and args.expert_cache < 0:
         return fail(f"--expert-cache must be >= 0, got {args.expert_cache}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        return fail(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     if args.max_seq_len is not None and args.max_seq_len <= 0:
         return fail(f"--max-seq-len must be > 0, got {args.max_seq_len}")
 
@@ -135,7 +139,7 @@ def generate_main(argv: list[str]) -> int:
               file=sys.stderr)
     try:
         result = generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                          seed=args.seed)
+                          seed=args.seed, prefill_chunk=args.prefill_chunk, progress=not args.quiet)
     except NonFiniteLogits as exc:
         return fail(str(exc))
     print(result.text)

@@ -149,3 +149,18 @@ def test_bench_on_cuda_reports_measured_ratios(tmp_path):
     assert math.isclose(decode["gemv_fraction_of_copy"], decode["packed_bytes"] / decode["gemv_s"] / copy_bw,
                         rel_tol=1e-12)
     assert "gemv_s" not in three and "targets" not in report  # targets: released sizes only
+
+
+def test_bench_prefill_times_one_shot_against_chunks_in_one_run(tiny_checkpoint, tmp_path, capsys):
+    from dsv41.bench import cli_main
+
+    out = tmp_path / "prefill.json"
+    assert cli_main(["prefill", "--checkpoint", tiny_checkpoint, "--tokens", "48", "--chunks", "8,16,64",
+                     "--repeats", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())["embedded"]
+    runs = {r["chunk"]: r for r in report["runs"]}
+    assert sorted(runs) == [8, 16, 48]  # 64 is not below the prompt: one-shot already covers it
+    assert runs[48]["ratio_to_one_shot"] == 1.0 and runs[48]["last_logits_equal"]
+    assert runs[8]["calls"] == 6 and all(r["seconds"] > 0 and math.isfinite(r["ratio_to_one_shot"]) for r in runs.values())
+    assert "chunks of     8" in capsys.readouterr().out
+    assert cli_main(["prefill", "--checkpoint", tiny_checkpoint, "--tokens", "1"]) == 2

@@ -346,3 +346,14 @@ def test_a_cache_that_is_a_file_is_one_sentence_from_load_and_generate(tmp_path,
         load(quiet=True)
     code, out, err = _run(capsys, "--prompt", "x", "--quiet")
     assert code == 1 and out == "" and err.count("\n") == 1 and "DSV41_CACHE" in err
+
+
+def test_cli_prefill_chunk_gives_the_same_text(tiny_checkpoint, capsys):
+    args = ["--checkpoint", tiny_checkpoint, "--prompt", "A prompt long enough for a few chunks", "--quiet",
+            "--numerics", "parity", "--max-new-tokens", "5"]
+    assert cli_main(args) == 0
+    whole = capsys.readouterr().out
+    assert cli_main(args + ["--prefill-chunk", "3"]) == 0
+    assert capsys.readouterr().out == whole
+    code, out, err = _run(capsys, *args, "--prefill-chunk", "0")
+    assert code == 1 and out == "" and "--prefill-chunk must be >= 1" in err
