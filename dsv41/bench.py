@@ -770,10 +770,14 @@ def cli_main(argv: list[str]) -> int:
         print(f"dsv41 bench: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        _write_report(args.json, report)
     return 0
+
+
+def _write_report(path: str, report: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
 
 
 def _prefill_main(args) -> int:
@@ -799,9 +803,7 @@ def _prefill_main(args) -> int:
         print(f"dsv41 bench: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        _write_report(args.json, report)
     return 0
 
 
@@ -838,9 +840,7 @@ def _decode_main(args) -> int:
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        _write_report(args.json, report)
     return 0
 
 
@@ -862,7 +862,5 @@ def _threads_main(args) -> int:
         print(f"dsv41 bench: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        _write_report(args.json, report)
     return 0

@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from dsv41.argtypes import whole_number
+
 # Miller-Rabin with the first twelve primes as bases is exact for every n < 3.3e24, far beyond any
 # bucket size a config can ask for.
 _MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
@@ -697,20 +699,6 @@ def _print_report(report: dict) -> None:
           else f"[fail] {len(report['problems'])} problem(s)")
 
 
-def _bench_tokens(text: str) -> int:
-    """A --bench-tokens value: a whole number from 1 to MAX_BENCH_TOKENS."""
-    import argparse
-
-    try:
-        n = int(text.strip())
-    except ValueError:
-        n = None
-    if n is None or not 1 <= n <= MAX_BENCH_TOKENS:
-        raise argparse.ArgumentTypeError(f"must be a whole number of tokens from 1 to {MAX_BENCH_TOKENS:,}, "
-                                         f"got {text!r}")
-    return n
-
-
 def _not_utf8(text: str) -> str | None:
     """None when `text` encodes as UTF-8, else what stops it: a byte of the command line that was
     not UTF-8 (Python decodes it to a lone surrogate U+DC80..U+DCFF), or another lone surrogate."""
@@ -747,7 +735,7 @@ def cli_main(argv: list[str]) -> int:
     parser.add_argument("--text", metavar="STR", help="encode this text (UTF-8) and print its hash ids (needs --tokenizer)")
     parser.add_argument("--json", metavar="OUT", help="write the report here (also when a check fails)")
     parser.add_argument("--bench", action="store_true", help="time the hasher on a synthetic prompt and exit")
-    parser.add_argument("--bench-tokens", type=_bench_tokens, default=32768, metavar="N",
+    parser.add_argument("--bench-tokens", type=whole_number(1, MAX_BENCH_TOKENS, "tokens"), default=32768, metavar="N",
                         help=f"prompt length for --bench: 1 to {MAX_BENCH_TOKENS:,} tokens (default 32,768)")
     args = parser.parse_args(argv)
     if args.text is not None and args.tokenizer is None:

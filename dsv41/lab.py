@@ -26,6 +26,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsv41.argtypes import whole_number
+
 MANIFEST_NAME = ".dsv41-lab.json"
 MANIFEST_FORMAT = 1
 DEFAULT_DIR = os.path.join("outputs", "lab")
@@ -188,16 +190,6 @@ def start_lab(cmd: list[str], env: dict[str, str]) -> None:
     os.execvpe(cmd[0], cmd, env)
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535, got {text!r}")
-    return port
-
-
 def cli_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dsv41 lab", description=(
         "Copy the numbered notebooks into a working folder (default outputs/lab under the current directory) "
@@ -205,7 +197,7 @@ def cli_main(argv: list[str]) -> int:
         "kept); an unedited copy of an older version is updated. The tracked notebooks/ stay untouched, so "
         "their outputs never land in the repository."))
     parser.add_argument("--dir", metavar="DIR", default=DEFAULT_DIR, help="the working folder (default outputs/lab)")
-    parser.add_argument("--port", type=_port, metavar="N", help="the server's port (default: JupyterLab's, 8888 or the next free one)")
+    parser.add_argument("--port", type=whole_number(1, 65535, "the port"), metavar="N", help="the server's port (default: JupyterLab's, 8888 or the next free one)")
     parser.add_argument("--no-browser", action="store_true", help="do not open a browser (the URL with its token is printed)")
     parser.add_argument("--dry-run", action="store_true",
                         help="say what would be copied and the command that would start, and stop there")

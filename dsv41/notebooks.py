@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from dsv41.argtypes import whole_number
+
 NOTEBOOK_PATTERN = re.compile(r"^\d\d_[A-Za-z0-9_\-]+\.ipynb$")
 RUN_PATTERN = re.compile(r"^run-(\d+)$")
 KERNEL_NAME = "python3"
@@ -660,18 +662,6 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def cell_timeout_seconds(text: str) -> int:
-    """A --cell-timeout value: a whole number of seconds from 1 to MAX_CELL_TIMEOUT_S."""
-    try:
-        seconds = int(text.strip())
-    except ValueError:
-        seconds = None
-    if seconds is None or not 1 <= seconds <= MAX_CELL_TIMEOUT_S:
-        raise argparse.ArgumentTypeError(f"must be a whole number of seconds from 1 to {MAX_CELL_TIMEOUT_S}, "
-                                         f"got {text!r}")
-    return seconds
-
-
 def cli_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dsv41 notebooks", description=(
         "Execute every numbered notebook (NN_*.ipynb) with papermill into a new run folder "
@@ -686,7 +676,7 @@ def cli_main(argv: list[str]) -> int:
                         help="comma-separated notebook names or number prefixes, e.g. 01,02_engram_hashing")
     parser.add_argument("-p", "--parameter", nargs=2, metavar=("NAME", "VALUE"), action="append", default=[],
                         help="pass a parameter to every notebook; VALUE is read as JSON when it parses, else as text")
-    parser.add_argument("--cell-timeout", type=cell_timeout_seconds, metavar="SECONDS",
+    parser.add_argument("--cell-timeout", type=whole_number(1, MAX_CELL_TIMEOUT_S, "seconds"), metavar="SECONDS",
                         help=f"fail a cell that runs longer than this: a whole number of seconds from 1 to "
                              f"{MAX_CELL_TIMEOUT_S} (default: no limit)")
     args = parser.parse_args(argv)

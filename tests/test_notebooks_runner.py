@@ -159,7 +159,7 @@ def test_cell_timeout_must_be_a_whole_number_of_seconds(sleepy_dir, tmp_path, ca
                     "--cell-timeout", value])
     assert stop.value.code == 2
     err = capsys.readouterr().err
-    assert "--cell-timeout" in err and "whole number of seconds from 1 to 86400" in err, err
+    assert "--cell-timeout" in err and "whole number of seconds from 1 to 86,400" in err, err
     assert not any(tmp_path.iterdir()), "a refused run still created a folder"
 
 
