@@ -79,6 +79,17 @@ def _write_atomically(path: Path, data: bytes) -> None:
             tmp.unlink()
 
 
+# The parameters cell's default output folder is relative to the notebook: the repository's
+# `../outputs/interactive` would land in outputs/outputs/ from outputs/lab, so a copy writes beside itself.
+_REPO_OUTPUT_DIR = rb'output_dir = \"../outputs/interactive\"'
+_LAB_OUTPUT_DIR = rb'output_dir = \"interactive\"'
+
+
+def _as_lab_copy(data: bytes) -> bytes:
+    """A notebook's bytes as the lab folder holds them: figures go to outputs/lab/interactive."""
+    return data.replace(_REPO_OUTPUT_DIR, _LAB_OUTPUT_DIR)
+
+
 def prepare_lab(folder: str | os.PathLike = DEFAULT_DIR, notebooks_dir: str | os.PathLike | None = None,
                 dry_run: bool = False) -> list[Action]:
     """Bring the lab folder's copies of the numbered notebooks up to date (see the module
@@ -104,7 +115,7 @@ def prepare_lab(folder: str | os.PathLike = DEFAULT_DIR, notebooks_dir: str | os
     written = dict(manifest)
     actions = []
     for source in sources:
-        name, data = source.name, source.read_bytes()
+        name, data = source.name, _as_lab_copy(source.read_bytes())
         new = _sha256(data)
         target = folder / name
         try:

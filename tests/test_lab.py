@@ -193,3 +193,16 @@ def test_a_real_start_answers_with_a_token_url(tmp_path, source):
             proc.wait()
     out = proc.stdout.read()
     assert "copied 01_first.ipynb" in out and (tmp_path / "lab" / "01_first.ipynb").is_file()
+
+
+def test_lab_copies_write_their_figures_beside_themselves(tmp_path):
+    from dsv41.lab import prepare_lab
+    from dsv41.notebooks import default_notebooks_dir
+
+    prepare_lab(tmp_path / "lab")
+    for copy in sorted((tmp_path / "lab").glob("0*.ipynb")):
+        text = copy.read_text()
+        original = (Path(default_notebooks_dir()) / copy.name).read_text()
+        assert 'output_dir = \\"interactive\\"' in text and "../outputs/interactive" not in text
+        assert text == original.replace('output_dir = \\"../outputs/interactive\\"', 'output_dir = \\"interactive\\"')
+    assert [a.kind for a in prepare_lab(tmp_path / "lab")] == ["current"] * 5  # its own copies stay current
