@@ -5,12 +5,14 @@ import nbformat
 import pytest
 import torch
 
-from dsv41.config import load_config
+from dsv41.config import TINY, load_config
+from dsv41.numerics import Numerics
 from widgets import replay_counts
 
 from conftest import run_notebooks_smoke, sidecar
 
-EXPECTED_OUTPUTS = sorted([f"05_{stem}.{ext}" for stem in ("routing", "expert_cache", "ties", "expert_policy")
+EXPECTED_OUTPUTS = sorted([f"05_{stem}.{ext}" for stem in ("routing", "expert_cache", "ties", "expert_policy",
+                                                                    "chunked_prefill", "rollback")
                            for ext in ("json", "png", "svg")] + ["05_generation_facts.json"])
 
 
@@ -96,14 +98,14 @@ def test_prefill_and_decode_agree_until_the_first_cut(smoke_run):
     # the view holds the model as loaded, with the reference's arithmetic: before the cut the logits
     # part by rounding only (within a bf16 step of their scale), selections and routing not at all
     cmp, reference = ties["comparison"], facts["reference"]
-    assert reference["numerics"] == {"fix_stale_index_keys": False, "window_layout": "reference", "pad_f32_rows": False}
+    assert reference["numerics"] == Numerics.reference().as_dict()
     assert cmp["positions"] == reference["positions"] == 20  # smoke: the comparison is capped
     assert cmp["max_abs_diff"] == reference["max_abs_diff"]
     assert max(cmp["max_abs_diff"][:cut]) <= torch.finfo(torch.bfloat16).eps * cmp["max_abs_logit"]
     assert cmp["first_argmax_divergence"] is None or cmp["first_argmax_divergence"] >= cut
     # under the parity options: bit for bit until the cut
     parity = facts["parity"]
-    assert parity["numerics"] == {"fix_stale_index_keys": False, "window_layout": "uniform", "pad_f32_rows": True}
+    assert parity["numerics"] == Numerics.parity().as_dict()
     assert parity["identical_until_first_cut"] and parity["untruncated_positions"] == cut
     assert parity["max_abs_diff"][:cut] == [0.0] * cut
     assert parity["first_logit_divergence"] is None or parity["first_logit_divergence"] >= cut
@@ -112,6 +114,9 @@ def test_prefill_and_decode_agree_until_the_first_cut(smoke_run):
     firsts = list(parity["selection_parting"].values()) + list(parity["routing_parting"].values())
     assert all(p >= cut for p in firsts)
     assert len(ties["margins"]) == 6 and all(m >= 0 for m in ties["margins"])
+    # and with parity()'s tie rule and stale-key fix as well: past the cut too, at every position
+    assert parity["max_abs_diff"] == [0.0] * parity["positions"] and parity["first_logit_divergence"] is None
+    assert parity["selection_parting"] == parity["routing_parting"] == {}
 
 
 @pytest.mark.slow
@@ -121,3 +126,69 @@ def test_executed_notebook_keeps_its_figures_and_says_the_text_is_not_meaningful
     assert not [o for o in outputs if o.get("output_type") == "error"]
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 4  # three views and the timings
     assert any("not meaningful" in c.source for c in nb.cells if c.cell_type == "markdown")
+
+
+@pytest.mark.slow
+def test_every_chunking_is_the_one_shot_prefill_under_parity(smoke_run):
+    facts = _sidecar(smoke_run, "05_generation_facts")
+    chunked = _sidecar(smoke_run, "05_chunked_prefill")
+    n, ratio, window = chunked["n_positions"], chunked["compress_ratio"], chunked["window"]
+    prompt_tokens = len(_sidecar(smoke_run, "05_rollback")["prompt_ids"])
+    assert n == prompt_tokens + facts["max_new_tokens"] - 1 == len(chunked["ids"])  # every id that went through the model
+    assert (ratio, window) == (max(TINY.compress_ratios), TINY.window_size)
+    sizes = chunked["chunkings"]
+    assert all(sum(s) == n and all(c >= 1 for c in s) for s in sizes.values())
+    assert sizes["one shot"] == [n] and sizes["one token per call"] == [1] * n
+    ends = [sum(s[: i + 1]) for s in sizes.values() for i in range(len(s) - 1)]  # where a call ends before the last
+    assert any(end % ratio for end in ends)  # one ends inside a compression group
+    assert any(max(s) > window for s in sizes.values() if len(s) > 1)  # one chunk outruns the window
+    assert any(len(s) > 2 and all(c > window for c in s[:-1]) for s in sizes.values())  # chunks that each wrap the ring
+    numerics = chunked["numerics"]
+    assert numerics == {"reference": Numerics.reference().as_dict(), "parity": Numerics.parity().as_dict()}
+    # parity: every chunking gives the one-shot logits bit for bit, at every position
+    for name, diffs in chunked["max_abs_diff"]["parity"].items():
+        assert diffs == [0.0] * n, name
+    # the reference: only one shot is one shot; decoding token by token parts (by rounding first), and
+    # the other chunkings part too; finite everywhere, and reported
+    reference = chunked["max_abs_diff"]["reference"]
+    assert reference["one shot"] == [0.0] * n and max(reference["one token per call"]) > 0
+    assert all(d >= 0 and d == d and d != float("inf") for diffs in reference.values() for d in diffs)
+    assert facts["chunked_prefill"]["max_abs_diff"] == {k: {c: max(d) for c, d in v.items()}
+                                                        for k, v in chunked["max_abs_diff"].items()}
+    assert chunked["max_abs_logit"]["reference"] > 0 and chunked["max_abs_logit"]["parity"] > 0
+
+
+@pytest.mark.slow
+def test_rollback_continues_as_a_fresh_run(smoke_run):
+    facts = _sidecar(smoke_run, "05_generation_facts")
+    rb = _sidecar(smoke_run, "05_rollback")
+    n_new, prompt, other = facts["max_new_tokens"], rb["prompt_ids"], rb["other_ending_ids"]
+    assert rb["numerics"] == Numerics.parity().as_dict()
+    keep = rb["keep"]
+    assert keep == 2 * len(prompt) // 3 and keep % 2 == 1  # the kept part ends inside a ratio-2 group
+    # the first run: the prompt (two calls) and all but the last new token; back to the end of the first call
+    assert rb["position_before"] == len(prompt) + n_new - 1
+    assert rb["rolled_back"] == rb["position_before"] - keep and rb["position_after"] == keep
+    assert rb["rollback_limit"] == 0  # every call is still remembered
+    assert rb["reused_positions"] == {"first": 0, "second": keep, "fresh": 0}
+    assert other and other != prompt[keep : keep + len(other)]  # continued differently
+    gen = rb["generated"]
+    assert len(gen["first"]) == len(gen["second"]) == n_new and gen["second"] == gen["fresh"]
+    # bit for bit against the fresh run: ids, margins, routing ids and weights, logits
+    assert rb["equal_to_fresh"] == {"ids": True, "margins": True, "routing_ids": True, "routing_weights": True,
+                                    "logits": True}
+    assert rb["max_abs_logit_diff_to_fresh"] == 0.0
+    assert facts["rollback"]["equal_to_fresh"] == rb["equal_to_fresh"] and facts["rollback"]["keep"] == keep
+    # the diverging part's routing, per layer: one row of k distinct expert ids per position from the rollback point
+    k, n_experts, layers = rb["top_k"], rb["n_experts"], rb["layers"]
+    assert (k, n_experts) == (TINY.n_activated_experts, TINY.n_routed_experts) and layers == list(range(TINY.n_layers))
+    lengths = {"first": rb["position_before"] - keep, "second": len(other) + n_new - 1}
+    for run, length in lengths.items():
+        for layer in layers:
+            rows = rb["expert_ids"][run][str(layer)]
+            assert len(rows) == length and all(len(set(r)) == k and all(0 <= e < n_experts for e in r) for r in rows)
+    # the shared panel is the overlap of the two runs' expert sets, position by position
+    common = min(lengths.values())
+    assert rb["shared"] == [[len(set(a) & set(b)) for a, b in zip(rb["expert_ids"]["first"][str(layer)][:common],
+                                                                  rb["expert_ids"]["second"][str(layer)][:common])]
+                            for layer in layers]
