@@ -101,8 +101,9 @@ def render(data: dict, highlight: int | None = None):
         fig.colorbar(image, ax=ax_map, shrink=0.9, label="hits / lookups")
 
         sizes = np.asarray(data["replay_sizes"])
-        for rates in data["replay_hit_rate_by_layer"]:
-            ax_curve.plot(sizes, [np.nan if r is None else r for r in rates], color="#bbbbbb", lw=0.7)
+        for i, rates in enumerate(data["replay_hit_rate_by_layer"]):
+            ax_curve.plot(sizes, [np.nan if r is None else r for r in rates], color="#bbbbbb", lw=0.7,
+                          label="LRU replay, each layer" if i == 0 else None)
         overall = np.array([np.nan if r is None else r for r in data["replay_hit_rate"]], dtype=float)
         ax_curve.plot(sizes, overall, color=viz.PALETTE[0], marker="o", ms=3, label="LRU replay, all layers")
         if data["capacity"] is not None and data["recorded_hit_rate"] is not None:
@@ -115,7 +116,8 @@ def render(data: dict, highlight: int | None = None):
                               textcoords="offset points", fontsize=8, color=viz.PALETTE[3])
         ax_curve.set(xlabel="experts cached per layer", ylabel="hit rate", ylim=(-0.02, 1.02),
                      title="replayed routing")
-        ax_curve.legend(loc="lower right")
+        # upper left: the curves start low at small sizes, and the size call-out sits by the curve
+        ax_curve.legend(loc="upper left", fontsize=8)
     return fig
 
 
