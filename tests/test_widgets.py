@@ -103,7 +103,9 @@ def test_cache_render_draws_the_data():
     assert list(overall.get_ydata()) == data["replay_hit_rate"]
     star = [ln for ln in lines if ln.get_label().startswith("recorded")][0]
     assert (list(star.get_xdata()), list(star.get_ydata())) == ([1], [0.125])
-    assert len([ln for ln in lines if ln.get_label().startswith("_")]) == 2 + 1  # one grey per layer, the highlight
+    grey = [ln for ln in lines if ln.get_color() == "#bbbbbb"]
+    assert len(grey) == 2 and grey[0].get_label() == "LRU replay, each layer"  # one per layer, one legend entry
+    assert len([ln for ln in lines if ln.get_label().startswith("_")]) == 1 + 1  # the other layer, the highlight
     assert any(t.get_text() == "size 2: 0.250" for t in ax_curve.texts)
     assert [t.get_text() for t in ax_map.get_xticklabels()] == ["prefill", "1"]
 
