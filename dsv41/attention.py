@@ -22,17 +22,28 @@ its `fix_stale_index_keys` is read by the indexer, `window_layout` by `window_ro
 A call takes any number of tokens at the sequence's next position: a prefill at 0, one token per
 decode step, or a chunk of several (the reference has no chunked prefill; its window rows and
 compressor groups are those of a one-shot prefill, see `window_rows` and `Compressor`).
+
+The caches hold what the trained model's quantization produces (`QuantizedCache`): with
+`cache_format="packed"` (the default) the bytes the model card counts, the window ring as FP8 E4M3
+with one E8M0 scale per 32 channels, compressed KV as two FP4 E2M1 codes a byte with one E4M3 scale
+per 16, index keys as FP4 with one E8M0 scale per 32, decoded when read; with "bf16" the same
+values already rounded to those grids, held in the activation dtype. A read decodes to exactly the
+values the quantizer's in-place form writes, so the two formats give bit-identical outputs;
+`cache_bytes` measures what either allocates. Packed, a layer decodes only the compressed rows its
+queries selected (`Attention._compressed_rows`; the rest of the kv it hands sparse_attn is zeros
+no index names), so a decode step decodes index_topk rows, not the whole context.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import act_quant, fp4_act_quant, sparse_attn
+from .kernels import act_quant, e8m0_decode, fp4_act_quant, fp4_to_float, sparse_attn
 from .layers import (
     Linear,
     RMSNorm,
@@ -51,14 +62,171 @@ INDEX_FP4_BLOCK = 32
 KV_FP4_BLOCK = 16
 WINDOW_FP8_BLOCK = 32
 
+# How the caches are held: "packed" (the stored formats, decoded when read) or "bf16" (the same
+# values in the activation dtype, the reference runtime's buffers)
+CACHE_FORMATS = ("packed", "bf16")
+# The cache components, as `cache_bytes` and `csa2_stats` name them
+WINDOW_RING, COMPRESSED_KV, INDEX_KEYS, COMPRESSOR_TAILS = (
+    "window ring", "compressed KV", "index keys", "compressor tails")
+
+
+def check_cache_format(cache_format: str) -> str:
+    if cache_format not in CACHE_FORMATS:
+        raise ValueError(f"cache_format must be one of {', '.join(map(repr, CACHE_FORMATS))}, got {cache_format!r}")
+    return cache_format
+
+
+# ---------------------------------------------------------------------------------- caches
+@dataclass(frozen=True)
+class CacheEncoding:
+    """One cache's quantization: E4M3 (`value_bits` 8) or E2M1 (4) values, one `scale_dtype` scale
+    per `block` channels (E8M0: a power of two; E4M3: amax / 6 rounded to E4M3)."""
+
+    name: str
+    value_bits: int
+    block: int
+    scale_dtype: torch.dtype
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., dim] -> (values [..., dim * value_bits / 8], scales [..., dim / block]), both as
+        raw uint8 bytes: the quantizers' own (codes, scales) output."""
+        if self.value_bits == 8:
+            codes, scales = act_quant(x, self.block, "ue8m0", self.scale_dtype)
+        else:
+            codes, scales = fp4_act_quant(x, self.block, scale_dtype=self.scale_dtype)
+        return codes.view(torch.uint8), scales.view(torch.uint8)
+
+    def fake_quantize_(self, x: torch.Tensor) -> torch.Tensor:
+        """x rounded to the grid in place (the reference's quantization-aware form)."""
+        if self.value_bits == 8:
+            return act_quant(x, self.block, "ue8m0", self.scale_dtype, inplace=True)
+        return fp4_act_quant(x, self.block, inplace=True, scale_dtype=self.scale_dtype)
+
+    def decode(self, values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The bytes `quantize` returned -> [..., dim] in `dtype`: the same float32 products the
+        in-place form computes (code value x scale), rounded to `dtype` the same way, so equal to
+        `fake_quantize_` bit for bit."""
+        if self.value_bits == 8:
+            grid = values.view(torch.float8_e4m3fn).float()
+        else:
+            grid = fp4_to_float(values)
+        if self.scale_dtype == torch.float8_e8m0fnu:
+            scale = e8m0_decode(scales)
+        else:
+            scale = scales.view(self.scale_dtype).float()
+        return (grid.unflatten(-1, (-1, self.block)) * scale.unsqueeze(-1)).flatten(-2).to(dtype)
+
+    def row_bytes(self, dim: int) -> tuple[int, int]:
+        """(value bytes, scale bytes) of one stored row of `dim` channels."""
+        return dim * self.value_bits // 8, dim // self.block
+
+
+WINDOW_ENCODING = CacheEncoding("FP8 E4M3 + E8M0 per 32", 8, WINDOW_FP8_BLOCK, torch.float8_e8m0fnu)
+COMPRESSED_ENCODING = CacheEncoding("FP4 E2M1 + E4M3 per 16", 4, KV_FP4_BLOCK, torch.float8_e4m3fn)
+INDEX_KEY_ENCODING = CacheEncoding("FP4 E2M1 + E8M0 per 32", 4, INDEX_FP4_BLOCK, torch.float8_e8m0fnu)
+
+Rows = Union[slice, torch.Tensor]
+
+
+class QuantizedCache(nn.Module):
+    """A cache of `rows` rows of `dim` channels per batch row, holding values on an encoding's grid.
+
+    cache_format "packed": buffers `values` (E4M3 bytes, or two E2M1 codes a byte, low nibble
+    first) and `scales`, both raw uint8 (torch cannot index-assign float8_e8m0fnu or
+    float4_e2m1fn_x2 tensors; `stored()` views them in their own dtypes); a read decodes.
+    "bf16": one buffer `values` in `dtype` (the activation dtype) of the already-rounded values.
+    Either way `quantize` rounds new rows onto the grid and gives back what a read of them
+    returns; `write` stores them; `read`, `save`, `load` and `reset` act on rows.
+    """
+
+    def __init__(self, encoding: CacheEncoding, batch: int, rows: int, dim: int, dtype: torch.dtype,
+                 cache_format: str = "packed"):
+        super().__init__()
+        self.encoding, self.dim, self.dtype = encoding, dim, dtype
+        self.cache_format = check_cache_format(cache_format)
+        if cache_format == "packed":
+            value_bytes, scale_bytes = encoding.row_bytes(dim)
+            self.register_buffer("values", torch.zeros(batch, rows, value_bytes, dtype=torch.uint8), persistent=False)
+            self.register_buffer("scales", torch.zeros(batch, rows, scale_bytes, dtype=torch.uint8), persistent=False)
+        else:
+            self.register_buffer("values", torch.zeros(batch, rows, dim, dtype=dtype), persistent=False)
+
+    @property
+    def packed(self) -> bool:
+        return self.cache_format == "packed"
+
+    @property
+    def rows(self) -> int:
+        return self.values.size(1)
+
+    def _buffers_(self) -> tuple[torch.Tensor, ...]:
+        return (self.values, self.scales) if self.packed else (self.values,)
+
+    def quantize(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """x [b, n, dim] -> (what `write` stores, x on the grid in `dtype`). The packed bytes
+        decode to exactly the in-place quantizer's values; "bf16" rounds x in place (returned)."""
+        if not self.packed:
+            self.encoding.fake_quantize_(x)
+            return (x,), x
+        parts = self.encoding.quantize(x)
+        return parts, self.encoding.decode(*parts, x.dtype)
+
+    def write(self, rows: Rows, parts: tuple[torch.Tensor, ...]) -> None:
+        """Store `quantize`'s parts [b, n, ...] at `rows` (a slice or positions) of batch rows :b."""
+        for buf, part in zip(self._buffers_(), parts):
+            buf[: part.size(0), rows] = part
+
+    def read(self, bsz: int, n: Optional[int] = None) -> torch.Tensor:
+        """Rows :n (all by default) of batch rows :bsz, [bsz, n, dim] in `dtype`."""
+        if not self.packed:
+            return self.values[:bsz, :n]
+        return self.encoding.decode(self.values[:bsz, :n], self.scales[:bsz, :n], self.dtype)
+
+    def gather(self, bsz: int, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` (positions, any order) of batch rows :bsz, [bsz, len(rows), dim] in `dtype`."""
+        rows = rows.long()
+        if not self.packed:
+            return self.values[:bsz, rows]
+        return self.encoding.decode(self.values[:bsz, rows], self.scales[:bsz, rows], self.dtype)
+
+    def stored(self) -> tuple[torch.Tensor, ...]:
+        """The buffers in their own dtypes: (E4M3 or float4_e2m1fn_x2 values, E8M0 or E4M3 scales)
+        packed; (values,) in `dtype` for "bf16"."""
+        if not self.packed:
+            return (self.values,)
+        value_dtype = torch.float8_e4m3fn if self.encoding.value_bits == 8 else torch.float4_e2m1fn_x2
+        return self.values.view(value_dtype), self.scales.view(self.encoding.scale_dtype)
+
+    def save(self, rows: Rows) -> tuple[torch.Tensor, ...]:
+        """Copies of `rows` of every batch row, for `load`."""
+        return tuple(buf[:, rows].clone() for buf in self._buffers_())
+
+    def load(self, rows: Rows, saved: tuple[torch.Tensor, ...]) -> None:
+        for buf, part in zip(self._buffers_(), saved):
+            buf[:, rows] = part
+
+    def reset(self) -> None:
+        """Every row back to zeros (a packed zero row decodes to +0.0, as a BF16 one holds)."""
+        for buf in self._buffers_():
+            buf.zero_()
+
+    def nbytes(self) -> dict[str, int]:
+        """Allocated bytes: {'data': values, 'scales': scales (0 for "bf16")}."""
+        return {"data": self.values.numel() * self.values.element_size(),
+                "scales": self.scales.numel() * self.scales.element_size() if self.packed else 0}
+
+    def extra_repr(self) -> str:
+        held = self.encoding.name if self.packed else f"{self.dtype} values on the {self.encoding.name} grid"
+        return f"{self.rows} rows x {self.dim}, {held}"
+
 class AttentionRuntime:
     """What the layers of one stack hand down instead of recomputing, plus who wrote it: per-call
     state only (how it is computed is each layer's `Numerics`).
 
-    compress_kv / index_k: the cache tensors of the last Full layer that published them (they
-    persist across calls, as caches do); topk: the last index source's selection for the current
-    call, as compressed positions [b, s, index_topk] padded with -1; candidates: the candidate
-    source's position mask [b, s, T] for the current call.
+    compress_kv / index_k: the caches (`QuantizedCache`, read through `read`) of the last Full
+    layer that published them (they persist across calls, as caches do); topk: the last index
+    source's selection for the current call, as compressed positions [b, s, index_topk] padded with
+    -1; candidates: the candidate source's position mask [b, s, T] for the current call.
     """
 
     def __init__(self):
@@ -228,11 +396,12 @@ class Indexer(nn.Module):
     and mixed over heads by `weights_proj`. A Full layer owns `wk`/`k_norm` and the key cache:
     keys are wk of the compressor's latent before RoPE, then rotated at the group's first position
     and FP4-quantized. The candidate source publishes its block mask; later index sources score
-    only inside it.
+    only inside it. The key cache `k_cache` holds FP4 E2M1 with one E8M0 scale per 32 (packed, the
+    default) or the same values in BF16 (`cache_format="bf16"`).
     """
 
     def __init__(self, cfg, layer: int, max_batch_size: int = 1, max_seq_len: int = 4096, *,
-                 numerics: Numerics = Numerics()):
+                 numerics: Numerics = Numerics(), cache_format: str = "packed"):
         super().__init__()
         self.layer, self.numerics = layer, numerics
         self.ratio = cfg.compress_ratios[layer]
@@ -253,12 +422,12 @@ class Indexer(nn.Module):
         if self.owns_k:
             self.wk = Linear(cfg.head_dim, self.head_dim, dtype=act)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, dtype=act)
-            cache = torch.zeros(max_batch_size, max_seq_len // self.ratio, self.head_dim, dtype=act)
-            self.register_buffer("k_cache", cache, persistent=False)
+            self.k_cache = QuantizedCache(INDEX_KEY_ENCODING, max_batch_size, max_seq_len // self.ratio,
+                                          self.head_dim, act, cache_format)
 
     def reset_state(self) -> None:
         if self.owns_k:
-            self.k_cache.zero_()
+            self.k_cache.reset()
 
     def _random_init_(self, gen: torch.Generator) -> None:
         pass
@@ -281,7 +450,8 @@ class Indexer(nn.Module):
             raise RuntimeError(f"layer {self.layer}: no index keys have been published; run the layers in "
                                f"order from a prefill at position 0 (and after reset_state)")
 
-        score, reachable = self.scores(x, qr, runtime.index_k[:bsz], start_pos, freqs_cis)
+        width = (start_pos + seqlen) // self.ratio
+        score, reachable = self.scores(x, qr, runtime.index_k.read(bsz, width), start_pos, freqs_cis)
         lens = reachable.unsqueeze(-1)  # [s, 1]
         if self.is_candidate_source:
             mask = select_candidate_blocks(score, lens, self.candidate_topk_blocks, self.candidate_block_size,
@@ -310,8 +480,8 @@ class Indexer(nn.Module):
         k = self.k_norm(self.wk(latent))  # [b, groups, index_head_dim]
         group_pos = (first + torch.arange(k.size(1), device=k.device)) * self.ratio
         apply_rotary_emb(k[..., -self.rope_head_dim :], freqs_cis[group_pos])
-        fp4_act_quant(k, INDEX_FP4_BLOCK, inplace=True)
-        self.k_cache[: k.size(0), first : first + k.size(1)] = k
+        parts, _ = self.k_cache.quantize(k)  # FP4, one E8M0 scale per 32
+        self.k_cache.write(slice(first, first + k.size(1)), parts)
 
     def scores(self, x: torch.Tensor, qr: torch.Tensor, index_k: torch.Tensor, start_pos: int,
                freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -385,7 +555,7 @@ def window_rows(start_pos: int, seqlen: int, window: int, layout: str = "referen
     later position (the reference has none) lists `window` columns, oldest first, in either layout."""
     if layout not in WINDOW_LAYOUTS:
         raise ValueError(f"window_layout must be one of {', '.join(map(repr, WINDOW_LAYOUTS))}, got {layout!r}")
-    if layout == "reference" and start_pos > 0:
+    if layout == "reference" and start_pos > 0 and seqlen == 1:
         slots = (start_pos + 1 + torch.arange(window, device=device)) % window  # ring order from the oldest
         return torch.where(slots <= start_pos, slots, -1).unsqueeze(0)  # a slot past start_pos is unwritten
     positions = torch.arange(start_pos, start_pos + seqlen, device=device)
@@ -410,10 +580,13 @@ class Attention(nn.Module):
     `max_batch_size` and `max_seq_len` size the caches and the RoPE table; `numerics` says how the
     index rows are laid out (`window_rows`), whether stale index keys are fixed (`Indexer`) and
     whether the compressor's float32 projections pad their rows (`layers.f32_linear`).
+    `cache_format` how the caches hold their values (`QuantizedCache`): "packed" (default, the
+    stored formats) or "bf16" (the reference runtime's BF16 buffers); the outputs are the same bit
+    for bit.
     """
 
     def __init__(self, cfg, layer: int, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
-                 max_seq_len: int = 4096):
+                 max_seq_len: int = 4096, cache_format: str = "packed"):
         super().__init__()
         n_total = cfg.n_layers + (cfg.n_mtp_layers or 0)
         if not 0 <= layer < n_total:
@@ -426,6 +599,7 @@ class Attention(nn.Module):
         self.index_topk = cfg.index_topk
         self.ratio = cfg.compress_ratios[layer]
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.cache_format = check_cache_format(cache_format)
         self.softmax_scale = self.head_dim ** -0.5
         # MTP layers are never sources; within the backbone the config decides
         self.mode = cfg.layer_mode(layer) if layer < cfg.n_layers else "reuse"
@@ -445,14 +619,14 @@ class Attention(nn.Module):
 
         self.compressor = (Compressor(cfg, layer, max_batch_size, numerics=numerics)
                            if self.mode == "full" else None)
-        self.indexer = (Indexer(cfg, layer, max_batch_size, max_seq_len, numerics=numerics)
+        self.indexer = (Indexer(cfg, layer, max_batch_size, max_seq_len, numerics=numerics, cache_format=cache_format)
                         if self.mode in ("full", "reindex") else None)
 
-        self.register_buffer("window_kv_cache", torch.zeros(max_batch_size, self.window_size, self.head_dim,
-                                                            dtype=act), persistent=False)
+        self.window_kv_cache = QuantizedCache(WINDOW_ENCODING, max_batch_size, self.window_size, self.head_dim,
+                                              act, cache_format)
         if self.mode == "full":
-            self.register_buffer("compress_kv_cache", torch.zeros(max_batch_size, max_seq_len // self.ratio,
-                                                                  self.head_dim, dtype=act), persistent=False)
+            self.compress_kv_cache = QuantizedCache(COMPRESSED_ENCODING, max_batch_size, max_seq_len // self.ratio,
+                                                    self.head_dim, act, cache_format)
         # layers reading compressed positions rotate at compress_rope_theta with YaRN; pure window
         # layers at rope_theta without
         if self.ratio:
@@ -467,10 +641,10 @@ class Attention(nn.Module):
     def reset_state(self) -> None:
         """Forget everything a previous forward left behind (window ring, compressor tail,
         compressed KV, index keys)."""
-        self.window_kv_cache.zero_()
+        self.window_kv_cache.reset()
         if self.compressor is not None:
             self.compressor.reset_state()
-            self.compress_kv_cache.zero_()
+            self.compress_kv_cache.reset()
         if self.indexer is not None:
             self.indexer.reset_state()
 
@@ -478,31 +652,50 @@ class Attention(nn.Module):
         """Copies of the cache rows a call over positions [start, end) may write (or, with start 0,
         every row a sequence of `end` positions has written): the window ring slots of the last
         `window` of those positions, the compressed-KV and index-key rows of the groups they can
-        complete, and the compressor's partial group. `restore` writes them back."""
+        complete, and the compressor's partial group, as the caches hold them (packed bytes or BF16).
+        `restore` writes them back."""
         win = self.window_size
-        slots = torch.arange(max(start, end - win), end, device=self.window_kv_cache.device) % win
-        saved = {"slots": slots, "window": self.window_kv_cache[:, slots].clone()}
+        slots = torch.arange(max(start, end - win), end, device=self.window_kv_cache.values.device) % win
+        saved = {"slots": slots, "window": self.window_kv_cache.save(slots)}
         if self.ratio:
             groups = slice(start // self.ratio, end // self.ratio)
             saved["groups"] = groups
             if self.compressor is not None:
-                saved["compressed"] = self.compress_kv_cache[:, groups].clone()
+                saved["compressed"] = self.compress_kv_cache.save(groups)
                 if self.compressor.ratio > 1:
                     saved["kv_state"] = self.compressor.kv_state.clone()
                     saved["score_state"] = self.compressor.score_state.clone()
             if self.indexer is not None and self.indexer.owns_k:
-                saved["index_keys"] = self.indexer.k_cache[:, groups].clone()
+                saved["index_keys"] = self.indexer.k_cache.save(groups)
         return saved
 
     def restore(self, saved: dict) -> None:
-        self.window_kv_cache[:, saved["slots"]] = saved["window"]
+        self.window_kv_cache.load(saved["slots"], saved["window"])
         if "compressed" in saved:
-            self.compress_kv_cache[:, saved["groups"]] = saved["compressed"]
+            self.compress_kv_cache.load(saved["groups"], saved["compressed"])
         if "kv_state" in saved:
             self.compressor.kv_state.copy_(saved["kv_state"])
             self.compressor.score_state.copy_(saved["score_state"])
         if "index_keys" in saved:
-            self.indexer.k_cache[:, saved["groups"]] = saved["index_keys"]
+            self.indexer.k_cache.load(saved["groups"], saved["index_keys"])
+
+    def cache_bytes(self) -> dict[str, int]:
+        """Allocated bytes of this layer's caches by part ('window ring data' / 'scales',
+        'compressed KV data' / 'scales', 'index key data' / 'scales', 'compressor tails'), zero
+        for what the layer does not hold; RoPE tables are not caches."""
+        out = dict.fromkeys(CACHE_PARTS, 0)
+        caches = [(WINDOW_RING, self.window_kv_cache)]
+        if self.compressor is not None:
+            caches.append((COMPRESSED_KV, self.compress_kv_cache))
+            if self.compressor.ratio > 1:
+                out[COMPRESSOR_TAILS] = sum(b.numel() * b.element_size()
+                                            for b in (self.compressor.kv_state, self.compressor.score_state))
+        if self.indexer is not None and self.indexer.owns_k:
+            caches.append(("index key", self.indexer.k_cache))
+        for name, cache in caches:
+            for part, n in cache.nbytes().items():
+                out[f"{name} {part}"] = n
+        return out
 
     def _random_init_(self, gen: torch.Generator) -> None:
         self.attn_sink.copy_(torch.randn(self.n_heads, generator=gen) * 0.5)
@@ -530,7 +723,8 @@ class Attention(nn.Module):
 
         kv, idxs = self._window(x, freqs, start_pos)  # [b, n_kv, head_dim], [b, s, w]
         if self.ratio:
-            compress_kv, selected = self._compressed(x, qr, start_pos, runtime, record, trace)
+            cache, selected = self._compressed(x, qr, start_pos, runtime, record, trace)
+            compress_kv = self._compressed_rows(cache, bsz, (start_pos + seqlen) // self.ratio, selected)
             # selected positions index the compressed rows appended after the window rows
             idxs = torch.cat([idxs, torch.where(selected >= 0, selected + kv.size(1), -1)], dim=-1)
             kv = torch.cat([kv, compress_kv], dim=1)
@@ -556,28 +750,45 @@ class Attention(nn.Module):
         """This layer's window KV (FP8 QAT over 32, RoPE tail included) and, per query, the rows of
         it to attend, [b, s, width] laid out by `window_rows`."""
         bsz, seqlen, _ = x.shape
-        win = self.window_size
+        win, ring = self.window_size, self.window_kv_cache
         kv = self.kv_norm(self.wkv(x))  # [b, s, head_dim]
         apply_rotary_emb(kv[..., -self.rope_head_dim :], freqs)
-        act_quant(kv, WINDOW_FP8_BLOCK, "ue8m0", torch.float8_e8m0fnu, inplace=True)
+        parts, kv = ring.quantize(kv)  # FP8 E4M3, one E8M0 scale per 32
         if start_pos > 0 and seqlen == 1:
-            self.window_kv_cache[:bsz, start_pos % win] = kv[:, 0]
-            window_kv = self.window_kv_cache[:bsz]
+            slot = start_pos % win
+            ring.write(slice(slot, slot + 1), parts)
+            window_kv = ring.read(bsz)
         else:
             # a later chunk reads the earlier positions from the ring as it was: [b, win + s, head_dim]
-            window_kv = kv if start_pos == 0 else torch.cat([self.window_kv_cache[:bsz], kv], dim=1)
+            window_kv = kv if start_pos == 0 else torch.cat([ring.read(bsz), kv], dim=1)
             # then position p takes slot p % win (the chunk's last `win` positions)
             keep = min(seqlen, win)
             slots = torch.arange(start_pos + seqlen - keep, start_pos + seqlen, device=x.device) % win
-            self.window_kv_cache[:bsz, slots] = kv[:, seqlen - keep :]
+            ring.write(slots, tuple(part[:, seqlen - keep :] for part in parts))
         idxs = window_rows(start_pos, seqlen, win, self.numerics.window_layout, x.device)  # [s or 1, width]
         return window_kv, idxs.int().unsqueeze(0).expand(bsz, seqlen, -1)
 
+    @staticmethod
+    def _compressed_rows(cache: "QuantizedCache", bsz: int, width: int, selected: torch.Tensor) -> torch.Tensor:
+        """The compressed rows [b, T, head_dim] sparse_attn gets for selections `selected`.
+
+        BF16 storage hands over every reachable row (the reference's kv). Packed storage decodes
+        only the rows some query selected, into an otherwise zero [b, T, head_dim]: sparse_attn
+        reads nothing but the rows its indices name, so the index rows stay the reference's, the
+        rows it gathers are the same and so is its output, bit for bit, while a decode step
+        decodes index_topk rows instead of the whole context."""
+        if not cache.packed:
+            return cache.read(bsz, width)
+        picked = torch.unique(selected[selected >= 0]).long()
+        rows = torch.zeros(bsz, width, cache.dim, dtype=cache.dtype, device=selected.device)
+        rows[:, picked] = cache.gather(bsz, picked)
+        return rows
+
     def _compressed(self, x, qr, start_pos, runtime: AttentionRuntime, record, trace):
-        """The shared compressed KV [b, T, head_dim] and each query's selected compressed
-        positions, -1 where unreachable: [b, s, min(index_topk, T)] as the reference has them, or
-        -1 padded to [b, s, index_topk] under the uniform layout. Full layers compress and publish
-        first; the indexer takes the latent before it is rotated and quantized into the cache."""
+        """The shared compressed-KV cache and each query's selected compressed positions, -1 where
+        unreachable: [b, s, min(index_topk, T)] as the reference has them, or -1 padded to
+        [b, s, index_topk] under the uniform layout. Full layers compress and publish first; the
+        indexer takes the latent before it is rotated and quantized into the cache."""
         bsz, seqlen, _ = x.shape
         ratio = self.ratio
         width = (start_pos + seqlen) // ratio
@@ -614,14 +825,101 @@ class Attention(nn.Module):
             group_pos = (first + torch.arange(latent.size(1), device=x.device)) * ratio
             # one latent stands for its whole group and is rotated at the group's first token
             apply_rotary_emb(latent[..., -self.rope_head_dim :], self.freqs_cis[group_pos])
-            fp4_act_quant(latent, KV_FP4_BLOCK, inplace=True, scale_dtype=torch.float8_e4m3fn)
-            self.compress_kv_cache[:bsz, first : first + latent.size(1)] = latent
+            parts, _ = self.compress_kv_cache.quantize(latent)  # FP4, one E4M3 scale per 16
+            self.compress_kv_cache.write(slice(first, first + latent.size(1)), parts)
         if runtime.compress_kv is None:
             raise RuntimeError(f"layer {self.layer} reads compressed KV, but no KV source has run")
-        return runtime.compress_kv[:bsz, :width], selected
+        return runtime.compress_kv, selected
 
     def _pad_topk(self, selected: torch.Tensor) -> torch.Tensor:
         return F.pad(selected, (0, self.index_topk - selected.size(-1)), value=-1)
+
+
+# ---------------------------------------------------------------------------------- cache bytes
+CACHE_PARTS = ("window ring data", "window ring scales", "compressed KV data", "compressed KV scales",
+               "index key data", "index key scales", COMPRESSOR_TAILS)
+_PART_OF = {WINDOW_RING: ("window ring data", "window ring scales"),
+            COMPRESSED_KV: ("compressed KV data", "compressed KV scales"),
+            INDEX_KEYS: ("index key data", "index key scales"), COMPRESSOR_TAILS: (COMPRESSOR_TAILS,)}
+LONG_TERM = (COMPRESSED_KV, INDEX_KEYS)
+
+
+@dataclass(frozen=True)
+class CacheBytes:
+    """What the attention caches of a stack of layers allocated, measured from their buffers.
+
+    parts: bytes by part (CACHE_PARTS: data and scales of each cache, the compressor tails) over all
+    `max_batch_size` rows; components: the same by cache (window ring, compressed KV, index keys,
+    compressor tails). sources: per Full layer (layer, ratio, positions its caches hold: rows x
+    ratio = max_seq_len rounded down to whole groups, compressed-KV bytes, index-key bytes).
+
+    The compressed KV and index keys grow with the context (one row per `ratio` positions); the
+    window rings and compressor tails are `fixed`. `per_token`: the growing caches' bytes per
+    position of one sequence, each source's bytes over max_batch_size x the positions it holds, by
+    component and in 'total' (on the released geometry, packed: 890, the model card's number)."""
+
+    cache_format: str
+    max_batch_size: int
+    max_seq_len: int
+    parts: dict
+    sources: tuple
+
+    @property
+    def components(self) -> dict[str, int]:
+        return {c: sum(self.parts[p] for p in parts) for c, parts in _PART_OF.items()}
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def long_term(self) -> int:
+        return sum(self.components[c] for c in LONG_TERM)
+
+    @property
+    def fixed(self) -> int:
+        return self.total - self.long_term
+
+    @property
+    def per_token_by_source(self) -> dict[int, float]:
+        """{Full layer: (its compressed KV + index keys) bytes per position of one sequence}."""
+        return {layer: (kv + keys) / (self.max_batch_size * positions)
+                for layer, _, positions, kv, keys in self.sources if positions}
+
+    @property
+    def per_token(self) -> dict[str, float]:
+        out = {c: sum(s[3 + i] / (self.max_batch_size * s[2]) for s in self.sources if s[2])
+               for i, c in enumerate(LONG_TERM)}
+        out["total"] = sum(out.values())
+        return out
+
+    def summary(self) -> str:
+        per = self.per_token
+        return (f"attention caches ({self.cache_format}, batch {self.max_batch_size} x {self.max_seq_len} positions): "
+                f"{self.total:,} B = {self.long_term:,} B growing ({per[COMPRESSED_KV]:g} B/token compressed KV + "
+                f"{per[INDEX_KEYS]:g} B/token index keys = {per['total']:g} B/token) + {self.fixed:,} B fixed "
+                f"({self.components[WINDOW_RING]:,} window rings, "
+                f"{self.components[COMPRESSOR_TAILS]:,} compressor tails)")
+
+
+def cache_bytes(layers) -> CacheBytes:
+    """`CacheBytes` of the Attention layers `layers` (one stack: same format and sizes)."""
+    layers = list(layers)
+    if not layers:
+        raise ValueError("cache_bytes needs at least one Attention layer")
+    first = layers[0]
+    parts = dict.fromkeys(CACHE_PARTS, 0)
+    sources = []
+    for layer in layers:
+        mine = layer.cache_bytes()
+        for k, v in mine.items():
+            parts[k] += v
+        if layer.compressor is not None:
+            rows = layer.compress_kv_cache.rows
+            sources.append((layer.layer, layer.ratio, rows * layer.ratio,
+                            sum(mine[p] for p in _PART_OF[COMPRESSED_KV]), sum(mine[p] for p in _PART_OF[INDEX_KEYS])))
+    return CacheBytes(cache_format=first.cache_format, max_batch_size=first.max_batch_size,
+                      max_seq_len=first.max_seq_len, parts=parts, sources=tuple(sources))
 
 
 # ---------------------------------------------------------------------------------- stack
@@ -632,18 +930,25 @@ class AttentionStack(nn.Module):
     and adds its output back); `forward_each` feeds the same input to every layer and returns each
     layer's output, so a difference in one layer cannot leak into the next. Both advance the
     caches; call `reset_state()` before an unrelated sequence. `numerics` reaches every layer (the
-    reference's arithmetic by default).
+    reference's arithmetic by default), and so does `cache_format` ("packed" by default, or
+    "bf16"; `cache_bytes()` measures what it allocates). Built under `torch.device("meta")` a stack
+    of any size allocates nothing and still reports its `cache_bytes()`.
     """
 
     def __init__(self, cfg, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
-                 max_seq_len: int = 4096, seed: Optional[int] = None):
+                 max_seq_len: int = 4096, seed: Optional[int] = None, cache_format: str = "packed"):
         super().__init__()
         self.cfg, self.numerics = cfg, numerics
+        self.cache_format = check_cache_format(cache_format)
         self.runtime = AttentionRuntime()
         self.layers = nn.ModuleList(Attention(cfg, i, numerics=numerics, max_batch_size=max_batch_size,
-                                              max_seq_len=max_seq_len) for i in range(cfg.n_layers))
+                                              max_seq_len=max_seq_len, cache_format=cache_format)
+                                    for i in range(cfg.n_layers))
         if seed is not None:
             init_random_(self, seed)
+
+    def cache_bytes(self) -> CacheBytes:
+        return cache_bytes(self.layers)
 
     def reset_state(self) -> None:
         for layer in self.layers:

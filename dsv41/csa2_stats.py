@@ -6,8 +6,12 @@ Notebooks 03 and 04 plot these; each is also a plain API:
 - `layer_map(cfg)`             per layer: mode, ratio, caches written and read (and from which layer),
                                RoPE base and whether YaRN applies;
 - `kv_cache_bytes(cfg)`        KV-cache bytes by component (window ring, compressed KV, index keys,
-                               compressor tail) as stored (FP8 / FP4 with their scales) or as this
-                               implementation holds them (`holding="runtime"`, BF16);
+                               compressor tail) from the formula: as stored (FP8 / FP4 with their
+                               scales, what `cache_format="packed"` allocates) or in BF16
+                               (`holding="runtime"`, what `cache_format="bf16"` allocates);
+- `measured_cache_bytes(cfg, max_seq_len)`  the same measured from the buffers an AttentionStack of
+                               that geometry allocates (built on the meta device: any size, no memory);
+- `allocated_cache_bytes(stack)`  a built stack's cache buffers by kind;
 - `attention_stack(model)`     an `AttentionStack` carrying a loaded checkpoint's attention weights,
                                optionally over a changed config (e.g. another `index_topk`);
 - `compressor_trace(layer, x, prefill)`  groups pooled, held and emitted per call, and the position
@@ -31,13 +35,19 @@ import torch
 import torch.nn.functional as F
 
 from .attention import (
+    COMPRESSED_KV,
+    COMPRESSOR_TAILS,
     INDEX_FP4_BLOCK,
+    INDEX_KEYS,
     KV_FP4_BLOCK,
     WINDOW_FP8_BLOCK,
+    WINDOW_RING,
     Attention,
     AttentionRuntime,
     AttentionStack,
+    CacheBytes,
     candidate_block_scores,
+    check_cache_format,
     select_candidate_blocks,
 )
 from .kernels import fp4_act_quant
@@ -45,8 +55,7 @@ from .layers import apply_rotary_emb
 from .numerics import WINDOW_LAYOUTS, Numerics
 from .trace import Trace
 
-WINDOW, COMPRESSED, INDEX_KEYS, TOPK, CANDIDATES = (
-    "window ring", "compressed KV", "index keys", "top-k", "candidate blocks")
+WINDOW, COMPRESSED, TOPK, CANDIDATES = WINDOW_RING, COMPRESSED_KV, "top-k", "candidate blocks"
 
 
 # ---------------------------------------------------------------------------------- layer map
@@ -129,9 +138,11 @@ STORED = {
     COMPRESSED: Encoding("FP4 E2M1 + E4M3 per 16", 4, KV_FP4_BLOCK, 1),
     INDEX_KEYS: Encoding("FP4 E2M1 + E8M0 per 32", 4, INDEX_FP4_BLOCK, 1),
 }
-# This implementation fake-quantizes and keeps the dequantized values in BF16
+# The reference runtime fake-quantizes and keeps the dequantized values in BF16 (cache_format="bf16")
 RUNTIME = {name: Encoding("BF16", 16) for name in STORED}
 TAIL_BYTES = 4  # the compressor's kv_state / score_state are float32
+# which formula holding describes the buffers of each cache_format
+HOLDING = {"packed": "stored", "bf16": "runtime"}
 
 
 @dataclass(frozen=True)
@@ -225,7 +236,8 @@ class KVCacheBytes:
 def kv_cache_bytes(cfg, holding: str = "stored") -> KVCacheBytes:
     """KV-cache bytes of `cfg` (backbone layers, batch 1). holding='stored': the trained model's
     formats (window FP8 + E8M0 per 32, compressed KV FP4 + E4M3 per 16, index keys FP4 + E8M0 per
-    32); 'runtime': BF16 everywhere, which is what this implementation allocates."""
+    32), which is what cache_format="packed" (the default) allocates; 'runtime': BF16 everywhere,
+    what cache_format="bf16" (the reference runtime's buffers) allocates."""
     if holding not in ("stored", "runtime"):
         raise ValueError(f"holding must be 'stored' or 'runtime', got {holding!r}")
     enc = STORED if holding == "stored" else RUNTIME
@@ -245,27 +257,43 @@ def kv_cache_bytes(cfg, holding: str = "stored") -> KVCacheBytes:
 
 
 def allocated_cache_bytes(stack: AttentionStack) -> dict[str, int]:
-    """Bytes of the cache buffers a stack actually allocated (RoPE tables excluded), by kind."""
+    """Bytes of the cache buffers a stack actually allocated (RoPE tables excluded), by kind, read
+    off its named buffers (`stack.cache_bytes().components` must agree)."""
     kinds = {"window_kv_cache": WINDOW, "compress_kv_cache": COMPRESSED, "indexer.k_cache": INDEX_KEYS,
-             "compressor.kv_state": "compressor tails", "compressor.score_state": "compressor tails"}
-    out = {name: 0 for name in (WINDOW, COMPRESSED, INDEX_KEYS, "compressor tails")}
+             "compressor.kv_state": COMPRESSOR_TAILS, "compressor.score_state": COMPRESSOR_TAILS}
+    out = {name: 0 for name in (WINDOW, COMPRESSED, INDEX_KEYS, COMPRESSOR_TAILS)}
     for layer in stack.layers:
         for name, buf in layer.named_buffers():
             if name == "freqs_cis":
                 continue
-            out[kinds[name]] += buf.numel() * buf.element_size()
+            owner = name.rsplit(".", 1)[0] if name.endswith((".values", ".scales")) else name
+            out[kinds[owner]] += buf.numel() * buf.element_size()
     return out
+
+
+def measured_cache_bytes(cfg, max_seq_len: int, *, cache_format: str = "packed",
+                         max_batch_size: int = 1) -> CacheBytes:
+    """`CacheBytes` of an AttentionStack of `cfg` sized for `max_seq_len` positions, measured from
+    the buffers it allocates. The stack is built on the meta device: every buffer has its shape
+    and dtype, so its byte count, and no memory is taken (the released geometry at a million
+    positions costs nothing to measure)."""
+    check_cache_format(cache_format)
+    with torch.device("meta"):
+        stack = AttentionStack(cfg, max_seq_len=max_seq_len, max_batch_size=max_batch_size, cache_format=cache_format)
+    return stack.cache_bytes()
 
 
 # ---------------------------------------------------------------------------------- weights
 def attention_stack(model, *, numerics: Numerics = Numerics(), max_seq_len: Optional[int] = None,
-                    **config_changes) -> AttentionStack:
+                    cache_format: Optional[str] = None, **config_changes) -> AttentionStack:
     """An AttentionStack holding the attention weights of a loaded `dsv41.load` model, over
     `model.cfg` with `config_changes` (e.g. index_topk=4, window_size=72); changes that alter a
     weight's shape are refused by the state-dict copy. `numerics` is the stack's (the reference's
-    by default, whatever the model was loaded with); max_seq_len defaults to the model's."""
+    by default, whatever the model was loaded with); max_seq_len and cache_format default to the
+    model's."""
     cfg = model.cfg.replace(**config_changes) if config_changes else model.cfg
-    stack = AttentionStack(cfg, numerics=numerics, max_seq_len=max_seq_len or model.max_seq_len)
+    stack = AttentionStack(cfg, numerics=numerics, max_seq_len=max_seq_len or model.max_seq_len,
+                           cache_format=cache_format or getattr(model, "cache_format", "packed"))
     weights = {f"layers.{i}.{name}": t for i, block in enumerate(model.backbone.layers)
                for name, t in block.attn.state_dict().items() if name in dict(stack.layers[i].named_parameters())}
     with torch.no_grad():
@@ -330,9 +358,9 @@ def compressor_trace(layer: Attention, x: torch.Tensor, prefill: int) -> Compres
     emitted_by: dict[int, tuple[int, int]] = {}
     calls = [(0, prefill)] + [(p, 1) for p in range(prefill, n)]
     for k, (start, length) in enumerate(calls):
-        before = layer.compress_kv_cache[0].clone()
+        before = layer.compress_kv_cache.read(1)[0].clone()  # decoded: the values a reader gets
         layer(x[:, start : start + length], start, runtime, trace)
-        changed = (layer.compress_kv_cache[0] != before).any(-1).nonzero().flatten().tolist()
+        changed = (layer.compress_kv_cache.read(1)[0] != before).any(-1).nonzero().flatten().tolist()
         end = start + length
         held = list(range(end - end % ratio, end)) if ratio > 1 else []
         held_ok = True
@@ -353,15 +381,16 @@ def compressor_trace(layer: Attention, x: torch.Tensor, prefill: int) -> Compres
         gate = layer.compressor.wgate(x32).unflatten(0, (n_groups, ratio)).softmax(dim=1).mean(-1)  # [groups, ratio]
     else:
         gate = torch.ones(n_groups, 1)
+    cached_kv, cached_keys = layer.compress_kv_cache.read(1)[0], layer.indexer.k_cache.read(1)[0]
     for g in range(n_groups):
         tokens = list(range(g * ratio, (g + 1) * ratio))
         candidates = range(g * ratio, min(n, (g + 1) * ratio + 1))  # the group's tokens and the next
         out.groups.append({
             "group": g, "tokens": tokens, "gate_weights": [float(w) for w in gate[g]],
             "emitted_at_call": emitted_by.get(g, (None, None))[0], "emitted_at_position": emitted_by.get(g, (None, None))[1],
-            "kv_rotated_at": _rotated_matches(layer.compress_kv_cache[0, g], latents[0, g], layer.freqs_cis, candidates,
+            "kv_rotated_at": _rotated_matches(cached_kv[g], latents[0, g], layer.freqs_cis, candidates,
                                               rd, KV_FP4_BLOCK, torch.float8_e4m3fn),
-            "key_rotated_at": _rotated_matches(layer.indexer.k_cache[0, g], keys[0, g], layer.freqs_cis, candidates,
+            "key_rotated_at": _rotated_matches(cached_keys[g], keys[0, g], layer.freqs_cis, candidates,
                                                rd, INDEX_FP4_BLOCK, torch.float8_e8m0fnu),
         })
     layer.reset_state()

@@ -40,6 +40,7 @@ from .headers import INDEX_NAME, HeaderError, read_header
 from .inventory import DTYPE_SIZES, expected_tensors, is_vision_name
 from .kernels.experts import PackedExpert, device_for, expert_devices
 from .layers import activation_dtype
+from .attention import check_cache_format
 from .model import FetchedExperts, Model
 from .numerics import Numerics
 
@@ -641,7 +642,7 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
          fix_stale_index_keys: Optional[bool] = None, window_layout: Optional[str] = None,
          pad_f32_rows: Optional[bool] = None, expert_cache: int = DEFAULT_EXPERT_CACHE, expert_device="cpu",
          resident_engram: bool = False, max_seq_len: Optional[int] = None, max_batch_size: int = 1,
-         threads="auto", undo_calls: int = 64, quiet: bool = False) -> Model:
+         threads="auto", undo_calls: int = 64, cache_format: str = "packed", quiet: bool = False) -> Model:
     """Load a checkpoint directory (default: the embedded tiny one) -> `model.Model`, its
     `report` the LoadReport.
 
@@ -658,6 +659,8 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
     whose expert matrices are under AUTO_THREADS_MIN_WEIGHTS weights, as the embedded checkpoint's,
     every core otherwise, see `auto_threads`), a whole number, or None to leave torch as it is
     (the report's summary says which); undo_calls: how many calls `Model.rollback` can undo;
+    cache_format: "packed" (default: the stored FP8 / FP4 formats with their scales) or "bf16" (the
+    reference runtime's BF16 buffers), bit-identical logits either way (`Model.cache_bytes()`);
     quiet: no progress bar. Raises LoadError with one sentence
     on a bad checkpoint."""
     from tqdm import tqdm
@@ -667,6 +670,7 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
     numerics = (numerics or Numerics()).with_options(fix_stale_index_keys=fix_stale_index_keys,
                                                      window_layout=window_layout, pad_f32_rows=pad_f32_rows)
     check_threads(threads)
+    check_cache_format(cache_format)
     began = time.perf_counter()
     try:
         devices = expert_devices(expert_device)  # prints the one fallback line when CUDA is absent
@@ -709,7 +713,7 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
     report = LoadReport(checkpoint=ckpt.path, threads=n_threads, threads_choice=threads_choice)
     with torch.no_grad():
         model = Model(cfg, numerics=numerics, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                      tokenizer=tokenizer, tokenizer_meta=tok_meta, hasher=hasher, undo_calls=undo_calls)
+                      tokenizer=tokenizer, tokenizer_meta=tok_meta, hasher=hasher, undo_calls=undo_calls, cache_format=cache_format)
         read = _fill_parameters(model.backbone, ckpt, report, quiet, tqdm)
 
     expert_store = ExpertCache(ckpt, expert_cache, devices)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import Attention, AttentionRuntime
+from .attention import Attention, AttentionRuntime, CacheBytes, cache_bytes, check_cache_format
 from .formats import dequantize_engram_rows
 from .kernels import hc_split_sinkhorn
 from .kernels.experts import PackedExpert, clamped_swiglu, routed_experts
@@ -312,13 +312,14 @@ class Block(nn.Module):
     collapse and expansion. Parameter names are the checkpoint's (`layers.N.` + name)."""
 
     def __init__(self, cfg, layer: int, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
-                 max_seq_len: int = 4096):
+                 max_seq_len: int = 4096, cache_format: str = "packed"):
         super().__init__()
         self.layer, self.hc_mult = layer, cfg.hc_mult
         self.norm_eps, self.hc_eps, self.hc_iters = cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
         self.pad_f32_rows = numerics.pad_f32_rows
         act = activation_dtype(cfg)
-        self.attn = Attention(cfg, layer, numerics=numerics, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+        self.attn = Attention(cfg, layer, numerics=numerics, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                              cache_format=cache_format)
         self.ffn = MoE(cfg, layer, numerics=numerics)
         engram_layers = tuple(cfg.engram_layer_ids or ())
         self.engram = None
@@ -398,16 +399,20 @@ class Backbone(nn.Module):
     """Embedding, the blocks, the final collapse (with the last block's FFN pre), norm and head.
 
     Holds only dense parameters, named as in the checkpoint; routed experts and Engram tables are
-    attached by `Model.attach`. `max_batch_size` and `max_seq_len` size the attention caches;
-    `numerics` reaches every layer that reads it."""
+    attached by `Model.attach`. `max_batch_size` and `max_seq_len` size the attention caches,
+    `cache_format` says how they hold their values (`attention.QuantizedCache`); `numerics` reaches
+    every layer that reads it."""
 
-    def __init__(self, cfg, *, numerics: Numerics = Numerics(), max_batch_size: int = 1, max_seq_len: int = 4096):
+    def __init__(self, cfg, *, numerics: Numerics = Numerics(), max_batch_size: int = 1, max_seq_len: int = 4096,
+                 cache_format: str = "packed"):
         super().__init__()
         self.cfg, self.hc_mult, self.numerics = cfg, cfg.hc_mult, numerics
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.cache_format = check_cache_format(cache_format)
         self.embed = Embedding(cfg.vocab_size, cfg.dim, activation_dtype(cfg))
         self.layers = nn.ModuleList(Block(cfg, i, numerics=numerics, max_batch_size=max_batch_size,
-                                          max_seq_len=max_seq_len) for i in range(cfg.n_layers))
+                                          max_seq_len=max_seq_len, cache_format=cache_format)
+                                    for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=activation_dtype(cfg))
         self.head = Head(cfg.vocab_size, cfg.dim, numerics=numerics)
 
@@ -442,14 +447,19 @@ class Model:
     at the next position. `reset()` forgets the sequence.
 
     Built empty from a config; `loader.load` fills `backbone` by checkpoint name and `attach`es the
-    routed-expert store and the Engram tables (`report`, `checkpoint`: what it loaded from). The
-    generation verbs (`prefill`, `decode_one`, `decode_n`, `generate`, `compare_prefill_decode`)
+    routed-expert store and the Engram tables (`report`, `checkpoint`: what it loaded from).
+    `cache_format`: the attention caches hold the stored formats, decoded when read ("packed", the
+    default: FP8 window rings, FP4 compressed KV and index keys with their scales) or the same
+    values in BF16 ("bf16"); the logits are the same bit for bit, `cache_bytes()` measures the
+    difference. The generation verbs (`prefill`, `decode_one`, `decode_n`, `generate`, `compare_prefill_decode`)
     are `dsv41.generate`'s functions over this object."""
 
     def __init__(self, cfg, *, numerics: Numerics = Numerics(), max_batch_size: int = 1, max_seq_len: int = 4096,
-                 tokenizer=None, tokenizer_meta: Optional[dict] = None, hasher=None, undo_calls: int = 64):
+                 tokenizer=None, tokenizer_meta: Optional[dict] = None, hasher=None, undo_calls: int = 64,
+                 cache_format: str = "packed"):
         self.cfg, self.numerics = cfg, numerics
-        self.backbone = Backbone(cfg, numerics=numerics, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+        self.backbone = Backbone(cfg, numerics=numerics, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                 cache_format=cache_format)
         self.runtime = AttentionRuntime()
         self.hasher = hasher
         self.tokenizer, self.tokenizer_meta = tokenizer, dict(tokenizer_meta or {})
@@ -471,6 +481,16 @@ class Model:
     @property
     def max_seq_len(self) -> int:
         return self.backbone.max_seq_len
+
+    @property
+    def cache_format(self) -> str:
+        return self.backbone.cache_format
+
+    def cache_bytes(self) -> CacheBytes:
+        """The attention caches' allocated bytes, measured from their buffers: by component and
+        part, fixed (window rings, compressor tails) and growing, and `per_token` (the compressed KV
+        and index keys per position of one sequence); `.summary()` says it in one line."""
+        return cache_bytes(block.attn for block in self.backbone.layers)
 
     def reset(self) -> None:
         """Start a new sequence: attention caches, the shared runtime and the n-gram look-back."""

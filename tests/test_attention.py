@@ -81,11 +81,29 @@ def test_modes_own_exactly_their_checkpoint_tensors_in_runtime_dtypes():
     assert p["layers.0.attn_sink"].dtype == torch.float32
     assert p["layers.2.indexer.wk.weight"].dtype == torch.bfloat16
     assert p["layers.6.indexer.weights_proj.weight"].dtype == torch.bfloat16
-    # only Full layers hold compressed-KV and index-key caches
+    # only Full layers hold compressed-KV and index-key caches; packed: raw bytes plus scales
     for i, layer in enumerate(stack.layers):
-        bufs = {n for n, _ in layer.named_buffers()}
-        assert ("compress_kv_cache" in bufs) == (i in FULL)
-        assert ("indexer.k_cache" in bufs) == (i in FULL)
+        bufs = dict(layer.named_buffers())
+        assert ("compress_kv_cache.values" in bufs) == (i in FULL)
+        assert ("indexer.k_cache.values" in bufs) == (i in FULL)
+        assert bufs["window_kv_cache.values"].shape == (1, TINY.window_size, TINY.head_dim)
+        assert bufs["window_kv_cache.scales"].shape == (1, TINY.window_size, TINY.head_dim // 32)
+        if i in FULL:
+            rows = MAX_SEQ // TINY.compress_ratios[i]
+            assert bufs["compress_kv_cache.values"].shape == (1, rows, TINY.head_dim // 2)
+            assert bufs["compress_kv_cache.scales"].shape == (1, rows, TINY.head_dim // 16)
+            assert bufs["indexer.k_cache.values"].shape == (1, rows, TINY.index_head_dim // 2)
+            assert bufs["indexer.k_cache.scales"].shape == (1, rows, TINY.index_head_dim // 32)
+            kv_values, kv_scales = layer.compress_kv_cache.stored()
+            assert (kv_values.dtype, kv_scales.dtype) == (torch.float4_e2m1fn_x2, torch.float8_e4m3fn)
+            assert [t.dtype for t in layer.indexer.k_cache.stored()] == [torch.float4_e2m1fn_x2, torch.float8_e8m0fnu]
+        assert [t.dtype for t in layer.window_kv_cache.stored()] == [torch.float8_e4m3fn, torch.float8_e8m0fnu]
+    old = AttentionStack(TINY, max_seq_len=MAX_SEQ, cache_format="bf16")
+    for i, layer in enumerate(old.layers):
+        bufs = dict(layer.named_buffers())
+        assert bufs["window_kv_cache.values"].dtype == torch.bfloat16 and "window_kv_cache.scales" not in bufs
+        if i in FULL:
+            assert bufs["compress_kv_cache.values"].shape == (1, MAX_SEQ // TINY.compress_ratios[i], TINY.head_dim)
 
 
 def test_rope_tables_compressed_layers_yarn_window_layers_plain():
@@ -126,8 +144,9 @@ def test_ratio_one_compressor_has_no_gate_and_emits_every_token():
     assert comp(_x(1), 3).shape == (1, 1, TINY.head_dim)
 
 
-def test_compressed_kv_and_index_keys_rotate_at_their_groups_first_token():
-    layer = init_random_(Attention(TINY, 2, max_seq_len=MAX_SEQ), 9)
+@pytest.mark.parametrize("cache_format", ["packed", "bf16"])
+def test_compressed_kv_and_index_keys_rotate_at_their_groups_first_token(cache_format):
+    layer = init_random_(Attention(TINY, 2, max_seq_len=MAX_SEQ, cache_format=cache_format), 9)
     probe = init_random_(Attention(TINY, 2, max_seq_len=MAX_SEQ), 9)  # same weights, untouched state
     x = _x(7, seed=4)
     layer(x, 0, AttentionRuntime())
@@ -138,12 +157,12 @@ def test_compressed_kv_and_index_keys_rotate_at_their_groups_first_token():
             kv = latent[:, g : g + 1].clone()
             apply_rotary_emb(kv[..., -rd:], layer.freqs_cis[pos : pos + 1])
             fp4_act_quant(kv, 16, inplace=True, scale_dtype=torch.float8_e4m3fn)
-            assert torch.equal(layer.compress_kv_cache[0, g], kv[0, 0]) == should_match, (g, pos)
+            assert torch.equal(layer.compress_kv_cache.read(1)[0, g], kv[0, 0]) == should_match, (g, pos)
             # the index key: wk of the latent *before* RoPE and quantization, then its own RoPE + FP4
             k = probe.indexer.k_norm(probe.indexer.wk(latent[:, g : g + 1]))
             apply_rotary_emb(k[..., -rd:], layer.freqs_cis[pos : pos + 1])
             fp4_act_quant(k, 32, inplace=True)
-            assert torch.equal(layer.indexer.k_cache[0, g], k[0, 0]) == should_match, (g, pos)
+            assert torch.equal(layer.indexer.k_cache.read(1)[0, g], k[0, 0]) == should_match, (g, pos)
 
 
 # ------------------------------------------------------------------------------ candidates
@@ -340,9 +359,9 @@ def test_caches_and_runtime_slots_are_written_only_by_their_owners():
             after_bufs, after_pub = _snapshot(stack)
             changed = {key for key in before_bufs if not torch.equal(before_bufs[key], after_bufs[key])}
             assert {owner for owner, _ in changed} <= {i}, (pos, i, changed)
-            assert (i, "window_kv_cache") in changed  # every layer keeps its own window
+            assert (i, "window_kv_cache.values") in changed  # every layer keeps its own window
             if i in FULL and pos == 0:
-                assert {(i, "compress_kv_cache"), (i, "indexer.k_cache")} <= changed
+                assert {(i, "compress_kv_cache.values"), (i, "indexer.k_cache.values")} <= changed
             rt = stack.runtime
             moved = {k for k in before_pub if _differs(before_pub[k], after_pub[k])}
             if i in FULL:

@@ -89,20 +89,50 @@ def test_stored_formula_follows_the_geometry():
         cs.kv_cache_bytes(TINY, "fp4")
 
 
+@pytest.mark.parametrize("cache_format,holding", [("packed", "stored"), ("bf16", "runtime")])
 @pytest.mark.parametrize("ratios,max_seq_len", [
     ((0, 0, 2, 2, 1, 1, 1, 0, 0, 0, 0), 64),
     ((0, 0, 2, 2, 1, 1, 1, 0, 0, 0, 0), 37),  # odd: floor(37 / 2) compressed rows
     ((0, 0, 4, 4, 1, 1, 1, 0, 0, 0, 0), 30),
 ])
-def test_runtime_formula_equals_the_allocated_buffers(ratios, max_seq_len):
+def test_formula_equals_the_allocated_buffers(ratios, max_seq_len, cache_format, holding):
+    """Packed caches (the default) allocate the stored formula's bytes; BF16 ones the runtime's."""
+    assert cs.HOLDING[cache_format] == holding
     cfg = TINY.replace(compress_ratios=ratios)
-    allocated = cs.allocated_cache_bytes(AttentionStack(cfg, max_seq_len=max_seq_len))
-    comps = cs.kv_cache_bytes(cfg, "runtime").components(max_seq_len)
+    stack = AttentionStack(cfg, max_seq_len=max_seq_len, cache_format=cache_format)
+    allocated = cs.allocated_cache_bytes(stack)
+    comps = cs.kv_cache_bytes(cfg, holding).components(max_seq_len)
     assert allocated["window ring"] == comps["window ring"]
     assert allocated["compressor tails"] == comps["compressor tails"] > 0
     assert allocated["compressed KV"] == sum(v for k, v in comps.items() if k.endswith("compressed KV"))
     assert allocated["index keys"] == sum(v for k, v in comps.items() if k.endswith("index keys"))
-    assert sum(allocated.values()) == cs.kv_cache_bytes(cfg, "runtime").total(max_seq_len)
+    assert sum(allocated.values()) == cs.kv_cache_bytes(cfg, holding).total(max_seq_len)
+    measured = stack.cache_bytes()
+    assert measured.components == allocated
+    assert measured.per_token["total"] == cs.kv_cache_bytes(cfg, holding).per_token
+
+
+def test_measured_released_bytes_per_token_next_to_the_formula():
+    formula = cs.kv_cache_bytes(RELEASED)
+    for positions in (300, 301, 4096):
+        measured = cs.measured_cache_bytes(RELEASED, positions)
+        assert measured.per_token["total"] == formula.per_token == 890
+        assert measured.per_token_by_source == {s.layer: s.per_token for s in formula.sources}
+        assert measured.parts["compressed KV scales"] == sum(s.entries(positions) * s.kv_scales for s in formula.sources)
+        assert measured.parts["index key scales"] == sum(s.entries(positions) * s.key_scales for s in formula.sources)
+        assert measured.total == formula.total(positions)
+    held = cs.measured_cache_bytes(RELEASED, 4096, cache_format="bf16")
+    assert held.per_token["total"] == cs.kv_cache_bytes(RELEASED, "runtime").per_token == 3200
+    with pytest.raises(ValueError, match="cache_format"):
+        cs.measured_cache_bytes(RELEASED, 8, cache_format="fp4")
+
+
+@pytest.mark.parametrize("cache_format", ["packed", "bf16"])
+def test_attention_stack_takes_the_models_cache_format(model, cache_format):
+    assert model.cache_format == "packed"
+    assert cs.attention_stack(model, max_seq_len=8).cache_format == "packed"
+    stack = cs.attention_stack(model, max_seq_len=8, cache_format=cache_format)
+    assert {layer.cache_format for layer in stack.layers} == {cache_format}
 
 
 # ------------------------------------------------------------------------------ weights

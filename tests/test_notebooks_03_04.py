@@ -86,6 +86,40 @@ def test_kv_bytes_per_token_from_the_formula(smoke_run):
 
 
 @pytest.mark.slow
+def test_kv_bytes_per_token_measured_from_the_allocated_buffers(smoke_run):
+    """The packed caches allocate what the formula counts: 890 B per token measured on a
+    released-size stack, and this checkpoint's buffers equal the stored formula byte for byte."""
+    kv = _sidecar(smoke_run, "03_kv_bytes")
+    measured = kv["measured"]
+    assert measured["cache_format"] == "packed" and measured["max_seq_len"] == 4096
+    assert measured["per_token"]["total"] == kv["per_token"] == 890
+    kv_entry, key_entry = 512 // 2 + 512 // 16, 128 // 2 + 128 // 32
+    assert measured["per_token"]["compressed KV"] == 3 * kv_entry / 2 + kv_entry
+    assert measured["per_token"]["index keys"] == 3 * key_entry / 2 + key_entry
+    assert {int(k): v for k, v in measured["per_token_by_source"].items()} == {
+        s["layer"]: s["per_token"] for s in kv["sources"]}
+    assert measured["total_at_contexts"] == kv["total"]  # formula and buffers agree at every context
+    # the allocated parts: one E4M3 scale per 16 latent channels and one E8M0 per 32 key channels
+    parts, rows = measured["parts"], 3 * 4096 // 2 + 4096
+    assert (parts["compressed KV data"], parts["compressed KV scales"]) == (rows * 256, rows * 32)
+    assert (parts["index key data"], parts["index key scales"]) == (rows * 64, rows * 4)
+    assert (parts["window ring data"], parts["window ring scales"]) == (40 * 128 * 512, 40 * 128 * 16)
+
+    facts = _sidecar(smoke_run, "03_csa2_facts")
+    packed = facts["packed_bytes"]
+    assert packed["allocated"] == packed["predicted"] and all(v > 0 for v in packed["allocated"].values())
+    assert packed["allocated"]["compressed KV"] < facts["runtime_bytes"]["allocated"]["compressed KV"]
+    assert packed["model_per_token"] == packed["model_formula_per_token"] == (32 + 4 + 16 + 1) / 2 + (32 + 4 + 16 + 1)
+    m = facts["measured"]
+    assert m["released_per_token"] == m["formula_per_token"] == 890 and m["released_per_token_bf16"] == 3200
+    assert m["context"] == 2**20
+    fixed = 40 * 128 * 528 + 3 * 2 * 2 * 512 * 4  # FP8 window rings + float32 ratio-2 compressor tails
+    assert m["context_fixed_bytes"]["packed"] == fixed
+    assert m["context_bytes"]["packed"] == 890 * 2**20 + fixed == 935_960_576
+    assert m["context_bytes"]["bf16"] == 3200 * 2**20 + 40 * 128 * 1024 + 3 * 2 * 2 * 512 * 4
+
+
+@pytest.mark.slow
 def test_compressor_trace_numbers(smoke_run):
     trace = _sidecar(smoke_run, "03_compressor_trace")
     n, prefill = trace["n_tokens"], trace["prefill"]
@@ -220,3 +254,40 @@ def test_reference_numerics_against_the_parity_options(smoke_run):
     assert facts["numerics"]["attention_identical"] == {"reference, False": False, "reference, True": False,
                                                         "uniform, False": True, "uniform, True": True}
     assert facts["sweep"]["numerics"] == {"window_layout": "uniform", "pad_f32_rows": True}
+
+
+@pytest.mark.slow
+def test_tie_break_lowest_leaves_no_prefill_decode_parting(smoke_run):
+    from dsv41.numerics import Numerics
+
+    tie = _sidecar(smoke_run, "04_tie_break")
+    sweep = _sidecar(smoke_run, "04_topk_sweep")
+    n = tie["n_tokens"]
+    assert n == sweep["n_tokens"] == 24 and tie["widths"] == sweep["widths"] == [2, TINY.index_topk, n]
+    assert tie["numerics"] == {"topk": Numerics.parity().with_options(tie_break="topk").as_dict(),
+                               "lowest": Numerics.parity().as_dict()}
+    assert tie["numerics"]["lowest"]["tie_break"] == "lowest" and sweep["tie_break"] == "topk"
+    # torch.topk's order: the sweep of section 4, every parting a tie, some at the truncating widths
+    assert tie["n_differ"]["topk"] == sweep["n_differ"] == tie["n_ties"]["topk"]
+    assert sum(tie["n_differ"]["topk"][:-1]) > 0 and max(tie["max_output_diff"]["topk"][:-1]) > 0
+    # one tie rule: the same widths truncate the same (query, layer) pairs, and nothing parts at any of them
+    assert tie["n_truncated"]["lowest"] == tie["n_truncated"]["topk"] and all(t > 0 for t in tie["n_truncated"]["lowest"][:-1])
+    assert tie["n_differ"]["lowest"] == tie["n_ties"]["lowest"] == [0, 0, 0]
+    assert tie["max_output_diff"]["lowest"] == [0.0, 0.0, 0.0] and tie["identical"]["lowest"] == [True, True, True]
+    facts = _sidecar(smoke_run, "04_candidate_facts")["tie_break"]
+    assert facts["all_identical_lowest"] is True and facts["n_differ"] == tie["n_differ"]
+    assert tie["timed"]["repeats"] == facts["timing_repeats"] == 3 and tie["timed"]["index_topk"] == TINY.index_topk
+
+
+@pytest.mark.slow
+def test_tie_break_time_ratio_is_measured_and_shown(smoke_run):
+    # wall clock, so it lives in the executed notebook's table, not in a sidecar (those are byte-identical run to run)
+    import math
+    import re
+
+    import nbformat
+
+    nb = nbformat.read(str(smoke_run / "04_candidate_blocks.ipynb"), as_version=4)
+    texts = [o.get("data", {}).get("text/plain", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    ratios = [float(m.group(1)) for t in texts for m in [re.search(r"lowest / topk = ([0-9.eE+-]+)", t)] if m]
+    assert len(ratios) == 1 and math.isfinite(ratios[0]) and ratios[0] > 0, ratios
