@@ -30,8 +30,8 @@ per 16, index keys as FP4 with one E8M0 scale per 32, decoded when read; with "b
 values already rounded to those grids, held in the activation dtype. A read decodes to exactly the
 values the quantizer's in-place form writes, so the two formats give bit-identical outputs;
 `cache_bytes` measures what either allocates. Packed, a layer decodes only the compressed rows its
-queries selected (`Attention._compressed_rows`; the rest of the kv it hands sparse_attn is zeros
-no index names), so a decode step decodes index_topk rows, not the whole context.
+queries selected (`Attention._compressed_rows`, which renumbers the selections into those rows),
+so a decode step decodes index_topk rows, not the whole context.
 """
 
 from __future__ import annotations
@@ -724,9 +724,9 @@ class Attention(nn.Module):
         kv, idxs = self._window(x, freqs, start_pos)  # [b, n_kv, head_dim], [b, s, w]
         if self.ratio:
             cache, selected = self._compressed(x, qr, start_pos, runtime, record, trace)
-            compress_kv = self._compressed_rows(cache, bsz, (start_pos + seqlen) // self.ratio, selected)
-            # selected positions index the compressed rows appended after the window rows
-            idxs = torch.cat([idxs, torch.where(selected >= 0, selected + kv.size(1), -1)], dim=-1)
+            compress_kv, rows = self._compressed_rows(cache, bsz, (start_pos + seqlen) // self.ratio, selected)
+            # the selections index the compressed rows appended after the window rows
+            idxs = torch.cat([idxs, torch.where(rows >= 0, rows + kv.size(1), -1)], dim=-1)
             kv = torch.cat([kv, compress_kv], dim=1)
             if record is not None:
                 record.selected = self._pad_topk(selected).cpu()  # one width in every trace
@@ -769,20 +769,20 @@ class Attention(nn.Module):
         return window_kv, idxs.int().unsqueeze(0).expand(bsz, seqlen, -1)
 
     @staticmethod
-    def _compressed_rows(cache: "QuantizedCache", bsz: int, width: int, selected: torch.Tensor) -> torch.Tensor:
-        """The compressed rows [b, T, head_dim] sparse_attn gets for selections `selected`.
+    def _compressed_rows(cache: "QuantizedCache", bsz: int, width: int,
+                         selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(compressed rows for sparse_attn, where each selection sits in them: like `selected`).
 
-        BF16 storage hands over every reachable row (the reference's kv). Packed storage decodes
-        only the rows some query selected, into an otherwise zero [b, T, head_dim]: sparse_attn
-        reads nothing but the rows its indices name, so the index rows stay the reference's, the
-        rows it gathers are the same and so is its output, bit for bit, while a decode step
-        decodes index_topk rows instead of the whole context."""
+        BF16 storage hands over every reachable row [b, T, head_dim], indexed by position (the
+        reference's kv). Packed storage decodes only the rows some query selected, [b, P, head_dim]
+        in ascending position, and renumbers the selections to match: sparse_attn gathers the same
+        row contents in the same column order, so its output is the same bit for bit, while a
+        decode step decodes and converts index_topk rows instead of the whole context."""
         if not cache.packed:
-            return cache.read(bsz, width)
-        picked = torch.unique(selected[selected >= 0]).long()
-        rows = torch.zeros(bsz, width, cache.dim, dtype=cache.dtype, device=selected.device)
-        rows[:, picked] = cache.gather(bsz, picked)
-        return rows
+            return cache.read(bsz, width), selected
+        picked = torch.unique(selected[selected >= 0]).long()  # ascending positions
+        rows = torch.searchsorted(picked, selected.long().clamp_min(0)).to(selected.dtype)
+        return cache.gather(bsz, picked), torch.where(selected >= 0, rows, -1)
 
     def _compressed(self, x, qr, start_pos, runtime: AttentionRuntime, record, trace):
         """The shared compressed-KV cache and each query's selected compressed positions, -1 where

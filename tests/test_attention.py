@@ -264,18 +264,28 @@ def _expected_window_row(p, start_pos, seqlen, win, layout):
 def test_index_rows_handed_to_sparse_attn(monkeypatch, layout):
     win, k = TINY.window_size, TINY.index_topk
     assert win > 5 and AttentionStack(TINY, max_seq_len=MAX_SEQ).numerics.window_layout == "reference"  # the default
-    stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=8,
-                           numerics=Numerics(fix_stale_index_keys=True, window_layout=layout))
-    calls = _sparse_attn_calls(monkeypatch)
-    trace = Trace()
+    numerics = Numerics(fix_stale_index_keys=True, window_layout=layout)
     x = _x(2 * win + 4, seed=22)
     prefills = (5, 2 * win)  # a prefill narrower than the window, and one past it
-    for n_pre in prefills:
-        stack.reset_state()
-        stack(x[:, :n_pre], 0, trace)
-        for p in range(n_pre, x.size(1)):
-            stack(x[:, p : p + 1], p, trace)
-    assert len(calls) == len(trace.attention)
+
+    def run(cache_format):
+        stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=8, numerics=numerics, cache_format=cache_format)
+        calls, trace = _sparse_attn_calls(monkeypatch), Trace()
+        for n_pre in prefills:
+            stack.reset_state()
+            stack(x[:, :n_pre], 0, trace)
+            for p in range(n_pre, x.size(1)):
+                stack(x[:, p : p + 1], p, trace)
+        return calls, trace
+
+    # packed storage hands sparse_attn only the selected compressed rows, renumbered: every column
+    # gathers the same row as the BF16 storage's reference-shaped kv (and -1 stays -1)
+    packed, _ = run("packed")
+    calls, trace = run("bf16")
+    assert len(packed) == len(calls) == len(trace.attention)
+    for (idx_p, kv_p, out_p), (idx_b, kv_b, out_b) in zip(packed, calls):
+        assert torch.equal(idx_p == -1, idx_b == -1) and torch.equal(out_p, out_b)
+        assert torch.equal(kv_p[0][idx_p[0].clamp_min(0).long()], kv_b[0][idx_b[0].clamp_min(0).long()])
     for (idxs, _, _), rec in zip(calls, trace.attention):
         start, s = rec.start_pos, rec.seqlen
         n_kv = s if start == 0 else win  # window KV rows ahead of the compressed ones
