@@ -553,8 +553,8 @@ class Model:
     def _capture(self, start: int, end: int, ids=None, image_mask=None) -> "SequenceState":
         layers = [block.attn.capture(start, end) for block in self.backbone.layers]
         return SequenceState(start, layers, self.runtime.published(),
-                             None if self.hasher is None else self.hasher.state(),
-                             self.token_ids[:, :start].clone(), ids, image_mask, model_id=id(self))
+                             None if self.hasher is None else self.hasher.state(), None, ids, image_mask,
+                             model_id=id(self))
 
     def _put_back(self, state: "SequenceState") -> None:
         for block, saved in zip(self.backbone.layers, state.layers):
@@ -562,7 +562,9 @@ class Model:
         self.runtime.republish(state.published)
         if self.hasher is not None:
             self.hasher.set_state(state.hasher)
-        self.token_ids = state.token_ids.clone()
+        # an undo record's earlier ids are still the sequence's own: cut, not copied per call
+        self.token_ids = (self.token_ids[:, : state.position] if state.token_ids is None
+                          else state.token_ids.clone())
         self.position = state.position
 
     @property
@@ -649,14 +651,15 @@ class Model:
 @dataclass
 class SequenceState:
     """What a call overwrote (an undo record) or what a sequence holds (a snapshot): per layer the
-    cache rows `Attention.capture` copied, the runtime's published caches, the n-gram look-back,
-    the token ids before `position`; an undo record also keeps its call's ids to run again."""
+    cache rows `Attention.capture` copied, the runtime's published caches, the n-gram look-back; a
+    snapshot the sequence's token ids (an undo record needs none: the ids before its `position`
+    are the sequence's own), an undo record its call's ids to run again."""
 
     position: int
     layers: list
     published: tuple
     hasher: Optional[tuple]
-    token_ids: torch.Tensor
+    token_ids: Optional[torch.Tensor]
     ids: Optional[torch.Tensor] = None
     image_mask: Optional[torch.Tensor] = None
     undo: list = field(default_factory=list)
