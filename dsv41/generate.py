@@ -78,9 +78,11 @@ def locate_non_finite(model, ids: Sequence[int]) -> str:
     return f"the first non-finite output is {where}"
 
 
-def _check_finite(model, logits: torch.Tensor, sequence: Sequence[int]) -> None:
-    """Stop with one sentence when the logits of the last position of `sequence` are not finite."""
+def _check_finite(model, logits: torch.Tensor) -> None:
+    """Stop with one sentence when the logits of the model's last position are not finite (the
+    sequence fed so far, `model.token_ids`, is run again to say where it began)."""
     if not bool(torch.isfinite(logits).all()):
+        sequence = model.token_ids[0].tolist()
         raise NonFiniteLogits(
             f"the logits at position {len(sequence) - 1} are NaN or Inf, so generation stops: "
             f"{locate_non_finite(model, sequence)}; `dsv41 audit --values` finds non-finite weights")
@@ -153,19 +155,17 @@ def decode_one(model, token_id, *, trace=None) -> torch.Tensor:
 
 def decode_n(model, token_id, n: int, *, temperature: float = 0.0, generator: Optional[torch.Generator] = None,
              callback: Optional[Callable[[int, int, torch.Tensor], Optional[bool]]] = None,
-             stop_ids: Sequence[int] = (), trace=None, steps: Optional[list] = None,
-             history: Optional[Sequence[int]] = None) -> list[int]:
+             stop_ids: Sequence[int] = (), trace=None, steps: Optional[list] = None) -> list[int]:
     """Feed `token_id` (batch 1) and keep going for up to `n` tokens, sampling each from the last
     logits. Returns the produced ids (the fed token excluded). `callback(step, token, logits)` runs
     after each token; returning False stops. A token in `stop_ids` is kept and stops the loop.
-    `history`: the ids before `token_id`, to say where NaN or Inf logits began (NonFiniteLogits)."""
+    NaN or Inf logits stop it with NonFiniteLogits."""
     out: list[int] = []
     token = int(token_id)
     for step in range(n):
         began = time.perf_counter()
         logits = decode_one(model, token, trace=trace)
-        if history is not None:
-            _check_finite(model, logits, [*history, int(token_id), *out])  # every id fed so far
+        _check_finite(model, logits)
         token = int(sample(logits, temperature, generator)[0])
         out.append(token)
         if steps is not None:
@@ -209,7 +209,7 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
         model.rollback(model.position - reused)
     logits = prefill(model, prompt_ids[reused:], trace=ftrace, start_pos=reused, chunk=prefill_chunk,
                      progress=progress)
-    _check_finite(model, logits, prompt_ids)
+    _check_finite(model, logits)
     ids: list[int] = []
     finish = "length"
     if max_new_tokens > 0:
@@ -228,8 +228,7 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
             return callback(step + 1, token, lg)
 
         more = decode_n(model, ids[-1], max_new_tokens - 1, temperature=temperature, generator=generator,
-                        callback=shifted if callback is not None else None, stop_ids=stop_ids, trace=ftrace, steps=steps,
-                        history=prompt_ids)
+                        callback=shifted if callback is not None else None, stop_ids=stop_ids, trace=ftrace, steps=steps)
         ids += more
         if more and more[-1] in stop_ids:
             finish = "eos"
