@@ -64,3 +64,25 @@ def sidecar(run, name: str) -> dict:
     import json
 
     return json.loads((run / f"{name}.json").read_text())
+
+
+# The standard parameters cell of a throwaway test notebook
+THROWAWAY_PARAMETERS = '''checkpoint = None
+prompt = "default prompt"
+device = "cpu"
+output_dir = "."
+smoke = False'''
+
+
+def write_throwaway_notebook(path, *cells, n_parameter_cells: int = 1) -> None:
+    """A numbered-notebook-shaped file at `path`: a markdown title, the parameters cell(s), then
+    one code cell per source in `cells`, with a python3 kernelspec."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+    nb = new_notebook(cells=[new_markdown_cell("# a throwaway notebook")])
+    for _ in range(n_parameter_cells):
+        nb.cells.append(new_code_cell(THROWAWAY_PARAMETERS, metadata={"tags": ["parameters"]}))
+    nb.cells += [new_code_cell(src) for src in cells]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(path))

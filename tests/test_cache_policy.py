@@ -85,10 +85,27 @@ def test_one_pass_depths_equal_the_direct_simulation_at_every_size(policy):
                 (policy, capacity, seq)
 
 
-def test_lru_is_the_widgets_replay():
+def _plain_lru(seq, capacity: int) -> list[bool]:
+    """LRU written the obvious way, as the loader's ExpertCache keeps a layer's window."""
+    from collections import OrderedDict
+
+    window, hits = OrderedDict(), []
+    for e in seq:
+        hits.append(e in window)
+        if e in window:
+            window.move_to_end(e)
+        elif capacity:
+            window[e] = True
+            if len(window) > capacity:
+                window.popitem(last=False)
+    return hits
+
+
+def test_lru_is_a_plain_lru_and_the_widgets_use_it():
+    assert widgets_lru_replay is cp.lru_replay  # one home for the replay
     for n_experts, seq, _ in _sequences(300, seed=2):
         for capacity in range(n_experts + 2):
-            assert cp.lru_replay(seq, capacity) == widgets_lru_replay(seq, capacity)
+            assert cp.lru_replay(seq, capacity) == _plain_lru(seq, capacity), (capacity, seq)
 
 
 def test_no_policy_beats_belady_on_random_traces():

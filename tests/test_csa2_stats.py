@@ -1,7 +1,6 @@
 """dsv41.csa2_stats: the layer map, KV-cache bytes (formula vs the model card and vs allocated
 buffers), the compressor trace, the candidate-block pin, prefill/decode divergence and stale keys."""
 
-import dataclasses
 
 import pytest
 import torch

@@ -6,43 +6,30 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from dsv41 import notebooks as runner
 from dsv41.cli import main as dsv41_main
 
-from conftest import run_notebooks_smoke, sidecar
+from conftest import run_notebooks_smoke, sidecar, write_throwaway_notebook
 
 REPO = Path(__file__).resolve().parent.parent
 
-PARAMETERS = '''checkpoint = None
-prompt = "default prompt"
-device = "cpu"
-output_dir = "."
-smoke = False'''
 
 
-def _write(path: Path, *cells, n_parameter_cells: int = 1):
-    nb = new_notebook(cells=[new_markdown_cell("# a throwaway notebook")])
-    for _ in range(n_parameter_cells):
-        nb.cells.append(new_code_cell(PARAMETERS, metadata={"tags": ["parameters"]}))
-    nb.cells += [new_code_cell(src) for src in cells]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, str(path))
 
 
 @pytest.fixture(scope="module")
 def notebook_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("nbs")
     # 01 fails in its third code cell; 02 runs after it and exports a figure; 03 breaks the contract
-    _write(d / "01_fails.ipynb", "x = 1", "y = 2", "z = x / (y - 2)  # boom", "never = True")
-    _write(d / "02_plots.ipynb",
+    write_throwaway_notebook(d / "01_fails.ipynb", "x = 1", "y = 2", "z = x / (y - 2)  # boom", "never = True")
+    write_throwaway_notebook(d / "02_plots.ipynb",
            "import os, sys\nfrom dsv41 import viz",
            "fig, ax = viz.new_figure()\nax.plot([0, 1, 2], [0, 1, 4])\nviz.show(fig)",
            "paths = viz.export_figure(fig, '02_square', output_dir, {'x': [0, 1, 2], 'y': [0, 1, 4], "
            "'smoke': smoke, 'prompt': prompt, 'checkpoint': checkpoint, 'headless': viz.is_headless(), "
            "'python': sys.executable})")
-    _write(d / "03_two_parameter_cells.ipynb", "pass", n_parameter_cells=2)
+    write_throwaway_notebook(d / "03_two_parameter_cells.ipynb", "pass", n_parameter_cells=2)
     (d / "notes.ipynb").write_text("not numbered, never run")
     return d
 

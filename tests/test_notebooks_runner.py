@@ -3,7 +3,6 @@ runs past --cell-timeout, or an argument cannot be used. Throwaway notebooks onl
 at most one kernel and is bounded in time."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,17 +11,13 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from dsv41.cli import main as dsv41_main
 
+from conftest import write_throwaway_notebook
+
 REPO = Path(__file__).resolve().parent.parent
 
-PARAMETERS = '''checkpoint = None
-prompt = "default prompt"
-device = "cpu"
-output_dir = "."
-smoke = False'''
 
 # source cells: 0 markdown, 1 parameters, 2 "x = 1", 3 writes the kernel's pid, 4 sleeps, 5 never runs
 SLEEPY_CELLS = (
@@ -36,19 +31,13 @@ SLOW_CELL = 4
 SLOW_CELL_EXECUTED = SLOW_CELL + 1
 
 
-def _write(path: Path, *cells):
-    nb = new_notebook(cells=[new_markdown_cell("# a throwaway notebook"),
-                             new_code_cell(PARAMETERS, metadata={"tags": ["parameters"]})])
-    nb.cells += [new_code_cell(src) for src in cells]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, str(path))
 
 
 @pytest.fixture(scope="module")
 def sleepy_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("sleepy")
-    _write(d / "01_sleepy.ipynb", *SLEEPY_CELLS)
-    _write(d / "02_after.ipynb", "z = 3")
+    write_throwaway_notebook(d / "01_sleepy.ipynb", *SLEEPY_CELLS)
+    write_throwaway_notebook(d / "02_after.ipynb", "z = 3")
     return d
 
 
