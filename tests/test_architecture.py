@@ -14,18 +14,18 @@ PACKAGE = ROOT / "dsv41"
 
 # the table's layers, as module-name prefixes (a package stands for everything in it)
 LAYERS = [
-    ["numerics", "cachedir", "argtypes", "config", "inventory", "headers", "engram", "tokenizer", "audit"],
+    ["numerics", "cachedir", "argtypes", "config", "inventory", "headers", "engram", "tokenizer", "chat", "audit"],
     ["kernels"],
     ["formats", "tiny"],
     ["layers", "trace"],
     ["attention"],
-    ["model"],
-    ["generate"],
+    ["model", "vision", "dspark", "distributed"],
+    ["generate", "speculative", "conversation"],
     ["loader"],
     ["csa2_stats", "cache_policy", "viz", "bench", "notebooks", "lab", "cli", "__main__"],
 ]
 # (importer, imported): the upward lookups the rule allows, each named in the document
-ALLOWED_UPWARD = {("model", "generate")}
+ALLOWED_UPWARD = {("model", "generate"), ("model", "conversation")}
 
 
 def _rank(module: str) -> int:
