@@ -83,8 +83,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.float32:
             return f32_linear(x, self.weight, pad_f32_rows=self.pad_f32_rows)
-        # dense weights keep the reference GEMM and its reduction order (one float32 partial per
-        # 32-wide K block); only routed experts, which dominate the bytes, take the fused path
+        # FP8 / FP4 weights are read as stored by the op layer's native kernel (the reference's
+        # block order: one float32 partial per 32-wide K block, added in K order), the plain
+        # reference GEMM where that kernel is not built
         return linear(x, self.weight, self.scale)
 
     def extra_repr(self) -> str:

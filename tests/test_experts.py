@@ -705,3 +705,78 @@ def test_routed_experts_with_experts_on_gpu():
     got = routed_experts(x, ids, weights, {e: p.to("cuda") for e, p in experts.items()}, 5.0)
     assert got.device == x.device
     _assert_bf16_close(got, ref)
+
+
+# ---------------------------------------------------------------------- the many-token BF16 path
+def test_prefill_path_follows_the_cpu_features(monkeypatch):
+    """Dispatch is read at run time from the CPU's features: AMX, then AVX-512 BF16, then the
+    float32 GEMM over rows decoded with AVX2 or plain C."""
+    import dsv41.kernels.native as native
+
+    simd, plain = type("K", (), {"simd": True})(), type("K", (), {"simd": False})()
+    cases = [({"amx_bf16": True, "amx_tile": True, "avx512_bf16": True}, simd, "amx"),
+             ({"amx_bf16": False, "avx512_bf16": True}, simd, "avx512_bf16"),
+             ({"avx512_bf16": False}, simd, "avx2"), ({}, plain, "plain")]
+    for caps, kernels, want in cases:
+        monkeypatch.setattr(native, "cpu_capability", lambda caps=caps: caps)
+        assert native.prefill_path(kernels) == want
+    assert native.prefill_path.__module__ == native.__name__ and set(native.PREFILL_PATHS) == {c[2] for c in cases}
+
+
+def _exact_sum_case(m, n, k, g, fp8=False):
+    """Operands whose whole dot products are exact in float32 whatever the order (small integer
+    codes, one scale byte per operand), so every path must give the reference's bits."""
+    x = torch.randint(-3, 4, (m, k), generator=g).float()
+    x[:, ::32] = 4.0  # every block's amax: one activation scale for all
+    a, a_s = act_quant(x.to(torch.bfloat16))
+    if fp8:
+        w = torch.randint(-8, 9, (n, k), generator=g).float().to(torch.float8_e4m3fn)
+        s = torch.full((-(-n // 32), k // 32), 120, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        return a, a_s, w, s
+    codes = torch.randint(0, 16, (n, k // 2), dtype=torch.uint8, generator=g)
+    s = torch.full((n, k // 32), 124, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    return a, a_s, codes.view(torch.int8), s
+
+
+@needs_cc
+@pytest.mark.parametrize("path", ["avx512_bf16", "avx2"])
+@pytest.mark.parametrize("kind", ["fp4", "fp8"])
+def test_many_token_paths_are_the_reference_rounded_to_bf16(monkeypatch, path, kind):
+    """Both many-token paths, forced: BF16 operands (exact: E2M1 / E4M3 times powers of two) with
+    float32 accumulation, or float32 operands; on exact sums both give the reference's bits, and
+    on random operands they stay within float32 addition order of it."""
+    import dsv41.kernels.native as native
+
+    caps = {"avx512_bf16": path == "avx512_bf16"}
+    monkeypatch.setattr(native, "cpu_capability", lambda: caps)
+    assert native.prefill_path() == path
+    g = _gen(50)
+    a, a_s, w, s = _exact_sum_case(20, 72, 256, g, fp8=kind == "fp8")
+    ref = (fp4_gemm(a, a_s, w.view(torch.uint8), s, out_dtype=torch.float32) if kind == "fp4"
+           else fp8_gemm(a, a_s, w, s, out_dtype=torch.float32))
+    fused = fp4_gemm_fused if kind == "fp4" else fp8_gemm_fused
+    got = fused(a, a_s, w, s, out_dtype=torch.bfloat16, cpu_kernel="native")
+    assert torch.equal(got, ref.to(torch.bfloat16))
+
+    packed, scale = _fp4_weight(64, 320, g)
+    x = (torch.randn(24, 320, generator=g) * 3).to(torch.bfloat16)
+    a, a_s = act_quant(x)
+    ref = fp4_gemm(a, a_s, packed.view(torch.uint8), scale, out_dtype=torch.float32)
+    got = fp4_gemm_fused(a, a_s, packed, scale, out_dtype=torch.bfloat16, cpu_kernel="native").float()
+    # one BF16 rounding of a float32 sum that differs from the reference's by addition order only
+    assert ((got - ref).abs() <= 2.0**-8 * ref.abs() + 2.0**-16 * ref.abs().max()).all()
+
+
+@needs_cc
+def test_routed_experts_on_the_bf16_path_match_the_reference(monkeypatch):
+    import dsv41.kernels.native as native
+
+    monkeypatch.setattr(native, "cpu_capability", lambda: {"avx512_bf16": True})
+    g = _gen(51)
+    experts = {e: _expert(128, 64, g) for e in range(4)}
+    x = (torch.randn(24, 128, generator=g) * 2).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(24)])
+    weights = torch.rand(24, 2, generator=g)
+    got = routed_experts(x, ids, weights, experts, 10.0, cpu_kernel="native")
+    ref = routed_experts_reference(x, ids, weights, experts, 10.0)
+    _assert_bf16_close(got, ref)

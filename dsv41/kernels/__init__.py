@@ -19,7 +19,7 @@ from .codecs import (
     to_e4m3,
     unpack_fp4,
 )
-from .gemm import FP4_WEIGHT_BLOCK, fp4_gemm, fp8_gemm, linear
+from .gemm import FP4_WEIGHT_BLOCK, LINEAR_KERNELS, fp4_gemm, fp8_gemm, linear
 from .hyper import hc_split_sinkhorn
 from .quant import act_quant, fp4_act_quant
 
@@ -28,6 +28,7 @@ __all__ = [
     "E2M1_VALUES",
     "E4M3_MAX",
     "FP4_WEIGHT_BLOCK",
+    "LINEAR_KERNELS",
     "SCORE_FLOOR",
     "SPARSE_ATTN_CHUNK",
     "act_quant",

@@ -33,7 +33,10 @@ default: native where it builds, torch otherwise, saying so once on stderr.
   over all of K (a BLAS GEMM over decoded rows) yields the block-scaled sum; only the order of the
   float32 additions differs from the reference. Rows or tokens whose scales span more than 48
   octaves are computed by the reference itself, a chunk at a time. The native kernel decodes the
-  rows in C; the torch kernel, at any token count, decodes a chunk of rows with three integer ops
+  rows in C: to BF16 for torch's BF16 GEMM (float32 accumulation, one rounding) when the result is
+  BF16 and the CPU has AMX or AVX-512 BF16 (`native.prefill_path`, read at run time; a value
+  times its relative scale has at most 4 significant bits, exact in BF16), to float32 for the
+  float32 GEMM otherwise; the torch kernel, at any token count, decodes a chunk of rows with three integer ops
   on int32 words: each code is moved to the top of the word, shifted back arithmetically and
   masked, which leaves the float32 bit pattern of value * 2**-126 (value * 2**-120 for FP8
   bytes); one multiply applies the relative scales and 2**126 back. The chunk's columns are in a
@@ -75,6 +78,8 @@ _SPAN_OCTAVES = 48
 _CHUNK_VALUES = 1 << 20
 _BLOCK = FP4_WEIGHT_BLOCK  # both formats scale blocks of 32 values along K
 CPU_KERNELS = ("auto", "native", "torch")
+# The many-token paths that multiply in BF16 (see native.PREFILL_PATHS).
+_BF16_PATHS = ("amx", "avx512_bf16")
 
 Expert = Any  # anything with w1, w1_scale, w2, w2_scale, w3, w3_scale attributes (e.g. PackedExpert)
 Experts = Union[Mapping[int, Expert], Sequence[Expert]]
@@ -175,11 +180,11 @@ def expert_ffn(x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0,
 def expert_ffn_reference(x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0,
                          weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`expert_ffn` through the op layer's reference `linear` (each weight expanded whole)."""
-    h = clamped_swiglu(linear(x, _as_fp4(expert.w1), expert.w1_scale),
-                       linear(x, _as_fp4(expert.w3), expert.w3_scale), swiglu_limit)
+    h = clamped_swiglu(linear(x, _as_fp4(expert.w1), expert.w1_scale, kernel="reference"),
+                       linear(x, _as_fp4(expert.w3), expert.w3_scale, kernel="reference"), swiglu_limit)
     if weights is not None:
         h = weights * h
-    return linear(h.to(x.dtype), _as_fp4(expert.w2), expert.w2_scale)
+    return linear(h.to(x.dtype), _as_fp4(expert.w2), expert.w2_scale, kernel="reference")
 
 
 def _as_fp4(w: torch.Tensor) -> torch.Tensor:
@@ -249,7 +254,7 @@ def _products(jobs, dtype, cpu_kernel: str, batch_invariant: bool, product: Opti
             block_order.append((i, (op.fp4, a.reshape(op.m, op.k).view(torch.uint8), a_raw, _BLOCK,
                                     w.view(torch.uint8), w_raw, op.rows_per_scale)))
         else:  # more tokens, or scales the native kernel does not read
-            outs[i] = _fused(a, a_s, w, s, op, _BLOCK, kernels, batch_invariant).to(dtype)
+            outs[i] = _fused(a, a_s, w, s, op, _BLOCK, kernels, batch_invariant, dtype).to(dtype)
     if block_order:
         for (i, _), out in zip(block_order, kernels.gemm_many([operands for _, operands in block_order])):
             outs[i] = out.to(dtype)
@@ -272,7 +277,7 @@ def fp4_gemm_fused(
     uint8 or float4_e2m1fn_x2) with E8M0 scales [N, K/32] -> [..., N]; equal to `fp4_gemm` up to
     the order of float32 additions."""
     op = check_operands(a, a_s, b, b_s, act_block_size, kind="fp4")
-    out = _fused(a, a_s, b, b_s, op, act_block_size, _native_kernels(cpu_kernel), batch_invariant)
+    out = _fused(a, a_s, b, b_s, op, act_block_size, _native_kernels(cpu_kernel), batch_invariant, out_dtype)
     return out.to(out_dtype).reshape(*a.shape[:-1], op.n)
 
 
@@ -291,7 +296,7 @@ def fp8_gemm_fused(
     E8M0 scales per 32x32 block [ceil(N/32), K/32] -> [..., N]; equal to `fp8_gemm` up to float32
     addition order."""
     op = check_operands(a, a_s, b, b_s, block_size, kind="fp8")
-    out = _fused(a, a_s, b, b_s, op, block_size, _native_kernels(cpu_kernel), batch_invariant)
+    out = _fused(a, a_s, b, b_s, op, block_size, _native_kernels(cpu_kernel), batch_invariant, out_dtype)
     return out.to(out_dtype).reshape(*a.shape[:-1], op.n)
 
 
@@ -311,10 +316,12 @@ def linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Te
 
 
 def _fused(a, a_s, w, s, op: Operands, act_block: int, kernels: Optional["native.NativeKernels"],
-           batch_invariant: bool) -> torch.Tensor:
+           batch_invariant: bool, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The fused CPU GEMM of operands `check_operands` passed -> float32 [M, N]: the native kernel
     where it is loaded and both scales are E8M0, the torch kernel otherwise; rows and tokens whose
-    scales span too far for the split scales then come from the reference."""
+    scales span too far for the split scales then come from the reference. For a BF16 result on
+    a CPU with AMX or AVX-512 BF16 (`native.prefill_path`), the native kernel's many-token path
+    multiplies in BF16 (exact operands, float32 accumulation, one rounding to BF16)."""
     m, n, k = op.m, op.n, op.k
     if m == 0 or n == 0:
         return torch.zeros(m, n, dtype=torch.float32)
@@ -324,7 +331,8 @@ def _fused(a, a_s, w, s, op: Operands, act_block: int, kernels: Optional["native
     if kernels is not None and w_raw is not None and a_raw is not None:
         out, a_ok, w_ok = kernels.gemm(op.fp4, a.reshape(m, k).view(torch.uint8), a_raw, act_block,
                                        words.view(torch.uint8), w_raw, op.rows_per_scale, _SPAN_OCTAVES,
-                                       _CHUNK_VALUES, block_order=batch_invariant)
+                                       _CHUNK_VALUES, block_order=batch_invariant,
+                                       bf16=out_dtype == torch.bfloat16 and native.prefill_path(kernels) in _BF16_PATHS)
     else:  # the torch kernel (also for scales that are not E8M0, which the native kernel does not read)
         a_scaled, a_top, a_ok = _activation_operand(a, a_s, act_block)
         if w_raw is not None:

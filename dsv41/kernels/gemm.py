@@ -118,8 +118,25 @@ def fp4_gemm(
     return acc.to(out_dtype).reshape(*a.shape[:-1], n)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y = x @ weight^T, choosing the FP4, FP8 or plain path from weight.dtype."""
+# Kernels `linear` takes a quantized product on: "auto" (the native block-order kernel where it
+# builds and the operands are CPU tensors with E8M0 scales, the reference otherwise), "native"
+# (that kernel or an error) and "reference" (fp4_gemm / fp8_gemm above).
+LINEAR_KERNELS = ("auto", "native", "reference")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None, *,
+           kernel: str = "auto") -> torch.Tensor:
+    """y = x @ weight^T, choosing the FP4, FP8 or plain path from weight.dtype.
+
+    Quantized weights: the activation is quantized to FP8 over blocks of 32, then multiplied by
+    the weight as stored. The native kernel reads the FP8 / FP4 bytes directly (no float32 copy of
+    the weight) and keeps the block order above: one float32 partial per 32-wide K block, scaled
+    as fp4_gemm / fp8_gemm scale it, added in K order. Only the order of the 32 additions inside a
+    block is its own (native.c), the same for any token count, so a token's result does not
+    depend on how many tokens share the call; against the reference's BLAS block sums that moves
+    a block partial by a float32 ulp now and then (README: what the dense linears change)."""
+    if kernel not in LINEAR_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(LINEAR_KERNELS)}, got {kernel!r}")
     quantized = weight.dtype in (torch.float4_e2m1fn_x2, torch.float8_e4m3fn)
     if not quantized:
         return F.linear(x, weight)
@@ -127,6 +144,46 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] 
         raise ValueError(f"a {weight.dtype} weight needs its block scales")
     # both quantized paths take FP8 activations with power-of-two scales over blocks of 32
     a, a_s = act_quant(x, 32, "ue8m0", torch.float8_e8m0fnu)
+    if kernel != "reference":
+        out = _native_linear(a, a_s, weight, scale, x.dtype, required=kernel == "native")
+        if out is not None:
+            return out
     if weight.dtype == torch.float4_e2m1fn_x2:
         return fp4_gemm(a, a_s, weight, scale, act_block_size=32, out_dtype=x.dtype)
     return fp8_gemm(a, a_s, weight, scale, block_size=32, out_dtype=x.dtype)
+
+
+def _native_linear(a, a_s, weight, scale, out_dtype, *, required: bool) -> Optional[torch.Tensor]:
+    """The quantized product on the native kernel -> [..., N] in out_dtype; None where it does
+    not apply (no native build, another device, scales that are not E8M0, K off the block grid)
+    and `required` is False."""
+    from . import native
+
+    fp4 = weight.dtype == torch.float4_e2m1fn_x2
+    k = a.size(-1)
+    n = weight.size(0)
+    why = None
+    if weight.device.type != "cpu" or a.device.type != "cpu":
+        why = f"its operands are on {weight.device}, not the CPU"
+    elif scale.dtype != torch.float8_e8m0fnu:
+        why = f"its weight scales are {scale.dtype}, not float8_e8m0fnu"
+    elif k % FP4_WEIGHT_BLOCK or weight.size(1) * (2 if fp4 else 1) != k:
+        why = f"the weight {list(weight.shape)} does not hold K={k} on blocks of {FP4_WEIGHT_BLOCK}"
+    elif native.load() is None:
+        why = native.unavailable_reason()
+    elif bool(((a.view(torch.uint8) & 0x7F) == 0x7F).any()):
+        # NaN or Inf came in (act_quant turns them into the E4M3 NaN code): the kernel decodes that
+        # code as a number, the reference GEMM carries the NaN on, where the finite checks find it
+        why = "its activations hold the E4M3 NaN code (a NaN or Inf came in)"
+    if why is not None:
+        if required:
+            raise RuntimeError(f"kernel='native' cannot take this product: {why}")
+        return None
+    m = a.numel() // k
+    rows_per_scale = 1 if fp4 else FP4_WEIGHT_BLOCK  # FP8 scales cover 32 x 32 blocks
+    a_bytes = a.reshape(m, k).view(torch.uint8)  # [M, K] E4M3 codes
+    a_scale = a_s.reshape(m, k // FP4_WEIGHT_BLOCK).view(torch.uint8)  # [M, K/32] E8M0 bytes
+    out = native.load().gemm_many([(fp4, a_bytes, a_scale, FP4_WEIGHT_BLOCK, weight.view(torch.uint8),
+                                    scale.view(torch.uint8), rows_per_scale)])[0]  # float32 [M, N]
+    # the kernel writes [N, M]; the callers (RoPE, views) want the reference's row-major [M, N]
+    return out.to(out_dtype, memory_format=torch.contiguous_format).reshape(*a.shape[:-1], n)

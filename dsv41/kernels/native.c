@@ -1,5 +1,5 @@
-/* Native CPU kernels for the routed and shared experts: products straight from packed FP4 (E2M1,
- * two codes per byte, element 2i in the low nibble) or FP8 (E4M3) weight rows.
+/* Native CPU kernels for the experts and the dense quantized linears: products straight from
+ * packed FP4 (E2M1, two codes per byte, element 2i in the low nibble) or FP8 (E4M3) weight rows.
  *
  * Built by dsv41/kernels/native.py with the machine's C compiler on first use and called through
  * ctypes. Two entry points:
@@ -7,7 +7,8 @@
  *   8), several products per call: what the op layer's fp4_gemm / fp8_gemm compute, in their
  *   order, below;
  * - dsv41_decode (with dsv41_activation and dsv41_scale_range), for many tokens: rows decoded
- *   into a float32 buffer for the caller's BLAS GEMM, scales split as experts.py explains.
+ *   into a float32 (or, exactly, BF16) buffer for the caller's GEMM, scales split as experts.py
+ *   explains.
  *
  * dsv41_gemm_many computes, for each output (token t, row r), one float32 partial product per
  * 32-value K block, scaled by the block's activation and weight scales as the reference scales it (FP4: times the activation scale, then
@@ -25,7 +26,8 @@
  * widened by the F16C conversion, which reads half subnormals as themselves whatever the thread's
  * denormal flags say. Both factors (1/2, 2**8) are powers of two folded into the activations, so
  * every product is the reference's product. Without AVX2/FMA/F16C the same arithmetic runs as
- * plain C, in the same order.
+ * plain C, in the same order; with AVX-512 one token's products take two blocks per 512-bit
+ * vector, reduced per 256-bit half, so they too are the same sums in the same order.
  *
  * Tokens go in groups of eight (one vector lane each for the block sums); work is split by weight
  * rows over `threads` threads (see parallel_rows), in tiles of rows that stay in cache while
@@ -49,10 +51,11 @@
 /* A row tile's weight scales as floats, four rows side by side per block: [rows / 4, nb, 4]. */
 #define SW_INDEX(row, b, nb) ((((row) / 4) * (nb) + (b)) * 4 + (row) % 4)
 #define MAX_THREADS 64
-#define ABI_VERSION 8
+#define ABI_VERSION 10
 
 int dsv41_abi_version(void) { return ABI_VERSION; }
 int dsv41_simd(void) { return DSV41_SIMD; }
+int dsv41_avx512(void);
 #ifdef _OPENMP
 int dsv41_openmp(void) { return 1; }
 #else
@@ -100,9 +103,10 @@ typedef struct {
     const uint8_t *w;      /* [n, row_bytes] */
     const uint8_t *scale;  /* E8M0 [ceil(n / rows_per_scale), k / 32] */
     const int32_t *top;    /* [ceil(n / rows_per_scale)]: each scale row's largest byte */
-    float *out;            /* [last - first, k] */
+    void *out;             /* [last - first, k] float32, or BF16 with `bf16` */
     int64_t k, rows_per_scale, first;
     int fp4;
+    int bf16;              /* store the top half of each float32: exact, see dsv41_decode */
 } decode_t;
 
 /* 2**(exponent - 127) for a biased exponent in the normal range, else 0. */
@@ -254,7 +258,7 @@ static const group_fn FP8_GROUP[GROUP + 1] = {
  * time, the rows' lane sums reduced together: each row's block sum in exactly the order
  * block_sums gives one token, and the scaling and K-order addition lane by lane as in GROUP_BODY. */
 #define FOUR_ROWS_BODY(FP4, NAME)                                                                 \
-    static void NAME(const job_t *j, int64_t r0, int64_t g0, const float *sw, float *acc) {       \
+    static __attribute__((unused)) void NAME(const job_t *j, int64_t r0, int64_t g0, const float *sw, float *acc) {       \
         const int64_t nb = j->k / BLOCK, row_bytes = FP4 ? j->k / 2 : j->k;                      \
         const int64_t block_bytes = FP4 ? BLOCK / 2 : BLOCK;                                      \
         const uint8_t *w = j->w + r0 * row_bytes;                                                 \
@@ -285,6 +289,110 @@ static const group_fn FP8_GROUP[GROUP + 1] = {
 FOUR_ROWS_BODY(1, fp4_four_rows)
 FOUR_ROWS_BODY(0, fp8_four_rows)
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define DSV41_AVX512 1
+/* hadd_ps on each 128-bit lane of a zmm: [a0+a1, a2+a3, b0+b1, b2+b3], the same sums as AVX2's. */
+static inline __m512 hadd512(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+/* Two adjacent 32-value blocks of a weight row -> 4 zmm: v[j] holds decode_block's v[j] of the
+ * first block in its low half and of the second in its high half. */
+static inline __attribute__((always_inline)) void decode_two_blocks(int fp4, const uint8_t *src, __m512 v[4]) {
+    if (fp4) {
+        const __m256i nibble = _mm256_set1_epi8(0x0F);
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_TWICE));
+        __m256i bytes = _mm256_loadu_si256((const __m256i *)src);  /* one block per 128-bit lane */
+        __m256i even = _mm256_shuffle_epi8(table, _mm256_and_si256(bytes, nibble));
+        __m256i odd = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
+        /* qwords [first 0-7, second 0-7, first 8-15, second 8-15] */
+        even = _mm256_permute4x64_epi64(even, _MM_SHUFFLE(3, 1, 2, 0));
+        odd = _mm256_permute4x64_epi64(odd, _MM_SHUFFLE(3, 1, 2, 0));
+        v[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(even)));
+        v[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(even, 1)));
+        v[2] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(odd)));
+        v[3] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(odd, 1)));
+    } else {
+        __m512i h[2];
+        for (int half = 0; half < 2; half++) {  /* 32 E4M3 bytes -> 32 half bit patterns */
+            __m512i u16 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(src + 32 * half)));
+            __m512i sign = _mm512_slli_epi16(_mm512_and_si512(u16, _mm512_set1_epi16(0x80)), 8);
+            __m512i body = _mm512_slli_epi16(_mm512_and_si512(u16, _mm512_set1_epi16(0x7F)), 7);
+            h[half] = _mm512_or_si512(sign, body);  /* 128-bit lane j: elements 8j..8j+7 */
+        }
+        const __m512i lanes01 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+        const __m512i lanes23 = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+        __m512i p01 = _mm512_permutex2var_epi64(h[0], lanes01, h[1]);  /* [f0, s0, f1, s1] */
+        __m512i p23 = _mm512_permutex2var_epi64(h[0], lanes23, h[1]);
+        v[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(p01)), v[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(p01, 1));
+        v[2] = _mm512_cvtph_ps(_mm512_castsi512_si256(p23)), v[3] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(p23, 1));
+    }
+}
+
+/* FOUR_ROWS_BODY two blocks at a time: each 512-bit vector holds a block pair's lanes, reduced
+ * as hadd per 256-bit half, so every row's block sums, scalings and K-order additions are the
+ * AVX2 body's; an odd last block takes that body's steps as they are. */
+#define FOUR_ROWS_512(FP4, NAME)                                                                  \
+    static void NAME(const job_t *j, int64_t r0, int64_t g0, const float *sw, float *acc) {       \
+        const int64_t nb = j->k / BLOCK, row_bytes = FP4 ? j->k / 2 : j->k;                      \
+        const int64_t block_bytes = FP4 ? BLOCK / 2 : BLOCK;                                      \
+        const uint8_t *w = j->w + r0 * row_bytes;                                                 \
+        const float *a = j->a + g0 * j->k, *a_scale = j->a_scale + (g0 / GROUP) * nb * GROUP;      \
+        __m128 sum = _mm_setzero_ps();                                                            \
+        int64_t b = 0;                                                                            \
+        for (; b + 2 <= nb; b += 2) {                                                             \
+            __m512 az[4], s[4];                                                                   \
+            for (int q = 0; q < 4; q++)                                                           \
+                az[q] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a + b * BLOCK + 8 * q)), \
+                                           _mm256_loadu_ps(a + (b + 1) * BLOCK + 8 * q), 1);       \
+            for (int q = 0; q < 4; q++) {                                                         \
+                __m512 v[4];                                                                      \
+                decode_two_blocks(FP4, w + q * row_bytes + b * block_bytes, v);                   \
+                __m512 p01 = _mm512_fmadd_ps(v[1], az[1], _mm512_mul_ps(v[0], az[0]));            \
+                __m512 p23 = _mm512_fmadd_ps(v[3], az[3], _mm512_mul_ps(v[2], az[2]));            \
+                s[q] = _mm512_add_ps(p01, p23);                                                   \
+            }                                                                                     \
+            __m512 h = hadd512(hadd512(s[0], s[1]), hadd512(s[2], s[3]));                         \
+            __m128 part[2] = {_mm_add_ps(_mm512_castps512_ps128(h), _mm512_extractf32x4_ps(h, 1)),  \
+                              _mm_add_ps(_mm512_extractf32x4_ps(h, 2), _mm512_extractf32x4_ps(h, 3))}; \
+            for (int half = 0; half < 2; half++) {                                                \
+                __m128 partial = part[half];                                                      \
+                __m128 sa = _mm_set1_ps(a_scale[(b + half) * GROUP]);                             \
+                __m128 sb = _mm_loadu_ps(sw + SW_INDEX(0, b + half, nb));                         \
+                if (FP4)                                                                          \
+                    partial = _mm_mul_ps(_mm_mul_ps(partial, sa), sb);                            \
+                else                                                                              \
+                    partial = _mm_mul_ps(partial, _mm_mul_ps(sa, sb));                            \
+                sum = _mm_add_ps(sum, partial);                                                   \
+            }                                                                                     \
+        }                                                                                         \
+        for (; b < nb; b++) {                                                                     \
+            __m256 s[4];                                                                          \
+            for (int q = 0; q < 4; q++) {                                                         \
+                __m256 v[4];                                                                      \
+                decode_block(FP4, w + q * row_bytes + b * block_bytes, v);                        \
+                s[q] = lane_sums(v, a + b * BLOCK);                                               \
+            }                                                                                     \
+            __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));   \
+            __m128 partial = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));  \
+            __m128 sa = _mm_set1_ps(a_scale[b * GROUP]);                                          \
+            __m128 sb = _mm_loadu_ps(sw + SW_INDEX(0, b, nb));                                    \
+            if (FP4)                                                                              \
+                partial = _mm_mul_ps(_mm_mul_ps(partial, sa), sb);                                \
+            else                                                                                  \
+                partial = _mm_mul_ps(partial, _mm_mul_ps(sa, sb));                                \
+            sum = _mm_add_ps(sum, partial);                                                       \
+        }                                                                                         \
+        float lanes[4];                                                                           \
+        _mm_storeu_ps(lanes, sum);                                                                \
+        for (int q = 0; q < 4; q++) acc[q * GROUP] = lanes[q];                                    \
+    }
+FOUR_ROWS_512(1, fp4_four_rows_512)
+FOUR_ROWS_512(0, fp8_four_rows_512)
+#else
+#define DSV41_AVX512 0
+#endif
+
 /* Rows [r0, r1) of a tile against the token group at g0: acc[r - r0] gets each row's outputs for
  * the group's tokens; sw holds the tile's weight scales (SW_INDEX). */
 static void group_rows(const job_t *j, int64_t r0, int64_t r1, int64_t g0, const float *sw, float *acc) {
@@ -292,7 +400,11 @@ static void group_rows(const job_t *j, int64_t r0, int64_t r1, int64_t g0, const
     int64_t tokens = j->m - g0 < GROUP ? j->m - g0 : GROUP;
     if (tokens == 1)
         for (; r0 + 4 <= r1; r0 += 4, sw += 4 * nb, acc += 4 * GROUP)
+#if DSV41_AVX512
+            (j->fp4 ? fp4_four_rows_512 : fp8_four_rows_512)(j, r0, g0, sw, acc);
+#else
             (j->fp4 ? fp4_four_rows : fp8_four_rows)(j, r0, g0, sw, acc);
+#endif
     (j->fp4 ? FP4_GROUP : FP8_GROUP)[tokens](j, r0, r1, g0, sw, acc);
 }
 
@@ -304,8 +416,9 @@ static void decode_rows(const void *job, int64_t r0, int64_t r1) {
         const uint8_t *bytes = d->scale + (r / d->rows_per_scale) * nb;
         /* 2 * value (FP4) or value * 2**-8 (E4M3) times 2**(byte - top): the factor folds in */
         int32_t bias = (d->fp4 ? 126 : 135) - d->top[r / d->rows_per_scale];
-        float *dst = d->out + (r - d->first) * d->k;
-        for (int64_t b = 0; b < nb; b++, dst += BLOCK) {
+        float row[BLOCK], *dst = d->bf16 ? row : (float *)d->out + (r - d->first) * d->k;
+        uint16_t *half = (uint16_t *)d->out + (r - d->first) * d->k;
+        for (int64_t b = 0; b < nb; b++, dst += d->bf16 ? 0 : BLOCK, half += BLOCK) {
             __m256 v[4];
             decode_block(d->fp4, d->w + r * row_bytes + b * block_bytes, v);
             __m256 scale = _mm256_set1_ps(pow2_biased(bias + (int32_t)bytes[b]));
@@ -314,6 +427,20 @@ static void decode_rows(const void *job, int64_t r0, int64_t r1) {
                 __m256 lo23 = _mm256_unpacklo_ps(v[1], v[3]), hi23 = _mm256_unpackhi_ps(v[1], v[3]);
                 v[0] = _mm256_permute2f128_ps(lo01, hi01, 0x20), v[1] = _mm256_permute2f128_ps(lo01, hi01, 0x31);
                 v[2] = _mm256_permute2f128_ps(lo23, hi23, 0x20), v[3] = _mm256_permute2f128_ps(lo23, hi23, 0x31);
+            }
+            if (d->bf16) {  /* the high 16 bits of each float32: its BF16, the low ones are zero */
+                for (int q = 0; q < 4; q++) {
+                    __m256 x = _mm256_mul_ps(v[q], scale);
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+                    /* the conversion rounds, but these values are exact in BF16: the same bits */
+                    _mm_storeu_si128((__m128i *)(half + 8 * q), (__m128i)_mm256_cvtneps_pbh(x));
+#else
+                    __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
+                    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+                    _mm_storeu_si128((__m128i *)(half + 8 * q), packed);
+#endif
+                }
+                continue;
             }
             for (int q = 0; q < 4; q++) _mm256_storeu_ps(dst + 8 * q, _mm256_mul_ps(v[q], scale));
         }
@@ -368,7 +495,13 @@ static void decode_rows(const void *job, int64_t r0, int64_t r1) {
             } else {
                 value = e4m3_value(d->w[r * d->k + i]);
             }
-            d->out[(r - d->first) * d->k + i] = value * pow2_biased(127 + (int32_t)bytes[i / BLOCK] - top);
+            float scaled = value * pow2_biased(127 + (int32_t)bytes[i / BLOCK] - top);
+            if (d->bf16) {
+                union { float f; uint32_t u; } bits = {scaled};
+                ((uint16_t *)d->out)[(r - d->first) * d->k + i] = (uint16_t)(bits.u >> 16);
+            } else {
+                ((float *)d->out)[(r - d->first) * d->k + i] = scaled;
+            }
         }
     }
 }
@@ -501,17 +634,43 @@ int dsv41_activation(const uint8_t *a, const uint8_t *scale, int64_t m, int64_t 
     int64_t nb = k / act_block;
     dsv41_scale_range(scale, m, nb, top, low);
     for (int64_t t = 0; t < m; t++)
-        for (int64_t i = 0; i < k; i++)
-            out[t * k + i] = e4m3_value(a[t * k + i]) * pow2_biased(127 + (int32_t)scale[t * nb + i / act_block] - top[t]);
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *src = a + t * k + b * act_block;
+            float *dst = out + t * k + b * act_block;
+            float factor = pow2_biased(127 + (int32_t)scale[t * nb + b] - top[t]);
+            int64_t i = 0;
+#if DSV41_SIMD
+            /* E4M3 bytes as IEEE halves (value * 2**-8, as decode_block reads weights), times the
+             * factor and 2**8: one multiply by a power of two, so the same value as below */
+            const __m256 scaled = _mm256_set1_ps(factor * 256.0f);
+            for (; i + 16 <= act_block; i += 16) {
+                __m256i u16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + i)));
+                __m256i sign = _mm256_slli_epi16(_mm256_and_si256(u16, _mm256_set1_epi16(0x80)), 8);
+                __m256i body = _mm256_slli_epi16(_mm256_and_si256(u16, _mm256_set1_epi16(0x7F)), 7);
+                __m256i halves = _mm256_or_si256(sign, body);
+                _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), scaled));
+                _mm256_storeu_ps(dst + i + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)), scaled));
+            }
+#endif
+            for (; i < act_block; i++) dst[i] = e4m3_value(src[i]) * factor;
+        }
     return 0;
 }
 
 /* out[r - first, :] = value(w[r, :]) * 2**(scale - top) for first <= r < last, natural order;
- * 0 where that leaves the normal range (rows the caller recomputes). */
+ * 0 where that leaves the normal range (rows the caller recomputes). With `bf16` the values are
+ * written as BF16: an E2M1 or E4M3 value times a power of two has at most 4 significant bits, so
+ * its float32 bits end in 16 zeros and the top half is the same number, exactly. */
 int dsv41_decode(int fp4, const uint8_t *w, const uint8_t *scale, const int32_t *top, int64_t rows_per_scale,
-                 float *out, int64_t first, int64_t last, int64_t k, int threads) {
+                 void *out, int64_t first, int64_t last, int64_t k, int threads, int bf16) {
     if (first < 0 || last < first || k % BLOCK || rows_per_scale < 1) return -1;
-    decode_t d = {w, scale, top, out, k, rows_per_scale, first, fp4};
+    decode_t d = {w, scale, top, out, k, rows_per_scale, first, fp4, bf16 != 0};
     parallel_rows(&d, first, last, threads, decode_rows);
     return 0;
 }
+
+/* 1 where one token's four-row products take the AVX-512 body (same sums as the AVX2 one). */
+#ifndef DSV41_AVX512
+#define DSV41_AVX512 0
+#endif
+int dsv41_avx512(void) { return DSV41_AVX512; }

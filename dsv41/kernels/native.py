@@ -30,7 +30,7 @@ import torch
 from ..cachedir import CacheError, cache_dir, cache_error, current_umask, file_sha256
 
 SOURCE = Path(__file__).with_name("native.c")
-_ABI_VERSION = 8  # must equal ABI_VERSION in native.c
+_ABI_VERSION = 10  # must equal ABI_VERSION in native.c
 # -march=native (AVX2/FMA/F16C where the CPU has them) with OpenMP (torch's runtime, see
 # native.c), then without OpenMP, then a portable build
 _FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
@@ -56,12 +56,14 @@ class NativeKernels:
         lib.dsv41_gemm_many.argtypes = [ptr, i64, c_int]
         lib.dsv41_activation.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr]
         lib.dsv41_scale_range.argtypes = [ptr, i64, i64, ptr, ptr]
-        lib.dsv41_decode.argtypes = [c_int, ptr, ptr, ptr, i64, ptr, i64, i64, i64, c_int]
+        lib.dsv41_decode.argtypes = [c_int, ptr, ptr, ptr, i64, ptr, i64, i64, i64, c_int, c_int]
         self.simd = bool(lib.dsv41_simd())
+        self.avx512 = bool(lib.dsv41_avx512())  # one token's products on the AVX-512 body
         self.openmp = bool(lib.dsv41_openmp())
 
     def gemm(self, fp4: bool, a: torch.Tensor, a_scale: torch.Tensor, act_block: int, packed: torch.Tensor,
-             w_scale: torch.Tensor, rows_per_scale: int, span: int, chunk_values: int, *, block_order: bool = False):
+             w_scale: torch.Tensor, rows_per_scale: int, span: int, chunk_values: int, *, block_order: bool = False,
+             bf16: bool = False):
         """The fused GEMM on E8M0-scaled operands -> (float32 [M, N], token ok bool [M] or None,
         row ok bool [N] or None); None: every token and row is ok.
 
@@ -74,7 +76,13 @@ class NativeKernels:
         token's and row's scales split into the largest power of two and relative scales, the
         rows decoded `chunk_values` values at a time into one float32 buffer for a BLAS GEMM, the
         powers of two applied after (the token's first); tokens or rows whose scales span more
-        than `span` octaves (or are NaN) are not ok, and their outputs are left to the caller."""
+        than `span` octaves (or are NaN) are not ok, and their outputs are left to the caller.
+
+        `bf16` (the many-token path only): decode rows and activations to BF16 instead, exactly
+        (see dsv41_decode), for torch's BF16 GEMM, which accumulates in float32 and rounds once
+        to BF16 (AMX or AVX-512 BF16 where the CPU has them, see `prefill_path`): the product
+        rounded to BF16 as the reference rounds it, up to float32 addition order; the float32
+        result then holds BF16 values, so callers ask for it only when they round to BF16."""
         a, a_scale = a.contiguous(), a_scale.contiguous()
         packed, w_scale = packed.contiguous(), w_scale.contiguous()
         m, k = a.shape
@@ -92,17 +100,22 @@ class NativeKernels:
         self._check(self._lib.dsv41_scale_range(w_scale.data_ptr(), scale_rows, blocks, w_top.data_ptr(),
                                                  w_low.data_ptr()), f"K={k} act_block={act_block}")
         rows = max(1, min(n, chunk_values // k))
-        buf = torch.empty(rows, k, dtype=torch.float32)
-        out_t = torch.empty(n, m, dtype=torch.float32)  # [N, M]: each chunk fills whole rows
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        if bf16:
+            values = values.to(torch.bfloat16)  # E4M3 times a power of two: exact in BF16
+        buf = torch.empty(rows, k, dtype=dtype)
+        out_t = torch.empty(n, m, dtype=dtype)  # [N, M]: each chunk fills whole rows
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             self._check(self._lib.dsv41_decode(int(fp4), packed.data_ptr(), w_scale.data_ptr(), w_top.data_ptr(),
-                                                rows_per_scale, buf.data_ptr(), r0, r1, k, threads), f"K={k} act_block={act_block}")
+                                                rows_per_scale, buf.data_ptr(), r0, r1, k, threads, int(bf16)),
+                        f"K={k} act_block={act_block}")
             torch.mm(buf[: r1 - r0], values.t(), out=out_t[r0:r1])
         a_pow, token_ok = split_powers(a_top, a_low, span)
         w_pow, row_ok = (t.repeat_interleave(rows_per_scale)[:n] for t in split_powers(w_top, w_low, span))
         # the token's power of two first, then the row's, as the reference applies a_s, w_s
-        return out_t.t() * a_pow.unsqueeze(1) * w_pow.unsqueeze(0), token_ok, row_ok
+        # (float32 from here: a BF16 value times powers of two is exact)
+        return out_t.t().float() * a_pow.unsqueeze(1) * w_pow.unsqueeze(0), token_ok, row_ok
 
     def gemm_many(self, products: list) -> list[torch.Tensor]:
         """Several block-order products (the op layer's own order, any token count) in one
@@ -149,6 +162,31 @@ def split_powers(top: torch.Tensor, low: torch.Tensor, span: int) -> tuple[torch
     from .codecs import e8m0_decode
 
     return e8m0_decode(top.to(torch.uint8)), (top - low <= span) & (top < 255)
+
+
+# How many-token products run, by what this CPU has (`prefill_path`): the first two decode to
+# BF16 for torch's BF16 GEMM (AMX tiles, or AVX-512 BF16 dot products), the others to float32 for
+# its float32 GEMM, decoded with AVX2 or plain C.
+PREFILL_PATHS = ("amx", "avx512_bf16", "avx2", "plain")
+
+
+def cpu_capability() -> dict:
+    """torch's view of this CPU's instruction sets (the flags its own kernels dispatch on)."""
+    try:
+        return dict(torch._C._cpu._get_cpu_capability())
+    except (AttributeError, RuntimeError):  # a torch without the query: assume none
+        return {}
+
+
+def prefill_path(kernels: Optional["NativeKernels"] = None) -> str:
+    """The many-token path this CPU takes, one of PREFILL_PATHS, read at run time."""
+    caps = cpu_capability()
+    if caps.get("amx_bf16") and caps.get("amx_tile"):
+        return "amx"
+    if caps.get("avx512_bf16"):
+        return "avx512_bf16"
+    kernels = kernels if kernels is not None else load()
+    return "avx2" if kernels is not None and kernels.simd else "plain"
 
 
 # Built or failed once per process: the library handle, or the reason there is none.
