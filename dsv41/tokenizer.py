@@ -1,10 +1,11 @@
 """The embedded default's tokenizer: a small byte-level BPE trained here, on text shipped in the package.
 
 It carries the release's special tokens at the ids the tiny config names (bos 0, eos 1, pad 2, the
-DSpark noise token and the image token), and its merges are learned from `data/corpus.txt`, which
-spells the same words with and without capitals and accents and has runs of whitespace. Those
-learned tokens fold together under the Engram normalizer, so the compressed vocabulary the Engram
-hash reads is strictly smaller than the vocabulary, as it is for the released tokenizer.
+DSpark noise token and the image token, then the chat format's markers), and its merges are
+learned from `data/corpus.txt`, which spells the same words with and without capitals and accents
+and has runs of whitespace. Those learned tokens fold together under the Engram normalizer, so the
+compressed vocabulary the Engram hash reads is strictly smaller than the vocabulary, as it is for
+the released tokenizer.
 
 The BPE trainer breaks count ties by token ids, never by hash order or thread timing, so the JSON
 is byte-identical for the same package and `tokenizers` version on every machine (`tests/test_tiny.py`
@@ -21,6 +22,22 @@ PAD_TOKEN = "<｜▁pad▁｜>"
 IMAGE_TOKEN = "<｜deepseek_image｜>"
 # The release's spelling of this token is not known here; only its id matters to the model.
 DSPARK_NOISE_TOKEN = "<｜dspark▁noise｜>"
+
+# The chat format's markers (`dsv41.chat`), spelled as the release spells them. The released
+# tokenizer has each as one id; the tiny one puts them on the reserved ids right after the image
+# token, so every chat prompt tokenizes with them whole (they were added for the chat issue: the
+# tokenizer's earlier layout had fillers there, and the checkpoint's weights do not change).
+USER_TOKEN = "<｜User｜>"
+ASSISTANT_TOKEN = "<｜Assistant｜>"
+SYSTEM_TOKEN = "<｜System｜>"
+LATEST_REMINDER_TOKEN = "<｜latest_reminder｜>"
+THINK_START_TOKEN = "<think>"
+THINK_END_TOKEN = "</think>"
+DSML_TOKEN = "｜DSML｜"
+TASK_TOKENS = {"action": "<｜action｜>", "query": "<｜query｜>", "authority": "<｜authority｜>",
+               "domain": "<｜domain｜>", "title": "<｜title｜>", "read_url": "<｜read_url｜>"}
+CHAT_TOKENS = (USER_TOKEN, ASSISTANT_TOKEN, SYSTEM_TOKEN, LATEST_REMINDER_TOKEN, THINK_START_TOKEN,
+               THINK_END_TOKEN, DSML_TOKEN, *TASK_TOKENS.values())
 
 
 def reserved_token(index: int) -> str:
@@ -54,6 +71,9 @@ def build_tiny_tokenizer(config=None):
     if len(fixed) != 5 or max(fixed) >= vocab_size:
         raise ValueError(f"special token ids {sorted(fixed)} must be distinct and inside the vocabulary {vocab_size}")
     learned_end = min(i for i in fixed if i > 2)  # merges fill the ids below the first late special
+    chat_ids = {max(fixed) + 1 + i: text for i, text in enumerate(CHAT_TOKENS)}
+    if max(chat_ids) >= vocab_size:
+        raise ValueError(f"the chat tokens need ids up to {max(chat_ids)}, past the vocabulary {vocab_size}")
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -68,13 +88,14 @@ def build_tiny_tokenizer(config=None):
     tok.train_from_iterator(corpus_text().splitlines(keepends=True), trainer=trainer)
 
     # Every id from the end of the learned vocabulary up to vocab_size is a special token: the two
-    # named ones at their ids, reserved fillers elsewhere. Added tokens take ids in order.
+    # named ones at their ids, the chat markers after them, reserved fillers elsewhere. Added tokens
+    # take ids in order.
     late = []
     for token_id in range(tok.get_vocab_size(with_added_tokens=True), vocab_size):
-        late.append(fixed.get(token_id, reserved_token(token_id)))
+        late.append(fixed.get(token_id) or chat_ids.get(token_id) or reserved_token(token_id))
     tok.add_special_tokens(late)
 
-    for token_id, text in fixed.items():
+    for token_id, text in {**fixed, **chat_ids}.items():
         if tok.token_to_id(text) != token_id:
             raise RuntimeError(f"tiny tokenizer layout: {text} landed on id {tok.token_to_id(text)}, not {token_id}")
     if tok.get_vocab_size(with_added_tokens=True) != vocab_size:
