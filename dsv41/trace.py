@@ -146,6 +146,10 @@ class RoutingRecord:
     weights: torch.Tensor  # [b, s, k] float32 (normalized and scaled)
     cache_hits: int = 0
     cache_misses: int = 0
+    # calls that held image-span tokens: which they were ([b, s] bool; they chose with bias_vl), and
+    # the experts the text bias would have chosen for every token ([b, s, k]), to count what bias_vl changed
+    image_mask: Optional[torch.Tensor] = None
+    text_bias_ids: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -189,8 +193,19 @@ class ForwardTrace(Trace):
         self.finite.clear()
 
     def routing_by_layer(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Per layer: 'positions' [n], 'expert_ids' [b, n, k], 'weights' [b, n, k] over all calls."""
-        return _by_layer(self.routing, ("expert_ids", "weights"))
+        """Per layer: 'positions' [n], 'expert_ids' [b, n, k], 'weights' [b, n, k] over all calls;
+        'image_mask' [b, n] (image-span tokens) and 'text_bias_ids' [b, n, k] (the text bias's choice,
+        the same as expert_ids outside image spans) when any call held image tokens."""
+        out = _by_layer(self.routing, ("expert_ids", "weights"))
+        if any(r.image_mask is not None for r in self.routing):
+            for layer, fields in out.items():
+                recs = [r for r in self.routing if r.layer == layer]
+                fields["image_mask"] = torch.cat([r.image_mask if r.image_mask is not None else
+                                                  torch.zeros(r.expert_ids.shape[:2], dtype=torch.bool)
+                                                  for r in recs], dim=1)
+                fields["text_bias_ids"] = torch.cat([r.expert_ids if r.text_bias_ids is None else r.text_bias_ids
+                                                     for r in recs], dim=1)
+        return out
 
     def engram_by_layer(self) -> dict[int, dict[str, torch.Tensor]]:
         """Per Engram layer: 'positions' [n], 'gate' [b, n, hc] over all calls."""

@@ -4,7 +4,10 @@
 draws a layer x expert heat map of routed load (tokens sent to each expert) and of the mean routing
 weight an expert got when chosen, plus two balance measures per layer: max / mean load (1 is
 perfectly even; E / k means one expert took every token) and the load's entropy over log E (1 is
-perfectly even). `RoutingView` wraps it with a prefill / decode / all toggle.
+perfectly even). `RoutingView` wraps it with a prefill / decode / all toggle and a token-type
+filter: all tokens, text tokens only, or image-span tokens only (which choose with `bias_vl`);
+with images, `data["bias_vl"]` counts per layer how many image-token selections `bias_vl` changed
+against what the text bias would have chosen.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import math
 from ._common import View, nan_to_none, routing_calls
 
 PHASES = ("all", "prefill", "decode")
+TOKEN_TYPES = ("all", "text", "image")
 
 
 def routing_data(result, n_experts: int | None = None) -> dict:
@@ -26,28 +30,64 @@ def routing_data(result, n_experts: int | None = None) -> dict:
     top_k = len(calls[layers[0]][0]["expert_ids"][0])
     seen = max(e for per in calls.values() for c in per for row in c["expert_ids"] for e in row)
     n_experts = int(n_experts or seen + 1)
-    data = {"layers": layers, "n_experts": n_experts, "top_k": top_k, "n_tokens": {},
-            "load": {}, "weight_sum": {}, "weight_mean": {}, "balance": {}}
+    flags = _image_flags(result)
+    data = {"layers": layers, "n_experts": n_experts, "top_k": top_k}
+    data.update(_aggregate(calls, flags, layers, n_experts, top_k, "all"))
+    # the same numbers over text tokens only and image-span tokens only
+    data["by_tokens"] = {kind: _aggregate(calls, flags, layers, n_experts, top_k, kind) for kind in ("text", "image")}
+    data["bias_vl"] = _bias_vl_changes(result, layers)
+    return data
+
+
+def _aggregate(calls, flags, layers, n_experts: int, top_k: int, tokens: str) -> dict:
+    out = {"n_tokens": {}, "load": {}, "weight_sum": {}, "weight_mean": {}, "balance": {}}
     for phase in PHASES:
         loads, sums = [], []
         for layer in layers:
             load, wsum = [0] * n_experts, [0.0] * n_experts
-            for call in calls[layer]:
+            for call, images in zip(calls[layer], flags[layer]):
                 if phase == "prefill" and call["start_pos"] != 0 or phase == "decode" and call["start_pos"] == 0:
                     continue
-                for ids, weights in zip(call["expert_ids"], call["weights"]):
+                for ids, weights, image in zip(call["expert_ids"], call["weights"], images):
+                    if tokens == "text" and image or tokens == "image" and not image:
+                        continue
                     for e, w in zip(ids, weights):
                         load[e] += 1
                         wsum[e] += w
             loads.append(load)
             sums.append(wsum)
-        data["n_tokens"][phase] = sum(loads[0]) // top_k
-        data["load"][phase] = loads
-        data["weight_sum"][phase] = sums
-        data["weight_mean"][phase] = [nan_to_none([s / n if n else math.nan for s, n in zip(ws, ls)])
-                                      for ws, ls in zip(sums, loads)]
-        data["balance"][phase] = balance(loads)
-    return data
+        out["n_tokens"][phase] = sum(loads[0]) // top_k
+        out["load"][phase] = loads
+        out["weight_sum"][phase] = sums
+        out["weight_mean"][phase] = [nan_to_none([s / n if n else math.nan for s, n in zip(ws, ls)])
+                                     for ws, ls in zip(sums, loads)]
+        out["balance"][phase] = balance(loads)
+    return out
+
+
+def _image_flags(result) -> dict[int, list[list[bool]]]:
+    """Per layer and call (in the order `routing_calls` lists them), which tokens were image tokens."""
+    out: dict[int, list[list[bool]]] = {}
+    for rec in result.trace.forward.routing:
+        n = rec.expert_ids.size(1)
+        mask = rec.image_mask[0].tolist() if getattr(rec, "image_mask", None) is not None else [False] * n
+        out.setdefault(int(rec.layer), []).append(mask)
+    return out
+
+
+def _bias_vl_changes(result, layers) -> dict:
+    """Per layer: image tokens routed, and of their top-k selections how many bias_vl changed
+    against the text bias's choice (an expert chosen that the text bias would not have chosen)."""
+    tokens, changed = {layer: 0 for layer in layers}, {layer: 0 for layer in layers}
+    for rec in result.trace.forward.routing:
+        if getattr(rec, "image_mask", None) is None or rec.text_bias_ids is None:
+            continue
+        mask = rec.image_mask[0]
+        tokens[int(rec.layer)] += int(mask.sum())
+        for vl, text in zip(rec.expert_ids[0][mask].tolist(), rec.text_bias_ids[0][mask].tolist()):
+            changed[int(rec.layer)] += len(set(vl) - set(text))
+    return {"image_tokens": [tokens[layer] for layer in layers],
+            "changed_selections": [changed[layer] for layer in layers]}
 
 
 def balance(loads: list[list[int]]) -> dict:
@@ -67,15 +107,20 @@ def balance(loads: list[list[int]]) -> dict:
     return out
 
 
-def render(data: dict, phase: str = "all"):
-    """Figure: load and mean-weight heat maps (layer x expert) above the per-layer balance bars."""
+def render(data: dict, phase: str = "all", tokens: str = "all"):
+    """Figure: load and mean-weight heat maps (layer x expert) above the per-layer balance bars,
+    over all tokens, text tokens or image-span tokens (`tokens`)."""
     import numpy as np
 
     from dsv41 import viz
 
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    if tokens not in TOKEN_TYPES:
+        raise ValueError(f"tokens must be one of {TOKEN_TYPES}, got {tokens!r}")
     layers, n_experts = data["layers"], data["n_experts"]
+    if tokens != "all":
+        data = {**data, **data["by_tokens"][tokens]}
     load = np.asarray(data["load"][phase], dtype=float)  # [layers, experts]
     mean_w = np.array([[np.nan if v is None else v for v in row] for row in data["weight_mean"][phase]], dtype=float)
     bal = data["balance"][phase]
@@ -100,21 +145,25 @@ def render(data: dict, phase: str = "all"):
         ax_ent.bar(x, entropy, color=viz.PALETTE[2])
         ax_ent.set(xticks=x, xticklabels=[str(layer) for layer in layers], xlabel="layer", ylim=(0, 1.05),
                    ylabel="entropy / log E", title="spread over experts (1 is even)")
-        fig.suptitle(f"routing, {phase}: {data['n_tokens'][phase]} tokens x top-{data['top_k']} of {n_experts} experts")
+        which = "" if tokens == "all" else f"{tokens} "
+        fig.suptitle(f"routing, {phase}: {data['n_tokens'][phase]} {which}tokens x top-{data['top_k']} of "
+                     f"{n_experts} experts")
     return fig
 
 
 class RoutingView(View):
-    """The routing figure with a prefill / decode / all toggle."""
+    """The routing figure with a prefill / decode / all toggle and an all / text / image filter."""
 
     render = staticmethod(render)
 
-    def __init__(self, data: dict, phase: str = "all"):
-        super().__init__(data, phase=phase)
+    def __init__(self, data: dict, phase: str = "all", tokens: str = "all"):
+        super().__init__(data, phase=phase, tokens=tokens)
 
     def _controls(self) -> list:
         import ipywidgets as w
 
         toggle = w.ToggleButtons(options=list(PHASES), value=self.options["phase"], description="tokens")
         toggle.observe(lambda change: self.set(phase=change["new"]), names="value")
-        return [toggle]
+        kind = w.ToggleButtons(options=list(TOKEN_TYPES), value=self.options["tokens"], description="type")
+        kind.observe(lambda change: self.set(tokens=change["new"]), names="value")
+        return [toggle, kind]
