@@ -286,11 +286,35 @@ class Compressor(nn.Module):
             # the pooling runs in float32 whatever the caller's default dtype
             self.register_buffer("kv_state", torch.zeros(state, dtype=torch.float32), persistent=False)
             self.register_buffer("score_state", torch.full(state, -torch.inf, dtype=torch.float32), persistent=False)
+        self.window = cfg.window_size
+        # (start_pos, kv, score) of the last call of several rows, at most a window long: what
+        # `truncate_state` rebuilds the partial group from when that call is cut short
+        self.last_call: Optional[tuple] = None
 
     def reset_state(self) -> None:
         if self.ratio > 1:
             self.kv_state.zero_()
             self.score_state.fill_(-torch.inf)
+        self.last_call = None
+
+    def truncate_state(self, kv_state: torch.Tensor, score_state: torch.Tensor, start: int, keep_end: int) -> None:
+        """The partial group as a call over [start, keep_end) would have left it, from the state
+        before the last call (`kv_state`, `score_state`) and that call's own projections."""
+        call_start, kv, score = self.last_call
+        assert call_start == start, "truncate_state cuts the last call only"
+        bsz, ratio, held = kv.size(0), self.ratio, start % self.ratio
+        self.kv_state.copy_(kv_state)
+        self.score_state.copy_(score_state)
+        if keep_end - start == 1 and start > 0:  # as a one-token call: into its slot
+            self.kv_state[:bsz, held] = kv[:, 0]
+            self.score_state[:bsz, held] = score[:, 0]
+            return
+        rows = held + keep_end - start
+        cut = rows // ratio * ratio
+        kv = torch.cat([kv_state[:bsz, :held], kv[:, : keep_end - start]], dim=1)  # [b, held + kept, head_dim]
+        score = torch.cat([score_state[:bsz, :held], score[:, : keep_end - start]], dim=1)
+        self.kv_state[:bsz, : rows - cut] = kv[:, cut:]
+        self.score_state[:bsz, : rows - cut] = score[:, cut:]
 
     def forward(self, x: torch.Tensor, start_pos: int) -> Optional[torch.Tensor]:
         """x [b, s, dim] -> latents [b, n_completed, head_dim] in x.dtype, or None."""
@@ -301,6 +325,7 @@ class Compressor(nn.Module):
 
         x32 = x.float()
         kv, score = self.wkv(x32), self.wgate(x32)  # [b, s, head_dim] float32 each
+        self.last_call = (start_pos, kv, score) if 1 < seqlen <= self.window else None
         if start_pos == 0 or seqlen > 1:
             held = start_pos % ratio  # the partial group's earlier tokens, waiting in the state
             if held:  # [b, held + s, head_dim]: the group's held rows first, then this call's
@@ -668,6 +693,36 @@ class Attention(nn.Module):
             if self.indexer is not None and self.indexer.owns_k:
                 saved["index_keys"] = self.indexer.k_cache.save(groups)
         return saved
+
+    def truncatable(self, start: int, end: int) -> bool:
+        """Whether the last call, over [start, end), can be cut short in place (`truncate`): no
+        longer than the window (so its undo record holds every slot it wrote) and, for a pooling
+        compressor, with that call's projections still kept."""
+        if end - start > self.window_size:
+            return False
+        if self.compressor is not None and self.compressor.ratio > 1:
+            last = self.compressor.last_call
+            return last is not None and last[0] == start and last[1].size(1) == end - start
+        return True
+
+    def truncate(self, saved: dict, start: int, end: int, keep_end: int) -> None:
+        """Cut the last call (over [start, end), `saved` its undo record) back to [start, keep_end):
+        the slots and groups of the dropped positions get their earlier contents again, the
+        partial group is rebuilt; the rows the call computed for the kept positions stay. The
+        same bytes as running [start, keep_end) as its own call wherever a row's arithmetic does
+        not depend on how many rows share the call (Numerics.parity())."""
+        positions = torch.arange(max(start, end - self.window_size), end, device=saved["slots"].device)
+        dropped = positions >= keep_end
+        self.window_kv_cache.load(saved["slots"][dropped], tuple(part[:, dropped] for part in saved["window"]))
+        if self.ratio:
+            first, kept = start // self.ratio, keep_end // self.ratio
+            groups, offset = slice(kept, end // self.ratio), kept - first
+            if "compressed" in saved:
+                self.compress_kv_cache.load(groups, tuple(part[:, offset:] for part in saved["compressed"]))
+            if "kv_state" in saved:
+                self.compressor.truncate_state(saved["kv_state"], saved["score_state"], start, keep_end)
+            if "index_keys" in saved:
+                self.indexer.k_cache.load(groups, tuple(part[:, offset:] for part in saved["index_keys"]))
 
     def restore(self, saved: dict) -> None:
         self.window_kv_cache.load(saved["slots"], saved["window"])

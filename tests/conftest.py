@@ -15,6 +15,23 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def parity(tiny_checkpoint):
+    """The embedded checkpoint under Numerics.parity(), one per test module."""
+    import dsv41
+    from dsv41.numerics import Numerics
+
+    return dsv41.load(tiny_checkpoint, quiet=True, numerics=Numerics.parity())
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    """The embedded checkpoint under the reference's arithmetic (the default), one per test module."""
+    import dsv41
+
+    return dsv41.load(tiny_checkpoint, quiet=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> str:
     """The embedded default checkpoint (seed 0), written once per test session into a pytest temp

@@ -18,16 +18,6 @@ CASES = settings(max_examples=12, deadline=None, derandomize=True,
 
 
 @pytest.fixture(scope="module")
-def parity(tiny_checkpoint):
-    return dsv41.load(tiny_checkpoint, quiet=True, numerics=Numerics.parity())
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_checkpoint):
-    return dsv41.load(tiny_checkpoint, quiet=True)
-
-
-@pytest.fixture(scope="module")
 def wide_window(tmp_path_factory, one_thread):
     """The tiny checkpoint written over a config with a 128-position window, so a window row
     spans more than one 64-column sparse_attn chunk (the released window)."""

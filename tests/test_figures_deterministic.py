@@ -7,7 +7,7 @@ import pytest
 from conftest import run_notebooks_smoke
 
 # the groups and thread settings the notebook tests run them with, so the first runs are shared
-GROUPS = [("01,02", None), ("03,04", None), ("05", 1)]
+GROUPS = [("01,02", None), ("03,04", None), ("05", 1), ("06", 1)]
 
 
 @pytest.mark.parametrize("only, threads", GROUPS)

@@ -1,0 +1,263 @@
+"""The DSpark draft stack: the checkpoint's `mtp.*` stages, which propose a block of tokens from the
+target model's own hidden states.
+
+What the target hands over: at each `dspark_target_layer_ids` layer, the layer's input averaged
+over its hyper-connection copies (`Block.feeds_draft`), concatenated in layer order — the *main
+hidden* of a position. Stage 0 maps it to one `dim` vector (`main_proj`, `main_norm`); from that
+every stage writes one window-KV row per committed position with its own `wkv` / `kv_norm`, into a
+window ring like a backbone layer's (`feed`, called by `Model` after every forward).
+
+A draft (`DraftStack.draft`) anchored at the last committed position p: the block is the anchor
+token (the target's next token, at position p + 1) followed by `dspark_block_size - 1` noise
+tokens, embedded with the target's embedding and run through the stages as ordinary blocks (mHC,
+MoE with the draft's own experts, no Engram, no VL bias), except that attention reads the window
+ring (positions up to p) plus every block position, with no causal mask inside the block. The last
+stage's collapse goes through its norm and the target's head; a Markov head adds bigram logits
+from the previously chosen token, position by position (greedy), and a confidence head reads
+[hidden, Markov embedding] in float32. Block row i's logits propose the token at p + 2 + i.
+
+The row of position p is written again by the draft from a one-row computation, exactly as the
+reference's draft call does, so a draft right after a prefill equals the reference's seeding call
+followed by its one-row call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .attention import Attention
+from .kernels import sparse_attn
+from .layers import Linear, RMSNorm, activation_dtype, apply_rotary_emb, f32_linear, linear_dtype
+from .model import Block, Embedding, Head, hc_pre, identity_pre
+from .numerics import Numerics
+
+
+@dataclass
+class DraftBlock:
+    """One draft: `ids` int64 [b, block + 1] (column 0 the anchor, then the proposals), `logits`
+    float32 [b, block, vocab] (Markov bias included; row i proposes ids[:, i + 1]) and `confidence`
+    float32 [b, block] (the confidence head's raw output; sigmoid gives a probability)."""
+
+    ids: torch.Tensor
+    logits: torch.Tensor
+    confidence: torch.Tensor
+    probs: Optional[torch.Tensor] = None  # sampled drafts: float32 [b, block, vocab], what row i was drawn from
+
+    @property
+    def proposals(self) -> list[int]:
+        return self.ids[0, 1:].tolist()
+
+    @property
+    def probabilities(self) -> list[float]:
+        return torch.sigmoid(self.confidence[0]).tolist()
+
+
+class DraftAttention(Attention):
+    """A draft stage's attention: a window ring fed with the main hidden state of committed
+    positions, and a block that attends to the ring and to all of its own positions."""
+
+    def main_rows(self, main_x: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, ...]:
+        """main_x [b, s, dim] of positions start_pos.. -> the ring's stored parts of their KV rows
+        (FP8 QAT over 32 after RoPE, as a window row)."""
+        kv = self.kv_norm(self.wkv(main_x))  # [b, s, head_dim]
+        apply_rotary_emb(kv[..., -self.rope_head_dim :], self.freqs_cis[start_pos : start_pos + main_x.size(1)])
+        parts, _ = self.window_kv_cache.quantize(kv)
+        return parts
+
+    def feed(self, main_x: torch.Tensor, start_pos: int) -> None:
+        """Write the rows of positions start_pos.. into their slots (position % window; the last
+        `window` of them)."""
+        seqlen, win = main_x.size(1), self.window_size
+        parts = self.main_rows(main_x, start_pos)
+        keep = min(seqlen, win)
+        slots = torch.arange(start_pos + seqlen - keep, start_pos + seqlen, device=main_x.device) % win
+        self.window_kv_cache.write(slots, tuple(part[:, seqlen - keep :] for part in parts))
+
+    def block(self, x: torch.Tensor, start_pos: int, main_x: torch.Tensor) -> torch.Tensor:
+        """x [b, block, dim] at positions start_pos + 1.. ; main_x [b, 1, dim] of position start_pos
+        (written into its slot first) -> [b, block, dim]."""
+        bsz, block, _ = x.shape
+        rd, win = self.rope_head_dim, self.window_size
+        self.feed(main_x, start_pos)
+        freqs = self.freqs_cis[start_pos + 1 : start_pos + 1 + block]
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [b, block, heads, head_dim]
+        apply_rotary_emb(q[..., -rd:], freqs)
+        kv = self.kv_norm(self.wkv(x))  # [b, block, head_dim]
+        apply_rotary_emb(kv[..., -rd:], freqs)
+        _, kv = self.window_kv_cache.quantize(kv)  # on the ring's grid, not stored
+        kv = torch.cat([self.window_kv_cache.read(bsz), kv], dim=1)  # [b, window + block, head_dim]
+        # the ring's written slots (all once the sequence has `window` positions), then the block
+        columns = torch.cat([torch.arange(min(win, start_pos + 1)), win + torch.arange(block)]).to(x.device)
+        idxs = columns.int().view(1, 1, -1).expand(bsz, block, -1)
+        o = sparse_attn(q, kv, self.attn_sink, idxs, self.softmax_scale)
+        apply_rotary_emb(o[..., -rd:], freqs, inverse=True)
+        o = o.view(bsz, block, self.n_groups, -1)  # [b, block, groups, heads/groups * head_dim]
+        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+        return self.wo_b(torch.einsum("bsgd,grd->bsgr", o, wo_a).flatten(2))
+
+
+class MarkovHead(nn.Module):
+    """Bigram logits from the previous token: a small embedding and a float32 projection."""
+
+    def __init__(self, vocab_size: int, rank: int, *, numerics: Numerics, dtype: torch.dtype):
+        super().__init__()
+        self.pad_f32_rows = numerics.pad_f32_rows
+        self.embed = Embedding(vocab_size, rank, dtype)
+        self.head = Head(vocab_size, rank, numerics=numerics)
+
+    def forward(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """token_ids [b] -> (logits float32 [b, vocab], embedding [b, rank])."""
+        embed = self.embed(token_ids)
+        return f32_linear(embed, self.head.weight, pad_f32_rows=self.pad_f32_rows), embed
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, width: int, *, numerics: Numerics):
+        super().__init__()
+        self.proj = Linear(width, 1, torch.float32, pad_f32_rows=numerics.pad_f32_rows)
+
+    def forward(self, hidden: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
+        """[b, block, dim] and [b, block, rank] -> float32 [b, block]."""
+        return self.proj(torch.cat([hidden, markov_embed], dim=-1).float()).squeeze(-1)
+
+
+class DraftLayer(Block):
+    """One `mtp.N` stage: a block with DraftAttention; stage 0 also holds the main-hidden
+    projection, the last stage the norm, the Markov head and the confidence head."""
+
+    attention_type = DraftAttention
+
+    def __init__(self, cfg, stage: int, *, numerics: Numerics, max_batch_size: int, max_seq_len: int,
+                 cache_format: str):
+        # the block reaches `dspark_block_size` positions past the last committed one
+        super().__init__(cfg, cfg.n_layers + stage, numerics=numerics, max_batch_size=max_batch_size,
+                         max_seq_len=max_seq_len + cfg.dspark_block_size + 1, cache_format=cache_format)
+        act = activation_dtype(cfg)
+        self.stage = stage
+        if stage == 0:
+            self.main_proj = Linear(cfg.dim * len(cfg.dspark_target_layer_ids), cfg.dim, linear_dtype(cfg))
+            self.main_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=act)
+        if stage == cfg.n_mtp_layers - 1:
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=act)
+            self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, numerics=numerics, dtype=act)
+            self.confidence_head = ConfidenceHead(cfg.dim + cfg.dspark_markov_rank, numerics=numerics)
+
+    def forward(self, x: torch.Tensor, start_pos: int, pre: torch.Tensor, main_x: torch.Tensor):
+        # drafts are text: no VL routing bias
+        return self.sites(x, pre, lambda h: self.attn.block(h, start_pos, main_x), None, None, start_pos)
+
+
+class DraftStack(nn.Module):
+    """The `mtp.*` stages (parameter names are the checkpoint's), sharing the target's embedding
+    and head. Holds the window rings and the main hidden state of the last fed position."""
+
+    def __init__(self, cfg, embed: Embedding, head: Head, *, numerics: Numerics = Numerics(),
+                 max_batch_size: int = 1, max_seq_len: int = 4096, cache_format: str = "packed"):
+        super().__init__()
+        if not cfg.n_mtp_layers or not cfg.dspark_block_size or not cfg.dspark_target_layer_ids:
+            raise ValueError("this config has no DSpark draft stack (n_mtp_layers, dspark_block_size and "
+                             "dspark_target_layer_ids must all be set)")
+        self.cfg, self.block_size, self.noise_token_id = cfg, cfg.dspark_block_size, cfg.dspark_noise_token_id
+        self.hc_mult = cfg.hc_mult
+        self.mtp = nn.ModuleList(DraftLayer(cfg, stage, numerics=numerics, max_batch_size=max_batch_size,
+                                            max_seq_len=max_seq_len, cache_format=cache_format)
+                                 for stage in range(cfg.n_mtp_layers))
+        self._target = (embed, head)  # the target's own modules: a tuple, so not parameters of this stack
+        self.last_main: Optional[torch.Tensor] = None  # [b, 1, dim * n_targets] of the last fed position
+        self.last_fed: Optional[tuple] = None  # (start_pos, main_hidden) of the last forward, for `truncate`
+
+    def attach_store(self, store) -> None:
+        for layer in self.mtp:
+            layer.ffn.attach_store(store)
+
+    def reset_state(self) -> None:
+        for layer in self.mtp:
+            layer.reset_state()
+        self.last_main = self.last_fed = None
+
+    def main_x(self, main_hidden: torch.Tensor) -> torch.Tensor:
+        first = self.mtp[0]
+        return first.main_norm(first.main_proj(main_hidden))
+
+    @torch.inference_mode()
+    def feed(self, main_hidden: torch.Tensor, start_pos: int) -> None:
+        """main_hidden [b, s, dim * n_targets] of positions start_pos.. (one target forward)."""
+        main_x = self.main_x(main_hidden)
+        for layer in self.mtp:
+            layer.attn.feed(main_x, start_pos)
+        self.last_main = main_hidden[:, -1:]
+        self.last_fed = (start_pos, main_hidden)
+
+    def capture(self, start: int, end: int) -> dict:
+        return {"rings": [layer.attn.capture(start, end) for layer in self.mtp], "last_main": self.last_main}
+
+    def truncatable(self, start: int, end: int) -> bool:
+        return (self.last_fed is not None and self.last_fed[0] == start and self.last_fed[1].size(1) == end - start
+                and all(layer.attn.truncatable(start, end) for layer in self.mtp))
+
+    def truncate(self, saved: dict, start: int, end: int, keep_end: int) -> None:
+        """The last forward's feed cut back to [start, keep_end) (see `Attention.truncate`)."""
+        for layer, ring in zip(self.mtp, saved["rings"]):
+            layer.attn.truncate(ring, start, end, keep_end)
+        self.last_main = self.last_fed[1][:, keep_end - start - 1 : keep_end - start]
+        self.last_fed = (start, self.last_fed[1][:, : keep_end - start])
+
+    def restore(self, saved: dict) -> None:
+        for layer, ring in zip(self.mtp, saved["rings"]):
+            layer.attn.restore(ring)
+        self.last_main = saved["last_main"]
+
+    @torch.inference_mode()
+    def draft(self, token_id, start_pos: int, *, temperature: float = 0.0,
+              generator: Optional[torch.Generator] = None) -> DraftBlock:
+        """A draft after the last fed position `start_pos`, starting from `token_id` (the target's
+        next token; an int or [b]): greedy at temperature 0, else each proposal drawn from
+        softmax(row / temperature) by Gumbel-max with `generator` (the block's `probs`)."""
+        if self.last_main is None:
+            raise ValueError("the draft stack has not been fed: run the model on a prompt first")
+        embed, head = self._target
+        anchor = torch.as_tensor(token_id, dtype=torch.long).reshape(-1).to(self.last_main.device)
+        bsz, block = anchor.numel(), self.block_size
+        if bsz != self.last_main.size(0):
+            raise ValueError(f"{bsz} anchor tokens for a sequence batch of {self.last_main.size(0)}")
+        main_x = self.main_x(self.last_main)  # [b, 1, dim]
+        ids = torch.full((bsz, block), self.noise_token_id, dtype=torch.long, device=anchor.device)
+        ids[:, 0] = anchor
+        x = embed(ids).unsqueeze(2).repeat(1, 1, self.hc_mult, 1)  # [b, block, hc, dim]: equal copies
+        pre = identity_pre(bsz, block, self.hc_mult, x.device)
+        for layer in self.mtp:
+            x, pre = layer(x, start_pos, pre, main_x)
+        last = self.mtp[-1]
+        hidden = hc_pre(x, pre)  # [b, block, dim]
+        logits = head(last.norm(hidden), all_positions=True)  # [b, block, vocab] float32
+        out = torch.empty(bsz, block + 1, dtype=torch.long, device=anchor.device)
+        out[:, 0] = anchor
+        markov_embeds, probs = [], []
+        for i in range(block):  # each proposal conditions the next position's bigram bias
+            bias, markov_embed = last.markov_head(out[:, i])
+            logits[:, i] += bias
+            markov_embeds.append(markov_embed)
+            if temperature > 0:
+                p = torch.softmax(logits[:, i] / temperature, dim=-1, dtype=torch.float32)
+                noise = torch.empty_like(p).exponential_(1.0, generator=generator)
+                out[:, i + 1] = (p / noise).argmax(dim=-1)
+                probs.append(p)
+            else:
+                out[:, i + 1] = logits[:, i].argmax(dim=-1)
+        confidence = last.confidence_head(hidden, torch.stack(markov_embeds, dim=1))
+        return DraftBlock(out, logits, confidence, torch.stack(probs, dim=1) if probs else None)
+
+    def describe(self) -> dict:
+        cfg = self.cfg
+        n_experts, topk = cfg.moe_shape(cfg.n_layers)
+        return {"stages": cfg.n_mtp_layers, "target_layers": list(cfg.dspark_target_layer_ids),
+                "block_size": self.block_size, "noise_token_id": self.noise_token_id,
+                "window": cfg.window_size, "routed_experts": n_experts, "activated_experts": topk,
+                "markov_rank": cfg.dspark_markov_rank,
+                "parameters": sum(p.numel() for p in self.parameters())}
+
