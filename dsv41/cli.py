@@ -15,10 +15,12 @@ COMMANDS = {
     "make-headers": ("dsv41.headers", "cli_main", "synthesize the released checkpoint's 48 shard headers (no payload)"),
     "engram": ("dsv41.engram", "cli_main", "Engram layout, multipliers and hash ids for a config (and tokenizer)"),
     "generate": ("dsv41.cli", "generate_main", "generate text from a checkpoint (default: the embedded tiny one)"),
+    "chat": ("dsv41.cli", "chat_main", "chat with a checkpoint on the terminal, one message per line (default: the embedded tiny one)"),
     "notebooks": ("dsv41.notebooks", "cli_main", "execute every notebook with papermill into a new outputs/run-NNN (figures, sidecars, summary)"),
     "replay": ("dsv41.cache_policy", "cli_main", "replay a saved trace's routing through expert-cache policies (LRU, LFU, static, Belady): hit rates and disk bytes per token"),
-    "bench": ("dsv41.bench", "cli_main", "time the fused packed-FP4 expert path against expanding experts to BF16, "
-                                         "decode end to end, and torch threads on the embedded checkpoint"),
+    "bench": ("dsv41.bench", "cli_main", "benchmarks as ratios measured in one run: experts (fused vs expanded, vs "
+                                         "copy bandwidth and BF16 GEMM), decode (end to end, the released geometry "
+                                         "against its floor, speculative), prefill, vision, threads"),
     "lab": ("dsv41.lab", "cli_main", "copy the notebooks into outputs/lab (edited copies kept) and start JupyterLab there"),
 }
 
@@ -52,6 +54,10 @@ def generate_main(argv: list[str]) -> int:
         "meaningful). The generated text goes to stdout; the load report, timings and errors to stderr."))
     parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded tiny one)")
     parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument("--image", action="append", default=[], metavar="PATH",
+                        help="an image to read (repeatable, in order): each takes the place of the next image "
+                             "placeholder <｜deepseek_image｜> in the prompt; a prompt without one gets its "
+                             "images first, before the text")
     parser.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="tokens to generate (default 16)")
     parser.add_argument("--max-seq-len", type=int, default=None, metavar="N",
                         help="positions the caches are sized for (default: the model's maximum, at most 4096)")
@@ -70,15 +76,34 @@ def generate_main(argv: list[str]) -> int:
                         help="republish a Full layer's own index keys every step (the Transformers port's fix)")
     parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                         help="prefill the prompt N tokens per forward, with a progress bar (default: one forward)")
+    parser.add_argument("--speculative", action="store_true",
+                        help="decode with the DSpark draft stack: each step drafts a block, verifies it in one "
+                             "forward and keeps what the model agrees with (greedy: the same tokens as plain greedy "
+                             "decoding under --numerics parity; with --temperature the rejection rule keeps plain "
+                             "sampling's distribution)")
+    parser.add_argument("--draft-tokens", type=int, default=None, metavar="N",
+                        help="with --speculative: proposals per step, 1 to the draft block (default: the block, 5)")
+    parser.add_argument("--min-confidence", type=float, default=0.5, metavar="C",
+                        help="with --speculative: drop the proposals from the first whose confidence is below C "
+                             "(default 0.5; 0 keeps them all)")
     parser.add_argument("--threads", type=_threads_arg, default="auto", metavar="auto|N",
                         help="torch intra-op threads, which the native expert kernel uses too: auto (default) is one "
                              "thread for a model with small expert matrices (the embedded checkpoint), every core "
                              "otherwise (the released geometry); N sets N; the load report says which")
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="run as one rank of a torchrun group (torchrun --nproc-per-node N -m dsv41 generate "
+                             "--expert-parallel ...): each rank holds and computes the routed experts e with "
+                             "e %% world_size == rank, the rest runs on every rank; rank 0 prints the generation "
+                             "and any rank's error")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or report on stderr")
     args = parser.parse_args(argv)
+    ranks = None  # with --expert-parallel: this process's place in the group
 
-    def fail(message: str) -> int:
-        print(f"dsv41 generate: {message}", file=sys.stderr)
+    def fail(message: str, agreed: bool = True) -> int:
+        # the other ranks' errors reach rank 0 through `distributed.agree`; a rank speaks for itself
+        # only when the group broke before the ranks could agree
+        if ranks is None or ranks.is_main or not agreed:
+            print(f"dsv41 generate: {message}", file=sys.stderr)
         return 1
 
     from .generate import NonFiniteLogits, check_prompt, check_sampling, generate
@@ -106,6 +131,145 @@ def generate_main(argv: list[str]) -> int:
     except ValueError as exc:
         return fail(f"--expert-device {args.expert_device!r} is not usable: {exc}")
     numerics = Numerics.named(args.numerics).with_options(fix_stale_index_keys=args.fix_stale_index_keys or None)
+    if args.expert_parallel:
+        from . import distributed
+
+        try:
+            ranks = distributed.init()
+        except distributed.ExpertParallelError as exc:
+            return fail(str(exc))
+        except (RuntimeError, ValueError) as exc:  # the group could not start (rendezvous, backend)
+            return fail(f"the expert-parallel group did not start: {distributed.one_line(exc)}")
+        args.quiet = args.quiet or not ranks.is_main
+        if args.expert_device == "cuda":
+            devices = "cuda"  # the loader gives each rank its own GPU
+
+    path = args.checkpoint
+    if path is None:
+        from .cachedir import CacheError
+        from .tiny import default_checkpoint
+
+        try:
+            if ranks is not None:  # rank 0 builds the shared cache once
+                path = distributed.main_first(lambda: default_checkpoint(progress=not args.quiet))
+            else:
+                path = default_checkpoint(progress=not args.quiet)
+        except CacheError as exc:
+            return fail(str(exc))
+
+    def audited_load():
+        problem = _audit_problem(path)
+        if problem:
+            raise LoadError(problem)
+        return load(path, numerics=numerics, expert_device=devices, resident_engram=args.resident_engram,
+                    expert_cache=DEFAULT_EXPERT_CACHE if args.expert_cache is None else args.expert_cache,
+                    quiet=args.quiet, max_seq_len=args.max_seq_len, threads=args.threads,
+                    expert_parallel=args.expert_parallel)
+
+    try:
+        model = audited_load() if ranks is None else distributed.agree(audited_load, "loading")
+    except (LoadError, ValueError) as exc:
+        return fail(str(exc))
+    except RuntimeError as exc:  # ExpertParallelError: another rank's failure, already one line
+        if ranks is None:
+            raise
+        return fail(str(exc), getattr(exc, "agreed", True))
+
+    from .vision import ImageError
+
+    try:  # every image read and checked before anything runs
+        ids = model.prepare(args.prompt, args.image) if args.image else model.encode(args.prompt)
+    except ImageError as exc:
+        return fail(str(exc))
+    if len(ids) > model.cfg.max_seq_len:
+        return fail(f"the prompt is {len(ids)} tokens, longer than the model's {model.cfg.max_seq_len}-token maximum")
+    if len(ids) + args.max_new_tokens - 1 > model.max_seq_len:
+        return fail(f"{len(ids)} prompt tokens + {args.max_new_tokens} new ones exceed the {model.max_seq_len} "
+                    f"positions the caches were sized for (raise --max-seq-len)")
+
+    if not args.quiet:
+        print(f"prompt: {len(ids)} tokens; generating {args.max_new_tokens} "
+              f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}, seed {args.seed}'})",
+              file=sys.stderr)
+
+    def run():
+        return generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        seed=args.seed, prefill_chunk=args.prefill_chunk, progress=not args.quiet,
+                        speculative=args.speculative, draft_tokens=args.draft_tokens,
+                        min_confidence=args.min_confidence)
+
+    try:
+        result = run() if ranks is None else distributed.agree(run, "generating")
+    except (NonFiniteLogits, ValueError) as exc:  # ValueError: a speculative request this model refuses
+        return fail(str(exc))
+    except RuntimeError as exc:  # ExpertParallelError
+        if ranks is None:
+            raise
+        return fail(str(exc), getattr(exc, "agreed", True))
+    finally:
+        if ranks is not None:
+            distributed.shutdown()
+    if ranks is not None and not ranks.is_main:
+        return 0  # only rank 0 prints the generation
+    print(result.text)
+    if not args.quiet:
+        t = result.timings
+        rate = f", {t['tokens_per_s']:.2f} tokens/s decoding" if t["tokens_per_s"] else ""
+        hits = sum(model.experts.counters.hits.values())
+        misses = sum(model.experts.counters.misses.values())
+        vision = f"vision tower {t['vision_s']:.2f} s, " if t.get("vision_s") else ""
+        print(f"{len(result.ids)} tokens ({result.finish_reason}); {vision}prefill {t['prefill_s']:.2f} s, decode "
+              f"{t['decode_s']:.2f} s{rate}; expert cache {hits} hits / {misses} misses", file=sys.stderr)
+        if result.speculation is not None:
+            s = result.speculation
+            per_forward = f"{s.tokens_per_forward:.2f}" if s.tokens_per_forward else "-"
+            print(f"speculative: {len(s.steps)} steps, {s.mean_accepted or 0:.2f} proposals accepted per step, "
+                  f"{s.target_forwards} target forwards for {s.tokens} tokens ({per_forward} per forward); "
+                  f"acceptance by draft position "
+                  + ", ".join("-" if a is None else f"{a:.0%}" for a in s.acceptance_by_position()), file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------- dsv41 chat
+def chat_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dsv41 chat", description=(
+        "Chat with a checkpoint in the V4.1 chat format (default: the embedded tiny one, random-weighted, so its "
+        "replies are noise). One message per line; /reset forgets the conversation, /save FILE writes it as "
+        "JSON, Ctrl-D quits. Each turn continues from the positions the previous one left in the caches."))
+    parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded tiny one)")
+    parser.add_argument("--thinking", action="store_true", help="the model reasons before it answers (shown dimmed)")
+    parser.add_argument("--reasoning-effort", default=None, metavar="N|low|high|max",
+                        help="with --thinking: 1-100, or low (50), high (75, the default), max (100)")
+    parser.add_argument("--system", default=None, metavar="TEXT", help="a system message to start the conversation")
+    parser.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="most tokens per reply (default 256)")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default) is greedy")
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (temperature > 0)")
+    parser.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+                        help="positions the caches are sized for: the whole conversation (default: the model's "
+                             "maximum, at most 4096)")
+    parser.add_argument("--quiet", action="store_true", help="no load report or per-turn token counts on stderr")
+    args = parser.parse_args(argv)
+
+    def fail(message: str) -> int:
+        print(f"dsv41 chat: {message}", file=sys.stderr)
+        return 1
+
+    from .chat import ChatFormatError, reasoning_budget
+    from .conversation import run_terminal
+    from .generate import check_sampling
+
+    effort = args.reasoning_effort
+    if effort is not None and effort.strip().isdigit():
+        effort = int(effort)
+    try:
+        reasoning_budget(effort)
+        check_sampling(args.max_new_tokens, args.temperature, args.seed)
+    except (ChatFormatError, ValueError) as exc:
+        return fail(f"{exc} (see --help)")
+    if args.max_seq_len is not None and args.max_seq_len <= 0:
+        return fail(f"--max-seq-len must be > 0, got {args.max_seq_len}")
+
+    from .loader import LoadError, load
 
     path = args.checkpoint
     if path is None:
@@ -120,37 +284,12 @@ def generate_main(argv: list[str]) -> int:
     if problem:
         return fail(problem)
     try:
-        model = load(path, numerics=numerics, expert_device=devices, resident_engram=args.resident_engram,
-                     expert_cache=DEFAULT_EXPERT_CACHE if args.expert_cache is None else args.expert_cache,
-                     quiet=args.quiet, max_seq_len=args.max_seq_len, threads=args.threads)
+        model = load(path, quiet=args.quiet, max_seq_len=args.max_seq_len)
     except (LoadError, ValueError) as exc:
         return fail(str(exc))
-
-    ids = model.encode(args.prompt)
-    if len(ids) > model.cfg.max_seq_len:
-        return fail(f"the prompt is {len(ids)} tokens, longer than the model's {model.cfg.max_seq_len}-token maximum")
-    if len(ids) + args.max_new_tokens - 1 > model.max_seq_len:
-        return fail(f"{len(ids)} prompt tokens + {args.max_new_tokens} new ones exceed the {model.max_seq_len} "
-                    f"positions the caches were sized for (raise --max-seq-len)")
-
-    if not args.quiet:
-        print(f"prompt: {len(ids)} tokens; generating {args.max_new_tokens} "
-              f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}, seed {args.seed}'})",
-              file=sys.stderr)
-    try:
-        result = generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                          seed=args.seed, prefill_chunk=args.prefill_chunk, progress=not args.quiet)
-    except NonFiniteLogits as exc:
-        return fail(str(exc))
-    print(result.text)
-    if not args.quiet:
-        t = result.timings
-        rate = f", {t['tokens_per_s']:.2f} tokens/s decoding" if t["tokens_per_s"] else ""
-        hits = sum(model.experts.counters.hits.values())
-        misses = sum(model.experts.counters.misses.values())
-        print(f"{len(result.ids)} tokens ({result.finish_reason}); prefill {t['prefill_s']:.2f} s, decode "
-              f"{t['decode_s']:.2f} s{rate}; expert cache {hits} hits / {misses} misses", file=sys.stderr)
-    return 0
+    return run_terminal(model, sys.stdin, sys.stdout, system=args.system, thinking=args.thinking,
+                        reasoning_effort=effort, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        seed=args.seed, status=False if args.quiet else None)
 
 
 def _threads_arg(text: str):

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .trace import ForwardTrace, GenerationTrace, StepRecord
+from .vision import Prompt
 
 class NonFiniteLogits(RuntimeError):
     """A forward gave NaN or Inf logits: generation stops; the message names where it began."""
@@ -116,9 +117,10 @@ class GenerationResult:
     prompt_ids: list[int]
     ids: list[int]  # generated ids only
     text: str  # the generated ids decoded
-    timings: dict  # prefill_s, decode_s, per_token_s (list), tokens_per_s
+    timings: dict  # prefill_s, decode_s, per_token_s (list), tokens_per_s, vision_s (the tower, 0.0 without images)
     finish_reason: str  # 'length' | 'eos' | 'callback'
     trace: Optional[GenerationTrace] = None
+    speculation: Optional[object] = None  # speculative.Speculation of a speculative run: per step and summed
 
     @property
     def all_ids(self) -> list[int]:
@@ -131,19 +133,25 @@ def prefill(model, prompt_ids, *, trace=None, start_pos: int = 0, chunk: Optiona
     """Run the prompt [b, s] (or [s]) from `start_pos` (0: a new sequence) -> float32 logits
     [b, vocab] of its last position. `chunk`: at most that many tokens per forward (the same
     logits as one call under Numerics.parity()); `progress`: a tqdm bar on stderr (tokens, tokens/s)."""
-    ids = torch.as_tensor(prompt_ids, dtype=torch.long)
-    ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+    if isinstance(prompt_ids, Prompt):  # ids with image spans: a chunk keeps the images it overlaps
+        ids = prompt_ids
+        length = len(ids)
+    else:
+        ids = torch.as_tensor(prompt_ids, dtype=torch.long)
+        ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+        length = ids.size(1)
     if chunk is None:
         return model(ids, start_pos, trace=trace)
     if not _whole(chunk) or chunk < 1:
         raise ValueError(f"prefill_chunk must be a whole number >= 1, got {chunk!r}")
     from tqdm import tqdm
 
-    with tqdm(total=ids.size(1), desc="prefill", unit="tok", file=sys.stderr, disable=not progress,
+    with tqdm(total=length, desc="prefill", unit="tok", file=sys.stderr, disable=not progress,
               leave=False) as bar:
-        for at in range(0, ids.size(1), chunk):
-            logits = model(ids[:, at : at + chunk], start_pos + at, trace=trace)
-            bar.update(min(chunk, ids.size(1) - at))
+        for at in range(0, length, chunk):
+            part = ids[at : at + chunk] if isinstance(ids, Prompt) else ids[:, at : at + chunk]
+            logits = model(part, start_pos + at, trace=trace)
+            bar.update(min(chunk, length - at))
     return logits
 
 
@@ -180,8 +188,12 @@ def decode_n(model, token_id, n: int, *, temperature: float = 0.0, generator: Op
 def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.0, seed: int = 0,
              trace: bool = False, callback: Optional[Callable] = None, stop_at_eos: bool = True,
              prefill_chunk: Optional[int] = None, reuse_prefix: bool = False,
-             progress: bool = False) -> GenerationResult:
-    """Generate from `prompt` (text, or a list of token ids) -> GenerationResult.
+             progress: bool = False, speculative: bool = False, draft_tokens: Optional[int] = None,
+             min_confidence: float = 0.5, draft_source=None, images: Sequence = ()) -> GenerationResult:
+    """Generate from `prompt` (text, a list of token ids, or a `vision.Prompt`) -> GenerationResult.
+    `images` (paths, bytes or PIL images) go with a text prompt: each takes the place of the next
+    image placeholder in the text, or without one they go first (`Model.prepare`); the vision tower
+    runs once before the prefill and `timings['vision_s']` is its time. Decoding after is text.
 
     Greedy at temperature 0 (ties to the lowest id); otherwise seeded Gumbel-max. `trace=True`
     records the run (see GenerationTrace). `callback(step, token, logits)` as in decode_n. NaN or
@@ -189,10 +201,29 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
     `prefill_chunk`: prefill in chunks of that many tokens (`progress`: a bar on stderr);
     `reuse_prefix`: continue the model's current sequence where the prompt starts with it (rolled
     back to the longest shared prefix, as far as `Model.rollback_limit` allows) instead of
-    prefilling it again; `timings['reused_positions']` says how many positions were reused."""
+    prefilling it again; `timings['reused_positions']` says how many positions were reused.
+    `speculative`: decode with the DSpark draft stack (`dsv41.speculative`), up to
+    `draft_tokens` proposals per step (default the draft block), cut after the first whose
+    sigmoid(confidence) is below `min_confidence`; `draft_source(model, anchor, n)` stands in for
+    the stack; the result's `speculation` says what each step drafted, kept and accepted."""
     check_prompt(prompt)
     check_sampling(max_new_tokens, temperature, seed)
-    prompt_ids = model.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+    if speculative:
+        from . import speculative as spec_module  # same layer; imported when used
+
+        draft_tokens = spec_module.check_speculation(model, temperature, draft_tokens, min_confidence, draft_source)
+    if images:
+        if not isinstance(prompt, str):
+            raise ValueError("images= goes with a text prompt; a Prompt carries its own images")
+        prompt = model.prepare(prompt, images)
+    vision_s = 0.0
+    if isinstance(prompt, Prompt):
+        began = time.perf_counter()
+        prompt = model.encode_images(prompt)
+        vision_s = time.perf_counter() - began
+        prompt_ids = list(prompt.ids)
+    else:
+        prompt_ids = model.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
     # the last new token is sampled, never fed back: it takes no cache position
     if len(prompt_ids) + max_new_tokens - 1 > model.max_seq_len:
         raise ValueError(f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new ones need "
@@ -204,10 +235,13 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
     steps_before = len(model.experts.counters.steps)
 
     began = time.perf_counter()
-    reused = _reusable_prefix(model, prompt_ids) if reuse_prefix else 0
+    feed = prompt if isinstance(prompt, Prompt) else prompt_ids
+    # equal ids are not equal images: reuse stops at the first image position
+    shareable = prompt_ids[: _first_image(feed) + 1]
+    reused = _reusable_prefix(model, shareable) if reuse_prefix else 0
     if reused:
         model.rollback(model.position - reused)
-    logits = prefill(model, prompt_ids[reused:], trace=ftrace, start_pos=reused, chunk=prefill_chunk,
+    logits = prefill(model, feed[reused:], trace=ftrace, start_pos=reused, chunk=prefill_chunk,
                      progress=progress)
     _check_finite(model, logits)
     ids: list[int] = []
@@ -223,12 +257,25 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
     prefill_s = time.perf_counter() - began
 
     began = time.perf_counter()
+    speculation = spec_module.Speculation([]) if speculative else None
     if finish == "length" and max_new_tokens > 1:
         def shifted(step, token, lg):  # decode_n counts from 0; the prefill made token 0
             return callback(step + 1, token, lg)
 
-        more = decode_n(model, ids[-1], max_new_tokens - 1, temperature=temperature, generator=generator,
-                        callback=shifted if callback is not None else None, stop_ids=stop_ids, trace=ftrace, steps=steps)
+        if speculative:
+            def record(position, token, row, seconds):
+                steps.append(StepRecord(position, token, top2_margin(row), seconds))
+
+            more, spec_steps = spec_module.decode_speculative(
+                model, ids[-1], max_new_tokens - 1, draft_tokens=draft_tokens, min_confidence=min_confidence,
+                draft_source=draft_source, stop_ids=stop_ids, trace=ftrace,
+                callback=shifted if callback is not None else None, check_finite=_check_finite, step_record=record,
+                temperature=temperature, generator=generator)
+            speculation = spec_module.Speculation(spec_steps)
+        else:
+            more = decode_n(model, ids[-1], max_new_tokens - 1, temperature=temperature, generator=generator,
+                            callback=shifted if callback is not None else None, stop_ids=stop_ids, trace=ftrace,
+                            steps=steps)
         ids += more
         if more and more[-1] in stop_ids:
             finish = "eos"
@@ -239,12 +286,20 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
     per_token = [s.seconds for s in steps]
     timings = {"prefill_s": prefill_s, "decode_s": decode_s, "per_token_s": per_token,
                "tokens_per_s": (len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else None,
-               "prompt_tokens": len(prompt_ids), "reused_positions": reused}
+               "prompt_tokens": len(prompt_ids), "reused_positions": reused, "vision_s": vision_s}
     gtrace = None
     if trace:
         gtrace = GenerationTrace(ftrace, steps, [dict(s, layers={k: list(v) for k, v in s["layers"].items()})
                                                  for s in model.experts.counters.steps[steps_before:]])
-    return GenerationResult(prompt_ids, ids, model.decode(ids), timings, finish, gtrace)
+    if speculation is not None:
+        timings["target_forwards"] = speculation.target_forwards
+    return GenerationResult(prompt_ids, ids, model.decode(ids), timings, finish, gtrace, speculation)
+
+
+def _first_image(prompt) -> int:
+    """The first image-span position of a Prompt (its length when it has none, or for plain ids)."""
+    types = prompt.token_types if isinstance(prompt, Prompt) else ()
+    return next((i for i, t in enumerate(types) if t >= 0), len(prompt))
 
 
 def _reusable_prefix(model, prompt_ids: Sequence[int]) -> int:
@@ -321,18 +376,26 @@ class PrefillDecodeComparison:
 
 
 def compare_prefill_decode(model, prompt) -> PrefillDecodeComparison:
-    """Run `prompt` (text or ids) as one prefill over all positions and as one token per call, and
-    report where logits, indexer selections and routing first differ, under the `Numerics` the
-    model was loaded with (kept in the report's `numerics`). Leaves the model reset."""
+    """Run `prompt` (text, ids or a `vision.Prompt`) as one prefill over all positions and as one
+    token per call, and report where logits, indexer selections and routing first differ, under the
+    `Numerics` the model was loaded with (kept in the report's `numerics`). Leaves the model reset."""
 
-    ids = model.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+    spans = model.encode_images(prompt) if isinstance(prompt, Prompt) else None  # one token per call cuts the spans
+    if spans is not None:
+        ids = list(spans.ids)
+    else:
+        ids = model.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
     if not ids:
         raise ValueError("the prompt is empty")
+
+    def part(start: int, stop: int):
+        return spans[start:stop] if spans is not None else torch.tensor([ids[start:stop]])
+
     one, step = ForwardTrace(), ForwardTrace()
-    full = model(torch.tensor([ids]), 0, trace=one, all_positions=True)[0]  # [s, vocab]
-    rows = [model(torch.tensor([ids[:1]]), 0, trace=step)[0]]
+    full = model(part(0, len(ids)), 0, trace=one, all_positions=True)[0]  # [s, vocab]
+    rows = [model(part(0, 1), 0, trace=step)[0]]
     for p in range(1, len(ids)):
-        rows.append(model(torch.tensor([[ids[p]]]), p, trace=step)[0])
+        rows.append(model(part(p, p + 1), p, trace=step)[0])
     model.reset()
     stepwise = torch.stack(rows)  # [s, vocab]
     diff = (full - stepwise).abs().amax(dim=-1)

@@ -5,8 +5,9 @@ or mis-shaped tensor is an error naming it), builds an empty `model.Model` and f
 parameters by name, in the dtypes the released runtime holds them (`runtime_dtype`). Two families never enter
 memory at load time: the routed experts, which an `ExpertCache` reads per layer on demand and keeps
 packed (FP4 bytes and E8M0 scales, never expanded), and the Engram tables, whose rows are gathered
-from the mapped shard on each forward (or from RAM with `resident_engram=True`). The MTP / DSpark
-layers and the vision tower are left in the shards on purpose; nothing here runs them.
+from the mapped shard on each forward (or from RAM with `resident_engram=True`). The vision tower
+(`vision.*`, `aligner.*` and the span delimiters) is part of the dense tree, its RMSNorm weights
+promoted to float32. The MTP / DSpark layers are left in the shards on purpose; nothing here runs them.
 
 What the load did is returned as a `LoadReport`: every checkpoint tensor is accounted for as loaded,
 left on disk on purpose, or unexpected, with the parameter count, the dequantizations and the bytes
@@ -60,10 +61,10 @@ MAX_BATCH_SIZE = 64
 # measured up to 1.57x one there).
 AUTO_THREADS_MIN_WEIGHTS = 1 << 22
 
-LOADED, ROUTED, ENGRAM, MTP, VISION, UNEXPECTED = (
+LOADED, ROUTED, ENGRAM, MTP, UNEXPECTED = (
     "loaded", "routed experts (read on demand)", "Engram tables (rows gathered on demand)",
-    "MTP / DSpark (not run)", "vision tower (not run)", "unexpected")
-ON_DISK = (ROUTED, ENGRAM, MTP, VISION)
+    "MTP / DSpark (not run)", "unexpected")
+ON_DISK = (ROUTED, ENGRAM, MTP)
 
 
 class LoadError(ValueError):
@@ -73,9 +74,8 @@ class LoadError(ValueError):
 # ---------------------------------------------------------------------- what stays where
 def disposition(name: str) -> str:
     """Which report bucket a checkpoint tensor belongs to when the model is complete: LOADED or one
-    of the on-disk reasons. (Whether it was actually read is checked separately.)"""
-    if is_vision_name(name):
-        return VISION
+    of the on-disk reasons. (Whether it was actually read is checked separately.) The vision tower
+    is loaded like the rest of the dense tree (`LoadReport.vision_bytes_retained` says its share)."""
     if name.startswith("mtp."):
         return MTP
     if ".ffn.experts." in name:
@@ -101,6 +101,8 @@ def runtime_dtype(name: str, stored: str, cfg: Config) -> Optional[str]:
         return "F32" if cfg.compress_ratios[layer] > 1 else stored
     if name == "head.weight":
         return "F32"
+    if name.startswith("vision.") and name.rsplit(".", 2)[-2].startswith("norm"):
+        return "F32"  # the vision tower's RMSNorm weights: stored BF16, held float32 as the reference does
     return stored
 
 
@@ -374,13 +376,15 @@ class ExpertCache:
     expert is placed by `kernels.experts.device_for`. Each requested expert counts as a hit or a miss
     for its layer and the current step, and `fetch` returns the call's own counts."""
 
-    def __init__(self, checkpoint: Checkpoint, capacity: int = DEFAULT_EXPERT_CACHE, device="cpu"):
+    def __init__(self, checkpoint: Checkpoint, capacity: int = DEFAULT_EXPERT_CACHE, device="cpu",
+                 n_layers: Optional[int] = None):
         if capacity < 0:
             raise ValueError(f"expert cache capacity must be >= 0, got {capacity}")
         specs = [device] if isinstance(device, (str, torch.device)) else list(device)
         if not specs:
             raise ValueError("the expert cache needs at least one device")
         self.checkpoint, self.capacity = checkpoint, int(capacity)
+        self.n_layers = n_layers  # layers from n_layers on are the draft stages, stored as mtp.N
         self.devices = [torch.device(d) for d in specs]
         self.device = self.devices[0]
         self.counters = CacheCounters()
@@ -409,7 +413,8 @@ class ExpertCache:
 
     def _read(self, layer: int, expert: int) -> PackedExpert:
         device = device_for(expert, self.devices)
-        prefix = f"layers.{layer}.ffn.experts.{expert}."
+        stage = layer - self.n_layers if self.n_layers is not None and layer >= self.n_layers else None
+        prefix = f"layers.{layer}.ffn.experts.{expert}." if stage is None else f"mtp.{stage}.ffn.experts.{expert}."
         parts = []
         for w in ("w1", "w2", "w3"):
             weight, scale = self.checkpoint.read(prefix + w + ".weight"), self.checkpoint.read(prefix + w + ".scale")
@@ -523,11 +528,21 @@ class LoadReport:
     predicted_bytes_retained: int = 0  # from the inventory and runtime_dtype alone
     state_bytes: int = 0  # attention caches and RoPE tables (sized by max_seq_len; not weights)
     resident_engram_bytes: int = 0
+    draft_bytes_retained: int = 0  # the DSpark draft stack's dense parameters (not in bytes_retained)
+    vision_bytes_retained: int = 0  # the vision tower, aligner and span delimiters (part of bytes_retained)
     dequantized: list[tuple[str, str, str]] = field(default_factory=list)
     tensors: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     threads: Optional[int] = None  # torch's intra-op threads after the load
     threads_choice: str = ""  # why: "auto: ...", "threads=N" or "left alone (threads=None)"
+    # expert_parallel=True: this rank of world_size, and the routed experts it holds (e % world_size
+    # == rank; tensors and their bytes on disk, read on demand) out of all of them
+    rank: Optional[int] = None
+    world_size: int = 1
+    routed_tensors_held: int = 0
+    routed_tensors_total: int = 0
+    routed_bytes_held: int = 0
+    routed_bytes_total: int = 0
 
     def names(self, bucket: str) -> list[str]:
         return [n for n, b in self.tensors.items() if b == bucket]
@@ -556,6 +571,18 @@ class LoadReport:
             lines.append(f"  {bucket}: {n} tensors")
         if self.resident_engram_bytes:
             lines.append(f"  resident Engram tables: {self.resident_engram_bytes:,} bytes")
+        if self.vision_bytes_retained:
+            lines.append(f"  vision tower: {self.vision_bytes_retained:,} of the retained bytes (ViT, aligner, "
+                         f"span delimiters)")
+        if self.draft_bytes_retained:
+            lines.append(f"  DSpark draft stack: {self.draft_bytes_retained:,} bytes of dense parameters "
+                         f"(its routed experts read on demand like the backbone's)")
+        if self.rank is not None:
+            lines.append(f"  expert parallel: rank {self.rank} of {self.world_size} holds the routed experts e % "
+                         f"{self.world_size} == {self.rank}: {self.routed_tensors_held} of "
+                         f"{self.routed_tensors_total} tensors, {self.routed_bytes_held:,} of "
+                         f"{self.routed_bytes_total:,} bytes; everything else (the dense part, router, shared "
+                         f"experts, Engram tables, the draft stack and its experts) is replicated on every rank")
         return "\n".join(lines)
 
 
@@ -641,8 +668,10 @@ def _unique_bytes(tensors) -> int:
 def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
          fix_stale_index_keys: Optional[bool] = None, window_layout: Optional[str] = None,
          pad_f32_rows: Optional[bool] = None, expert_cache: int = DEFAULT_EXPERT_CACHE, expert_device="cpu",
-         resident_engram: bool = False, max_seq_len: Optional[int] = None, max_batch_size: int = 1,
-         threads="auto", undo_calls: int = 64, cache_format: str = "packed", quiet: bool = False) -> Model:
+         expert_parallel: bool = False, resident_engram: bool = False, max_seq_len: Optional[int] = None,
+         max_batch_size: int = 1,
+         threads="auto", undo_calls: int = 64, cache_format: str = "packed", dspark: bool = True,
+         quiet: bool = False) -> Model:
     """Load a checkpoint directory (default: the embedded tiny one) -> `model.Model`, its
     `report` the LoadReport.
 
@@ -652,7 +681,11 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
     expert_cache: packed experts kept per layer; expert_device: where routed experts are held and
     computed: "cpu" (default), "cuda", "cuda:1" or a list of CUDA devices (experts spread
     round-robin); without a usable GPU one line on stderr says so and the CPU's fused path runs
-    them (a string that names no device raises ValueError); resident_engram: copy the Engram
+    them (a string that names no device raises ValueError); expert_parallel: this process is one
+    rank of a torch.distributed group (joined, or started from torchrun's environment) and holds
+    and computes only the routed experts e with e % world_size == rank (`dsv41.distributed`; a
+    plain "cuda" expert_device then means the rank's own GPU), the logits equal one process's bit
+    for bit; resident_engram: copy the Engram
     tables into RAM instead of gathering from the shards; max_seq_len (default min(config, 4096))
     and max_batch_size size the attention caches; threads: torch's intra-op threads for the whole
     process, which the native expert kernel uses too: "auto" (default; one thread for a model
@@ -661,6 +694,8 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
     (the report's summary says which); undo_calls: how many calls `Model.rollback` can undo;
     cache_format: "packed" (default: the stored FP8 / FP4 formats with their scales) or "bf16" (the
     reference runtime's BF16 buffers), bit-identical logits either way (`Model.cache_bytes()`);
+    dspark: build the DSpark draft stack (`Model.draft`, speculative generation) when the
+    checkpoint has `mtp.*` stages and dspark_block_size > 0 (False leaves them on disk, "not run");
     quiet: no progress bar. Raises LoadError with one sentence
     on a bad checkpoint."""
     from tqdm import tqdm
@@ -672,6 +707,14 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
     check_threads(threads)
     check_cache_format(cache_format)
     began = time.perf_counter()
+    ranks = None
+    if expert_parallel:
+        from . import distributed
+
+        ranks = distributed.init()
+        if isinstance(expert_device, str) and expert_device == "cuda" and torch.cuda.is_available():
+            # each rank computes its experts on its own GPU (ranks share them round-robin past the count)
+            expert_device = f"cuda:{ranks.local_rank % torch.cuda.device_count()}"
     try:
         devices = expert_devices(expert_device)  # prints the one fallback line when CUDA is absent
     except (RuntimeError, ValueError) as exc:
@@ -681,7 +724,10 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
         from .tiny import default_checkpoint
 
         try:
-            path = default_checkpoint(progress=not quiet)
+            if ranks is not None:  # rank 0 builds the shared cache once, the others then find it
+                path = distributed.main_first(lambda: default_checkpoint(progress=not quiet and ranks.is_main))
+            else:
+                path = default_checkpoint(progress=not quiet)
         except CacheError as exc:
             raise LoadError(str(exc)) from None
     if not os.path.isdir(path):
@@ -715,8 +761,21 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
         model = Model(cfg, numerics=numerics, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                       tokenizer=tokenizer, tokenizer_meta=tok_meta, hasher=hasher, undo_calls=undo_calls, cache_format=cache_format)
         read = _fill_parameters(model.backbone, ckpt, report, quiet, tqdm)
+        stack = None
+        if dspark and cfg.n_mtp_layers and cfg.dspark_block_size:
+            from .dspark import DraftStack
 
-    expert_store = ExpertCache(ckpt, expert_cache, devices)
+            stack = DraftStack(cfg, model.backbone.embed, model.backbone.head, numerics=numerics,
+                               max_batch_size=max_batch_size, max_seq_len=max_seq_len, cache_format=cache_format)
+            read |= _fill_parameters(stack, ckpt, report, quiet, tqdm)
+
+    expert_store = ExpertCache(ckpt, expert_cache, devices, n_layers=cfg.n_layers)
+    if stack is not None:  # the draft's own experts (mtp.N.ffn.experts.*) through the same store
+        stack.attach_store(expert_store)
+        model.attach_draft(stack)
+        for name, bucket in buckets.items():
+            if bucket == MTP and ".ffn.experts." in name:
+                buckets[name] = ROUTED
     tables = {}
     for layer in cfg.engram_layer_ids or ():
         table = tables[layer] = ResidentEngramTable(ckpt, layer) if resident_engram else MappedEngramTable(ckpt, layer)
@@ -724,7 +783,22 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
             report.resident_engram_bytes += table.nbytes
             for suffix in ("weight", "scale"):
                 report.bytes_read += ckpt.nbytes(f"layers.{layer}.engram.embed.{suffix}")
-    model.attach(expert_store, tables)
+    routed = None
+    if ranks is not None:
+        import functools
+
+        expert_store = distributed.OwnedExpertStore(expert_store, ranks)
+        routed = functools.partial(distributed.ExpertParallelExperts, ranks=ranks,
+                                   counters=distributed.ExchangeCounters())  # one set for every layer
+        report.rank, report.world_size = ranks.rank, ranks.world_size
+        for name in (n for n, b in buckets.items() if b == ROUTED and n.startswith("layers.")):  # not the draft's
+            expert = int(name.split(".ffn.experts.")[1].split(".")[0])  # layers.L.ffn.experts.E.w1.weight
+            report.routed_tensors_total += 1
+            report.routed_bytes_total += ckpt.nbytes(name)
+            if ranks.owns(expert):
+                report.routed_tensors_held += 1
+                report.routed_bytes_held += ckpt.nbytes(name)
+    model.attach(expert_store, tables, routed)
 
     for name in read:
         if buckets.get(name) != LOADED:
@@ -735,6 +809,9 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
     report.tensors = buckets
     report.tensors_read = len(read)
     report.bytes_retained = _unique_bytes(model.backbone.parameters())
+    report.vision_bytes_retained = _unique_bytes(p for name, p in model.backbone.named_parameters()
+                                                 if is_vision_name(name))
+    report.draft_bytes_retained = 0 if stack is None else _unique_bytes(stack.parameters())
     report.predicted_bytes_retained = predict_retained_bytes(cfg)["bytes"]
     report.state_bytes = _unique_bytes(model.backbone.buffers())
     report.seconds = time.perf_counter() - began

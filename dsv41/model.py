@@ -26,7 +26,7 @@ and are read a row at a time.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Protocol, Sequence
 
 import torch
@@ -40,6 +40,8 @@ from .kernels.experts import PackedExpert, clamped_swiglu, routed_experts
 from .layers import F32_ROW_PAD, Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype, param
 from .numerics import Numerics
 from .trace import EngramRecord, FiniteRecord, ForwardTrace, RoutingRecord
+from .vision import IMAGE_END, IMAGE_NEWLINE, IMAGE_START, Aligner, Prompt, ViT, encode_image, write_spans
+from .vision import prepare as prepare_prompt
 
 # Added to the top-k routing weight sum before dividing; a training constant, not norm_eps.
 ROUTE_SUM_EPS = 1e-20
@@ -184,11 +186,13 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(cfg.dim, cfg.moe_inter_dim, self.swiglu_limit, linear_dtype(cfg))
         self.experts: Optional[RoutedExperts] = None  # see attach_store (not a parameter)
 
-    def attach_store(self, store: ExpertStore) -> None:
+    def attach_store(self, store: ExpertStore, routed=None) -> None:
         """Read this layer's routed experts from `store`. Under pad_f32_rows they run
-        batch-invariant: the padding's purpose, one arithmetic for any row count, extends to them."""
-        self.experts = RoutedExperts(self.layer, store, self.swiglu_limit,
-                                     batch_invariant=self.numerics.pad_f32_rows)
+        batch-invariant: the padding's purpose, one arithmetic for any row count, extends to them.
+        `routed` builds the routed half instead of `RoutedExperts`, with its constructor's
+        arguments (the expert-parallel group's `distributed.ExpertParallelExperts`)."""
+        self.experts = (routed or RoutedExperts)(self.layer, store, self.swiglu_limit,
+                                                 batch_invariant=self.numerics.pad_f32_rows)
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None, trace=None,
                 start_pos: int = 0) -> torch.Tensor:
@@ -201,11 +205,15 @@ class MoE(nn.Module):
         y = y + self.shared_experts(flat)
         if isinstance(trace, ForwardTrace):
             fetched = getattr(self.experts, "last_fetch", None)  # None: a stand-in without counts
+            images = image_mask is not None and bool(image_mask.any())
             trace.routing.append(RoutingRecord(
                 self.layer, start_pos, ids.reshape(*shape[:-1], -1).cpu(),
                 weights.reshape(*shape[:-1], -1).detach().cpu(),
                 cache_hits=fetched.hits if fetched is not None else 0,
-                cache_misses=fetched.misses if fetched is not None else 0))
+                cache_misses=fetched.misses if fetched is not None else 0,
+                image_mask=image_mask.reshape(shape[:-1]).cpu() if images else None,
+                # a second routing with the text bias, for the record only: the forward used the first
+                text_bias_ids=self.gate(flat)[1].reshape(*shape[:-1], -1).cpu() if images else None))
         return y.to(x.dtype).reshape(shape)
 
 
@@ -311,15 +319,18 @@ class Block(nn.Module):
     """Engram (at its layers), then attention and the MoE, each between a hyper-connection
     collapse and expansion. Parameter names are the checkpoint's (`layers.N.` + name)."""
 
+    attention_type = Attention  # a draft stage's block attends another way (dspark.DraftAttention)
+
     def __init__(self, cfg, layer: int, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
                  max_seq_len: int = 4096, cache_format: str = "packed"):
         super().__init__()
         self.layer, self.hc_mult = layer, cfg.hc_mult
         self.norm_eps, self.hc_eps, self.hc_iters = cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
         self.pad_f32_rows = numerics.pad_f32_rows
+        self.feeds_draft = False  # a DSpark target layer (set by Model.attach_draft)
         act = activation_dtype(cfg)
-        self.attn = Attention(cfg, layer, numerics=numerics, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                              cache_format=cache_format)
+        self.attn = self.attention_type(cfg, layer, numerics=numerics, max_batch_size=max_batch_size,
+                                        max_seq_len=max_seq_len, cache_format=cache_format)
         self.ffn = MoE(cfg, layer, numerics=numerics)
         engram_layers = tuple(cfg.engram_layer_ids or ())
         self.engram = None
@@ -341,8 +352,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, start_pos: int, pre: torch.Tensor, runtime: AttentionRuntime,
                 hash_ids: Optional[torch.Tensor] = None, image_mask: Optional[torch.Tensor] = None,
-                trace=None) -> tuple[torch.Tensor, torch.Tensor]:
+                trace=None, main_hiddens: Optional[list] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, s, hc, dim], pre [b, s, hc] (from the previous block) -> (x, the next block's pre).
+        A block that `feeds_draft` appends its input, averaged over the copies, to `main_hiddens`.
 
         hash_ids [b, s, n_hash_cols] for an Engram layer; image_mask [b, s] True inside image spans
         (their routing uses bias_vl and they get no Engram update)."""
@@ -351,11 +363,18 @@ class Block(nn.Module):
                 raise ValueError(f"layer {self.layer} is an Engram layer and needs its hash ids")
             x = self.engram(x, hash_ids, None if image_mask is None else ~image_mask, trace, start_pos)
             record_finite(trace, self.layer, "engram", start_pos, x)
+        if main_hiddens is not None and self.feeds_draft:
+            main_hiddens.append(x.mean(dim=2))  # the draft stack reads this layer's input, copies averaged
+        return self.sites(x, pre, lambda h: self.attn(h, start_pos, runtime, trace), image_mask, trace, start_pos)
 
+    def sites(self, x: torch.Tensor, pre: torch.Tensor, attend, image_mask: Optional[torch.Tensor], trace,
+              start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention site (`attend`: [b, s, dim] -> [b, s, dim]) and the FFN site, each between a
+        collapse and an expansion -> (x, the next block's pre)."""
         residual = x
         attn_pre, post, comb = self.mixes(x, "attn")
         h = self.attn_norm(hc_pre(x, pre))  # [b, s, dim]
-        h = self.attn(h, start_pos, runtime, trace)
+        h = attend(h)
         x = hc_post(h, residual, post, comb)  # [b, s, hc, dim]
         record_finite(trace, self.layer, "attention", start_pos, x)
 
@@ -415,21 +434,36 @@ class Backbone(nn.Module):
                                     for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=activation_dtype(cfg))
         self.head = Head(cfg.vocab_size, cfg.dim, numerics=numerics)
+        if cfg.vision_n_layers:  # the vision tower and the learned span delimiters, named as stored
+            self.vision, self.aligner = ViT(cfg), Aligner(cfg)
+            for name in ("image_start", "image_newline", "image_end"):
+                setattr(self, name, param(torch.zeros(cfg.dim, dtype=activation_dtype(cfg))))
+        self.feeds_draft = False  # collect main_hidden for a draft stack (Model.attach_draft)
+        self.main_hidden: Optional[torch.Tensor] = None  # the last forward's, when feeds_draft
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start_pos: int, runtime: AttentionRuntime,
                 hash_ids: Optional[torch.Tensor] = None, image_mask: Optional[torch.Tensor] = None,
-                trace=None, all_positions: bool = False) -> torch.Tensor:
+                trace=None, all_positions: bool = False, images=()) -> torch.Tensor:
         """input_ids [b, s] -> float32 logits [b, vocab] of the last position ([b, s, vocab] with
-        all_positions). hash_ids [b, s, n_engram_layers, n_hash_cols] from the n-gram hasher."""
+        all_positions). hash_ids [b, s, n_engram_layers, n_hash_cols] from the n-gram hasher;
+        `images` (batch 1): the `vision.ImageInput`s whose spans this call holds, written over the
+        embedding (their `features` encoded here when not yet set)."""
         bsz, seqlen = input_ids.shape
         h = self.embed(input_ids)  # [b, s, dim]
+        if images:
+            write_spans(h, [image if image.features is not None else replace(
+                image, features=self.encode_image(image)) for image in images],
+                {IMAGE_START: self.image_start, IMAGE_NEWLINE: self.image_newline, IMAGE_END: self.image_end})
         record_finite(trace, None, "embedding", start_pos, h)
         h = h.unsqueeze(2).repeat(1, 1, self.hc_mult, 1)  # [b, s, hc, dim]: equal copies
         pre = identity_pre(bsz, seqlen, self.hc_mult, h.device)
+        main_hiddens = [] if self.feeds_draft else None
         for block in self.layers:
             ids = hash_ids[:, :, block.engram_index] if block.engram is not None and hash_ids is not None else None
-            h, pre = block(h, start_pos, pre, runtime, ids, image_mask, trace)
+            h, pre = block(h, start_pos, pre, runtime, ids, image_mask, trace, main_hiddens)
+        # [b, s, dim * n_targets], the target layers in layer order: what the draft stack reads
+        self.main_hidden = torch.cat(main_hiddens, dim=-1) if main_hiddens else None
         h = self.norm(hc_pre(h, pre))  # the last block's FFN pre is the final collapse
         logits = self.head(h, all_positions)
         record_finite(trace, None, "head", start_pos, logits)
@@ -438,6 +472,13 @@ class Backbone(nn.Module):
     def reset_state(self) -> None:
         for block in self.layers:
             block.reset_state()
+
+    @torch.inference_mode()
+    def encode_image(self, image) -> torch.Tensor:
+        """One `vision.ImageInput` through the ViT and the aligner -> its rows [cells, dim]."""
+        if not hasattr(self, "vision"):
+            raise ValueError("this model has no vision tower (the config's vision_n_layers is 0)")
+        return encode_image(self.vision, self.aligner, image)
 
 
 # ---------------------------------------------------------------------- the runtime root
@@ -452,7 +493,7 @@ class Model:
     default: FP8 window rings, FP4 compressed KV and index keys with their scales) or the same
     values in BF16 ("bf16"); the logits are the same bit for bit, `cache_bytes()` measures the
     difference. The generation verbs (`prefill`, `decode_one`, `decode_n`, `generate`, `compare_prefill_decode`)
-    are `dsv41.generate`'s functions over this object."""
+    are `dsv41.generate`'s functions over this object; `chat` is `dsv41.conversation.chat`."""
 
     def __init__(self, cfg, *, numerics: Numerics = Numerics(), max_batch_size: int = 1, max_seq_len: int = 4096,
                  tokenizer=None, tokenizer_meta: Optional[dict] = None, hasher=None, undo_calls: int = 64,
@@ -465,18 +506,39 @@ class Model:
         self.tokenizer, self.tokenizer_meta = tokenizer, dict(tokenizer_meta or {})
         self.experts: Optional[ExpertStore] = None
         self.engram_tables: dict[int, EngramTable] = {}
+        self.draft_stack = None  # a dspark.DraftStack, attached by the loader (attach_draft)
         self.report = self.checkpoint = None
         self.position = 0  # positions consumed since the last reset
         self.token_ids = torch.zeros(1, 0, dtype=torch.long)  # [b, position]: what the sequence holds
         self._undo: deque = deque(maxlen=undo_calls)
 
-    def attach(self, experts: ExpertStore, engram_tables: dict[int, EngramTable]) -> None:
-        """Where routed experts and Engram rows are read from (neither is a parameter)."""
+    def attach(self, experts: ExpertStore, engram_tables: dict[int, EngramTable], routed=None) -> None:
+        """Where routed experts and Engram rows are read from (neither is a parameter); `routed`:
+        see `MoE.attach_store`."""
         self.experts, self.engram_tables = experts, dict(engram_tables)
         for block in self.backbone.layers:
-            block.ffn.attach_store(experts)
+            block.ffn.attach_store(experts, routed)
             if block.engram is not None:
                 block.engram.table = self.engram_tables[block.layer]
+
+    def attach_draft(self, stack) -> None:
+        """Run a DSpark draft stack beside the backbone: its target layers hand their main hidden
+        state over on every forward, and `draft` proposes from it."""
+        self.draft_stack = stack
+        targets = set(self.cfg.dspark_target_layer_ids or ())
+        for block in self.backbone.layers:
+            block.feeds_draft = block.layer in targets
+        self.backbone.feeds_draft = True
+
+    def draft(self, token_id, *, temperature: float = 0.0, generator=None):
+        """A DSpark draft (`dspark.DraftBlock`) after the sequence's last position, starting from
+        `token_id`, the target's next token (not yet fed): greedy, or sampled at `temperature`."""
+        if self.draft_stack is None:
+            raise ValueError("this model has no draft stack: the checkpoint has no mtp.* stages, its "
+                             "dspark_block_size is 0, or it was loaded with dspark=False")
+        if self.position == 0:
+            raise ValueError("a draft continues a sequence: run the model on a prompt first")
+        return self.draft_stack.draft(token_id, self.position - 1, temperature=temperature, generator=generator)
 
     @property
     def max_seq_len(self) -> int:
@@ -495,6 +557,8 @@ class Model:
     def reset(self) -> None:
         """Start a new sequence: attention caches, the shared runtime and the n-gram look-back."""
         self.backbone.reset_state()
+        if self.draft_stack is not None:
+            self.draft_stack.reset_state()
         self.runtime.reset()
         if self.hasher is not None:
             self.hasher.reset()
@@ -510,6 +574,12 @@ class Model:
 
     def __call__(self, input_ids, start_pos: int = 0, *, trace=None, image_mask=None,
                  all_positions: bool = False) -> torch.Tensor:
+        prompt = input_ids if isinstance(input_ids, Prompt) else None  # ids with image spans (Model.prepare)
+        if prompt is not None:
+            if image_mask is not None:
+                raise ValueError("a Prompt carries its own image mask; pass image_mask only with plain ids")
+            input_ids = prompt.ids
+            image_mask = prompt.image_mask() if prompt.image_positions else None
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
@@ -532,6 +602,7 @@ class Model:
             self.reset()
             self.token_ids = torch.zeros(bsz, 0, dtype=torch.long)
         undo = self._capture(start_pos, start_pos + seqlen, ids, image_mask)
+        undo.prompt = prompt
         try:
             hash_ids = None
             if self.hasher is not None:
@@ -540,7 +611,10 @@ class Model:
             counters = getattr(self.experts, "counters", None)  # a store without counters counts nothing
             if counters is not None:
                 counters.begin_step(start_pos, seqlen)
-            logits = self.backbone(ids, start_pos, self.runtime, hash_ids, image_mask, trace, all_positions)
+            logits = self.backbone(ids, start_pos, self.runtime, hash_ids, image_mask, trace, all_positions,
+                                   images=prompt.images if prompt is not None else ())
+            if self.draft_stack is not None:
+                self.draft_stack.feed(self.backbone.main_hidden, start_pos)
         except BaseException:
             self._put_back(undo)  # nothing half-applied: the caches as they were before the call
             raise
@@ -554,11 +628,14 @@ class Model:
         layers = [block.attn.capture(start, end) for block in self.backbone.layers]
         return SequenceState(start, layers, self.runtime.published(),
                              None if self.hasher is None else self.hasher.state(), None, ids, image_mask,
-                             model_id=id(self))
+                             model_id=id(self),
+                             draft=None if self.draft_stack is None else self.draft_stack.capture(start, end))
 
     def _put_back(self, state: "SequenceState") -> None:
         for block, saved in zip(self.backbone.layers, state.layers):
             block.attn.restore(saved)
+        if self.draft_stack is not None:
+            self.draft_stack.restore(state.draft)
         self.runtime.republish(state.published)
         if self.hasher is not None:
             self.hasher.set_state(state.hasher)
@@ -573,31 +650,80 @@ class Model:
         remembers (each call keeps what it overwrote; the last `undo_calls` calls are kept)."""
         return self._undo[0].position if self._undo else self.position
 
-    def rollback(self, n_positions: int) -> None:
+    def rollback(self, n_positions: int, *, rerun: bool = True) -> bool:
         """Return the sequence to `n_positions` fewer positions, so that continuing from there
         equals never having gone past it, bit for bit: the calls after it are undone (each kept
         what it overwrote) and the part of the first undone call that stays is run again as one
         call, exactly as a sequence that stopped there would have run it. Reaches back as far as
-        `rollback_limit`; 0 positions back to 0 is a reset."""
+        `rollback_limit`; 0 positions back to 0 is a reset.
+
+        `rerun=False`: when the positions to drop all lie in the last call and it was no longer
+        than the window (and held no image), cut that call short in place instead
+        (`Attention.truncate`), keeping the rows it computed for the positions that stay: no
+        forward, and the same bytes as the re-run under Numerics.parity() (under the reference's
+        arithmetic a row can depend on how many rows shared its call). Returns whether a kept
+        part ran again."""
         if not isinstance(n_positions, int) or not 0 <= n_positions <= self.position:
             raise ValueError(f"rollback takes 0 to {self.position} positions, got {n_positions!r}")
         target = self.position - n_positions
         if n_positions == 0:
-            return
+            return False
         if target == 0:
             self.reset()
-            return
+            return False
         if target < self.rollback_limit:
             raise ValueError(f"can roll back to position {self.rollback_limit} at the earliest (the oldest call "
                              f"kept; load with a larger undo_calls), not to {target}")
+        if not rerun and self._truncatable(target):
+            self._truncate(self._undo[-1], target)
+            return False
         last = None
         while self.position > target:
             last = self._undo.pop()
             self._put_back(last)
         if self.position < target:  # the undone call's kept part, as the one call it would have been
             keep = target - last.position
-            mask = None if last.image_mask is None else torch.as_tensor(last.image_mask)[:, :keep]
-            self(last.ids[:, :keep], last.position, image_mask=mask)
+            if last.prompt is not None:  # its images' spans are written again, cut to the kept part
+                self(last.prompt[:keep], last.position)
+            else:
+                mask = None if last.image_mask is None else torch.as_tensor(last.image_mask)[:, :keep]
+                self(last.ids[:, :keep], last.position, image_mask=mask)
+            return True
+        return False
+
+    def _truncatable(self, target: int) -> bool:
+        last = self._undo[-1] if self._undo else None
+        if last is None or not last.position < target < self.position or last.ids is None or last.prompt is not None:
+            return False
+        start, end = last.position, self.position
+        return (all(block.attn.truncatable(start, end) for block in self.backbone.layers)
+                and (self.draft_stack is None or self.draft_stack.truncatable(start, end)))
+
+    def _truncate(self, record: "SequenceState", target: int) -> None:
+        start, end, keep = record.position, self.position, target - record.position
+        for block, saved in zip(self.backbone.layers, record.layers):
+            block.attn.truncate(saved, start, end, target)
+        if self.draft_stack is not None:
+            self.draft_stack.truncate(record.draft, start, end, target)
+        # what a call over [start, target) publishes: every Full layer its compressed KV; an index-key
+        # owner its keys when one of its groups completed in the call (always, with the stale-key fix)
+        compress_kv, compress_from, index_k, index_from = record.published
+        for block in self.backbone.layers:
+            attn = block.attn
+            if attn.mode == "full":
+                compress_kv, compress_from = attn.compress_kv_cache, attn.layer
+            indexer = attn.indexer
+            if indexer is not None and indexer.owns_k and (
+                    self.numerics.fix_stale_index_keys or target // attn.ratio > start // attn.ratio):
+                index_k, index_from = indexer.k_cache, attn.layer
+        self.runtime.republish((compress_kv, compress_from, index_k, index_from))
+        mask = None if record.image_mask is None else torch.as_tensor(record.image_mask, dtype=torch.bool)[:, :keep]
+        if self.hasher is not None:
+            self.hasher.set_state(record.hasher)
+            self.hasher(record.ids[:, :keep], None if mask is None else ~mask)  # the look-back after the kept ids
+        record.ids, record.image_mask = record.ids[:, :keep], mask
+        self.token_ids = self.token_ids[:, :target]
+        self.position = target
 
     def snapshot(self) -> "SequenceState":
         """A copy of the sequence so far (caches, look-back, what was published), for `restore`:
@@ -627,6 +753,19 @@ class Model:
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def prepare(self, text: str, images: Sequence = ()) -> Prompt:
+        """Text and images (paths, bytes or PIL images) -> a `vision.Prompt`: each image placeholder
+        in the text (the token `image_token_id`) becomes the next image's span; a text without one
+        takes the images first (after the BOS). Bad images raise `vision.ImageError`."""
+        return prepare_prompt(self.cfg, self.encode(text), images, insert_at=1 if self.add_bos else 0)
+
+    def encode_images(self, prompt: Prompt) -> Prompt:
+        """The same prompt with every image's aligner rows computed (the ViT and aligner run here,
+        once, rather than inside the forward that first reaches the span)."""
+        return replace(prompt, images=tuple(image if image.features is not None else
+                                            replace(image, features=self.backbone.encode_image(image))
+                                            for image in prompt.images))
+
     # ------------------------------------------------------------------ generation (dsv41.generate)
     def prefill(self, prompt_ids, **kw):
         return _generation().prefill(self, prompt_ids, **kw)
@@ -642,6 +781,11 @@ class Model:
 
     def compare_prefill_decode(self, prompt, **kw):
         return _generation().compare_prefill_decode(self, prompt, **kw)
+
+    def chat(self, messages, **kw):
+        from . import conversation  # above this module, like generate.py: looked up when called
+
+        return conversation.chat(self, messages, **kw)
 
     def __repr__(self) -> str:
         where = self.report.checkpoint if self.report is not None else "not loaded"
@@ -663,7 +807,9 @@ class SequenceState:
     ids: Optional[torch.Tensor] = None
     image_mask: Optional[torch.Tensor] = None
     undo: list = field(default_factory=list)
+    prompt: Optional[Prompt] = None  # the call's Prompt when it was given one (its images with it)
     model_id: int = 0
+    draft: Optional[dict] = None  # the draft stack's rings and last main hidden state
 
 
 def _generation():

@@ -3,6 +3,7 @@ measured numbers divided (no timing thresholds: this machine is shared and times
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -31,6 +32,10 @@ def test_bench_experts_writes_a_report_of_measured_numbers(tmp_path, capsys):
     assert report["routed_expert_bytes"] == routed[0].nbytes and report["shared_expert_bytes"] == shared.nbytes
     kernels = report["kernels"]
     assert kernels == (["native", "torch"] if native.available() else ["torch"])
+    assert report["prefill_path"] == native.prefill_path() and report["prefill_path"] in native.PREFILL_PATHS
+
+    def kernel_name(cell):
+        return next(k for k, c in row["kernels"].items() if c is cell)
     for row in report["shapes"]:
         assert row["baseline_s"] > 0 and set(row["kernels"]) == set(kernels)
         for cell in row["kernels"].values():
@@ -38,10 +43,17 @@ def test_bench_experts_writes_a_report_of_measured_numbers(tmp_path, capsys):
             assert math.isclose(cell["speedup"], row["baseline_s"] / cell["s"], rel_tol=1e-12)
             assert math.isclose(cell["bytes_per_s"], row["packed_bytes"] / cell["s"], rel_tol=1e-12)
             assert math.isclose(cell["fraction_of_copy"], cell["bytes_per_s"] / copy_bw, rel_tol=1e-12)
+            assert math.isclose(cell["fraction_of_bf16_gemm"], row["bf16_gemm_s"] / cell["s"], rel_tol=1e-12)
+            assert cell["path"] == bench.kernel_path(kernel_name(cell), row["tokens"])
         # 6 of 6 experts selected: each read once, plus the shared one
         assert row["experts_selected"] == 6
         assert row["packed_bytes"] == 6 * routed[0].nbytes + shared.nbytes
     assert "targets" not in report  # judged at the released sizes only
+    # up to 8 tokens the block order, beyond it the CPU's prefill path (torch: its own kernel)
+    assert bench.kernel_path("torch", 512) == "torch"
+    if native.available():
+        assert bench.kernel_path("native", 8).startswith("block order")
+        assert bench.kernel_path("native", 9).startswith(native.prefill_path())
 
 
 def test_targets_are_judged_from_the_measured_numbers():
@@ -52,6 +64,12 @@ def test_targets_are_judged_from_the_measured_numbers():
     results = bench._check_targets(shapes, "native", lines.append)
     assert [(r["tokens"], r["met"]) for r in results] == [(1, False), (512, True)]  # 39% < 40%; 5.5x >= 5x
     assert "NOT met" in lines[0] and lines[1].endswith(": met")
+    # where the BF16 GEMM was timed, 512 tokens also need 80% of its throughput
+    shapes[2]["kernels"]["native"]["fraction_of_bf16_gemm"] = 0.79
+    results = bench._check_targets(shapes, "native", lines.append)
+    assert results[1]["met"] is False and results[1]["bf16_gemm_fraction_target"] == 0.80
+    shapes[2]["kernels"]["native"]["fraction_of_bf16_gemm"] = 0.81
+    assert bench._check_targets(shapes, "native", lines.append)[1]["met"] is True
 
 
 def test_bench_rejects_bad_arguments(capsys):
@@ -164,3 +182,73 @@ def test_bench_prefill_times_one_shot_against_chunks_in_one_run(tiny_checkpoint,
     assert runs[8]["calls"] == 6 and all(r["seconds"] > 0 and math.isfinite(r["ratio_to_one_shot"]) for r in runs.values())
     assert "chunks of     8" in capsys.readouterr().out
     assert cli_main(["prefill", "--checkpoint", tiny_checkpoint, "--tokens", "1"]) == 2
+
+
+def test_bench_decode_released_reports_phases_against_their_floor(tmp_path, capsys):
+    """`bench decode --geometry released` on the released layer plan at tiny dims: per phase and
+    for the whole token the four numbers, each a division of measured or counted ones; bytes from
+    the tensors as held; the 40-layer prediction built from the measured layers."""
+    from dsv41.config import RELEASED
+
+    out = tmp_path / "released.json"
+    args = ["bench", "decode", "--geometry", "released", "--small", "--tokens", "2", "--prompt", "4",
+            "--repeats", "1", "--copy-mib", "8", "--json", str(out)]
+    assert main([*args, "--checkpoint", str(tmp_path / "ckpt")]) == 0
+    printed = capsys.readouterr().out
+    assert "released-geometry checkpoint" in printed and "of floor" in printed and "a prediction" in printed
+    report = json.loads(out.read_text())
+    assert report["layer_modes"] == ["full", "reuse"] and report["engram_layers"] == [1]
+    assert report["vocab_size"] == RELEASED.vocab_size and report["checkpoint_bytes"] > 0
+    assert set(report["settings"]) <= {"1", str(os.cpu_count())} and "1" in report["settings"]
+    cfg = bench.released_decode_config(2, 8, small=True)
+    expert_bytes = 3 * (cfg.moe_inter_dim * cfg.dim // 2 + cfg.moe_inter_dim * cfg.dim // 32)
+    for cell in report["settings"].values():
+        bw = cell["copy_bandwidth_bytes_per_s"]
+        assert set(cell["phases"]) == set(bench.RELEASED_PHASES)
+        for name, c in [*cell["phases"].items(), ("token", cell["token"])]:
+            assert math.isclose(c["floor_seconds"], c["bytes"] / bw, rel_tol=1e-12), name
+            assert math.isclose(c["fraction_of_floor"], c["floor_seconds"] / c["seconds"], rel_tol=1e-12), name
+        assert all(cell["phases"][p]["seconds"] > 0 for p in bench.RELEASED_PHASES[:-1])  # every phase was timed
+        assert math.isclose(sum(c["seconds"] for c in cell["phases"].values()), cell["token"]["seconds"], rel_tol=1e-9)
+        assert cell["token"]["bytes"] == sum(c["bytes"] for c in cell["phases"].values())
+        assert cell["phases"]["routed experts"]["bytes"] == 2 * 6 * expert_bytes
+        assert cell["phases"]["head"]["bytes"] == RELEASED.vocab_size * cfg.dim * 4  # held in float32
+        assert math.isclose(cell["tokens_per_s"], 2 / cell["decode_s"], rel_tol=1e-12)
+        p = cell["prediction_released"]
+        assert p["layers"] == 40 and p["layer_kinds"]["full"] + p["layer_kinds"]["reuse"] == 40
+        assert math.isclose(p["fraction_of_floor"], p["bytes"] / bw / p["seconds_per_token"], rel_tol=1e-9)
+        assert p["bytes"] > cell["token"]["bytes"]  # 40 layers read more than 2
+    assert report["phases"] == report["settings"][str(report["threads"])]["phases"]
+
+
+def test_released_decode_config_is_the_released_geometry_on_few_layers():
+    from dsv41.config import RELEASED
+
+    cfg = bench.released_decode_config(3, 10)
+    for field in ("dim", "n_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "index_n_heads",
+                  "index_head_dim", "window_size", "index_topk", "moe_inter_dim", "n_activated_experts",
+                  "vocab_size", "n_shared_experts", "engram_head_dim", "engram_n_heads"):
+        assert getattr(cfg, field) == getattr(RELEASED, field), field
+    assert cfg.layer_modes == ("full", "reuse", "reuse") and cfg.n_routed_experts == 10
+    assert cfg.verify() == []
+    with pytest.raises(ValueError, match="at least 2"):
+        bench.released_decode_config(1, 8)
+    with pytest.raises(ValueError, match="at least 6"):
+        bench.released_decode_config(2, 5)
+
+
+def test_bench_decode_released_on_cuda_is_one_command(tmp_path, capsys):
+    """`--device cuda` runs the routed experts on the device where one is there, and is refused in
+    one sentence, before any checkpoint is written, where none is."""
+    from dsv41.kernels.triton_experts import available
+
+    out = tmp_path / "cuda.json"
+    args = ["bench", "decode", "--geometry", "released", "--small", "--tokens", "1", "--prompt", "3", "--repeats",
+            "1", "--copy-mib", "8", "--device", "cuda", "--checkpoint", str(tmp_path / "ckpt"), "--json", str(out)]
+    if available():
+        assert main(args) == 0
+        assert json.loads(out.read_text())["expert_device"] == "cuda"
+    else:
+        assert main(args) == 2
+        assert "needs a CUDA device and Triton" in capsys.readouterr().err
+        assert not (tmp_path / "ckpt").exists() and not out.exists()

@@ -276,7 +276,8 @@ def test_nan_and_inf_weights_never_crash_the_load(tiny_checkpoint, tmp_path):
         model = load(folder, quiet=True)
     except LoadError:
         return  # a finiteness check someone adds may refuse it: that is a LoadError too
-    assert model.report.parameters_filled == len(list(model.backbone.parameters()))
+    assert model.report.parameters_filled == (len(list(model.backbone.parameters()))
+                                              + len(list(model.draft_stack.parameters())))
 
 
 # ---------------------------------------------------------------------- byte-level corruption

@@ -41,8 +41,11 @@ def test_load_report_accounts_for_every_tensor(smoke_run):
     assert load["bytes_retained"] == load["predicted_bytes_retained"] > 0
     assert load["parameters_filled"] == load["model_parameters"]
     assert load["buckets"]["loaded"] == load["tensors_read"]
-    # every routed expert stays on disk: w1, w2, w3 and their scales per expert and layer
-    assert load["buckets"]["routed experts (read on demand)"] == cfg.n_layers * cfg.n_routed_experts * 6
+    # every routed expert stays on disk: w1, w2, w3 and their scales per expert and layer, the
+    # draft stages' own experts included
+    draft_experts = cfg.moe_shape(cfg.n_layers)[0] * cfg.n_mtp_layers
+    assert load["buckets"]["routed experts (read on demand)"] == (cfg.n_layers * cfg.n_routed_experts
+                                                                   + draft_experts) * 6
     assert facts["timings"] == {"per_token_recorded": 6, "generated": 6, "all_positive": True}
 
 

@@ -328,7 +328,7 @@ def test_prompt_probe_counts_tokens_and_refreshes_the_views_handed_to_it(model):
     assert "5 generated" in probe.status.value
     assert [v.data for v in above] == [probe.views[n].data for n in ("routing", "cache", "ties")]
     assert above[0].data is not probe0.views["routing"].data
-    with pytest.raises(TypeError, match="refreshes routing, cache and tie views"):
+    with pytest.raises(TypeError, match="refreshes routing, cache, tie and speculation views"):
         widgets.PromptProbe(model, "x", 1, compare=False, result=probe0.result, refresh=[object()])
 
 

@@ -1,0 +1,331 @@
+"""Chat over a loaded model: a conversation rendered in the V4.1 format (`dsv41.chat`), generated,
+its reply parsed, and the positions the model already holds reused; the terminal loop behind
+`dsv41 chat`.
+
+Reuse. Each turn renders the whole conversation again and tokenizes it; `generate(...,
+reuse_prefix=True)` keeps the part of the model's sequence the new prompt starts with and runs only
+the rest. Without thinking, the previous turn rendered back (its reply, the end token, the new
+message) extends what the model held, so the new turn runs only its new tokens. With thinking, the
+next turn renders the previous reply without its reasoning, and the two part at the generation
+header's `<think>`; so that the next turn can continue from just before it, the prompt is run as
+two calls, everything before that last token and the token itself (`reuse_prefix=False` runs
+every turn as one fresh prefill instead). A turn also keeps a snapshot of where the next turn can
+continue (`ChatResult.resume`): when the model ran something else meanwhile, or the undo records
+no longer reach that far back, `chat(..., resume=...)` restores it first.
+
+Continuing is exact under `Numerics.parity()`: a reused turn gives the bits of one fresh prefill of
+the whole conversation. Under the reference's arithmetic it is not, as with any prompt split into
+calls (measured on the embedded checkpoint: max |Δlogit| 0.13 without thinking, 0.26 with, at a
+second turn's first reply position; 1.08 for a thinking prompt run as two calls instead of one).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from . import chat as chat_format
+from .generate import GenerationResult, generate
+from .tokenizer import ASSISTANT_TOKEN, BOS_TOKEN, THINK_START_TOKEN
+
+
+@dataclass
+class ChatResult:
+    reply: chat_format.Reply
+    raw: str  # the generated text, special tokens kept: what `reply` was parsed from
+    generation: GenerationResult  # the run that produced the reply, with its trace when asked
+    prompt: str  # the rendered conversation
+    prompt_ids: list[int]
+    reused_positions: int  # leading prompt positions the model already held and did not run again
+    timings: dict  # prompt_tokens, reused_positions, prefilled, prefill_s, decode_s, tokens_per_s
+    images: list[dict] = field(default_factory=list)
+    resume: Any = None  # a model snapshot where the next turn can continue (None: not kept)
+
+    @property
+    def message(self) -> dict:
+        """The reply as the assistant message the conversation continues with."""
+        return self.reply.message()
+
+
+def prompt_ids(model, text: str) -> list[int]:
+    """Token ids of a rendered prompt: its text already holds the begin-of-sentence token, so none is added."""
+    return model.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def reply_text(model, ids) -> str:
+    """Generated ids as text with the format's markers kept (the model's decode drops them)."""
+    return model.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def chat(model, messages, *, tools=None, thinking: bool = False, reasoning_effort=None, drop_thinking: bool = True,
+         max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, trace: bool = False,
+         callback: Optional[Callable] = None, reuse_prefix: bool = True, resume=None, keep_resume: bool = True,
+         prefill_chunk: Optional[int] = None, progress: bool = False) -> ChatResult:
+    """Answer `messages` (OpenAI-style; see `dsv41.chat.render` for `tools`, `thinking`,
+    `reasoning_effort`, `drop_thinking`) -> ChatResult with the parsed reply.
+
+    Sampling, `trace`, `callback`, `prefill_chunk` and `progress` are `generate`'s. `reuse_prefix`:
+    continue from the positions the model holds (see the module notes); `resume`: a previous
+    turn's `ChatResult.resume`, restored first when the model's own sequence cannot get there;
+    `keep_resume`: take this turn's snapshot (a copy of the caches). When the prompt is run as two
+    calls (thinking), the trace and timings of `generation` cover its last token and the reply;
+    `ChatResult.timings` covers both calls."""
+    prompt = chat_format.render(messages, tools=tools, thinking=thinking, reasoning_effort=reasoning_effort,
+                                drop_thinking=drop_thinking)
+    ids = prompt_ids(model, prompt.text)
+    options = dict(temperature=temperature, seed=seed, trace=trace, callback=callback, prefill_chunk=prefill_chunk,
+                   progress=progress)
+    feed = ids
+    if prompt.images:  # the vision path puts each image's span at its placeholder
+        options["images"] = [image_source(record) for record in prompt.images]
+        feed = prompt.text[len(BOS_TOKEN):] if model.add_bos else prompt.text  # `prepare` adds the model's BOS
+    if resume is not None and reuse_prefix:
+        _resume(model, resume, ids)
+
+    # the next turn renders this reply without its reasoning: it parts from this prompt at the `<think>`
+    split = (reuse_prefix and thinking and not prompt.keeps_reasoning and not prompt.images and len(ids) > 1
+             and prompt.text.endswith(ASSISTANT_TOKEN + THINK_START_TOKEN)
+             and ids[-1] == model.tokenizer.token_to_id(THINK_START_TOKEN)
+             and len(ids) + max_new_tokens - 1 <= model.max_seq_len)  # else generate's own refusal, unsplit
+    head = None
+    if split:  # everything before `<think>` first: the next turn continues from there
+        head = generate(model, ids[:-1], max_new_tokens=0, reuse_prefix=True, prefill_chunk=prefill_chunk,
+                        progress=progress)
+        reused = head.timings["reused_positions"]
+        snapshot = model.snapshot() if keep_resume else None
+        options.pop("prefill_chunk")
+        result = generate(model, ids, max_new_tokens=max_new_tokens, reuse_prefix=True, **options)
+    else:
+        result = generate(model, feed, max_new_tokens=max_new_tokens, reuse_prefix=reuse_prefix, **options)
+        ids, reused = result.prompt_ids, result.timings["reused_positions"]
+        snapshot = model.snapshot() if keep_resume else None
+    prefill_s = result.timings["prefill_s"] + (head.timings["prefill_s"] if head is not None else 0.0)
+    raw = reply_text(model, result.ids)
+    reply = chat_format.parse(raw, thinking=prompt.text.endswith(THINK_START_TOKEN))
+    timings = {"prompt_tokens": len(ids), "reused_positions": reused, "prefilled": len(ids) - reused,
+               "prefill_s": prefill_s, "decode_s": result.timings["decode_s"],
+               "tokens_per_s": result.timings["tokens_per_s"], "new_tokens": len(result.ids)}
+    return ChatResult(reply, raw, result, prompt.text, ids, reused, timings, prompt.images, snapshot)
+
+
+def image_source(record: dict):
+    """What the vision path reads for one of the format's image records: a path, or the bytes of a
+    base64 `data:` URL, `data` field or base64 `source`. An image at a web address is refused:
+    nothing here fetches from the network."""
+    import base64
+
+    source = record.get("source")
+    if isinstance(source, dict):
+        record = {"data": source["data"]} if source.get("type") == "base64" and "data" in source else source
+    elif isinstance(source, str):
+        record = {"url": source}
+    if record.get("data") is not None:
+        data = record["data"]
+        return bytes(data) if isinstance(data, (bytes, bytearray)) else base64.b64decode(data)
+    url = str(record.get("url") or record.get("path") or "")
+    if url.startswith("data:"):
+        return base64.b64decode(url.partition(",")[2])
+    if url.startswith("file://"):
+        return url[len("file://"):]
+    if "://" in url:
+        raise chat_format.ChatFormatError(f"the image {url[:80]!r} is a web address; download it and pass its path")
+    return url
+
+
+def _resume(model, snapshot, ids: list[int]) -> None:
+    """Restore `snapshot` when it is a prefix of this prompt and the model's own sequence cannot
+    continue from at least as far (it ran something else, or its undo records stop short)."""
+    kept = snapshot.token_ids[0].tolist() if snapshot.token_ids is not None and snapshot.token_ids.size(0) == 1 else []
+    if not kept or len(kept) >= len(ids) or ids[: len(kept)] != kept:
+        return
+    held = model.token_ids[0].tolist() if model.token_ids.size(0) == 1 else []
+    if held[: len(kept)] == kept and len(kept) >= model.rollback_limit:
+        return
+    model.restore(snapshot)
+
+
+# ---------------------------------------------------------------------- a conversation across turns
+class Conversation:
+    """The messages so far and the options of a chat over `model`; `send` adds a user message and
+    the reply, continuing from the previous turn's positions."""
+
+    def __init__(self, model, *, system: Optional[str] = None, tools=None, thinking: bool = False,
+                 reasoning_effort=None, max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0):
+        self.model, self.system, self.tools = model, system, tools
+        self.thinking, self.reasoning_effort = thinking, reasoning_effort
+        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
+        self.messages: list[dict] = []
+        self.last: Optional[ChatResult] = None
+        self.reset(model_too=False)
+
+    def reset(self, model_too: bool = True) -> None:
+        """Forget every turn (the system message stays); `model_too` also starts the model's sequence afresh."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.last = None
+        if model_too:
+            self.model.reset()
+
+    def send(self, content, **options) -> ChatResult:
+        """Add a user message (text or content blocks), generate the reply, add it; `options` go to `chat`.
+        A turn that fails leaves the messages as they were."""
+        return self.add({"role": "user", "content": content}, **options)
+
+    def add(self, message: dict, **options) -> ChatResult:
+        """Add any message (a tool result, a mid-conversation system message) and answer it."""
+        self.messages.append(message)
+        settings = dict(tools=self.tools, thinking=self.thinking, reasoning_effort=self.reasoning_effort,
+                        max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed,
+                        resume=self.last.resume if self.last is not None else None)
+        try:
+            result = chat(self.model, self.messages, **{**settings, **options})
+        except BaseException:
+            self.messages.pop()
+            raise
+        self.messages.append(result.message)
+        self.last = result
+        return result
+
+    def to_json(self) -> dict:
+        return {"messages": self.messages, "tools": self.tools, "thinking": self.thinking,
+                "reasoning_effort": self.reasoning_effort}
+
+    def save(self, path) -> None:
+        """The conversation as JSON: its messages (OpenAI-style) and the options that render them."""
+        with open(path, "w", encoding="utf-8") as out:
+            json.dump(self.to_json(), out, ensure_ascii=False, indent=1)
+            out.write("\n")
+
+
+# ---------------------------------------------------------------------- the terminal
+HELP = "/reset forgets the conversation, /save FILE writes it as JSON, /help shows this, Ctrl-D quits"
+
+
+def run_terminal(model, stdin=None, stdout=None, *, system: Optional[str] = None, thinking: bool = False,
+                 reasoning_effort=None, tools=None, max_new_tokens: int = 256, temperature: float = 0.0,
+                 seed: int = 0, status=None) -> int:
+    """Chat on a terminal: one message per line; replies on `stdout` (reasoning dimmed, tool calls as
+    JSON, on a terminal; plain prefixed lines otherwise); `/reset`, `/save FILE`, Ctrl-D (end of
+    input) quits. On a terminal, line editing and history come from readline. `status`: where a
+    line per turn with token counts and reuse goes (None: stderr; False: nowhere). Returns the exit
+    code."""
+    stdin = sys.stdin if stdin is None else stdin
+    stdout = sys.stdout if stdout is None else stdout
+    status = sys.stderr if status is None else status
+    interactive = _isatty(stdin) and _isatty(stdout)
+    if interactive and stdin is sys.stdin:
+        try:
+            import readline  # noqa: F401  (input() gains line editing and history)
+        except ImportError:
+            pass
+    conversation = Conversation(model, system=system, tools=tools, thinking=thinking,
+                                reasoning_effort=reasoning_effort, max_new_tokens=max_new_tokens,
+                                temperature=temperature, seed=seed)
+    if interactive:
+        print(_dim(f"chat with {getattr(model, 'checkpoint', None) or 'the model'}; {HELP}", True), file=stdout)
+    while True:
+        try:
+            line = _read_line(stdin, stdout, interactive)
+        except KeyboardInterrupt:
+            print(file=stdout)
+            return 130
+        if line is None:  # Ctrl-D or the end of piped input
+            if interactive:
+                print(file=stdout)
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            _command(text, conversation, stdout)
+            continue
+        try:
+            result = conversation.send(text)
+        except KeyboardInterrupt:
+            print(_dim("(interrupted; the message was not added)", interactive), file=stdout)
+            continue
+        except (ValueError, RuntimeError) as exc:  # too long for the caches, NaN logits: one line, go on
+            print(f"not sent: {exc}", file=stdout)
+            continue
+        _show(result, stdout, interactive)
+        if status:
+            t = result.timings
+            rate = f", {t['tokens_per_s']:.1f} tokens/s" if t["tokens_per_s"] else ""
+            print(f"({t['prompt_tokens']} prompt tokens, {t['reused_positions']} reused, {t['prefilled']} run; "
+                  f"{t['new_tokens']} generated{rate})", file=status)
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def _read_line(stdin, stdout, interactive: bool) -> Optional[str]:
+    if interactive and stdin is sys.stdin and stdout is sys.stdout:
+        try:
+            return input("you> ")
+        except EOFError:
+            return None
+    if interactive:
+        stdout.write("you> ")
+        stdout.flush()
+    line = stdin.readline()
+    return line if line else None
+
+
+def _command(text: str, conversation: Conversation, stdout) -> None:
+    name, _, argument = text.partition(" ")
+    if name == "/reset":
+        conversation.reset()
+        print("(conversation cleared)", file=stdout)
+    elif name == "/save":
+        if not argument.strip():
+            print("/save needs a file name: /save FILE", file=stdout)
+            return
+        try:
+            conversation.save(argument.strip())
+        except OSError as exc:
+            print(f"could not save to {argument.strip()}: {exc.strerror or exc}", file=stdout)
+            return
+        count = len(conversation.messages)
+        print(f"(saved {count} message{'' if count == 1 else 's'} to {argument.strip()})", file=stdout)
+    elif name == "/help":
+        print(HELP, file=stdout)
+    else:
+        print(f"unknown command {name}; {HELP}", file=stdout)
+
+
+def _show(result: ChatResult, stdout, interactive: bool) -> None:
+    reply = result.reply
+    if reply.reasoning:
+        if interactive:
+            print(_dim(_printable(reply.reasoning), True), file=stdout)
+        else:
+            print("thinking: " + _printable(reply.reasoning, one_line=True), file=stdout)
+    if reply.content or not reply.tool_calls:
+        print(("" if interactive else "assistant: ") + _printable(reply.content, one_line=not interactive), file=stdout)
+    for call in reply.tool_calls:
+        print("tool call: " + json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False),
+              file=stdout)
+    if reply.incomplete:
+        print(_dim(f"(cut off in the {reply.incomplete.replace('_', ' ')} after {len(result.generation.ids)} tokens)",
+                   interactive), file=stdout)
+
+
+def _dim(text: str, on: bool) -> str:
+    return f"\x1b[2m{text}\x1b[0m" if on else text
+
+
+def _printable(text: str, one_line: bool = False) -> str:
+    """Control characters as escapes (a random-weighted model's text is full of them); with
+    `one_line`, line breaks too, so a piped reply stays one line."""
+    out = []
+    for ch in text:
+        if ch == "\n" and not one_line or ch == "\t" or ch.isprintable():
+            out.append(ch)
+        else:
+            out.append(ch.encode("unicode_escape").decode("ascii"))
+    return "".join(out)
