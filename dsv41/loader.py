@@ -99,8 +99,8 @@ def runtime_dtype(name: str, stored: str, cfg: Config) -> Optional[str]:
     if ".attn.compressor.w" in name and name.endswith(".weight"):
         layer = int(name.split(".")[1])
         return "F32" if cfg.compress_ratios[layer] > 1 else stored
-    if name == "head.weight":
-        return "F32"
+    if name == "head.weight" or name.endswith(("markov_head.head.weight", "confidence_head.proj.weight")):
+        return "F32"  # logits and the draft's confidence come out in float32
     if name.startswith("vision.") and name.rsplit(".", 2)[-2].startswith("norm"):
         return "F32"  # the vision tower's RMSNorm weights: stored BF16, held float32 as the reference does
     return stored
@@ -121,7 +121,19 @@ def predict_retained_bytes(cfg: Config) -> dict:
         total += nbytes
         count += 1
         by_category[spec.category] = by_category.get(spec.category, 0) + nbytes
-    return {"bytes": total, "tensors": count, "by_category": by_category, "on_disk_bytes": on_disk}
+    return {"bytes": total, "tensors": count, "by_category": by_category, "on_disk_bytes": on_disk,
+            "draft_bytes": predict_draft_bytes(cfg)}
+
+
+def predict_draft_bytes(cfg: Config) -> int:
+    """The DSpark draft stack's dense parameters as held (its experts are read on demand), from the
+    inventory and `runtime_dtype`: what `LoadReport.draft_bytes_retained` measures."""
+    total = 0
+    for spec in expected_tensors(cfg):
+        if spec.name.startswith("mtp.") and ".ffn.experts." not in spec.name:
+            rt = runtime_dtype(spec.name, spec.dtype, cfg)
+            total += 0 if rt is None else math.prod(spec.shape) * DTYPE_SIZES[rt]
+    return total
 
 
 def _named(path: str, message: str) -> str:
@@ -529,6 +541,7 @@ class LoadReport:
     state_bytes: int = 0  # attention caches and RoPE tables (sized by max_seq_len; not weights)
     resident_engram_bytes: int = 0
     draft_bytes_retained: int = 0  # the DSpark draft stack's dense parameters (not in bytes_retained)
+    predicted_draft_bytes: int = 0  # the same from the inventory alone (`predict_draft_bytes`)
     vision_bytes_retained: int = 0  # the vision tower, aligner and span delimiters (part of bytes_retained)
     dequantized: list[tuple[str, str, str]] = field(default_factory=list)
     tensors: dict[str, str] = field(default_factory=dict)
@@ -576,7 +589,8 @@ class LoadReport:
                          f"span delimiters)")
         if self.draft_bytes_retained:
             lines.append(f"  DSpark draft stack: {self.draft_bytes_retained:,} bytes of dense parameters "
-                         f"(its routed experts read on demand like the backbone's)")
+                         f"(predicted {self.predicted_draft_bytes:,}; its routed experts read on demand like the "
+                         f"backbone's)")
         if self.rank is not None:
             lines.append(f"  expert parallel: rank {self.rank} of {self.world_size} holds the routed experts e % "
                          f"{self.world_size} == {self.rank}: {self.routed_tensors_held} of "
@@ -812,6 +826,7 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
     report.vision_bytes_retained = _unique_bytes(p for name, p in model.backbone.named_parameters()
                                                  if is_vision_name(name))
     report.draft_bytes_retained = 0 if stack is None else _unique_bytes(stack.parameters())
+    report.predicted_draft_bytes = 0 if stack is None else predict_draft_bytes(cfg)
     report.predicted_bytes_retained = predict_retained_bytes(cfg)["bytes"]
     report.state_bytes = _unique_bytes(model.backbone.buffers())
     report.seconds = time.perf_counter() - began

@@ -28,8 +28,9 @@ def test_every_mtp_tensor_is_accounted_for(reference, tiny_checkpoint):
     assert {n for n in mtp if report.tensors[n] == ROUTED} == {n for n in mtp if ".ffn.experts." in n}
     params = {n for n, _ in reference.draft_stack.named_parameters()}
     assert params <= {n for n in mtp if report.tensors[n] == "loaded"}
+    assert report.draft_bytes_retained == report.predicted_draft_bytes > 0  # measured = derived from the inventory
     off = dsv41.load(tiny_checkpoint, quiet=True, dspark=False)
-    assert off.draft_stack is None
+    assert off.draft_stack is None and off.report.draft_bytes_retained == 0
     assert all(off.report.tensors[n] == MTP for n in mtp)
     with pytest.raises(ValueError, match="no draft stack"):
         off.draft(5)
