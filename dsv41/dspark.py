@@ -191,7 +191,8 @@ class DraftStack(nn.Module):
         for layer in self.mtp:
             layer.attn.feed(main_x, start_pos)
         self.last_main = main_hidden[:, -1:]
-        self.last_fed = (start_pos, main_hidden)
+        # kept only as long as a call `truncate` can cut (no longer than the window)
+        self.last_fed = (start_pos, main_hidden) if main_hidden.size(1) <= self.cfg.window_size else None
 
     def capture(self, start: int, end: int) -> dict:
         return {"rings": [layer.attn.capture(start, end) for layer in self.mtp], "last_main": self.last_main}
