@@ -1325,8 +1325,13 @@ def cli_main(argv: list[str]) -> int:
         if not kernels or set(kernels) - {"native", "torch"}:
             raise ValueError(f"--kernels takes native, torch or native,torch, got {args.kernels!r}")
         if args.expert_parallel:
-            report = bench_experts_parallel(tokens, n_experts=args.experts, dim=dim, inter=inter,
-                                            repeats=args.repeats)
+            from dsv41 import distributed
+
+            try:
+                report = bench_experts_parallel(tokens, n_experts=args.experts, dim=dim, inter=inter,
+                                                repeats=args.repeats)
+            finally:  # leave the group before exit: a group torn down at interpreter exit can abort
+                distributed.shutdown()
         elif args.device != "cpu":
             report = bench_experts_gpu(tokens, n_experts=args.experts, dim=dim, inter=inter, repeats=args.repeats,
                                        device=args.device)
