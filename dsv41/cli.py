@@ -104,6 +104,8 @@ def generate_main(argv: list[str]) -> int:
         # only when the group broke before the ranks could agree
         if ranks is None or ranks.is_main or not agreed:
             print(f"dsv41 generate: {message}", file=sys.stderr)
+        if ranks is not None:
+            distributed.shutdown()  # leave the group before exit (a second call is a no-op)
         return 1
 
     from .generate import NonFiniteLogits, check_prompt, check_sampling, generate
