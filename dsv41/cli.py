@@ -249,6 +249,8 @@ def chat_main(argv: list[str]) -> int:
     parser.add_argument("--max-seq-len", type=int, default=None, metavar="N",
                         help="positions the caches are sized for: the whole conversation (default: the model's "
                              "maximum, at most 4096)")
+    parser.add_argument("--speculative", action="store_true",
+                        help="decode each reply with the DSpark draft stack (see dsv41 generate --help)")
     parser.add_argument("--quiet", action="store_true", help="no load report or per-turn token counts on stderr")
     args = parser.parse_args(argv)
 
@@ -291,7 +293,7 @@ def chat_main(argv: list[str]) -> int:
         return fail(str(exc))
     return run_terminal(model, sys.stdin, sys.stdout, system=args.system, thinking=args.thinking,
                         reasoning_effort=effort, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        seed=args.seed, status=False if args.quiet else None)
+                        seed=args.seed, status=False if args.quiet else None, speculative=args.speculative)
 
 
 def _threads_arg(text: str):

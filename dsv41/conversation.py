@@ -62,11 +62,12 @@ def reply_text(model, ids) -> str:
 def chat(model, messages, *, tools=None, thinking: bool = False, reasoning_effort=None, drop_thinking: bool = True,
          max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, trace: bool = False,
          callback: Optional[Callable] = None, reuse_prefix: bool = True, resume=None, keep_resume: bool = True,
-         prefill_chunk: Optional[int] = None, progress: bool = False) -> ChatResult:
+         prefill_chunk: Optional[int] = None, progress: bool = False, speculative: bool = False) -> ChatResult:
     """Answer `messages` (OpenAI-style; see `dsv41.chat.render` for `tools`, `thinking`,
     `reasoning_effort`, `drop_thinking`) -> ChatResult with the parsed reply.
 
-    Sampling, `trace`, `callback`, `prefill_chunk` and `progress` are `generate`'s. `reuse_prefix`:
+    Sampling, `trace`, `callback`, `prefill_chunk`, `progress` and `speculative` (DSpark
+    speculative decoding of the reply) are `generate`'s. `reuse_prefix`:
     continue from the positions the model holds (see the module notes); `resume`: a previous
     turn's `ChatResult.resume`, restored first when the model's own sequence cannot get there;
     `keep_resume`: take this turn's snapshot (a copy of the caches). When the prompt is run as two
@@ -77,6 +78,8 @@ def chat(model, messages, *, tools=None, thinking: bool = False, reasoning_effor
     ids = prompt_ids(model, prompt.text)
     options = dict(temperature=temperature, seed=seed, trace=trace, callback=callback, prefill_chunk=prefill_chunk,
                    progress=progress)
+    if speculative:
+        options["speculative"] = True
     feed = ids
     if prompt.images:  # the vision path puts each image's span at its placeholder
         options["images"] = [image_source(record) for record in prompt.images]
@@ -152,8 +155,10 @@ class Conversation:
     the reply, continuing from the previous turn's positions."""
 
     def __init__(self, model, *, system: Optional[str] = None, tools=None, thinking: bool = False,
-                 reasoning_effort=None, max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0):
+                 reasoning_effort=None, max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0,
+                 speculative: bool = False):
         self.model, self.system, self.tools = model, system, tools
+        self.speculative = speculative
         self.thinking, self.reasoning_effort = thinking, reasoning_effort
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
         self.messages: list[dict] = []
@@ -177,7 +182,7 @@ class Conversation:
         self.messages.append(message)
         settings = dict(tools=self.tools, thinking=self.thinking, reasoning_effort=self.reasoning_effort,
                         max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed,
-                        resume=self.last.resume if self.last is not None else None)
+                        speculative=self.speculative, resume=self.last.resume if self.last is not None else None)
         try:
             result = chat(self.model, self.messages, **{**settings, **options})
         except BaseException:
@@ -204,7 +209,7 @@ HELP = "/reset forgets the conversation, /save FILE writes it as JSON, /help sho
 
 def run_terminal(model, stdin=None, stdout=None, *, system: Optional[str] = None, thinking: bool = False,
                  reasoning_effort=None, tools=None, max_new_tokens: int = 256, temperature: float = 0.0,
-                 seed: int = 0, status=None) -> int:
+                 seed: int = 0, status=None, speculative: bool = False) -> int:
     """Chat on a terminal: one message per line; replies on `stdout` (reasoning dimmed, tool calls as
     JSON, on a terminal; plain prefixed lines otherwise); `/reset`, `/save FILE`, Ctrl-D (end of
     input) quits. On a terminal, line editing and history come from readline. `status`: where a
@@ -221,7 +226,7 @@ def run_terminal(model, stdin=None, stdout=None, *, system: Optional[str] = None
             pass
     conversation = Conversation(model, system=system, tools=tools, thinking=thinking,
                                 reasoning_effort=reasoning_effort, max_new_tokens=max_new_tokens,
-                                temperature=temperature, seed=seed)
+                                temperature=temperature, seed=seed, speculative=speculative)
     if interactive:
         print(_dim(f"chat with {getattr(model, 'checkpoint', None) or 'the model'}; {HELP}", True), file=stdout)
     while True:

@@ -353,3 +353,20 @@ def test_sampled_speculation_is_seeded_and_draws_its_drafts(parity):
     cold = parity.generate(PROMPTS[0], max_new_tokens=12, stop_at_eos=False, speculative=True, temperature=1e-6,
                            draft_source=lambda m, anchor, n: (everything[m.position + 1 : m.position + 1 + n], [5.0] * n))
     assert cold.ids == plain.ids and cold.speculation.mean_accepted > 0
+
+
+def test_a_chat_reply_decoded_speculatively_is_the_plain_reply(parity):
+    from dsv41.conversation import Conversation
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+    parity.reset()
+    plain = parity.chat(messages, max_new_tokens=10, reuse_prefix=False)
+    parity.reset()
+    spec = parity.chat(messages, max_new_tokens=10, reuse_prefix=False, speculative=True)
+    assert spec.raw == plain.raw and spec.generation.ids == plain.generation.ids
+    assert spec.generation.speculation is not None
+    parity.reset()
+    turns = Conversation(parity, system="Be brief.", max_new_tokens=6, speculative=True)
+    first = turns.send("Say something.")
+    second = turns.send("And more?")
+    assert first.generation.speculation is not None and second.generation.speculation is not None
