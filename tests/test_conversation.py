@@ -281,4 +281,5 @@ def test_the_command_on_a_terminal_prompts_dims_and_quits_on_ctrl_d(tiny_checkpo
     finally:
         if proc.poll() is None:
             proc.kill()
+        proc.stderr.close()
         os.close(leader)
