@@ -51,10 +51,6 @@ class DraftBlock:
     def proposals(self) -> list[int]:
         return self.ids[0, 1:].tolist()
 
-    @property
-    def probabilities(self) -> list[float]:
-        return torch.sigmoid(self.confidence[0]).tolist()
-
 
 class DraftAttention(Attention):
     """A draft stage's attention: a window ring fed with the main hidden state of committed

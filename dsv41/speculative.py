@@ -85,16 +85,22 @@ class Speculation:
     def mean_accepted(self) -> Optional[float]:
         return sum(s.accepted for s in self.steps) / len(self.steps) if self.steps else None
 
-    def acceptance_by_position(self) -> list[Optional[float]]:
-        """Entry i: accepted / verified proposals at draft position i (a proposal is accepted only
-        after all before it were, so this is the conditional rate), None where none was verified."""
+    def judged_by_position(self) -> tuple[list[int], list[int]]:
+        """(judged, accepted) counts per draft position: a proposal is judged when every one before
+        it was accepted (those after the first rejection never are)."""
         width = max((s.drafted for s in self.steps), default=0)
-        tried, taken = [0] * width, [0] * width
+        judged, taken = [0] * width, [0] * width
         for s in self.steps:
-            for i in range(min(s.kept, s.accepted + 1)):  # the ones after the first rejection were never judged
-                tried[i] += 1
+            for i in range(min(s.kept, s.accepted + 1)):
+                judged[i] += 1
                 taken[i] += i < s.accepted
-        return [t / n if n else None for t, n in zip(taken, tried)]
+        return judged, taken
+
+    def acceptance_by_position(self) -> list[Optional[float]]:
+        """Entry i: accepted / judged proposals at draft position i (the conditional rate), None
+        where none was judged."""
+        judged, taken = self.judged_by_position()
+        return [t / n if n else None for t, n in zip(taken, judged)]
 
     def calibration(self, bins: int = 5) -> list[dict]:
         """Binned sigmoid(confidence) of the judged proposals against the fraction accepted:

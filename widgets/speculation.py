@@ -19,11 +19,7 @@ def speculation_data(result, bins: int = 5) -> dict:
     if spec is None:
         raise ValueError("this GenerationResult is not a speculative run; generate with speculative=True")
     steps = spec.steps
-    width = max((s.drafted for s in steps), default=0)
-    judged = [0] * width
-    for s in steps:
-        for i in range(min(s.kept, s.accepted + 1)):
-            judged[i] += 1
+    judged, _ = spec.judged_by_position()
     return {"positions": [s.position for s in steps], "drafted": [s.drafted for s in steps],
             "kept": [s.kept for s in steps], "accepted": [s.accepted for s in steps],
             "target_forwards": [s.target_forwards for s in steps],

@@ -111,6 +111,7 @@ class NativeKernels:
                                                 rows_per_scale, buf.data_ptr(), r0, r1, k, threads, int(bf16)),
                         f"K={k} act_block={act_block}")
             torch.mm(buf[: r1 - r0], values.t(), out=out_t[r0:r1])
+        _carry_nan_tokens(a, out_t)
         a_pow, token_ok = split_powers(a_top, a_low, span)
         w_pow, row_ok = (t.repeat_interleave(rows_per_scale)[:n] for t in split_powers(w_top, w_low, span))
         # the token's power of two first, then the row's, as the reference applies a_s, w_s
@@ -137,6 +138,8 @@ class NativeKernels:
                 rows_per_scale, act_block, m, n, k, int(fp4))
         self._check(self._lib.dsv41_gemm_many(descs, len(products), torch.get_num_threads()),
                     ", ".join(f"K={d.k} act_block={d.act_block}" for d in descs))
+        for (_, a, *_), out_t in zip(products, outs):
+            _carry_nan_tokens(a, out_t)
         return [out_t.t() for out_t in outs]
 
     @staticmethod
@@ -146,6 +149,16 @@ class NativeKernels:
         if status != 0:
             raise ValueError(f"the native expert kernel does not take {shapes} "
                              f"(K and act_block multiples of {_BLOCK}, act_block dividing K)")
+
+
+def _carry_nan_tokens(a: torch.Tensor, out_t: torch.Tensor) -> None:
+    """NaN in out_t [N, M] for every token whose FP8 activation bytes a [M, K] hold the E4M3 NaN
+    code (what act_quant makes of a NaN or Inf): the kernel decodes that code as a number, the
+    reference GEMM carries the NaN through the token's whole output, and the finite checks look
+    for it there."""
+    bad = ((a.view(torch.uint8) & 0x7F) == 0x7F).any(dim=1)  # [M]
+    if bool(bad.any()):
+        out_t[:, bad] = float("nan")
 
 
 class _GemmDesc(ctypes.Structure):
