@@ -354,6 +354,7 @@ def test_no_whole_weight_is_expanded(monkeypatch, kernel):
                          (formats, "dequantize_fp4"), (formats, "dequantize"), (formats, "fp4_values")]:
         monkeypatch.setattr(module, name, forbidden)
     monkeypatch.setattr(ex, "_CHUNK_VALUES", 8192)
+    monkeypatch.setattr(ex, "_BF16_CHUNK_VALUES", 8192)
     g = _gen(31)
     dim, inter = 1024, 512
     experts = {e: _expert(dim, inter, g) for e in range(2)}
@@ -529,6 +530,59 @@ def test_portable_build_without_simd_gives_the_same_bits(fresh_native, monkeypat
         w_values = fp4_to_float(w.view(torch.uint8)) if kind == "fp4" else w.float()
         w_scales = s.float() if kind == "fp4" else s.float().repeat_interleave(32, 0)[:40]
         _assert_gemm_close(got, ref, _bound(a, a_s, w_values, w_scales), 128)
+
+
+def _act_quant_inputs(g):
+    """Activations that reach every branch of act_quant: ordinary blocks at scales far apart,
+    E4M3 subnormals and the 1e-4 amax floor, NaN, infinities, saturation, float32 subnormals, and
+    raw bit patterns."""
+    specials = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45, -1e-45, 1e-38, 448.0,
+                             449.0, 464.0, 480.0, 1e30, -1e30, 2.0**-9, 2.0**-10, 3 * 2.0**-10, 1e-4, 5e-5])
+    for trial in range(120):
+        m, k = int(torch.randint(1, 6, (1,), generator=g)), 128 * int(torch.randint(1, 4, (1,), generator=g))
+        x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-40, 40, (m, 1), generator=g).float())
+        if trial % 4 == 1:
+            pick = specials[torch.randint(0, len(specials), (m, k), generator=g)]
+            x = torch.where(torch.rand(m, k, generator=g) < 0.1, pick, x)
+        elif trial % 4 == 2:
+            x = (torch.rand(m, k, generator=g) * 2 - 1) * 1e-5
+        elif trial % 4 == 3:
+            x = torch.randint(-2**31, 2**31 - 1, (m, k), generator=g, dtype=torch.int32).view(torch.float32)
+        yield x
+
+
+def _assert_act_quant_is_the_definition(g):
+    from dsv41.kernels.quant import _act_quant_torch
+
+    kernels = ex.native.load()
+    assert kernels is not None, ex.native.unavailable_reason()
+    for x in _act_quant_inputs(g):
+        for dtype in (torch.float32, torch.bfloat16):
+            for block in (32, 128):
+                xi = x.to(dtype)
+                codes, scales = kernels.act_quant(xi, block)
+                want_codes, want_scales = _act_quant_torch(xi, block, True, torch.float8_e8m0fnu, False)
+                assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), (dtype, block)
+                assert torch.equal(scales.view(torch.uint8), want_scales.view(torch.uint8)), (dtype, block)
+
+
+@needs_cc
+def test_native_act_quant_gives_the_definitions_bytes():
+    """act_quant takes the native kernel on the CPU: its E4M3 codes and E8M0 scales equal the
+    tensor-operation definition byte for byte, special values included."""
+    _assert_act_quant_is_the_definition(_gen(83))
+    x = torch.randn(3, 4, 256, generator=_gen(84)).to(torch.bfloat16)
+    codes, scales = act_quant(x)
+    assert codes.shape == x.shape and scales.shape == (3, 4, 8)
+    assert codes.dtype == torch.float8_e4m3fn and scales.dtype == torch.float8_e8m0fnu
+
+
+@needs_cc
+def test_portable_act_quant_gives_the_definitions_bytes(fresh_native, monkeypatch):
+    """The same with native.c's plain-C branch (a CPU without AVX2/FMA/F16C)."""
+    monkeypatch.setattr(fresh_native, "_FLAG_SETS", (["-O3"],))
+    assert not fresh_native.load().simd
+    _assert_act_quant_is_the_definition(_gen(85))
 
 
 @needs_cc

@@ -76,6 +76,9 @@ _SPAN_OCTAVES = 48
 # Upper bound on float32 values in one decoded chunk (4 MiB): large enough that a chunk's handful
 # of torch calls cost little next to its work, small enough to stay in the last-level cache.
 _CHUNK_VALUES = 1 << 20
+# The BF16 path decodes up to this many values (32 MiB) per GEMM: every weight of an expert at
+# once, since torch's BF16 GEMM loses more on a chunk of rows than a cache-sized chunk saves.
+_BF16_CHUNK_VALUES = 1 << 22
 _BLOCK = FP4_WEIGHT_BLOCK  # both formats scale blocks of 32 values along K
 CPU_KERNELS = ("auto", "native", "torch")
 # The many-token paths that multiply in BF16 (see native.PREFILL_PATHS).
@@ -225,7 +228,7 @@ def _products(jobs, dtype, cpu_kernel: str, batch_invariant: bool, product: Opti
     """Products (a, a_s, w, s) of FP8 tokens [M, K] with E8M0 scales [M, K/32] -> each [M, N] in
     `dtype`, on the device of its weight: the Triton kernel on CUDA; on the CPU (where any other
     device's weights are copied), the native kernel's block-order products in one `gemm_many`
-    call, the rest one by one through `_fused`. `product`, where given, runs each one instead."""
+    call, the rest through `_fused_products`, one call per run of jobs on the same tokens. `product`, where given, runs each one instead."""
     if product is not None:
         return [product(*job, dtype) for job in jobs]
     outs: list = [None] * len(jobs)
@@ -247,14 +250,28 @@ def _products(jobs, dtype, cpu_kernel: str, batch_invariant: bool, product: Opti
 
     kernels = _native_kernels(cpu_kernel)
     block_order = []  # (job index, gemm_many operands)
+    shared_tokens = []  # runs of (job index, a, a_s, w, s, op) with the same tokens and format
     for i, a, a_s, w, s, op in on_cpu:
         a_raw, w_raw = _e8m0_bytes(a_s.reshape(op.m, op.k // _BLOCK)), _e8m0_bytes(s)
         if (kernels is not None and a_raw is not None and w_raw is not None
                 and (op.m <= native.BLOCK_ORDER_MAX_TOKENS or batch_invariant)):
             block_order.append((i, (op.fp4, a.reshape(op.m, op.k).view(torch.uint8), a_raw, _BLOCK,
                                     w.view(torch.uint8), w_raw, op.rows_per_scale)))
-        else:  # more tokens, or scales the native kernel does not read
-            outs[i] = _fused(a, a_s, w, s, op, _BLOCK, kernels, batch_invariant, dtype).to(dtype)
+            continue
+        # more tokens, or scales the native kernel does not read: an expert's gate and up
+        # projections read the same tokens, so they decode them once and share one GEMM
+        last = shared_tokens[-1][-1] if shared_tokens else None
+        if last is not None and last[1] is a and (last[5].fp4, last[5].k, last[5].rows_per_scale) == (
+                op.fp4, op.k, op.rows_per_scale):
+            shared_tokens[-1].append((i, a, a_s, w, s, op))
+        else:
+            shared_tokens.append([(i, a, a_s, w, s, op)])
+    for run in shared_tokens:
+        _, a, a_s, *_ = run[0]
+        products = _fused_products(a, a_s, [(w, s, op) for _, _, _, w, s, op in run], _BLOCK, kernels,
+                                   batch_invariant, dtype)
+        for (i, *_), out in zip(run, products):
+            outs[i] = out.to(dtype)
     if block_order:
         for (i, _), out in zip(block_order, kernels.gemm_many([operands for _, operands in block_order])):
             outs[i] = out.to(dtype)
@@ -317,47 +334,74 @@ def linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Te
 
 def _fused(a, a_s, w, s, op: Operands, act_block: int, kernels: Optional["native.NativeKernels"],
            batch_invariant: bool, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The fused CPU GEMM of operands `check_operands` passed -> float32 [M, N]: the native kernel
-    where it is loaded and both scales are E8M0, the torch kernel otherwise; rows and tokens whose
-    scales span too far for the split scales then come from the reference. For a BF16 result on
-    a CPU with AMX or AVX-512 BF16 (`native.prefill_path`), the native kernel's many-token path
-    multiplies in BF16 (exact operands, float32 accumulation, one rounding to BF16)."""
-    m, n, k = op.m, op.n, op.k
-    if m == 0 or n == 0:
-        return torch.zeros(m, n, dtype=torch.float32)
+    """One fused CPU GEMM (`_fused_products` of one weight)."""
+    return _fused_products(a, a_s, [(w, s, op)], act_block, kernels, batch_invariant, out_dtype)[0]
+
+
+def _fused_products(a, a_s, weights: list, act_block: int, kernels: Optional["native.NativeKernels"],
+                    batch_invariant: bool, out_dtype: torch.dtype = torch.float32) -> list:
+    """The fused CPU GEMMs of one set of tokens with weights [(w, s, op)] of one format and K (the
+    operands `check_operands` passed) -> float32 [M, N] each: the native kernel where it is loaded
+    and all scales are E8M0 (the weights' rows in one pass), the torch kernel otherwise; rows and
+    tokens whose scales span too far for the split scales then come from the reference. For a
+    BF16 result on a CPU with AMX or AVX-512 BF16 (`native.prefill_path`), the native kernel's
+    many-token path multiplies in BF16 (exact operands, float32 accumulation, one rounding to
+    BF16) and returns BF16."""
+    op = weights[0][2]
+    m, k = op.m, op.k
+    if m == 0 or any(w_op.n == 0 for _, _, w_op in weights):
+        if len(weights) > 1:  # one at a time, so the empty ones come back empty
+            return [_fused(a, a_s, w, s, w_op, act_block, kernels, batch_invariant, out_dtype)
+                    for w, s, w_op in weights]
+        return [torch.zeros(m, op.n, dtype=torch.float32)]
+    a_raw = _e8m0_bytes(a_s.reshape(m, -1))  # a_s [M, K/act_block]
+    w_raws = [_e8m0_bytes(s) for _, s, _ in weights]
+    if kernels is not None and a_raw is not None and all(raw is not None for raw in w_raws):
+        bf16 = out_dtype == torch.bfloat16 and native.prefill_path(kernels) in _BF16_PATHS
+        results = kernels.gemm(op.fp4, a.reshape(m, k).view(torch.uint8), a_raw, act_block,
+                               [(_words(w).view(torch.uint8), raw) for (w, _, _), raw in zip(weights, w_raws)],
+                               op.rows_per_scale, _SPAN_OCTAVES, _BF16_CHUNK_VALUES if bf16 else _CHUNK_VALUES,
+                               block_order=batch_invariant, bf16=bf16)
+    else:  # the torch kernel (also for scales that are not E8M0, which the native kernel does not read)
+        results = [_torch_fused(a, a_s, w, s, w_op, act_block, raw, batch_invariant)
+                   for (w, s, w_op), raw in zip(weights, w_raws)]
+    return [_out_of_span(out, a_ok, w_ok, a, a_s, w, s, w_op, act_block)
+            for (out, a_ok, w_ok), (w, s, w_op) in zip(results, weights)]
+
+
+def _torch_fused(a, a_s, w, s, op: Operands, act_block: int, w_raw: Optional[torch.Tensor], batch_invariant: bool):
+    """The plain-PyTorch fused GEMM -> (float32 [M, N], token ok [M], row ok [N])."""
+    m, n = op.m, op.n
     codec = _FP4 if op.fp4 else _FP8
     words = _words(w)  # [N, K/per_word]
-    w_raw, a_raw = _e8m0_bytes(s), _e8m0_bytes(a_s.reshape(m, -1))  # a_s [M, K/act_block]
-    if kernels is not None and w_raw is not None and a_raw is not None:
-        out, a_ok, w_ok = kernels.gemm(op.fp4, a.reshape(m, k).view(torch.uint8), a_raw, act_block,
-                                       words.view(torch.uint8), w_raw, op.rows_per_scale, _SPAN_OCTAVES,
-                                       _CHUNK_VALUES, block_order=batch_invariant,
-                                       bf16=out_dtype == torch.bfloat16 and native.prefill_path(kernels) in _BF16_PATHS)
-    else:  # the torch kernel (also for scales that are not E8M0, which the native kernel does not read)
-        a_scaled, a_top, a_ok = _activation_operand(a, a_s, act_block)
-        if w_raw is not None:
-            top_byte = w_raw.amax(dim=1).to(torch.int32)
-            w_top, w_ok = native.split_powers(top_byte, w_raw.amin(dim=1).to(torch.int32), _SPAN_OCTAVES)
-            w_rel = _relative_e8m0(w_raw, top_byte)
-        else:
-            w_top, w_rel, w_ok = _split(s.float())
-        # one entry per weight row rather than per block of rows: [N], [N], [N, K/32]
-        w_top, w_ok, w_rel = (t.repeat_interleave(op.rows_per_scale, dim=0)[:n] for t in (w_top, w_ok, w_rel))
-        table = None
-        if not _subnormals_kept():
-            table = fp4_to_float if op.fp4 else lambda raw: e4m3_to_float(raw.view(torch.float8_e4m3fn))
-        a_perm = _permute_columns(a_scaled, codec)
-        if batch_invariant:  # one token at a time: the same BLAS call whatever the token count
-            inner = torch.cat([_chunked_product(a_perm[i : i + 1], words, w_rel, codec, table) for i in range(m)])
-        else:
-            inner = _chunked_product(a_perm, words, w_rel, codec, table)
-        # the token's power of two first, then the row's: the order the reference applies a_s, w_s
-        out = inner * a_top.unsqueeze(1) * w_top.unsqueeze(0)
+    a_scaled, a_top, a_ok = _activation_operand(a, a_s, act_block)
+    if w_raw is not None:
+        top_byte = w_raw.amax(dim=1).to(torch.int32)
+        w_top, w_ok = native.split_powers(top_byte, w_raw.amin(dim=1).to(torch.int32), _SPAN_OCTAVES)
+        w_rel = _relative_e8m0(w_raw, top_byte)
+    else:
+        w_top, w_rel, w_ok = _split(s.float())
+    # one entry per weight row rather than per block of rows: [N], [N], [N, K/32]
+    w_top, w_ok, w_rel = (t.repeat_interleave(op.rows_per_scale, dim=0)[:n] for t in (w_top, w_ok, w_rel))
+    table = None
+    if not _subnormals_kept():
+        table = fp4_to_float if op.fp4 else lambda raw: e4m3_to_float(raw.view(torch.float8_e4m3fn))
+    a_perm = _permute_columns(a_scaled, codec)
+    if batch_invariant:  # one token at a time: the same BLAS call whatever the token count
+        inner = torch.cat([_chunked_product(a_perm[i : i + 1], words, w_rel, codec, table) for i in range(m)])
+    else:
+        inner = _chunked_product(a_perm, words, w_rel, codec, table)
+    # the token's power of two first, then the row's: the order the reference applies a_s, w_s
+    return inner * a_top.unsqueeze(1) * w_top.unsqueeze(0), a_ok, w_ok
 
-    if a_ok is None:  # the native kernel's block order: no split scales, nothing to recompute
+
+def _out_of_span(out, a_ok, w_ok, a, a_s, w, s, op: Operands, act_block: int) -> torch.Tensor:
+    """`out` [M, N] with the rows and tokens whose scales span too much for the pre-scaled
+    operands (not ok) recomputed by the reference, a bounded number of rows at a time; None for
+    a_ok: the native kernel's block order, nothing to recompute."""
+    if a_ok is None:
         return out
-    # rows and tokens whose scales span too much for the pre-scaled operands: the reference,
-    # a bounded number of rows at a time
+    m, n, k = op.m, op.n, op.k
     bad_rows = (~w_ok).nonzero().flatten()
     bad_tokens = (~a_ok).nonzero().flatten()
     if len(bad_rows) or len(bad_tokens):
@@ -365,12 +409,12 @@ def _fused(a, a_s, w, s, op: Operands, act_block: int, kernels: Optional["native
         rows = max(1, _CHUNK_VALUES // k)
         for i in range(0, len(bad_rows), rows):
             idx = bad_rows[i : i + rows]
-            out[:, idx] = _reference_rows(a2, s2, w, s, idx, op, act_block)
+            out[:, idx] = _reference_rows(a2, s2, w, s, idx, op, act_block).to(out.dtype)
         if len(bad_tokens):
             for r0 in range(0, n, rows):
                 idx = torch.arange(r0, min(n, r0 + rows))
-                out[bad_tokens.unsqueeze(1), idx.unsqueeze(0)] = _reference_rows(a2[bad_tokens], s2[bad_tokens], w, s,
-                                                                                 idx, op, act_block)
+                out[bad_tokens.unsqueeze(1), idx.unsqueeze(0)] = _reference_rows(
+                    a2[bad_tokens], s2[bad_tokens], w, s, idx, op, act_block).to(out.dtype)
     return out
 
 

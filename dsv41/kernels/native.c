@@ -33,6 +33,7 @@
  * rows over `threads` threads (see parallel_rows), in tiles of rows that stay in cache while
  * every token group passes over them.
  */
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -51,7 +52,7 @@
 /* A row tile's weight scales as floats, four rows side by side per block: [rows / 4, nb, 4]. */
 #define SW_INDEX(row, b, nb) ((((row) / 4) * (nb) + (b)) * 4 + (row) % 4)
 #define MAX_THREADS 64
-#define ABI_VERSION 10
+#define ABI_VERSION 11
 
 int dsv41_abi_version(void) { return ABI_VERSION; }
 int dsv41_simd(void) { return DSV41_SIMD; }
@@ -70,6 +71,14 @@ static float e4m3_value(uint8_t b) {
     float mag = e ? (float)(8 + m) * (float)(1 << e) / 1024.0f /* (1 + m/8) * 2**(e-7) */
                   : (float)m / 512.0f;                          /* m/8 * 2**-6 */
     return (b & 0x80) ? -mag : mag;
+}
+
+/* An activation's E4M3 byte: its value, NaN for the NaN code (S.1111.111, what act_quant makes of
+ * a NaN or Inf), so the token's every product is NaN, as in the reference's GEMM. Weight bytes go
+ * through e4m3_value, which reads that code as 480 (dsv41 audit --values reports such weights). */
+static float e4m3_activation(uint8_t b) {
+    union { uint32_t u; float f; } nan = {0x7FC00000u};
+    return (b & 0x7F) == 0x7F ? nan.f : e4m3_value(b);
 }
 
 /* An E8M0 byte as the float32 it stands for: 2**(byte - 127), 2**-127 as a subnormal, 255 NaN. */
@@ -389,6 +398,36 @@ static inline __attribute__((always_inline)) void decode_two_blocks(int fp4, con
     }
 FOUR_ROWS_512(1, fp4_four_rows_512)
 FOUR_ROWS_512(0, fp8_four_rows_512)
+
+/* One FP4 row -> BF16 values * 2**(byte - top) straight from the codes (decode_rows' BF16 result,
+ * bit for bit): each code looks up its E2M1 value's BF16 bits, and the block's relative power of
+ * two is added to the exponent field of every nonzero one, exact while the result stays a normal
+ * number; a block whose power leaves that range is (signed) 0, as decode_rows writes it. */
+static void fp4_row_bf16(const uint8_t *src, const uint8_t *bytes, int32_t top, int64_t nb, uint16_t *dst) {
+    /* BF16 of 0, 0.5, 1, 1.5, 2, 3, 4, 6, then -0 (read as 0) and the negatives */
+    const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                           (short)0xC0C0, (short)0xC080, (short)0xC040, (short)0xC000,
+                                           (short)0xBFC0, (short)0xBF80, (short)0xBF00, 0,
+                                           0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0);
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m512i magnitude_bits = _mm512_set1_epi16(7);
+    for (int64_t b = 0; b < nb; b++, src += BLOCK / 2, dst += BLOCK) {
+        int32_t shift = (int32_t)bytes[b] - top;
+        __m128i raw = _mm_loadu_si128((const __m128i *)src);
+        __m128i low = _mm_and_si128(raw, nibble), high = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+        /* element 2i is byte i's low nibble: interleaved, the block's 32 codes in natural order */
+        __m256i codes8 = _mm256_set_m128i(_mm_unpackhi_epi8(low, high), _mm_unpacklo_epi8(low, high));
+        __m512i codes = _mm512_cvtepu8_epi16(codes8);
+        __m512i values = _mm512_permutexvar_epi16(codes, table);
+        if (126 + shift > 0) {
+            __mmask32 nonzero = _mm512_test_epi16_mask(codes, magnitude_bits);
+            values = _mm512_mask_add_epi16(values, nonzero, values, _mm512_set1_epi16((short)(shift * 128)));
+        } else {  /* below the normal range: decode_rows' pow2_biased gives 0, signed as the value */
+            values = _mm512_and_si512(values, _mm512_set1_epi16((short)0x8000));
+        }
+        _mm512_storeu_si512(dst, values);
+    }
+}
 #else
 #define DSV41_AVX512 0
 #endif
@@ -414,6 +453,13 @@ static void decode_rows(const void *job, int64_t r0, int64_t r1) {
     const int64_t block_bytes = d->fp4 ? BLOCK / 2 : BLOCK;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *bytes = d->scale + (r / d->rows_per_scale) * nb;
+#if DSV41_AVX512
+        if (d->fp4 && d->bf16) {
+            fp4_row_bf16(d->w + r * row_bytes, bytes, d->top[r / d->rows_per_scale], nb,
+                         (uint16_t *)d->out + (r - d->first) * d->k);
+            continue;
+        }
+#endif
         /* 2 * value (FP4) or value * 2**-8 (E4M3) times 2**(byte - top): the factor folds in */
         int32_t bias = (d->fp4 ? 126 : 135) - d->top[r / d->rows_per_scale];
         float row[BLOCK], *dst = d->bf16 ? row : (float *)d->out + (r - d->first) * d->k;
@@ -566,7 +612,7 @@ static void prepare_activation(const dsv41_gemm_desc *d, float *values, float *s
     const float factor = d->fp4 ? 0.5f : 256.0f;
     for (int64_t t = 0; t < d->m; t++) {
         for (int64_t i = 0; i < k; i++)
-            values[t * k + (d->fp4 ? arranged_index(i) : i)] = e4m3_value(d->a[t * k + i]) * factor;
+            values[t * k + (d->fp4 ? arranged_index(i) : i)] = e4m3_activation(d->a[t * k + i]) * factor;
         for (int64_t b = 0; b < nb; b++)
             scales[((t / GROUP) * nb + b) * GROUP + t % GROUP] =
                 e8m0_value(d->a_scale[t * (k / d->act_block) + b * BLOCK / d->act_block]);
@@ -626,33 +672,48 @@ int dsv41_scale_range(const uint8_t *scale, int64_t scale_rows, int64_t nb, int3
     return 0;
 }
 
-/* FP8 activation bytes [m, k] with E8M0 scales [m, k / act_block] -> float32 value *
- * 2**(scale - top), natural order, with each token's largest and smallest scale byte. */
-int dsv41_activation(const uint8_t *a, const uint8_t *scale, int64_t m, int64_t k, int64_t act_block, float *out,
-                     int32_t *top, int32_t *low) {
-    if (m < 0 || act_block < 1 || k % act_block) return -1;
+/* FP8 activation bytes [m, k] with E8M0 scales [m, k / act_block] -> value * 2**(scale - top),
+ * natural order, NaN for the NaN code, with each token's largest and smallest scale byte; float32,
+ * or with `bf16` its top half, the same number: an E4M3 value times a power of two has at most 4
+ * significant bits (and a NaN stays NaN there). */
+int dsv41_activation(const uint8_t *a, const uint8_t *scale, int64_t m, int64_t k, int64_t act_block, void *out,
+                     int32_t *top, int32_t *low, int bf16) {
+    if (m < 0 || act_block < BLOCK || act_block % BLOCK || k % act_block) return -1;
     int64_t nb = k / act_block;
     dsv41_scale_range(scale, m, nb, top, low);
+    float row[BLOCK];
     for (int64_t t = 0; t < m; t++)
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *src = a + t * k + b * act_block;
-            float *dst = out + t * k + b * act_block;
             float factor = pow2_biased(127 + (int32_t)scale[t * nb + b] - top[t]);
-            int64_t i = 0;
+            for (int64_t i0 = 0; i0 < act_block; i0 += BLOCK) {
+                float *dst = bf16 ? row : (float *)out + t * k + b * act_block + i0;
+                int64_t i = 0;
 #if DSV41_SIMD
-            /* E4M3 bytes as IEEE halves (value * 2**-8, as decode_block reads weights), times the
-             * factor and 2**8: one multiply by a power of two, so the same value as below */
-            const __m256 scaled = _mm256_set1_ps(factor * 256.0f);
-            for (; i + 16 <= act_block; i += 16) {
-                __m256i u16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + i)));
-                __m256i sign = _mm256_slli_epi16(_mm256_and_si256(u16, _mm256_set1_epi16(0x80)), 8);
-                __m256i body = _mm256_slli_epi16(_mm256_and_si256(u16, _mm256_set1_epi16(0x7F)), 7);
-                __m256i halves = _mm256_or_si256(sign, body);
-                _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), scaled));
-                _mm256_storeu_ps(dst + i + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)), scaled));
-            }
+                /* E4M3 bytes as IEEE halves (value * 2**-8, as decode_block reads weights; the NaN
+                 * code as a half NaN), times the factor and 2**8: one multiply by a power of two,
+                 * so the same value as e4m3_activation's */
+                const __m256 scaled = _mm256_set1_ps(factor * 256.0f);
+                for (; i + 16 <= BLOCK; i += 16) {
+                    __m256i u16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + i0 + i)));
+                    __m256i magnitude = _mm256_and_si256(u16, _mm256_set1_epi16(0x7F));
+                    __m256i sign = _mm256_slli_epi16(_mm256_and_si256(u16, _mm256_set1_epi16(0x80)), 8);
+                    __m256i nan = _mm256_and_si256(_mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(0x7F)),
+                                                   _mm256_set1_epi16(0x7E00));
+                    __m256i halves = _mm256_or_si256(_mm256_or_si256(sign, _mm256_slli_epi16(magnitude, 7)), nan);
+                    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), scaled));
+                    _mm256_storeu_ps(dst + i + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)), scaled));
+                }
 #endif
-            for (; i < act_block; i++) dst[i] = e4m3_value(src[i]) * factor;
+                for (; i < BLOCK; i++) dst[i] = e4m3_activation(src[i0 + i]) * factor;
+                if (bf16) {
+                    uint16_t *half = (uint16_t *)out + t * k + b * act_block + i0;
+                    for (int q = 0; q < BLOCK; q++) {
+                        union { float f; uint32_t u; } bits = {row[q]};
+                        half[q] = (uint16_t)(bits.u >> 16);
+                    }
+                }
+            }
         }
     return 0;
 }
@@ -666,6 +727,181 @@ int dsv41_decode(int fp4, const uint8_t *w, const uint8_t *scale, const int32_t 
     if (first < 0 || last < first || k % BLOCK || rows_per_scale < 1) return -1;
     decode_t d = {w, scale, top, out, k, rows_per_scale, first, fp4, bf16 != 0};
     parallel_rows(&d, first, last, threads, decode_rows);
+    return 0;
+}
+
+/* float32 -> BF16, rounded to nearest even as torch rounds it (a NaN becomes the quiet NaN). */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_value(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* A float32 value, already divided by its block's scale, -> its E4M3 byte as quant.py's to_e4m3
+ * makes it: NaN -> the NaN code, magnitudes clamped to 448, then rounded to nearest even (the
+ * subnormal range by adding 2**14, whose ulp is E4M3's 2**-9, as torch's conversion does).
+ * Branch-free, so the compiler vectorizes the loops that call it. */
+static inline uint8_t e4m3_code(float v) {
+    uint32_t u, sub_bits;
+    memcpy(&u, &v, sizeof u);
+    const uint32_t sign = (u >> 24) & 0x80u, denorm_bits = 141u << 23; /* 2**14 */
+    uint32_t mag = u & 0x7FFFFFFFu;
+    const uint32_t nan = mag > 0x7F800000u;
+    mag = mag > 0x43E00000u ? 0x43E00000u : mag; /* 448 */
+    float shifted;
+    memcpy(&shifted, &mag, sizeof shifted);
+    shifted = shifted + 16384.0f;
+    memcpy(&sub_bits, &shifted, sizeof sub_bits);
+    const uint32_t subnormal = sub_bits - denorm_bits;
+    const uint32_t normal = (mag + (uint32_t)((7 - 127) * (1 << 23)) + 0x7FFFFu + ((mag >> 20) & 1u)) >> 20;
+    const uint32_t code = nan ? 0x7Fu : mag < (121u << 23) ? subnormal : normal; /* 2**-6: the smallest normal */
+    return (uint8_t)(code | sign);
+}
+
+typedef struct {
+    const void *x;   /* float32 or BF16 [m, k] */
+    uint8_t *codes;  /* E4M3 [m, k] */
+    uint8_t *scales; /* E8M0 [m, k / block] */
+    int64_t k, block;
+    int bf16;
+} quant_t;
+
+/* 32 inputs from x[at...] as float32. */
+static inline void quant_load(const quant_t *q, int64_t at, float v[BLOCK]) {
+    if (q->bf16) {
+        const uint16_t *h = (const uint16_t *)q->x + at;
+#if DSV41_SIMD
+        for (int i = 0; i < BLOCK; i += 8)
+            _mm256_storeu_ps(v + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + i))), 16)));
+#else
+        for (int i = 0; i < BLOCK; i++) v[i] = bf16_value(h[i]);
+#endif
+    } else {
+        memcpy(v, (const float *)q->x + at, sizeof(float) * BLOCK);
+    }
+}
+
+#if DSV41_SIMD
+/* e4m3_code on eight lanes -> their bytes in the low 64 bits. */
+static inline __m128i e4m3_codes8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80));
+    __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7F800000));
+    mag = _mm256_min_epu32(mag, _mm256_set1_epi32(0x43E00000));
+    const __m256i subnormal = _mm256_sub_epi32(
+        _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(16384.0f))),
+        _mm256_set1_epi32(141 << 23));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(mag, 20), _mm256_set1_epi32(1));
+    const __m256i normal = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(mag, _mm256_set1_epi32((int)0xC407FFFFu)), odd), 20);
+    __m256i code = _mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), mag));
+    code = _mm256_or_si256(_mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), nan), sign);
+    /* byte 0 of each 32-bit lane, four per 128-bit half, then the halves side by side */
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i bytes = _mm256_shuffle_epi8(code, pick);
+    return _mm_unpacklo_epi32(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1));
+}
+#endif
+
+static void quant_rows(const void *job, int64_t r0, int64_t r1) {
+    const quant_t *q = job;
+    const float inv_max = (float)(1.0 / 448.0), floor_amax = 1e-4f;
+    float v[BLOCK];
+    for (int64_t b0 = r0 * q->k; b0 < r1 * q->k; b0 += q->block) {
+        float amax = 0.0f;
+        int nan = 0;
+        for (int64_t i0 = b0; i0 < b0 + q->block; i0 += BLOCK) {
+            quant_load(q, i0, v);
+#if DSV41_SIMD
+            const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+            __m256 top = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
+            for (int i = 0; i < BLOCK; i += 8) {
+                __m256 a = _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude);
+                unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+                top = _mm256_max_ps(top, a);
+            }
+            float lanes[8];
+            _mm256_storeu_ps(lanes, top);
+            nan |= _mm256_movemask_ps(unordered) != 0;
+            for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+#else
+            for (int i = 0; i < BLOCK; i++) {
+                float a = fabsf(v[i]);
+                nan |= a != a;
+                amax = a > amax ? a : amax;
+            }
+#endif
+        }
+        /* quant.py: amax (NaN if any is) floored, times float32(1/448), rounded up to a power of two */
+        float scale = nan ? NAN : (amax < floor_amax ? floor_amax : amax) * inv_max;
+        uint32_t bits;
+        memcpy(&bits, &scale, sizeof bits);
+        bits = (((bits >> 23) & 0xFFu) + ((bits & 0x7FFFFFu) != 0)) << 23; /* a NaN's 256 makes -0, as in pow2_ceil */
+        memcpy(&scale, &bits, sizeof scale);
+        q->scales[b0 / q->block] = (uint8_t)((bits >> 23) & 0xFFu);
+        for (int64_t i0 = b0; i0 < b0 + q->block; i0 += BLOCK) {
+            quant_load(q, i0, v);
+#if DSV41_SIMD
+            const __m256 divisor = _mm256_set1_ps(scale);
+            for (int i = 0; i < BLOCK; i += 8)
+                _mm_storel_epi64((__m128i *)(q->codes + i0 + i), e4m3_codes8(_mm256_div_ps(_mm256_loadu_ps(v + i), divisor)));
+#else
+            for (int i = 0; i < BLOCK; i++) q->codes[i0 + i] = e4m3_code(v[i] / scale);
+#endif
+        }
+    }
+}
+
+/* quant.py's act_quant with E8M0 scales, byte for byte: x [m, k] (float32, or BF16 with `bf16`)
+ * -> E4M3 codes [m, k] and E8M0 scale bytes [m, k / block]. Returns 0, -1 for a shape it does
+ * not take. */
+int dsv41_act_quant(const void *x, int bf16, int64_t m, int64_t k, int64_t block, uint8_t *codes, uint8_t *scales,
+                    int threads) {
+    if (m < 0 || block < BLOCK || block % BLOCK || k % block) return -1;
+    quant_t q = {x, codes, scales, k, block, bf16 != 0};
+    if (m > 0) parallel_rows(&q, 0, m, threads, quant_rows);
+    return 0;
+}
+
+typedef struct {
+    uint16_t *out;        /* BF16 [n, m] */
+    const float *a_pow;   /* [m] */
+    const int32_t *w_top; /* [ceil(n / rows_per_scale)] */
+    int64_t m, rows_per_scale;
+} powers_t;
+
+static void power_rows(const void *job, int64_t r0, int64_t r1) {
+    const powers_t *p = job;
+    for (int64_t r = r0; r < r1; r++) {
+        const float w_pow = e8m0_value((uint8_t)p->w_top[r / p->rows_per_scale]);
+        uint16_t *row = p->out + r * p->m;
+        for (int64_t t = 0; t < p->m; t++) row[t] = bf16_round(bf16_value(row[t]) * p->a_pow[t] * w_pow);
+    }
+}
+
+/* The powers of two that dsv41_activation and dsv41_scale_range split off, applied to a BF16
+ * product in place: out[r, t] = BF16(out[r, t] * 2**(a_top[t] - 127) * 2**(w_top[r / rows_per_scale]
+ * - 127)), the token's power first as the reference applies its scales, one rounding. Returns 0,
+ * -2 when memory runs out. */
+int dsv41_apply_powers(uint16_t *out, int64_t n, int64_t m, const int32_t *a_top, const int32_t *w_top,
+                       int64_t rows_per_scale, int threads) {
+    if (n < 0 || m < 0 || rows_per_scale < 1) return -1;
+    float *a_pow = malloc(sizeof(float) * (size_t)(m + 1));
+    if (!a_pow) return -2;
+    for (int64_t t = 0; t < m; t++) a_pow[t] = e8m0_value((uint8_t)a_top[t]);
+    powers_t p = {out, a_pow, w_top, m, rows_per_scale};
+    if (n > 0) parallel_rows(&p, 0, n, threads, power_rows);
+    free(a_pow);
     return 0;
 }
 

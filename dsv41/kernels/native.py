@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -30,7 +31,7 @@ import torch
 from ..cachedir import CacheError, cache_dir, cache_error, current_umask, file_sha256
 
 SOURCE = Path(__file__).with_name("native.c")
-_ABI_VERSION = 10  # must equal ABI_VERSION in native.c
+_ABI_VERSION = 11  # must equal ABI_VERSION in native.c
 # -march=native (AVX2/FMA/F16C where the CPU has them) with OpenMP (torch's runtime, see
 # native.c), then without OpenMP, then a portable build
 _FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
@@ -43,6 +44,12 @@ _BLOCK = 32
 # BLAS GEMM over decoded rows, several times faster there, equal to the reference up to float32
 # addition order.
 BLOCK_ORDER_MAX_TOKENS = 8
+# The many-token path's working buffers (activations, decoded rows, the product before its powers
+# of two) are kept per thread between calls up to this size each: fresh ones of a few MiB cost
+# their page faults on every call, several percent of a prefill GEMM.
+_WORKSPACE_KEPT_BYTES = 64 << 20
+# Activations smaller than this (values) are quantized on one thread: waking the others costs more.
+_QUANT_PARALLEL_VALUES = 1 << 16
 
 
 class NativeKernels:
@@ -54,69 +61,123 @@ class NativeKernels:
         self.flags = flags
         ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.dsv41_gemm_many.argtypes = [ptr, i64, c_int]
-        lib.dsv41_activation.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr]
+        lib.dsv41_activation.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, c_int]
         lib.dsv41_scale_range.argtypes = [ptr, i64, i64, ptr, ptr]
         lib.dsv41_decode.argtypes = [c_int, ptr, ptr, ptr, i64, ptr, i64, i64, i64, c_int, c_int]
+        lib.dsv41_apply_powers.argtypes = [ptr, i64, i64, ptr, ptr, i64, c_int]
+        lib.dsv41_act_quant.argtypes = [ptr, c_int, i64, i64, i64, ptr, ptr, c_int]
         self.simd = bool(lib.dsv41_simd())
         self.avx512 = bool(lib.dsv41_avx512())  # one token's products on the AVX-512 body
         self.openmp = bool(lib.dsv41_openmp())
+        self._kept = threading.local()
 
-    def gemm(self, fp4: bool, a: torch.Tensor, a_scale: torch.Tensor, act_block: int, packed: torch.Tensor,
-             w_scale: torch.Tensor, rows_per_scale: int, span: int, chunk_values: int, *, block_order: bool = False,
-             bf16: bool = False):
-        """The fused GEMM on E8M0-scaled operands -> (float32 [M, N], token ok bool [M] or None,
-        row ok bool [N] or None); None: every token and row is ok.
+    def _workspace(self, name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized [rows, cols] buffer, this thread's own, reused by later calls when small
+        enough (_WORKSPACE_KEPT_BYTES)."""
+        numel = rows * cols
+        if numel * dtype.itemsize > _WORKSPACE_KEPT_BYTES:
+            return torch.empty(rows, cols, dtype=dtype)
+        kept = self._kept.__dict__.setdefault("buffers", {})
+        buf = kept.get((name, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = kept[(name, dtype)] = torch.empty(numel, dtype=dtype)
+        return buf[:numel].view(rows, cols)
 
-        a: FP8 bytes uint8 [M, K] with E8M0 scale bytes [M, K/act_block]; packed: uint8 [N, K/2]
-        (FP4) or [N, K] (E4M3) with E8M0 scale bytes [ceil(N / rows_per_scale), K/32].
+    def gemm(self, fp4: bool, a: torch.Tensor, a_scale: torch.Tensor, act_block: int, weights: list,
+             rows_per_scale: int, span: int, chunk_values: int, *, block_order: bool = False, bf16: bool = False):
+        """The fused GEMMs of one set of tokens with one or more weights of one format, E8M0-scaled
+        -> for each weight (its product [M, N], token ok bool [M] or None, row ok bool [N] or None);
+        None: every token and row is ok.
+
+        a: FP8 bytes uint8 [M, K] with E8M0 scale bytes [M, K/act_block]; weights: (packed,
+        w_scale) pairs, packed uint8 [N, K/2] (FP4) or [N, K] (E4M3) with E8M0 scale bytes
+        [ceil(N / rows_per_scale), K/32]. An activation byte holding the E4M3 NaN code makes every
+        output of its token NaN, as in the reference GEMM.
 
         Up to BLOCK_ORDER_MAX_TOKENS tokens, or any number with `block_order`: the op layer's
         fp4_gemm / fp8_gemm in their own order (block partials scaled and added in K order),
-        nothing to recompute. Otherwise: each
-        token's and row's scales split into the largest power of two and relative scales, the
-        rows decoded `chunk_values` values at a time into one float32 buffer for a BLAS GEMM, the
+        float32, nothing to recompute. Otherwise: each token's and row's scales split into the
+        largest power of two and relative scales, the rows of all the weights decoded
+        `chunk_values` values at a time into one float32 buffer, one BLAS GEMM per chunk, the
         powers of two applied after (the token's first); tokens or rows whose scales span more
         than `span` octaves (or are NaN) are not ok, and their outputs are left to the caller.
+        Products are float32, views of one [sum N, M] result.
 
         `bf16` (the many-token path only): decode rows and activations to BF16 instead, exactly
         (see dsv41_decode), for torch's BF16 GEMM, which accumulates in float32 and rounds once
-        to BF16 (AMX or AVX-512 BF16 where the CPU has them, see `prefill_path`): the product
-        rounded to BF16 as the reference rounds it, up to float32 addition order; the float32
-        result then holds BF16 values, so callers ask for it only when they round to BF16."""
+        to BF16 (AMX or AVX-512 BF16 where the CPU has them, see `prefill_path`); the powers of
+        two then scale that BF16 result in place (dsv41_apply_powers): the product rounded to
+        BF16 as the reference rounds it, up to float32 addition order. The products are BF16."""
         a, a_scale = a.contiguous(), a_scale.contiguous()
-        packed, w_scale = packed.contiguous(), w_scale.contiguous()
+        weights = [(packed.contiguous(), w_scale.contiguous()) for packed, w_scale in weights]
         m, k = a.shape
-        n = packed.size(0)
-        threads = torch.get_num_threads()
         if m <= BLOCK_ORDER_MAX_TOKENS or block_order:
-            return self.gemm_many([(fp4, a, a_scale, act_block, packed, w_scale, rows_per_scale)])[0], None, None
+            outs = self.gemm_many([(fp4, a, a_scale, act_block, packed, w_scale, rows_per_scale)
+                                   for packed, w_scale in weights])
+            return [(out, None, None) for out in outs]
 
-        values = torch.empty(m, k, dtype=torch.float32)
+        shapes = f"K={k} act_block={act_block}"
+        threads = torch.get_num_threads()
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        values = self._workspace("activations", m, k, dtype)
         a_top, a_low = torch.empty(m, dtype=torch.int32), torch.empty(m, dtype=torch.int32)
         self._check(self._lib.dsv41_activation(a.data_ptr(), a_scale.data_ptr(), m, k, act_block, values.data_ptr(),
-                                                a_top.data_ptr(), a_low.data_ptr()), f"K={k} act_block={act_block}")
-        scale_rows, blocks = w_scale.shape
-        w_top, w_low = torch.empty(scale_rows, dtype=torch.int32), torch.empty(scale_rows, dtype=torch.int32)
-        self._check(self._lib.dsv41_scale_range(w_scale.data_ptr(), scale_rows, blocks, w_top.data_ptr(),
-                                                 w_low.data_ptr()), f"K={k} act_block={act_block}")
-        rows = max(1, min(n, chunk_values // k))
-        dtype = torch.bfloat16 if bf16 else torch.float32
-        if bf16:
-            values = values.to(torch.bfloat16)  # E4M3 times a power of two: exact in BF16
-        buf = torch.empty(rows, k, dtype=dtype)
-        out_t = torch.empty(n, m, dtype=dtype)  # [N, M]: each chunk fills whole rows
-        for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)
-            self._check(self._lib.dsv41_decode(int(fp4), packed.data_ptr(), w_scale.data_ptr(), w_top.data_ptr(),
-                                                rows_per_scale, buf.data_ptr(), r0, r1, k, threads, int(bf16)),
-                        f"K={k} act_block={act_block}")
-            torch.mm(buf[: r1 - r0], values.t(), out=out_t[r0:r1])
-        _carry_nan_tokens(a, out_t)
+                                                a_top.data_ptr(), a_low.data_ptr(), int(bf16)), shapes)
+        tops = []
+        for packed, w_scale in weights:
+            scale_rows, blocks = w_scale.shape
+            w_top, w_low = torch.empty(scale_rows, dtype=torch.int32), torch.empty(scale_rows, dtype=torch.int32)
+            self._check(self._lib.dsv41_scale_range(w_scale.data_ptr(), scale_rows, blocks, w_top.data_ptr(),
+                                                     w_low.data_ptr()), shapes)
+            tops.append((w_top, w_low))
+
+        # the weights' rows end to end: [sum N, M], each chunk of rows one GEMM
+        first_rows = [0]
+        for packed, _ in weights:
+            first_rows.append(first_rows[-1] + packed.size(0))
+        total = first_rows[-1]
+        chunks = -(-total // max(1, chunk_values // k))
+        rows = -(-total // chunks)  # chunks of equal size: no short last GEMM
+        buf = self._workspace("decoded rows", rows, k, dtype)
+        out_t = torch.empty(total, m, dtype=dtype) if bf16 else self._workspace("product", total, m, dtype)
+        for c0 in range(0, total, rows):
+            c1 = min(total, c0 + rows)
+            for (packed, w_scale), (w_top, _), first in zip(weights, tops, first_rows):
+                r0, r1 = max(c0, first) - first, min(c1, first + packed.size(0)) - first  # this weight's rows
+                if r0 < r1:
+                    into = buf[first + r0 - c0]
+                    self._check(self._lib.dsv41_decode(int(fp4), packed.data_ptr(), w_scale.data_ptr(),
+                                                        w_top.data_ptr(), rows_per_scale, into.data_ptr(), r0, r1,
+                                                        k, threads, int(bf16)), shapes)
+            torch.mm(buf[: c1 - c0], values.t(), out=out_t[c0:c1])
+
         a_pow, token_ok = split_powers(a_top, a_low, span)
-        w_pow, row_ok = (t.repeat_interleave(rows_per_scale)[:n] for t in split_powers(w_top, w_low, span))
-        # the token's power of two first, then the row's, as the reference applies a_s, w_s
-        # (float32 from here: a BF16 value times powers of two is exact)
-        return out_t.t().float() * a_pow.unsqueeze(1) * w_pow.unsqueeze(0), token_ok, row_ok
+        results = []
+        for (packed, _), (w_top, w_low), first in zip(weights, tops, first_rows):
+            n = packed.size(0)
+            w_pow, row_ok = (t.repeat_interleave(rows_per_scale)[:n] for t in split_powers(w_top, w_low, span))
+            part = out_t[first : first + n]  # [N, M]
+            if bf16:
+                self._check(self._lib.dsv41_apply_powers(part.data_ptr(), n, m, a_top.data_ptr(), w_top.data_ptr(),
+                                                          rows_per_scale, threads), shapes)
+                product = part.t()
+            else:  # the token's power of two first, then the row's, as the reference applies a_s, w_s
+                product = part.t() * a_pow.unsqueeze(1) * w_pow.unsqueeze(0)
+            results.append((product, token_ok, row_ok))
+        return results
+
+    def act_quant(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """quant.act_quant with E8M0 scales, byte for byte: float32 or BF16 x [..., K] on the CPU
+        -> (float8_e4m3fn [..., K], float8_e8m0fnu [..., K/block]); block a multiple of 32."""
+        flat = x.reshape(-1, x.size(-1)).contiguous()  # [M, K]
+        m, k = flat.shape
+        codes = torch.empty(m, k, dtype=torch.uint8)
+        scales = torch.empty(m, k // block, dtype=torch.uint8)
+        threads = torch.get_num_threads() if m * k >= _QUANT_PARALLEL_VALUES else 1
+        self._check(self._lib.dsv41_act_quant(flat.data_ptr(), int(flat.dtype == torch.bfloat16), m, k, block,
+                                               codes.data_ptr(), scales.data_ptr(), threads), f"K={k} block={block}")
+        return (codes.view(torch.float8_e4m3fn).reshape(x.shape),
+                scales.view(torch.float8_e8m0fnu).reshape(*x.shape[:-1], k // block))
 
     def gemm_many(self, products: list) -> list[torch.Tensor]:
         """Several block-order products (the op layer's own order, any token count) in one
@@ -138,8 +199,6 @@ class NativeKernels:
                 rows_per_scale, act_block, m, n, k, int(fp4))
         self._check(self._lib.dsv41_gemm_many(descs, len(products), torch.get_num_threads()),
                     ", ".join(f"K={d.k} act_block={d.act_block}" for d in descs))
-        for (_, a, *_), out_t in zip(products, outs):
-            _carry_nan_tokens(a, out_t)
         return [out_t.t() for out_t in outs]
 
     @staticmethod
@@ -149,16 +208,6 @@ class NativeKernels:
         if status != 0:
             raise ValueError(f"the native expert kernel does not take {shapes} "
                              f"(K and act_block multiples of {_BLOCK}, act_block dividing K)")
-
-
-def _carry_nan_tokens(a: torch.Tensor, out_t: torch.Tensor) -> None:
-    """NaN in out_t [N, M] for every token whose FP8 activation bytes a [M, K] hold the E4M3 NaN
-    code (what act_quant makes of a NaN or Inf): the kernel decodes that code as a number, the
-    reference GEMM carries the NaN through the token's whole output, and the finite checks look
-    for it there."""
-    bad = ((a.view(torch.uint8) & 0x7F) == 0x7F).any(dim=1)  # [M]
-    if bool(bad.any()):
-        out_t[:, bad] = float("nan")
 
 
 class _GemmDesc(ctypes.Structure):
