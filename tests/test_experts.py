@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import dsv41.kernels.experts as ex
+from dsv41.kernels.operands import check_operands
 from dsv41.formats import quantize_fp4, quantize_fp8_blocks
 from dsv41.kernels import act_quant, fp4_gemm, fp4_to_float, fp8_gemm
 from dsv41.kernels.experts import (
@@ -512,6 +513,34 @@ def test_products_in_one_native_call_equal_them_one_by_one():
 
 
 @needs_cc
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gate_and_up_sharing_one_gemm_give_each_products_own_bits(fp8):
+    """Beyond 8 tokens an expert's gate and up projections decode their tokens once and share one
+    GEMM per chunk of rows (the chunk spanning both weights here): each output equals that
+    projection computed on its own, and whole experts equal one product at a time."""
+    g = _gen(99)
+    expert = _expert(256, 160, g, fp8=fp8)
+    x = (torch.randn(40, 256, generator=g) * 3).to(torch.bfloat16)
+    a, a_s = act_quant(x)
+    ops = [(w, s, check_operands(a, a_s, w, s)) for w, s in ((expert.w1, expert.w1_scale), (expert.w3, expert.w3_scale))]
+    kernels = ex.native.load()
+    for chunk in (1 << 22, 256 * 200):  # everything in one GEMM; a chunk boundary inside w3
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ex, "_BF16_CHUNK_VALUES", chunk)
+            mp.setattr(ex, "_CHUNK_VALUES", chunk)
+            for dtype in (torch.float32, torch.bfloat16):
+                shared = ex._fused_products(a, a_s, ops, 32, kernels, False, dtype)
+                for (w, s, op), got in zip(ops, shared):
+                    assert torch.equal(got, ex._fused(a, a_s, w, s, op, 32, kernels, False, dtype)), (chunk, dtype)
+    experts = {e: _expert(256, 96, g, fp8=fp8) for e in range(3)}
+    ids, weights = _routing(40, 3, 2, g)
+    gemm = fp8_gemm_fused if fp8 else fp4_gemm_fused
+    one_by_one = routed_experts(x, ids, weights, experts, 4.0,
+                                product=lambda a, a_s, w, s, dtype: gemm(a, a_s, w, s, out_dtype=dtype))
+    assert torch.equal(routed_experts(x, ids, weights, experts, 4.0), one_by_one)
+
+
+@needs_cc
 def test_portable_build_without_simd_gives_the_same_bits(fresh_native, monkeypatch):
     """The plain-C branch of native.c (what a CPU without AVX2/FMA/F16C gets) sums in the SIMD
     branch's order up to 8 tokens, and matches the reference beyond."""
@@ -586,14 +615,18 @@ def test_portable_act_quant_gives_the_definitions_bytes(fresh_native, monkeypatc
 
 
 @needs_cc
-def test_native_results_do_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_native_results_do_not_depend_on_the_thread_count(out_dtype):
+    """Both many-token layouts (float32; BF16, which takes the BF16 GEMM where the CPU has it) and
+    the block order give the same bits at 1 and 3 threads."""
     threads = torch.get_num_threads()
     try:
         for kind, a, a_s, w, s, _ in _gemm_cases(_gen(71)):
+            fn = fp4_gemm_fused if kind == "fp4" else fp8_gemm_fused
             torch.set_num_threads(1)
-            one = _fused_gemm(kind, a, a_s, w, s, "native")
+            one = fn(a, a_s, w, s, out_dtype=out_dtype, cpu_kernel="native")
             torch.set_num_threads(3)  # more threads than cores is allowed; rows split unevenly
-            assert torch.equal(_fused_gemm(kind, a, a_s, w, s, "native"), one), kind
+            assert torch.equal(fn(a, a_s, w, s, out_dtype=out_dtype, cpu_kernel="native"), one), kind
     finally:
         torch.set_num_threads(threads)
 

@@ -874,34 +874,35 @@ int dsv41_act_quant(const void *x, int bf16, int64_t m, int64_t k, int64_t block
 }
 
 typedef struct {
-    uint16_t *out;        /* BF16 [n, m] */
-    const float *a_pow;   /* [m] */
-    const int32_t *w_top; /* [ceil(n / rows_per_scale)] */
-    int64_t m, rows_per_scale;
+    uint16_t *out;       /* BF16, token t's row at out + t * ld */
+    const float *w_pow;  /* [n] */
+    const int32_t *a_top;
+    int64_t n, ld;
 } powers_t;
 
-static void power_rows(const void *job, int64_t r0, int64_t r1) {
+static void power_rows(const void *job, int64_t t0, int64_t t1) {
     const powers_t *p = job;
-    for (int64_t r = r0; r < r1; r++) {
-        const float w_pow = e8m0_value((uint8_t)p->w_top[r / p->rows_per_scale]);
-        uint16_t *row = p->out + r * p->m;
-        for (int64_t t = 0; t < p->m; t++) row[t] = bf16_round(bf16_value(row[t]) * p->a_pow[t] * w_pow);
+    for (int64_t t = t0; t < t1; t++) {
+        const float a_pow = e8m0_value((uint8_t)p->a_top[t]);
+        uint16_t *row = p->out + t * p->ld;
+        for (int64_t r = 0; r < p->n; r++) row[r] = bf16_round(bf16_value(row[r]) * a_pow * p->w_pow[r]);
     }
 }
 
 /* The powers of two that dsv41_activation and dsv41_scale_range split off, applied to a BF16
- * product in place: out[r, t] = BF16(out[r, t] * 2**(a_top[t] - 127) * 2**(w_top[r / rows_per_scale]
- * - 127)), the token's power first as the reference applies its scales, one rounding. Returns 0,
- * -2 when memory runs out. */
-int dsv41_apply_powers(uint16_t *out, int64_t n, int64_t m, const int32_t *a_top, const int32_t *w_top,
+ * product [m, n] in place (token t's outputs at out + t * ld): out[t, r] = BF16(out[t, r] *
+ * 2**(a_top[t] - 127) * 2**(w_top[r / rows_per_scale] - 127)), the token's power first as the
+ * reference applies its scales, one rounding. Returns 0, -1 for a shape it does not take, -2 when
+ * memory runs out. */
+int dsv41_apply_powers(uint16_t *out, int64_t m, int64_t n, int64_t ld, const int32_t *a_top, const int32_t *w_top,
                        int64_t rows_per_scale, int threads) {
-    if (n < 0 || m < 0 || rows_per_scale < 1) return -1;
-    float *a_pow = malloc(sizeof(float) * (size_t)(m + 1));
-    if (!a_pow) return -2;
-    for (int64_t t = 0; t < m; t++) a_pow[t] = e8m0_value((uint8_t)a_top[t]);
-    powers_t p = {out, a_pow, w_top, m, rows_per_scale};
-    if (n > 0) parallel_rows(&p, 0, n, threads, power_rows);
-    free(a_pow);
+    if (m < 0 || n < 0 || ld < n || rows_per_scale < 1) return -1;
+    float *w_pow = malloc(sizeof(float) * (size_t)(n + 1));
+    if (!w_pow) return -2;
+    for (int64_t r = 0; r < n; r++) w_pow[r] = e8m0_value((uint8_t)w_top[r / rows_per_scale]);
+    powers_t p = {out, w_pow, a_top, n, ld};
+    if (m > 0) parallel_rows(&p, 0, m, threads, power_rows);
+    free(w_pow);
     return 0;
 }
 

@@ -64,7 +64,7 @@ class NativeKernels:
         lib.dsv41_activation.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, c_int]
         lib.dsv41_scale_range.argtypes = [ptr, i64, i64, ptr, ptr]
         lib.dsv41_decode.argtypes = [c_int, ptr, ptr, ptr, i64, ptr, i64, i64, i64, c_int, c_int]
-        lib.dsv41_apply_powers.argtypes = [ptr, i64, i64, ptr, ptr, i64, c_int]
+        lib.dsv41_apply_powers.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, c_int]
         lib.dsv41_act_quant.argtypes = [ptr, c_int, i64, i64, i64, ptr, ptr, c_int]
         self.simd = bool(lib.dsv41_simd())
         self.avx512 = bool(lib.dsv41_avx512())  # one token's products on the AVX-512 body
@@ -101,13 +101,14 @@ class NativeKernels:
         `chunk_values` values at a time into one float32 buffer, one BLAS GEMM per chunk, the
         powers of two applied after (the token's first); tokens or rows whose scales span more
         than `span` octaves (or are NaN) are not ok, and their outputs are left to the caller.
-        Products are float32, views of one [sum N, M] result.
+        Products are float32.
 
         `bf16` (the many-token path only): decode rows and activations to BF16 instead, exactly
         (see dsv41_decode), for torch's BF16 GEMM, which accumulates in float32 and rounds once
         to BF16 (AMX or AVX-512 BF16 where the CPU has them, see `prefill_path`); the powers of
         two then scale that BF16 result in place (dsv41_apply_powers): the product rounded to
-        BF16 as the reference rounds it, up to float32 addition order. The products are BF16."""
+        BF16 as the reference rounds it, up to float32 addition order. The products are BF16,
+        column blocks of one [M, sum N] result."""
         a, a_scale = a.contiguous(), a_scale.contiguous()
         weights = [(packed.contiguous(), w_scale.contiguous()) for packed, w_scale in weights]
         m, k = a.shape
@@ -131,7 +132,9 @@ class NativeKernels:
                                                      w_low.data_ptr()), shapes)
             tops.append((w_top, w_low))
 
-        # the weights' rows end to end: [sum N, M], each chunk of rows one GEMM
+        # the weights' rows end to end, each chunk of rows one GEMM: BF16 into the columns of one
+        # [M, sum N] result (written through its transpose); float32 into the rows of a [sum N, M]
+        # one, a layout whose float32 GEMM gives the same bits at any thread count
         first_rows = [0]
         for packed, _ in weights:
             first_rows.append(first_rows[-1] + packed.size(0))
@@ -139,7 +142,7 @@ class NativeKernels:
         chunks = -(-total // max(1, chunk_values // k))
         rows = -(-total // chunks)  # chunks of equal size: no short last GEMM
         buf = self._workspace("decoded rows", rows, k, dtype)
-        out_t = torch.empty(total, m, dtype=dtype) if bf16 else self._workspace("product", total, m, dtype)
+        out_t = torch.empty(m, total, dtype=dtype).t() if bf16 else self._workspace("product", total, m, dtype)
         for c0 in range(0, total, rows):
             c1 = min(total, c0 + rows)
             for (packed, w_scale), (w_top, _), first in zip(weights, tops, first_rows):
@@ -156,13 +159,12 @@ class NativeKernels:
         for (packed, _), (w_top, w_low), first in zip(weights, tops, first_rows):
             n = packed.size(0)
             w_pow, row_ok = (t.repeat_interleave(rows_per_scale)[:n] for t in split_powers(w_top, w_low, span))
-            part = out_t[first : first + n]  # [N, M]
+            product = out_t[first : first + n].t()  # [M, N]
             if bf16:
-                self._check(self._lib.dsv41_apply_powers(part.data_ptr(), n, m, a_top.data_ptr(), w_top.data_ptr(),
-                                                          rows_per_scale, threads), shapes)
-                product = part.t()
+                self._check(self._lib.dsv41_apply_powers(product.data_ptr(), m, n, total, a_top.data_ptr(),
+                                                          w_top.data_ptr(), rows_per_scale, threads), shapes)
             else:  # the token's power of two first, then the row's, as the reference applies a_s, w_s
-                product = part.t() * a_pow.unsqueeze(1) * w_pow.unsqueeze(0)
+                product = product * a_pow.unsqueeze(1) * w_pow.unsqueeze(0)
             results.append((product, token_ok, row_ok))
         return results
 
