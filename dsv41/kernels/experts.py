@@ -9,7 +9,8 @@ A decode step's expert call, from `model.RoutedExperts.forward`:
         _products    each GEMM of a list, where its weight lives:
           CUDA       triton_experts.fp4_gemm_triton (FP8 weights: the op layer's fp8_gemm)
           CPU        native `gemm_many`, one call for every product of up to 8 tokens (any count
-                     with batch_invariant); the rest one by one through `_fused`
+                     with batch_invariant); the rest through `_fused_products`, an expert's gate
+                     and up projections (the same tokens) in one call
 
 `routed_experts_reference` is the plain reference with the same contract. `expert_devices` and
 `device_for` say where the loader places experts (round-robin over a device list).
@@ -18,7 +19,8 @@ Storage: w1 (gate) and w3 (up) are I8 [inter, dim/2], w2 (down) I8 [dim, inter/2
 two E2M1 codes (element 2i in the low nibble), with one E8M0 scale per 32 values along K. The
 reference `fp4_gemm` expands a whole matrix to float32 first; the runtime this project replaces
 expanded every routed expert to BF16 and spent almost all of a decode step doing so. The fused
-path never holds more than a chunk of rows in float32. `cpu_kernel` picks the CPU kernel: "native"
+path never holds more than a chunk of decoded rows (4 MiB of float32, or 8 MiB of BF16 rows, sized
+to still be in cache when the GEMM reads them). `cpu_kernel` picks the CPU kernel: "native"
 (native.c, built once per machine with its C compiler), "torch" (plain PyTorch), or "auto", the
 default: native where it builds, torch otherwise, saying so once on stderr.
 
@@ -35,8 +37,10 @@ default: native where it builds, torch otherwise, saying so once on stderr.
   octaves are computed by the reference itself, a chunk at a time. The native kernel decodes the
   rows in C: to BF16 for torch's BF16 GEMM (float32 accumulation, one rounding) when the result is
   BF16 and the CPU has AMX or AVX-512 BF16 (`native.prefill_path`, read at run time; a value
-  times its relative scale has at most 4 significant bits, exact in BF16), to float32 for the
-  float32 GEMM otherwise; the torch kernel, at any token count, decodes a chunk of rows with three integer ops
+  times its relative scale has at most 4 significant bits, exact in BF16; the powers of two are
+  then applied to the BF16 result in C, exact but for a result below the normal range), to float32
+  for the float32 GEMM otherwise; the tokens are decoded once for every weight of the call, whose
+  rows share the chunks and GEMMs; the torch kernel, at any token count, decodes a chunk of rows with three integer ops
   on int32 words: each code is moved to the top of the word, shifted back arithmetically and
   masked, which leaves the float32 bit pattern of value * 2**-126 (value * 2**-120 for FP8
   bytes); one multiply applies the relative scales and 2**126 back. The chunk's columns are in a

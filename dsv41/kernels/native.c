@@ -2,13 +2,14 @@
  * packed FP4 (E2M1, two codes per byte, element 2i in the low nibble) or FP8 (E4M3) weight rows.
  *
  * Built by dsv41/kernels/native.py with the machine's C compiler on first use and called through
- * ctypes. Two entry points:
+ * ctypes. Two kinds of product:
  * - dsv41_gemm_many, for the few tokens a weight sees while decoding (the caller uses it up to
  *   8), several products per call: what the op layer's fp4_gemm / fp8_gemm compute, in their
  *   order, below;
- * - dsv41_decode (with dsv41_activation and dsv41_scale_range), for many tokens: rows decoded
- *   into a float32 (or, exactly, BF16) buffer for the caller's GEMM, scales split as experts.py
- *   explains.
+ * - dsv41_decode (with dsv41_activation, dsv41_scale_range and dsv41_apply_powers), for many
+ *   tokens: rows decoded into a float32 (or, exactly, BF16) buffer for the caller's GEMM, scales
+ *   split as experts.py explains.
+ * dsv41_act_quant is quant.py's act_quant (E8M0 scales) byte for byte, for every CPU caller.
  *
  * dsv41_gemm_many computes, for each output (token t, row r), one float32 partial product per
  * 32-value K block, scaled by the block's activation and weight scales as the reference scales it (FP4: times the activation scale, then
