@@ -219,6 +219,20 @@ def test_bench_decode_released_reports_phases_against_their_floor(tmp_path, caps
         assert math.isclose(p["fraction_of_floor"], p["bytes"] / bw / p["seconds_per_token"], rel_tol=1e-9)
         assert p["bytes"] > cell["token"]["bytes"]  # 40 layers read more than 2
     assert report["phases"] == report["settings"][str(report["threads"])]["phases"]
+    assert "target:" not in printed and all("targets" not in c for c in report["settings"].values())
+
+
+def test_released_decode_targets_leave_out_the_latency_bound_phase():
+    """The decode targets: the whole token at 50% of its floor, every phase at 30% but "other"."""
+    def cell(token, **fractions):
+        phases = {name: {"fraction_of_floor": fractions.get(name.replace(" ", "_"), 0.9)} for name in bench.RELEASED_PHASES}
+        return {"token": {"fraction_of_floor": token}, "phases": phases}
+
+    met = bench._released_targets(cell(0.6, other=0.02, routed_experts=0.31))
+    assert met["met"] and met["lowest_phase"] == "routed experts" and met["lowest_phase_fraction"] == 0.31
+    assert met["latency_bound_phases"] == ["other"]
+    assert not bench._released_targets(cell(0.49))["met"]
+    assert not bench._released_targets(cell(0.9, shared_expert=0.29))["met"]
 
 
 def test_released_decode_config_is_the_released_geometry_on_few_layers():
