@@ -80,8 +80,9 @@ _SPAN_OCTAVES = 48
 # Upper bound on float32 values in one decoded chunk (4 MiB): large enough that a chunk's handful
 # of torch calls cost little next to its work, small enough to stay in the last-level cache.
 _CHUNK_VALUES = 1 << 20
-# The BF16 path decodes up to this many values (32 MiB) per GEMM: every weight of an expert at
-# once, since torch's BF16 GEMM loses more on a chunk of rows than a cache-sized chunk saves.
+# The same bound for the BF16 path (8 MiB of BF16 rows): decoded rows still in cache when torch's
+# BF16 GEMM reads them, which measured faster here than decoding whole weights (whose rows go out
+# to memory and back) or smaller chunks (whose GEMMs run below their peak).
 _BF16_CHUNK_VALUES = 1 << 22
 _BLOCK = FP4_WEIGHT_BLOCK  # both formats scale blocks of 32 values along K
 CPU_KERNELS = ("auto", "native", "torch")
@@ -232,7 +233,8 @@ def _products(jobs, dtype, cpu_kernel: str, batch_invariant: bool, product: Opti
     """Products (a, a_s, w, s) of FP8 tokens [M, K] with E8M0 scales [M, K/32] -> each [M, N] in
     `dtype`, on the device of its weight: the Triton kernel on CUDA; on the CPU (where any other
     device's weights are copied), the native kernel's block-order products in one `gemm_many`
-    call, the rest through `_fused_products`, one call per run of jobs on the same tokens. `product`, where given, runs each one instead."""
+    call, the rest through `_fused_products`, one call per run of jobs on the same tokens.
+    `product`, where given, runs each one instead."""
     if product is not None:
         return [product(*job, dtype) for job in jobs]
     outs: list = [None] * len(jobs)
@@ -264,9 +266,7 @@ def _products(jobs, dtype, cpu_kernel: str, batch_invariant: bool, product: Opti
             continue
         # more tokens, or scales the native kernel does not read: an expert's gate and up
         # projections read the same tokens, so they decode them once and share one GEMM
-        last = shared_tokens[-1][-1] if shared_tokens else None
-        if last is not None and last[1] is a and (last[5].fp4, last[5].k, last[5].rows_per_scale) == (
-                op.fp4, op.k, op.rows_per_scale):
+        if shared_tokens and shared_tokens[-1][0][1] is a and _same_format(shared_tokens[-1][0][5], op):
             shared_tokens[-1].append((i, a, a_s, w, s, op))
         else:
             shared_tokens.append([(i, a, a_s, w, s, op)])
@@ -280,6 +280,11 @@ def _products(jobs, dtype, cpu_kernel: str, batch_invariant: bool, product: Opti
         for (i, _), out in zip(block_order, kernels.gemm_many([operands for _, operands in block_order])):
             outs[i] = out.to(dtype)
     return outs
+
+
+def _same_format(x: Operands, y: Operands) -> bool:
+    """Whether two products' weights can share one `_fused_products` call."""
+    return (x.fp4, x.k, x.rows_per_scale) == (y.fp4, y.k, y.rows_per_scale)
 
 
 # ---------------------------------------------------------------------- the fused GEMMs

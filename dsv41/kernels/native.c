@@ -264,37 +264,50 @@ static const group_fn FP4_GROUP[GROUP + 1] = {
 static const group_fn FP8_GROUP[GROUP + 1] = {
     0, fp8_group_1, fp8_group_2, fp8_group_3, fp8_group_4, fp8_group_5, fp8_group_6, fp8_group_7, fp8_group_8};
 
+/* One block's sums of four rows scaled as the reference scales them (FP4: by the activation
+ * scale, then the weight scale; FP8: by their product), added to the rows' running sums. */
+static inline __attribute__((always_inline)) __m128 add_scaled_block(int fp4, __m128 sum, __m128 partial,
+                                                                      float a_scale, const float *w_scales) {
+    const __m128 sa = _mm_set1_ps(a_scale), sb = _mm_loadu_ps(w_scales);
+    partial = fp4 ? _mm_mul_ps(_mm_mul_ps(partial, sa), sb) : _mm_mul_ps(partial, _mm_mul_ps(sa, sb));
+    return _mm_add_ps(sum, partial);
+}
+
+/* Block b of four weight rows (from w, row_bytes apart) against one token: each row's lane sums
+ * reduced together, row q in lane q (its first four lanes summed, then its last four, then both),
+ * then scaled and added in K order. */
+static inline __attribute__((always_inline)) __m128 four_rows_block(int fp4, const uint8_t *w, int64_t row_bytes,
+                                                                     int64_t b, const float *a, const float *a_scale,
+                                                                     const float *sw, int64_t nb, __m128 sum) {
+    const int64_t block_bytes = fp4 ? BLOCK / 2 : BLOCK;
+    __m256 s[4];
+    for (int q = 0; q < 4; q++) {
+        __m256 v[4];
+        decode_block(fp4, w + q * row_bytes + b * block_bytes, v);
+        s[q] = lane_sums(v, a + b * BLOCK);
+    }
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+    __m128 partial = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    return add_scaled_block(fp4, sum, partial, a_scale[b * GROUP], sw + SW_INDEX(0, b, nb));
+}
+
+static inline void store_four_rows(__m128 sum, float *acc) {
+    float lanes[4];
+    _mm_storeu_ps(lanes, sum);
+    for (int q = 0; q < 4; q++) acc[q * GROUP] = lanes[q];
+}
+
 /* One token (the group at g0 holds just one: every expert while decoding) against four rows at a
  * time, the rows' lane sums reduced together: each row's block sum in exactly the order
  * block_sums gives one token, and the scaling and K-order addition lane by lane as in GROUP_BODY. */
 #define FOUR_ROWS_BODY(FP4, NAME)                                                                 \
     static __attribute__((unused)) void NAME(const job_t *j, int64_t r0, int64_t g0, const float *sw, float *acc) {       \
         const int64_t nb = j->k / BLOCK, row_bytes = FP4 ? j->k / 2 : j->k;                      \
-        const int64_t block_bytes = FP4 ? BLOCK / 2 : BLOCK;                                      \
-        const uint8_t *w = j->w + r0 * row_bytes;                                                 \
         const float *a = j->a + g0 * j->k, *a_scale = j->a_scale + (g0 / GROUP) * nb * GROUP;      \
         __m128 sum = _mm_setzero_ps();                                                            \
-        for (int64_t b = 0; b < nb; b++) {                                                        \
-            __m256 s[4];                                                                          \
-            for (int q = 0; q < 4; q++) {                                                         \
-                __m256 v[4];                                                                      \
-                decode_block(FP4, w + q * row_bytes + b * block_bytes, v);                        \
-                s[q] = lane_sums(v, a + b * BLOCK);                                               \
-            }                                                                                     \
-            /* row q in lane q: its first four lanes summed, then its last four, then both */     \
-            __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));   \
-            __m128 partial = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));  \
-            __m128 sa = _mm_set1_ps(a_scale[b * GROUP]);                                          \
-            __m128 sb = _mm_loadu_ps(sw + SW_INDEX(0, b, nb));                                    \
-            if (FP4)                                                                              \
-                partial = _mm_mul_ps(_mm_mul_ps(partial, sa), sb);                                \
-            else                                                                                  \
-                partial = _mm_mul_ps(partial, _mm_mul_ps(sa, sb));                                \
-            sum = _mm_add_ps(sum, partial);                                                       \
-        }                                                                                         \
-        float lanes[4];                                                                           \
-        _mm_storeu_ps(lanes, sum);                                                                \
-        for (int q = 0; q < 4; q++) acc[q * GROUP] = lanes[q];                                    \
+        for (int64_t b = 0; b < nb; b++)                                                          \
+            sum = four_rows_block(FP4, j->w + r0 * row_bytes, row_bytes, b, a, a_scale, sw, nb, sum); \
+        store_four_rows(sum, acc);                                                                \
     }
 FOUR_ROWS_BODY(1, fp4_four_rows)
 FOUR_ROWS_BODY(0, fp8_four_rows)
@@ -365,37 +378,12 @@ static inline __attribute__((always_inline)) void decode_two_blocks(int fp4, con
             __m512 h = hadd512(hadd512(s[0], s[1]), hadd512(s[2], s[3]));                         \
             __m128 part[2] = {_mm_add_ps(_mm512_castps512_ps128(h), _mm512_extractf32x4_ps(h, 1)),  \
                               _mm_add_ps(_mm512_extractf32x4_ps(h, 2), _mm512_extractf32x4_ps(h, 3))}; \
-            for (int half = 0; half < 2; half++) {                                                \
-                __m128 partial = part[half];                                                      \
-                __m128 sa = _mm_set1_ps(a_scale[(b + half) * GROUP]);                             \
-                __m128 sb = _mm_loadu_ps(sw + SW_INDEX(0, b + half, nb));                         \
-                if (FP4)                                                                          \
-                    partial = _mm_mul_ps(_mm_mul_ps(partial, sa), sb);                            \
-                else                                                                              \
-                    partial = _mm_mul_ps(partial, _mm_mul_ps(sa, sb));                            \
-                sum = _mm_add_ps(sum, partial);                                                   \
-            }                                                                                     \
+            for (int half = 0; half < 2; half++)                                                  \
+                sum = add_scaled_block(FP4, sum, part[half], a_scale[(b + half) * GROUP],         \
+                                       sw + SW_INDEX(0, b + half, nb));                           \
         }                                                                                         \
-        for (; b < nb; b++) {                                                                     \
-            __m256 s[4];                                                                          \
-            for (int q = 0; q < 4; q++) {                                                         \
-                __m256 v[4];                                                                      \
-                decode_block(FP4, w + q * row_bytes + b * block_bytes, v);                        \
-                s[q] = lane_sums(v, a + b * BLOCK);                                               \
-            }                                                                                     \
-            __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));   \
-            __m128 partial = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));  \
-            __m128 sa = _mm_set1_ps(a_scale[b * GROUP]);                                          \
-            __m128 sb = _mm_loadu_ps(sw + SW_INDEX(0, b, nb));                                    \
-            if (FP4)                                                                              \
-                partial = _mm_mul_ps(_mm_mul_ps(partial, sa), sb);                                \
-            else                                                                                  \
-                partial = _mm_mul_ps(partial, _mm_mul_ps(sa, sb));                                \
-            sum = _mm_add_ps(sum, partial);                                                       \
-        }                                                                                         \
-        float lanes[4];                                                                           \
-        _mm_storeu_ps(lanes, sum);                                                                \
-        for (int q = 0; q < 4; q++) acc[q * GROUP] = lanes[q];                                    \
+        for (; b < nb; b++) sum = four_rows_block(FP4, w, row_bytes, b, a, a_scale, sw, nb, sum);  \
+        store_four_rows(sum, acc);                                                                \
     }
 FOUR_ROWS_512(1, fp4_four_rows_512)
 FOUR_ROWS_512(0, fp8_four_rows_512)
