@@ -233,7 +233,7 @@ def packed_bytes_read(ids, routed, shared) -> int:
 
 
 # ---------------------------------------------------------------------- the command
-# The targets on a two-core machine, checked at the released sizes only:
+# The expert bench's targets on a two-core machine, checked at the released sizes only:
 # (tokens, least speedup over the baseline, least fraction of copy bandwidth or None, least
 # fraction of the throughput of torch's BF16 GEMM on pre-expanded weights or None)
 TARGETS = ((1, 30.0, 0.40, None), (512, 3.0, None, 0.80))
@@ -337,7 +337,7 @@ def _check_targets(shapes: list[dict], kernel: str, log: Callable[[str], None]) 
 
 
 # ---------------------------------------------------------------------- on a GPU
-# The GPU target: the decode GEMV's packed bytes per second against the device's copy.
+# The GPU target: the decode GEMV's packed bytes per second against the device's copy.
 GPU_GEMV_TARGET = 0.60
 
 
@@ -792,9 +792,10 @@ def bench_speculative(checkpoint: str, *, prompt_tokens: int, decode_tokens: int
 # Phases of a released-geometry decode token, in print order; "other" is what no hook covers
 # (embedding, hyper-connection mixes and Sinkhorn, norms, the router, Python).
 RELEASED_PHASES = ("attention", "routed experts", "shared expert", "Engram", "head", "other")
-# The targets for one run: the whole token at this fraction of its floor or more, and
-# every phase at PHASE_TARGET or more but the latency-bound ones: "other" reads 8 MB spread over
-# hundreds of small operations per layer, whose dispatch, not their bytes, takes the time.
+# The released-geometry decode targets for one run: the whole token at this fraction of its
+# floor or more, and every phase at PHASE_TARGET or more but the latency-bound ones: "other"
+# reads 8 MB spread over hundreds of small operations per layer, whose dispatch, not their bytes,
+# takes the time.
 TOKEN_TARGET, PHASE_TARGET, LATENCY_BOUND_PHASES = 0.50, 0.30, ("other",)
 # Small Engram tables for the synthetic checkpoint: the lookup reads a handful of rows per token
 # whatever the table size, so only the disk footprint changes with it.

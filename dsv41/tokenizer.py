@@ -25,7 +25,7 @@ DSPARK_NOISE_TOKEN = "<｜dspark▁noise｜>"
 
 # The chat format's markers (`dsv41.chat`), spelled as the release spells them. The released
 # tokenizer has each as one id; the tiny one puts them on the reserved ids right after the image
-# token, so every chat prompt tokenizes with them whole (they were added for the chat issue: the
+# token, so every chat prompt tokenizes with them whole (they were added with the chat format: the
 # tokenizer's earlier layout had fillers there, and the checkpoint's weights do not change).
 USER_TOKEN = "<｜User｜>"
 ASSISTANT_TOKEN = "<｜Assistant｜>"
