@@ -1005,11 +1005,13 @@ class AttentionStack(nn.Module):
     def cache_bytes(self) -> CacheBytes:
         return cache_bytes(self.layers)
 
+    @torch.inference_mode()  # the caches take in-place writes whichever grad mode made them
     def reset_state(self) -> None:
         for layer in self.layers:
             layer.reset_state()
         self.runtime.reset()
 
+    @torch.inference_mode()  # the caches take in-place writes whichever grad mode made them
     def forward(self, x: torch.Tensor, start_pos: int, trace: Optional[Trace] = None) -> torch.Tensor:
         h = x
         for layer in self.layers:
@@ -1017,6 +1019,7 @@ class AttentionStack(nn.Module):
             h = h + layer(normed, start_pos, self.runtime, trace)
         return h
 
+    @torch.inference_mode()  # the caches take in-place writes whichever grad mode made them
     def forward_each(self, x: torch.Tensor, start_pos: int, trace: Optional[Trace] = None) -> torch.Tensor:
         """[n_layers, b, s, dim]: every layer's output on the same input x."""
         return torch.stack([layer(x, start_pos, self.runtime, trace) for layer in self.layers])

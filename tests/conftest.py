@@ -1,6 +1,31 @@
 """Shared fixtures."""
 
+import os
+import shutil
+
 import pytest
+
+HAVE_CC = shutil.which(os.environ.get("CC", "cc")) is not None
+
+
+def native_levels() -> tuple[str, ...]:
+    """Every instruction-set level this CPU can hold the native kernels to (lowest first): the
+    kernel tests run each, so a machine with AVX-512 also runs the AVX2 CPU's and plain C's paths."""
+    from dsv41.kernels.native import runnable_isa_levels
+
+    return runnable_isa_levels()
+
+
+@pytest.fixture(params=native_levels())
+def native_level(request):
+    """The test runs with the native kernels held to one level (`native.forced_isa`); yields the
+    level. Without a C compiler the native kernels cannot be built, and its runs skip."""
+    from dsv41.kernels import native
+
+    if not HAVE_CC:
+        pytest.skip("no C compiler on PATH: the native kernels cannot be built here")
+    with native.forced_isa(request.param):
+        yield request.param
 
 
 @pytest.fixture(scope="module")

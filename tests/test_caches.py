@@ -164,14 +164,14 @@ def test_cache_env_naming_a_file_is_one_sentence(tmp_path, monkeypatch, where):
 # ---------------------------------------------------------------------- the native kernel cache
 @pytest.fixture
 def fresh_native(monkeypatch, tmp_path):
-    """A process that has loaded no native library yet, with its own cache and one (portable)
-    flag set, so the library's name is known before it is built."""
+    """A process that has loaded no native library yet, with its own cache and held to the plain
+    level (one portable flag set), so the library's name is known before it is built."""
     import dsv41.kernels.experts as ex
     from dsv41.kernels import native
 
     monkeypatch.setenv("DSV41_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "_STATE", {})
-    monkeypatch.setattr(native, "_FLAG_SETS", (["-O3"],))
+    monkeypatch.setenv(native.ISA_ENV, "plain")
     monkeypatch.setattr(ex, "_SAID", set())
     return native
 

@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+from conftest import native_levels
 from dsv41.formats import quantize_fp4, quantize_fp8_blocks
 from dsv41.kernels import act_quant, fp4_gemm, fp8_gemm, linear
 from dsv41.kernels.codecs import e8m0_decode, fp4_to_float
@@ -67,7 +68,7 @@ def _native_order(a, a_s, w, w_s):
 @pytest.mark.parametrize("kind", ["fp8", "fp4"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 9, 20])
 @pytest.mark.parametrize("k", [320, 352])  # an even and an odd number of blocks (one token takes them in pairs)
-def test_native_linear_is_the_written_out_block_order_bit_for_bit(kind, m, k):
+def test_native_linear_is_the_written_out_block_order_bit_for_bit(native_level, kind, m, k):
     g = _gen(10 + m)
     w, s = (_fp8_weight if kind == "fp8" else _fp4_weight)(72, k, g)  # 72 rows: a ragged FP8 scale block
     x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
@@ -102,7 +103,7 @@ def test_native_linear_equals_the_reference_up_to_block_sum_rounding(kind):
 
 @needs_cc
 @pytest.mark.parametrize("kind", ["fp8", "fp4"])
-def test_a_tokens_bits_do_not_depend_on_how_many_share_the_call(kind):
+def test_a_tokens_bits_do_not_depend_on_how_many_share_the_call(native_level, kind):
     """Any token count, prefill-sized ones included, so a prefill equals its tokens decoded one at
     a time (the parity the chunked prefill relies on)."""
     g = _gen(5)
@@ -147,7 +148,7 @@ def test_off_the_native_kernel_auto_is_the_reference_and_native_says_why(monkeyp
     assert torch.equal(linear(x, w, float_scales), fp8_gemm(a, a_s, w, float_scales))
     with pytest.raises(RuntimeError, match="weight scales are torch.float32"):
         linear(x, w, float_scales, kernel="native")
-    monkeypatch.setattr(native, "_STATE", {"kernels": None, "reason": "no C compiler (cc) on PATH"})
+    monkeypatch.setattr(native, "_STATE", {native.isa_level(): (None, "no C compiler (cc) on PATH")})
     assert torch.equal(linear(x, w, s), fp8_gemm(a, a_s, w, s))
     with pytest.raises(RuntimeError, match="no C compiler"):
         linear(x, w, s, kernel="native")
@@ -167,8 +168,9 @@ def test_layers_linear_runs_the_native_kernel():
 
 @needs_cc
 def test_every_instruction_set_build_gives_the_same_bits(monkeypatch, tmp_path):
-    """The AVX-512 body (one token, block pairs), the AVX2 body and plain C, each forced by its own
-    build, agree bit for bit with the written-out order, for both formats."""
+    """The AVX-512 body (one token, block pairs), the AVX2 body and plain C, each forced by its
+    level's build (every level this CPU can run), agree bit for bit with the written-out order,
+    for both formats."""
     import dsv41.kernels.native as native
 
     g = _gen(21)
@@ -180,22 +182,23 @@ def test_every_instruction_set_build_gives_the_same_bits(monkeypatch, tmp_path):
             a, a_s = act_quant(x)
             cases.append((x, w, s, _native_order(a, a_s, w, s).to(torch.bfloat16)))
     monkeypatch.setenv("DSV41_CACHE", str(tmp_path))
-    builds = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native", "-mno-avx512f", "-fopenmp"], ["-O3"])
-    seen = []
-    for flags in builds:
-        monkeypatch.setattr(native, "_STATE", {})
-        monkeypatch.setattr(native, "_FLAG_SETS", (flags,))
-        kernels = native.load()
-        assert kernels is not None and kernels.flags == flags, native.unavailable_reason()
-        seen.append((kernels.avx512, kernels.simd))
-        for x, w, s, want in cases:
-            assert torch.equal(linear(x, w, s, kernel="native"), want), flags
-    assert seen[1] == (False, seen[0][1]) and seen[2] == (False, False)
+    monkeypatch.setattr(native, "_STATE", {})
+    bodies = {}
+    for level in native_levels():
+        with native.forced_isa(level) as kernels:
+            assert kernels is not None and kernels.level == level, native.unavailable_reason()
+            bodies[level] = (kernels.avx512, kernels.simd)
+            for x, w, s, want in cases:
+                assert torch.equal(linear(x, w, s, kernel="native"), want), level
+    # each level builds the body it names
+    assert bodies["plain"] == (False, False)
+    assert bodies.get("avx2", (False, True)) == (False, True)
+    assert all(bodies[level] == (True, True) for level in native_levels()[2:])
 
 
 @needs_cc
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_a_non_finite_activation_stays_non_finite(bad):
+def test_a_non_finite_activation_stays_non_finite(native_level, bad):
     """The kernel decodes E4M3 codes as numbers; a token whose activation holds the NaN code
     (what act_quant makes of a NaN or Inf) gets NaN outputs, as the reference GEMM gives it, so
     the finite checks find it; the other tokens are untouched."""
@@ -212,7 +215,7 @@ def test_a_non_finite_activation_stays_non_finite(bad):
 
 @needs_cc
 @pytest.mark.parametrize("tokens", [3, 12])  # the block-order path and the many-token path
-def test_a_non_finite_activation_stays_non_finite_through_routed_experts(tokens):
+def test_a_non_finite_activation_stays_non_finite_through_routed_experts(native_level, tokens):
     from dsv41.bench import make_experts
     from dsv41.kernels.experts import routed_experts
 

@@ -28,6 +28,8 @@ from dsv41.kernels.experts import (
     routed_experts_reference,
 )
 
+from conftest import native_levels
+
 REPO = Path(__file__).resolve().parents[1]
 try:
     import triton  # noqa: F401
@@ -40,13 +42,19 @@ except ImportError:
 HAVE_CC = shutil.which(os.environ.get("CC", "cc")) is not None
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture(params=[f"native-{level}" for level in native_levels()] + ["torch"])
 def kernel(request):
-    """Each fused-path test runs on both CPU kernels. Where a C compiler is on PATH the native one
-    must build (a failure fails the test); without one it cannot, and its runs skip."""
-    if request.param == "native" and not HAVE_CC:
+    """Each fused-path test runs on both CPU kernels, the native one at every instruction-set
+    level this CPU can run (`native.forced_isa`: its AVX-512, AVX2 and plain-C bodies, the BF16 and
+    float32 many-token paths). Where a C compiler is on PATH the native one must build (a failure
+    fails the test); without one it cannot, and its runs skip."""
+    if request.param == "torch":
+        yield "torch"
+        return
+    if not HAVE_CC:
         pytest.skip("no C compiler on PATH: the native kernels cannot be built here")
-    return request.param
+    with ex.native.forced_isa(request.param.removeprefix("native-")):
+        yield "native"
 
 
 @pytest.fixture
@@ -287,6 +295,28 @@ def test_routed_experts_match_the_reference(small_chunks, kernel):
     assert torch.equal(listed, got)
 
 
+@pytest.mark.parametrize("first_mode", ["inference", "no_grad", "grad"])
+def test_kept_buffers_take_calls_in_every_grad_mode(monkeypatch, kernel, first_mode):
+    """The many-token path keeps its working buffers between calls: whichever grad mode made
+    them (inference_mode, no_grad, plain), a later call in any other mode gives the same bits
+    (a buffer first made under inference_mode used to refuse writes outside it)."""
+    from dsv41.kernels import native
+
+    monkeypatch.setattr(native, "_STATE", {})  # a kernels object with nothing kept yet
+    g = _gen(29)
+    dim, inter, n_experts = 256, 96, 4
+    experts = {e: _expert(dim, inter, g) for e in range(n_experts)}
+    x = (torch.randn(64, dim, generator=g) * 4).to(torch.bfloat16)
+    ids, weights = _routing(64, n_experts, 2, g)
+    modes = {"inference": torch.inference_mode, "no_grad": torch.no_grad, "grad": torch.enable_grad}
+    order = [first_mode] + [m for m in modes if m != first_mode] + [first_mode]
+    outs = []
+    for mode in order:
+        with modes[mode]():
+            outs.append(routed_experts(x, ids, weights, experts, 0.0, cpu_kernel=kernel).clone())
+    assert all(torch.equal(out, outs[0]) for out in outs[1:]), order
+
+
 def test_routed_experts_handle_one_token_and_no_tokens(kernel):
     g = _gen(19)
     dim, inter = 128, 64
@@ -427,7 +457,7 @@ def _exact_block_case(m, g):
 
 @needs_cc
 @pytest.mark.parametrize("m", range(1, 9))
-def test_native_follows_the_reference_block_order_up_to_8_tokens(m):
+def test_native_follows_the_reference_block_order_up_to_8_tokens(native_level, m):
     """Up to 8 tokens per weight the native kernel scales each block's partial and adds it in K
     order as fp4_gemm / fp8_gemm do: bit for bit the reference wherever block sums are exact."""
     from dsv41.kernels.native import BLOCK_ORDER_MAX_TOKENS
@@ -444,7 +474,7 @@ def test_native_follows_the_reference_block_order_up_to_8_tokens(m):
 
 
 @needs_cc
-def test_a_tokens_result_does_not_depend_on_its_company_up_to_8_tokens():
+def test_a_tokens_result_does_not_depend_on_its_company_up_to_8_tokens(native_level):
     """Random operands (inexact block sums): a token gets the same bits alone or with 7 others."""
     g = _gen(90)
     packed, scale = _fp4_weight(48, 320, g)
@@ -485,7 +515,7 @@ def test_models_loaded_for_parity_run_their_experts_batch_invariant(tiny_checkpo
 
 
 @needs_cc
-def test_products_in_one_native_call_equal_them_one_by_one():
+def test_products_in_one_native_call_equal_them_one_by_one(native_level):
     """A decode step hands all gate/up projections to the native kernel at once (then all down
     projections): FP4 and FP8 products of different shapes and token counts in one pass give the
     bits each gives alone, and whole experts give the same outputs either way."""
@@ -514,7 +544,7 @@ def test_products_in_one_native_call_equal_them_one_by_one():
 
 @needs_cc
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gate_and_up_sharing_one_gemm_give_each_products_own_bits(fp8):
+def test_gate_and_up_sharing_one_gemm_give_each_products_own_bits(native_level, fp8):
     """Beyond 8 tokens an expert's gate and up projections decode their tokens once and share one
     GEMM per chunk of rows (the chunk spanning both weights here): each output equals that
     projection computed on its own, and whole experts equal one product at a time."""
@@ -548,12 +578,10 @@ def test_portable_build_without_simd_gives_the_same_bits(fresh_native, monkeypat
     simd = fresh_native.load()
     assert simd is not None, fresh_native.unavailable_reason()
     want = [_fused_gemm(kind, a, a_s, w, s, "native") for kind, a, a_s, w, s, _ in cases]
-    monkeypatch.setattr(fresh_native, "_STATE", {})
-    monkeypatch.setattr(fresh_native, "_FLAG_SETS", (["-O3"],))
-    portable = fresh_native.load()
-    assert portable is not None and not portable.simd and portable.flags == ["-O3"]
-    for (kind, a, a_s, w, s, ref), simd_out in zip(cases, want):
-        got = _fused_gemm(kind, a, a_s, w, s, "native")
+    with fresh_native.forced_isa("plain") as portable:
+        assert portable is not None and not portable.simd and portable.flags == ["-O3"]
+        got_all = [_fused_gemm(kind, a, a_s, w, s, "native") for kind, a, a_s, w, s, _ in cases]
+    for (kind, a, a_s, w, s, ref), simd_out, got in zip(cases, want, got_all):
         if a.size(0) <= 8:
             assert torch.equal(got, simd_out), kind
         w_values = fp4_to_float(w.view(torch.uint8)) if kind == "fp4" else w.float()
@@ -596,7 +624,7 @@ def _assert_act_quant_is_the_definition(g):
 
 
 @needs_cc
-def test_native_act_quant_gives_the_definitions_bytes():
+def test_native_act_quant_gives_the_definitions_bytes(native_level):
     """act_quant takes the native kernel on the CPU: its E4M3 codes and E8M0 scales equal the
     tensor-operation definition byte for byte, special values included."""
     _assert_act_quant_is_the_definition(_gen(83))
@@ -609,14 +637,14 @@ def test_native_act_quant_gives_the_definitions_bytes():
 @needs_cc
 def test_portable_act_quant_gives_the_definitions_bytes(fresh_native, monkeypatch):
     """The same with native.c's plain-C branch (a CPU without AVX2/FMA/F16C)."""
-    monkeypatch.setattr(fresh_native, "_FLAG_SETS", (["-O3"],))
-    assert not fresh_native.load().simd
-    _assert_act_quant_is_the_definition(_gen(85))
+    with fresh_native.forced_isa("plain") as portable:
+        assert not portable.simd
+        _assert_act_quant_is_the_definition(_gen(85))
 
 
 @needs_cc
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_native_results_do_not_depend_on_the_thread_count(out_dtype):
+def test_native_results_do_not_depend_on_the_thread_count(native_level, out_dtype):
     """Both many-token layouts (float32; BF16, which takes the BF16 GEMM where the CPU has it) and
     the block order give the same bits at 1 and 3 threads."""
     threads = torch.get_num_threads()
@@ -797,17 +825,42 @@ def test_routed_experts_with_experts_on_gpu():
 # ---------------------------------------------------------------------- the many-token BF16 path
 def test_prefill_path_follows_the_cpu_features(monkeypatch):
     """Dispatch is read at run time from the CPU's features: AMX, then AVX-512 BF16, then the
-    float32 GEMM over rows decoded with AVX2 or plain C."""
+    float32 GEMM over rows decoded with AVX2 or plain C; a level held lower takes the lower path."""
     import dsv41.kernels.native as native
 
-    simd, plain = type("K", (), {"simd": True})(), type("K", (), {"simd": False})()
-    cases = [({"amx_bf16": True, "amx_tile": True, "avx512_bf16": True}, simd, "amx"),
-             ({"amx_bf16": False, "avx512_bf16": True}, simd, "avx512_bf16"),
-             ({"avx512_bf16": False}, simd, "avx2"), ({}, plain, "plain")]
-    for caps, kernels, want in cases:
+    amx = {"avx2": True, "fma3": True, "f16c": True, "avx512_f": True, "avx512_bw": True, "avx512_dq": True,
+           "avx512_vl": True, "avx512_bf16": True, "amx_tile": True, "amx_bf16": True}
+    without = lambda *names: {k: v for k, v in amx.items() if k not in names}  # noqa: E731
+    cpus = [(amx, "amx"), (without("amx_bf16"), "avx512_bf16"), (without("amx_tile", "avx512_bf16"), "avx512"),
+            (without("avx512_vl"), "avx2"), (without("f16c"), "plain"), ({}, "plain")]
+    for caps, level in cpus:
         monkeypatch.setattr(native, "cpu_capability", lambda caps=caps: caps)
-        assert native.prefill_path(kernels) == want
+        assert native.cpu_isa_level() == level, caps
+    monkeypatch.setattr(native, "cpu_capability", lambda: amx)
+    kernels = lambda level, simd: type("K", (), {"level": level, "simd": simd})()  # noqa: E731
+    cases = [("amx", True, "amx"), ("avx512_bf16", True, "avx512_bf16"), ("avx512", True, "avx2"),
+             ("avx2", True, "avx2"), ("plain", False, "plain")]
+    for level, simd, want in cases:
+        assert native.prefill_path(kernels(level, simd)) == want
     assert native.prefill_path.__module__ == native.__name__ and set(native.PREFILL_PATHS) == {c[2] for c in cases}
+
+
+def test_isa_level_is_forced_by_the_environment_and_refused_above_the_cpu(monkeypatch):
+    import dsv41.kernels.native as native
+
+    monkeypatch.setattr(native, "cpu_capability", lambda: {"avx2": True, "fma3": True, "f16c": True})
+    assert native.isa_level() == "avx2" and native.runnable_isa_levels() == ("plain", "avx2")
+    monkeypatch.setenv(native.ISA_ENV, "plain")
+    assert native.isa_level() == "plain"
+    with native.forced_isa("avx2"):  # the Python override wins over the environment
+        assert native.isa_level() == "avx2"
+    assert native.isa_level() == "plain"
+    monkeypatch.setenv(native.ISA_ENV, "avx512_bf16")
+    with pytest.raises(ValueError, match=r"above what this CPU has \(avx2\)"):
+        native.isa_level()
+    monkeypatch.setenv(native.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="use one of plain, avx2, avx512, avx512_bf16, amx"):
+        native.isa_level()
 
 
 def _exact_sum_case(m, n, k, g, fp8=False):
@@ -825,18 +878,18 @@ def _exact_sum_case(m, n, k, g, fp8=False):
     return a, a_s, codes.view(torch.int8), s
 
 
-@needs_cc
 @pytest.mark.parametrize("path", ["avx512_bf16", "avx2"])
 @pytest.mark.parametrize("kind", ["fp4", "fp8"])
-def test_many_token_paths_are_the_reference_rounded_to_bf16(monkeypatch, path, kind):
-    """Both many-token paths, forced: BF16 operands (exact: E2M1 / E4M3 times powers of two) with
+def test_many_token_paths_are_the_reference_rounded_to_bf16(monkeypatch, native_level, path, kind):
+    """Both many-token paths, forced on every build this CPU runs: BF16 operands (exact: E2M1 /
+    E4M3 times powers of two; the decode has an AVX-512 BF16, an AVX2 and a plain-C form) with
     float32 accumulation, or float32 operands; on exact sums both give the reference's bits, and
     on random operands they stay within float32 addition order of it."""
     import dsv41.kernels.native as native
 
-    caps = {"avx512_bf16": path == "avx512_bf16"}
-    monkeypatch.setattr(native, "cpu_capability", lambda: caps)
-    assert native.prefill_path() == path
+    # the BF16 GEMM runs on any CPU (torch emulates it where the CPU lacks it), so the BF16 path is
+    # forced here past the level's own choice, to test its decode on every build
+    monkeypatch.setattr(native, "prefill_path", lambda kernels=None: path)
     g = _gen(50)
     a, a_s, w, s = _exact_sum_case(20, 72, 256, g, fp8=kind == "fp8")
     ref = (fp4_gemm(a, a_s, w.view(torch.uint8), s, out_dtype=torch.float32) if kind == "fp4"
@@ -854,11 +907,10 @@ def test_many_token_paths_are_the_reference_rounded_to_bf16(monkeypatch, path, k
     assert ((got - ref).abs() <= 2.0**-8 * ref.abs() + 2.0**-16 * ref.abs().max()).all()
 
 
-@needs_cc
-def test_routed_experts_on_the_bf16_path_match_the_reference(monkeypatch):
+def test_routed_experts_on_the_bf16_path_match_the_reference(monkeypatch, native_level):
     import dsv41.kernels.native as native
 
-    monkeypatch.setattr(native, "cpu_capability", lambda: {"avx512_bf16": True})
+    monkeypatch.setattr(native, "prefill_path", lambda kernels=None: "avx512_bf16")  # on every build
     g = _gen(51)
     experts = {e: _expert(128, 64, g) for e in range(4)}
     x = (torch.randn(24, 128, generator=g) * 2).to(torch.bfloat16)

@@ -10,6 +10,14 @@ build) is rebuilt, with one line on stderr. `$CC` picks the compiler (default `c
 about a second; where it cannot be done (no compiler, a read-only cache, a failed build)
 `available()` is False and `unavailable_reason()` says why in one sentence; callers then take the
 plain-PyTorch path.
+
+Which of the kernels' paths run is read from the CPU at run time and can be held lower, so that
+any machine runs every path a smaller CPU would take: `$DSV41_ISA` (or `forced_isa` in Python)
+names the highest instruction-set level the kernels may use, one of ISA_LEVELS. "amx" and
+"avx512_bf16" keep the many-token products in BF16 (torch's BF16 GEMM); "avx512" computes them in
+float32, as a CPU with AVX-512 but no BF16 instructions does, and keeps the AVX-512 body for one
+token's products; "avx2" is a build with AVX-512 turned off (an AVX2-only CPU's kernels); "plain"
+the portable C build. A level above what the CPU has is refused.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -32,9 +41,12 @@ from ..cachedir import CacheError, cache_dir, cache_error, current_umask, file_s
 
 SOURCE = Path(__file__).with_name("native.c")
 _ABI_VERSION = 11  # must equal ABI_VERSION in native.c
-# -march=native (AVX2/FMA/F16C where the CPU has them) with OpenMP (torch's runtime, see
-# native.c), then without OpenMP, then a portable build
-_FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
+# Instruction-set levels the kernels can be held to, lowest first (see the module docstring).
+ISA_LEVELS = ("plain", "avx2", "avx512", "avx512_bf16", "amx")
+ISA_ENV = "DSV41_ISA"
+# What each level adds to the one below it, in torch's names for the CPU's features.
+_LEVEL_FEATURES = {"avx2": ("avx2", "fma3", "f16c"), "avx512": ("avx512_f", "avx512_bw", "avx512_dq", "avx512_vl"),
+                   "avx512_bf16": ("avx512_bf16",), "amx": ("amx_tile", "amx_bf16")}
 # -ffp-contract=off: a multiply and an add stay two roundings, as in the reference
 _COMMON_FLAGS = ["-shared", "-fPIC", "-pthread", "-std=c11", "-ffp-contract=off", "-Wall"]
 _BLOCK = 32
@@ -55,10 +67,11 @@ _QUANT_PARALLEL_VALUES = 1 << 16
 class NativeKernels:
     """The loaded library: `gemm` for the fused expert products, plus what it was built with."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path, flags: list[str]):
+    def __init__(self, lib: ctypes.CDLL, path: Path, flags: list[str], level: str):
         self._lib = lib
         self.path = path
         self.flags = flags
+        self.level = level  # the ISA level it was built for (ISA_LEVELS)
         ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.dsv41_gemm_many.argtypes = [ptr, i64, c_int]
         lib.dsv41_activation.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, c_int]
@@ -73,14 +86,19 @@ class NativeKernels:
 
     def _workspace(self, name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized [rows, cols] buffer, this thread's own, reused by later calls when small
-        enough (_WORKSPACE_KEPT_BYTES)."""
+        enough (_WORKSPACE_KEPT_BYTES).
+
+        Always a normal tensor, never an inference tensor, whatever grad mode the caller is in: a
+        buffer first made under torch.inference_mode() could not be written by a later call outside
+        it, while a normal one takes writes in every mode."""
         numel = rows * cols
-        if numel * dtype.itemsize > _WORKSPACE_KEPT_BYTES:
-            return torch.empty(rows, cols, dtype=dtype)
-        kept = self._kept.__dict__.setdefault("buffers", {})
-        buf = kept.get((name, dtype))
-        if buf is None or buf.numel() < numel:
-            buf = kept[(name, dtype)] = torch.empty(numel, dtype=dtype)
+        with torch.inference_mode(False):
+            if numel * dtype.itemsize > _WORKSPACE_KEPT_BYTES:
+                return torch.empty(rows, cols, dtype=dtype)
+            kept = self._kept.__dict__.setdefault("buffers", {})
+            buf = kept.get((name, dtype))
+            if buf is None or buf.numel() < numel:
+                buf = kept[(name, dtype)] = torch.empty(numel, dtype=dtype)
         return buf[:numel].view(rows, cols)
 
     def gemm(self, fp4: bool, a: torch.Tensor, a_scale: torch.Tensor, act_block: int, weights: list,
@@ -243,28 +261,77 @@ def cpu_capability() -> dict:
 
 
 def prefill_path(kernels: Optional["NativeKernels"] = None) -> str:
-    """The many-token path this CPU takes, one of PREFILL_PATHS, read at run time."""
-    caps = cpu_capability()
-    if caps.get("amx_bf16") and caps.get("amx_tile"):
-        return "amx"
-    if caps.get("avx512_bf16"):
-        return "avx512_bf16"
+    """The many-token path the kernels take, one of PREFILL_PATHS: the CPU's, read at run time,
+    held to the ISA level in force (`isa_level`)."""
     kernels = kernels if kernels is not None else load()
+    level = kernels.level if kernels is not None else isa_level()
+    if level in ("amx", "avx512_bf16"):
+        return level
     return "avx2" if kernels is not None and kernels.simd else "plain"
 
 
-# Built or failed once per process: the library handle, or the reason there is none.
+def cpu_isa_level() -> str:
+    """The highest of ISA_LEVELS this CPU has every feature of (and of each level below)."""
+    caps = cpu_capability()
+    level = "plain"
+    for candidate in ISA_LEVELS[1:]:
+        if not all(caps.get(feature) for feature in _LEVEL_FEATURES[candidate]):
+            break
+        level = candidate
+    return level
+
+
+def runnable_isa_levels() -> tuple[str, ...]:
+    """Every level this CPU can be held to, lowest first: what the kernel tests run on."""
+    return ISA_LEVELS[: ISA_LEVELS.index(cpu_isa_level()) + 1]
+
+
+def check_isa_level(level: str, source: str = "level") -> str:
+    """`level` if this CPU can run it, else ValueError in one sentence."""
+    if level not in ISA_LEVELS:
+        raise ValueError(f"{source} {level!r} is not an instruction-set level; use one of {', '.join(ISA_LEVELS)}")
+    if level not in runnable_isa_levels():
+        raise ValueError(f"{source} {level!r} is above what this CPU has ({cpu_isa_level()}): "
+                         f"a level can hold the kernels lower, never higher")
+    return level
+
+
+_FORCED: list[str] = []  # forced_isa's levels, innermost last
+
+
+def isa_level() -> str:
+    """The level in force: `forced_isa`'s, else $DSV41_ISA, else the CPU's own."""
+    if _FORCED:
+        return _FORCED[-1]
+    value = os.environ.get(ISA_ENV, "").strip()
+    return check_isa_level(value, f"${ISA_ENV}") if value else cpu_isa_level()
+
+
+@contextmanager
+def forced_isa(level: str):
+    """Run the block with the kernels held to `level` (process-wide, like $DSV41_ISA): how the
+    tests run every path this CPU can take."""
+    _FORCED.append(check_isa_level(level))
+    try:
+        yield load()
+    finally:
+        _FORCED.pop()
+
+
+# Built or failed once per process and level: (the library handle or None, the reason there is none).
 _STATE: dict = {}
 
 
 def load() -> Optional[NativeKernels]:
-    """The native kernels, built on first use; None where they cannot be built or loaded."""
-    if "kernels" not in _STATE:
+    """The native kernels for the level in force, built on first use; None where they cannot be
+    built or loaded."""
+    level = isa_level()
+    if level not in _STATE:
         try:
-            _STATE["kernels"], _STATE["reason"] = _build_and_load(), None
+            _STATE[level] = _build_and_load(level), None
         except _Unavailable as exc:
-            _STATE["kernels"], _STATE["reason"] = None, str(exc)
-    return _STATE["kernels"]
+            _STATE[level] = None, str(exc)
+    return _STATE[level][0]
 
 
 def available() -> bool:
@@ -273,14 +340,24 @@ def available() -> bool:
 
 def unavailable_reason() -> Optional[str]:
     load()
-    return _STATE["reason"]
+    return _STATE[isa_level()][1]
+
+
+def _flag_sets(level: str) -> list[list[str]]:
+    """The builds to try for `level`, best first: -march=native (AVX2/FMA/F16C and AVX-512 where
+    the CPU has them; "avx2" turns AVX-512 off) with OpenMP (torch's runtime, see native.c), then
+    without OpenMP, then the portable build, which is all "plain" tries."""
+    if level == "plain":
+        return [["-O3"]]
+    native = ["-O3", "-march=native"] + (["-mno-avx512f"] if level == "avx2" else [])
+    return [native + ["-fopenmp"], native, ["-O3"]]
 
 
 class _Unavailable(Exception):
     pass
 
 
-def _build_and_load() -> NativeKernels:
+def _build_and_load(level: str) -> NativeKernels:
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise _Unavailable(f"no C compiler ({compiler}) on PATH")
@@ -290,7 +367,7 @@ def _build_and_load() -> NativeKernels:
         raise _Unavailable(str(exc)) from None
     source = SOURCE.read_bytes()
     errors = []
-    for flags in _FLAG_SETS:
+    for flags in _flag_sets(level):
         path = folder / f"dsv41_native-{_build_key(compiler, flags, source)}.so"
         unknown = _not_ours(path)
         if unknown:
@@ -309,7 +386,7 @@ def _build_and_load() -> NativeKernels:
         if abi is None or abi() != _ABI_VERSION:
             errors.append(f"{path} is ABI {abi() if abi else '(none)'}, expected {_ABI_VERSION}")
             continue
-        return NativeKernels(lib, path, flags)
+        return NativeKernels(lib, path, flags, level)
     raise _Unavailable("the native expert kernels did not build: " + "; ".join(errors))
 
 
