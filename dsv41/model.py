@@ -25,6 +25,7 @@ and are read a row at a time.
 
 from __future__ import annotations
 
+import numbers
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Optional, Protocol, Sequence
@@ -72,6 +73,16 @@ def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, norm_topk_prob: b
     if norm_topk_prob and topk > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + ROUTE_SUM_EPS)
     return weights * route_scale, ids
+
+
+# The caches are written in place by calls, rollbacks and restores. Running each of those verbs
+# under inference mode lets them take a model and its snapshots made in any grad mode (a tensor
+# made under inference mode refuses in-place writes outside it, a normal one takes them inside).
+_any_grad_mode = torch.inference_mode()
+
+
+def _whole(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 class FetchedExperts(list):
@@ -538,6 +549,10 @@ class Model:
                              "dspark_block_size is 0, or it was loaded with dspark=False")
         if self.position == 0:
             raise ValueError("a draft continues a sequence: run the model on a prompt first")
+        if isinstance(token_id, torch.Tensor) and token_id.numel() == 1 and not token_id.dtype.is_floating_point:
+            token_id = int(token_id)
+        if not _whole(token_id) or not 0 <= token_id < self.cfg.vocab_size:
+            raise ValueError(f"a draft starts from one token id in [0, {self.cfg.vocab_size}), got {token_id!r}")
         return self.draft_stack.draft(token_id, self.position - 1, temperature=temperature, generator=generator)
 
     @property
@@ -554,6 +569,7 @@ class Model:
         and index keys per position of one sequence); `.summary()` says it in one line."""
         return cache_bytes(block.attn for block in self.backbone.layers)
 
+    @_any_grad_mode
     def reset(self) -> None:
         """Start a new sequence: attention caches, the shared runtime and the n-gram look-back."""
         self.backbone.reset_state()
@@ -572,6 +588,7 @@ class Model:
         self.experts.clear()
         self.experts.counters.reset()
 
+    @_any_grad_mode
     def __call__(self, input_ids, start_pos: int = 0, *, trace=None, image_mask=None,
                  all_positions: bool = False) -> torch.Tensor:
         prompt = input_ids if isinstance(input_ids, Prompt) else None  # ids with image spans (Model.prepare)
@@ -580,13 +597,13 @@ class Model:
                 raise ValueError("a Prompt carries its own image mask; pass image_mask only with plain ids")
             input_ids = prompt.ids
             image_mask = prompt.image_mask() if prompt.image_positions else None
-        ids = torch.as_tensor(input_ids, dtype=torch.long)
-        if ids.dim() == 1:
-            ids = ids.unsqueeze(0)
+        ids = self._token_ids(input_ids)  # [b, s]
         bsz, seqlen = ids.shape
         if seqlen == 0:
             raise ValueError("no input ids")
         # every check before anything changes: a refused call leaves the sequence as it was
+        if not _whole(start_pos):
+            raise ValueError(f"start_pos must be a whole number, got {start_pos!r}")
         if start_pos != 0 and start_pos != self.position:
             raise ValueError(f"start_pos {start_pos}, but this sequence has {self.position} positions; continue "
                              f"at {self.position} or start again at 0")
@@ -623,6 +640,20 @@ class Model:
         self.position = start_pos + seqlen
         return logits
 
+    @staticmethod
+    def _token_ids(input_ids) -> torch.Tensor:
+        """Token ids as given (a list, [s] or [b, s], any integer dtype) -> int64 [b, s]; anything
+        that is not whole numbers (floats would be cut silently) is refused."""
+        try:
+            ids = torch.as_tensor(input_ids)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"token ids must be whole numbers in a list or tensor, got {type(input_ids).__name__}") from None
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"token ids must be whole numbers, got {ids.dtype} values")
+        if ids.dim() not in (1, 2):
+            raise ValueError(f"token ids are [tokens] or [batch, tokens], got {ids.dim()} dimensions")
+        return ids.long().unsqueeze(0) if ids.dim() == 1 else ids.long()
+
     # ------------------------------------------------------------------ rollback and snapshots
     def _capture(self, start: int, end: int, ids=None, image_mask=None) -> "SequenceState":
         layers = [block.attn.capture(start, end) for block in self.backbone.layers]
@@ -650,6 +681,7 @@ class Model:
         remembers (each call keeps what it overwrote; the last `undo_calls` calls are kept)."""
         return self._undo[0].position if self._undo else self.position
 
+    @_any_grad_mode
     def rollback(self, n_positions: int, *, rerun: bool = True) -> bool:
         """Return the sequence to `n_positions` fewer positions, so that continuing from there
         equals never having gone past it, bit for bit: the calls after it are undone (each kept
@@ -725,6 +757,7 @@ class Model:
         self.token_ids = self.token_ids[:, :target]
         self.position = target
 
+    @_any_grad_mode
     def snapshot(self) -> "SequenceState":
         """A copy of the sequence so far (caches, look-back, what was published), for `restore`:
         a later request continues from a shared prefix instead of running it again."""
@@ -733,8 +766,11 @@ class Model:
         state.undo = list(self._undo)  # earlier calls' records: a restored sequence can still roll back
         return state
 
+    @_any_grad_mode
     def restore(self, state: "SequenceState") -> None:
         """Continue from a `snapshot` of this model (the sequence as it was then)."""
+        if not isinstance(state, SequenceState):
+            raise ValueError(f"restore takes a snapshot from model.snapshot(), got {type(state).__name__}")
         if state.model_id != id(self):
             raise ValueError("this snapshot was taken of another model")
         self.reset()
