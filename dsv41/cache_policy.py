@@ -43,7 +43,11 @@ import sys
 from collections import OrderedDict
 from typing import Iterable, NamedTuple, Optional, Sequence
 
+from .config import VALUE_BOUNDS
+
 POLICIES = ("lru", "lfu", "static", "belady")
+# the most routed experts a layer of any config may have: what a replay sizes its per-expert tables by
+MAX_EXPERTS = VALUE_BOUNDS["n_routed_experts"][1]
 POLICY_NAMES = {"lru": "LRU", "lfu": "LFU", "static": "static top-N", "belady": "Belady (optimal)"}
 MIB = 1 << 20
 
@@ -132,18 +136,18 @@ def routing_calls(source) -> dict[int, list[Call]]:
     if isinstance(source, dict):
         return {int(layer): [c if isinstance(c, Call) else Call(**c) for c in calls]
                 for layer, calls in sorted(source.items(), key=lambda kv: int(kv[0]))}
+    import torch
+
     records = _routing_records(source)
     out: dict[int, list[Call]] = {}
     for rec in records:
         ids = rec.expert_ids
-        flat = [int(e) for e in ids.flatten().tolist()]
-        choices: dict[int, int] = {}
-        for e in flat:
-            choices[e] = choices.get(e, 0) + 1
+        # the distinct ids and their counts, never a Python object per routed token
+        distinct, counts = torch.unique(ids.reshape(-1), sorted=True, return_counts=True)
+        choices = dict(zip(distinct.tolist(), counts.tolist()))
         seqlen = int(ids.shape[1]) if ids.dim() >= 3 else int(ids.shape[0])
-        out.setdefault(int(rec.layer), []).append(Call(int(rec.start_pos), seqlen, tuple(sorted(choices)),
-                                                       dict(sorted(choices.items())), int(rec.cache_hits),
-                                                       int(rec.cache_misses)))
+        out.setdefault(int(rec.layer), []).append(Call(int(rec.start_pos), seqlen, tuple(choices), choices,
+                                                       int(rec.cache_hits), int(rec.cache_misses)))
     return dict(sorted(out.items()))
 
 
@@ -169,15 +173,28 @@ def _routing_records(source):
     return routing
 
 
-def experts_per_layer(source, n_experts: Optional[int] = None) -> int:
-    """`n_experts` when given, else the trace's meta `n_routed_experts`, else its largest routed id + 1."""
+def experts_per_layer(source, n_experts: Optional[int] = None, *, calls: Optional[dict] = None) -> int:
+    """`n_experts` when given, else the trace's meta `n_routed_experts`, else its largest routed id + 1
+    (`calls`: the source's `routing_calls`, when already at hand); ValueError past MAX_EXPERTS, the
+    most any config may have."""
     if n_experts:
-        return int(n_experts)
+        return _check_experts(n_experts, "n_experts")
     stated = _source_meta(source).get("n_routed_experts")
-    if isinstance(stated, int) and stated > 0:
-        return stated
-    calls = routing_calls(source)
-    return max((e for per in calls.values() for c in per for e in c.lookups), default=-1) + 1
+    if stated is not None:
+        return _check_experts(stated, "the trace's n_routed_experts")
+    calls = routing_calls(source) if calls is None else calls
+    seen = max((e for per in calls.values() for c in per for e in c.lookups), default=-1)
+    if seen >= MAX_EXPERTS:
+        raise ValueError(f"the trace routes to expert {seen:,}, past the {MAX_EXPERTS:,} routed experts a config "
+                         "may have")
+    return seen + 1
+
+
+def _check_experts(n, what: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_EXPERTS:
+        shown = f"{n:,}" if isinstance(n, int) and not isinstance(n, bool) else repr(n)
+        raise ValueError(f"{what} is {shown}; a layer has from 1 to {MAX_EXPERTS:,} routed experts")
+    return n
 
 
 def _source_meta(source) -> dict:
@@ -387,14 +404,16 @@ def replay_counts(calls: Sequence[Sequence[int]], capacity: int, policy: str = "
 def static_ranking(calls: Sequence[Call], n_experts: int) -> list[int]:
     """All experts 0 .. n_experts - 1, the most chosen first: by the tokens that chose each over
     `calls`, then by the calls that looked each up, then by id."""
-    tokens = [0] * n_experts
-    looked = [0] * n_experts
+    tokens: dict[int, int] = {}
+    looked: dict[int, int] = {}
     for call in calls:
         for e, n in call.choices.items():
             if 0 <= int(e) < n_experts:
-                tokens[int(e)] += int(n)
-                looked[int(e)] += 1
-    return sorted(range(n_experts), key=lambda e: (-tokens[e], -looked[e], e))
+                tokens[int(e)] = tokens.get(int(e), 0) + int(n)
+                looked[int(e)] = looked.get(int(e), 0) + 1
+    # the experts seen are ranked; the rest (no tokens, no calls) follow in id order
+    chosen = sorted(tokens, key=lambda e: (-tokens[e], -looked[e], e))
+    return chosen + [e for e in range(n_experts) if e not in tokens]
 
 
 # ---------------------------------------------------------------------- the lab
@@ -426,7 +445,10 @@ def policy_data(source, *, policies: Sequence[str] = POLICIES, capacities: Optio
         raise ValueError("the trace holds no routing records (no MoE layer ran)")
     layers = list(calls)
     seen = max((e for per in calls.values() for c in per for e in c.lookups), default=-1)
-    n_experts = experts_per_layer(calls, n_experts or meta.get("n_routed_experts"))
+    lowest = min((e for per in calls.values() for c in per for e in c.lookups), default=0)
+    n_experts = experts_per_layer(source, n_experts, calls=calls)
+    if lowest < 0:
+        raise ValueError(f"the trace routes to expert {lowest:,}; expert ids start at 0")
     if seen >= n_experts:
         raise ValueError(f"the trace routes to expert {seen}, beyond the {n_experts} experts per layer given")
     sizes = sorted({int(c) for c in (capacities if capacities is not None else range(n_experts + 1))})
@@ -581,8 +603,9 @@ def cli_main(argv: list[str]) -> int:
             raise ValueError(f"--policy takes some of {','.join(POLICIES)}, got {args.policy!r}")
         if args.warmup < 1:
             raise ValueError(f"--warmup must be at least 1, got {args.warmup}")
-        if args.experts is not None and args.experts < 1:
-            raise ValueError(f"--experts must be at least 1, got {args.experts}")
+        if args.experts is not None and not 1 <= args.experts <= MAX_EXPERTS:
+            raise ValueError(f"--experts must be from 1 to {MAX_EXPERTS:,} (the most routed experts a config may "
+                             f"have), got {args.experts:,}")
     except ValueError as exc:
         return usage(str(exc))
 
@@ -603,6 +626,8 @@ def cli_main(argv: list[str]) -> int:
         return fail(str(exc))
     except (TraceFileError, ValueError, OSError) as exc:
         return fail(str(exc).rstrip("."))
+    except MemoryError:
+        return fail(f"{args.trace} is too large to replay in this machine's memory")
 
     print(f"{args.trace}: {len(data['layers'])} MoE layers, {data['calls']} calls, {data['tokens']} tokens "
           f"({data['decode_tokens']} decoded), {sum(data['lookups']):,} lookups of {data['n_experts']} experts per layer; "

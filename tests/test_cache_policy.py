@@ -283,7 +283,7 @@ def test_a_trace_file_keeps_dtypes_numpy_lacks(tmp_path):
     out = torch.randn(1, 2, 4).to(torch.bfloat16)
     forward.attention.append(AttentionRecord(3, "reuse", 4, 5, 2, selected=torch.tensor([[[0, -1], [1, 0]]]),
                                              selected_by=2, kth_score=torch.tensor([[float("nan"), 1.5]]),
-                                             candidate_blocks=torch.tensor([[[True, False]]]), output=out,
+                                             candidate_blocks=torch.tensor([[[True, False], [True, True]]]), output=out,
                                              wrote_compressed=True))
     forward.finite.append(FiniteRecord(None, "head", 5, True))
     trace = GenerationTrace(forward, [StepRecord(6, 17, float("inf"), 0.25)],
