@@ -23,6 +23,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +91,14 @@ def _as_lab_copy(data: bytes) -> bytes:
     return data.replace(_REPO_OUTPUT_DIR, _LAB_OUTPUT_DIR)
 
 
+def _probe_creatable(folder: Path) -> None:
+    """OSError unless `folder` could be created: a dry run creates and removes a temporary folder
+    in its nearest existing parent (permissions and read-only mounts alone do not tell: as root
+    every mode bit passes, and some file systems refuse new entries whatever they say)."""
+    parent = next(p for p in folder.absolute().parents if p.exists())
+    os.rmdir(tempfile.mkdtemp(prefix=".dsv41-lab-probe-", dir=parent))
+
+
 def prepare_lab(folder: str | os.PathLike = DEFAULT_DIR, notebooks_dir: str | os.PathLike | None = None,
                 dry_run: bool = False) -> list[Action]:
     """Bring the lab folder's copies of the numbered notebooks up to date (see the module
@@ -105,11 +114,13 @@ def prepare_lab(folder: str | os.PathLike = DEFAULT_DIR, notebooks_dir: str | os
     if blocker is not None:
         where = "is a file" if blocker == folder else f"runs through the file {blocker}"
         raise LabError(f"--dir {folder}: {where}, not a folder; pass a folder path")
-    if not dry_run:
-        try:
+    try:
+        if not dry_run:
             folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise LabError(f"--dir {folder}: cannot create this folder ({exc.strerror or exc})") from None
+        elif not folder.is_dir():
+            _probe_creatable(folder)
+    except OSError as exc:
+        raise LabError(f"--dir {folder}: cannot create this folder ({exc.strerror or exc})") from None
 
     manifest = _read_manifest(folder)
     written = dict(manifest)

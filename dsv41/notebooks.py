@@ -654,12 +654,28 @@ def run_notebooks(notebooks: list[Path], run_dir: Path, parameters: dict[str, An
 
 
 # ---------------------------------------------------------------------- CLI
-def parse_value(text: str) -> Any:
-    """A -p VALUE: JSON when it parses (numbers, true/false/null, lists, quoted strings), else the text."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
+# Python's spellings of JSON's three literals: a notebook user writes False as often as false.
+_PYTHON_LITERALS = {"True": True, "False": False, "None": None}
+# The standard parameters whose values are text whatever they look like (a prompt "42" is text).
+_TEXT_PARAMETERS = ("checkpoint", "prompt", "device")
+
+
+def parse_value(name: str, text: str) -> Any:
+    """`-p NAME VALUE` -> the value: text for the text parameters, else JSON when it parses
+    (numbers, true/false/null, lists, quoted strings) or one of Python's True/False/None, else the
+    text. `smoke` must come out a boolean: the string "False" would turn smoke mode on."""
+    if name in _TEXT_PARAMETERS:
         return text
+    if text.strip() in _PYTHON_LITERALS:
+        value = _PYTHON_LITERALS[text.strip()]
+    else:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+    if name == "smoke" and not isinstance(value, bool):
+        raise NotebookRunError(f"-p smoke takes true or false, got {text!r}")
+    return value
 
 
 def cli_main(argv: list[str]) -> int:
@@ -675,7 +691,9 @@ def cli_main(argv: list[str]) -> int:
     parser.add_argument("--only", metavar="NAMES", action="append", default=[],
                         help="comma-separated notebook names or number prefixes, e.g. 01,02_engram_hashing")
     parser.add_argument("-p", "--parameter", nargs=2, metavar=("NAME", "VALUE"), action="append", default=[],
-                        help="pass a parameter to every notebook; VALUE is read as JSON when it parses, else as text")
+                        help="pass a parameter to every notebook; VALUE is read as JSON (or Python's True, False, "
+                             "None) when it parses, else as text; checkpoint, prompt and device are always text, "
+                             "smoke must be true or false")
     parser.add_argument("--cell-timeout", type=whole_number(1, MAX_CELL_TIMEOUT_S, "seconds"), metavar="SECONDS",
                         help=f"fail a cell that runs longer than this: a whole number of seconds from 1 to "
                              f"{MAX_CELL_TIMEOUT_S} (default: no limit)")
@@ -695,7 +713,7 @@ def cli_main(argv: list[str]) -> int:
             for name, value in args.parameter:
                 if name == "output_dir":
                     raise NotebookRunError("-p output_dir: the run folder is the output folder; use --out DIR")
-                parameters[name] = parse_value(value)
+                parameters[name] = parse_value(name, value)
             declared = set().union(*(declared_parameters(p) for p in notebooks))
             unknown = sorted(set(parameters) - declared)
             if unknown:

@@ -111,6 +111,23 @@ def test_dry_run_decides_and_writes_nothing(tmp_path, source, capsys):
     assert not work.exists()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no folder can be created")
+def test_dry_run_on_a_folder_that_cannot_be_created_says_what_the_real_run_says(tmp_path, source, capsys):
+    """The dry run said it would copy into a folder that the real run then failed to create."""
+    target = "/proc/dsv41-no-such-place/lab"
+    said = []
+    for dry in (["--dry-run"], []):
+        assert main(["lab", "--dir", target, "--notebooks", str(source), "--no-browser", *dry]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, captured
+        said.append(captured.err)
+    assert said[0] == said[1] and f"--dir {target}: cannot create this folder" in said[0]
+    # a creatable one: the dry run's probe leaves nothing behind
+    before = sorted(tmp_path.iterdir())
+    assert main(["lab", "--dir", str(tmp_path / "new" / "lab"), "--notebooks", str(source), "--dry-run"]) == 0
+    assert sorted(tmp_path.iterdir()) == before
+
+
 def test_the_default_source_is_the_repository_notebooks(tmp_path):
     actions = lab.prepare_lab(tmp_path / "lab", dry_run=True)
     assert [a.name for a in actions] == [p.name for p in find_notebooks(default_notebooks_dir())]

@@ -118,9 +118,28 @@ def test_missing_kernel_is_one_sentence(notebook_dir, tmp_path, capsys, monkeypa
 
 
 def test_selection_and_values():
-    assert runner.parse_value("3") == 3 and runner.parse_value("true") is True
-    assert runner.parse_value("null") is None and runner.parse_value("[1, 2]") == [1, 2]
-    assert runner.parse_value("hello") == "hello" and runner.parse_value('"7"') == "7"
+    value = runner.parse_value
+    assert value("n", "3") == 3 and value("n", "true") is True
+    assert value("n", "null") is None and value("n", "[1, 2]") == [1, 2]
+    assert value("n", "hello") == "hello" and value("n", '"7"') == "7"
+    # Python's spellings of the literals; the text parameters stay text whatever they look like
+    assert value("n", "False") is False and value("n", "True") is True and value("n", "None") is None
+    assert value("prompt", "42") == "42" and value("device", "null") == "null"
+
+
+@pytest.mark.parametrize("text, want", [("false", False), ("False", False), ("true", True), ("True", True)])
+def test_smoke_takes_a_boolean_in_either_spelling(text, want):
+    """`-p smoke False` passed the string "False", which is truthy: smoke mode went on."""
+    assert runner.parse_value("smoke", text) is want
+
+
+@pytest.mark.parametrize("text", ["no", "0", "1", "off", '"false"', "[]"])
+def test_smoke_refuses_what_is_not_a_boolean(notebook_dir, tmp_path, capsys, text):
+    code = dsv41_main(["notebooks", "--notebooks", str(notebook_dir), "--outputs-root", str(tmp_path),
+                       "-p", "smoke", text])
+    err = capsys.readouterr().err
+    assert code == 2 and f"-p smoke takes true or false, got {text!r}" in err, err
+    assert not any(tmp_path.iterdir())
 
 
 def test_selection_by_prefix(notebook_dir):
