@@ -484,10 +484,15 @@ class ResidentEngramTable:
 # ---------------------------------------------------------------------- torch threads
 def all_cores() -> int:
     """The cores this process may run on ($OMP_NUM_THREADS when it is set to a positive number,
-    as a cap the user chose; else the CPU affinity set, else os.cpu_count())."""
+    as a cap the user chose; else `machine_cores()`)."""
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if env.isdigit() and int(env) > 0:
         return int(env)
+    return machine_cores()
+
+
+def machine_cores() -> int:
+    """The logical CPUs this process may be scheduled on: its affinity set, else os.cpu_count()."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
@@ -506,11 +511,15 @@ def auto_threads(cfg: Config) -> tuple[int, str]:
 
 
 def check_threads(threads) -> None:
-    """ValueError unless `threads` is "auto", None or a whole number >= 1."""
+    """ValueError unless `threads` is "auto", None or a whole number from 1 to `machine_cores()`
+    (torch starts every thread asked for, and thousands of them crash it)."""
     if threads is None or threads == "auto":
         return
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f'threads must be "auto", None (leave torch alone) or a whole number >= 1, got {threads!r}')
+    if threads > machine_cores():
+        raise ValueError(f"threads={threads} is more than the {machine_cores()} CPUs this process may run on; "
+                         f"ask for at most {machine_cores()} (or \"auto\")")
 
 
 def apply_threads(threads, cfg: Config) -> tuple[int, str]:

@@ -21,7 +21,13 @@ VALUE_BOUNDS_CHECK = "config.required_keys"  # the check that reports the config
 
 
 class AuditError(Exception):
-    """Input the audit cannot start on; the message is one sentence naming the file and the fix."""
+    """Input the audit cannot start on: `problem` names the file, `fix` (when there is one) says
+    which of `dsv41 audit`'s options mends it; the message is both, one sentence. Other commands
+    that run the audit say `problem` with their own options' fix."""
+
+    def __init__(self, problem: str, fix: str | None = None):
+        super().__init__(problem if fix is None else f"{problem}; {fix}")
+        self.problem = problem
 
 
 def find_shard_files(checkpoint_dir: str) -> list[str]:
@@ -115,12 +121,12 @@ def _inputs(checkpoint_dir: str, config: str | None, index: str | None) -> tuple
     paths = find_shard_files(checkpoint_dir)
     if not paths:
         raise AuditError(f"{checkpoint_dir}: no safetensors shards here (no *.safetensors file and no file that "
-                         "starts with a safetensors header); point --checkpoint-dir at the downloaded shards")
+                         "starts with a safetensors header)", "point --checkpoint-dir at the downloaded shards")
     try:
         config_path = resolve_config_path(config or checkpoint_dir)
         cfg = load_config(config_path)
     except ConfigError as exc:
-        raise AuditError(f"{exc}; pass --config PATH to a config.json or inference/config.json") from None
+        raise AuditError(str(exc), "pass --config PATH to a config.json or inference/config.json") from None
     index_path = index
     if index_path is None and os.path.isfile(os.path.join(checkpoint_dir, INDEX_NAME)):
         index_path = os.path.join(checkpoint_dir, INDEX_NAME)
