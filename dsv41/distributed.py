@@ -27,11 +27,19 @@ Errors: a failure inside a rank's experts is caught there, flagged in the exchan
 line exchanged, and every rank raises the same `ExpertParallelError` naming the rank; `agree`
 does the same for any step (loading, a whole generation). A rank that dies outright breaks the
 collective for the others, which raise within the group's timeout (`init(timeout_s=...)`).
+Start-up is checked before it can hang: `init` refuses a bad torchrun environment and an
+unresolvable MASTER_ADDR in one sentence, and bounds the join (reaching the store, every rank
+arriving) by its own timeout; `agree_on_request` stops ranks asked for different computations
+before their first exchange.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
+import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -45,8 +53,12 @@ from .model import FetchedExperts
 
 # How long a collective waits for a silent peer before every rank gives up.
 DEFAULT_TIMEOUT_S = 120
+# How long joining may take (the master's store answering, every rank arriving at it): ranks start
+# within seconds of each other, so a join still waiting after a minute is not going to complete.
+DEFAULT_JOIN_TIMEOUT_S = 60
+JOIN_TIMEOUT_VARIABLE = "DSV41_JOIN_TIMEOUT_S"
 # torchrun sets these in every worker's environment.
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 BACKENDS = ("auto", "gloo", "nccl")
 
 T = TypeVar("T")
@@ -91,14 +103,177 @@ class RankView:
         return f"rank {self.rank} of {self.world_size} ({self.backend}, local rank {self.local_rank})"
 
 
+@dataclass(frozen=True)
+class LaunchEnvironment:
+    """torchrun's description of this worker, checked (`launch_environment`)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
 def launched_by_torchrun() -> bool:
-    return all(v in os.environ for v in TORCHRUN_VARIABLES)
+    """Whether any of torchrun's variables is set: the process means to join a group, so a missing
+    or wrong one is an error to name rather than a reason to say "start it under torchrun"."""
+    return any(os.environ.get(v, "").strip() for v in TORCHRUN_VARIABLES)
 
 
-def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> RankView:
+def _environment_error(problem: str) -> ExpertParallelError:
+    return ExpertParallelError(f"torchrun's environment is not usable: {problem}", agreed=False)
+
+
+def launch_environment(environ=None) -> LaunchEnvironment:
+    """torchrun's variables, each present, a whole number where it is one, and in range; else one
+    sentence naming the first that is not (torch itself would only fail minutes later)."""
+    environ = os.environ if environ is None else environ
+    missing = [v for v in TORCHRUN_VARIABLES if not environ.get(v, "").strip()]
+    if missing:
+        names = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
+        every = ", ".join(TORCHRUN_VARIABLES[:-1]) + f" and {TORCHRUN_VARIABLES[-1]}"
+        raise _environment_error(f"{names} {'is' if len(missing) == 1 else 'are'} not set "
+                                 f"(torchrun sets {every} for every rank)")
+
+    def whole(name: str) -> int:
+        text = environ[name]
+        try:
+            return int(text.strip())
+        except ValueError:
+            raise _environment_error(f"{name} must be a whole number, got {text!r}") from None
+
+    def within(name: str, value: int, size: int, size_name: str) -> None:
+        if not 0 <= value < size:
+            raise _environment_error(f"{name} must lie in [0, {size - 1}] for {size_name} {size}, got {value}")
+
+    world = whole("WORLD_SIZE")
+    if world < 1:
+        raise _environment_error(f"WORLD_SIZE must be at least 1, got {world}")
+    rank, local = whole("RANK"), whole("LOCAL_RANK")
+    within("RANK", rank, world, "WORLD_SIZE")
+    within("LOCAL_RANK", local, world, "WORLD_SIZE")
+    if environ.get("LOCAL_WORLD_SIZE", "").strip():  # torchrun sets it too; older launchers may not
+        local_world = whole("LOCAL_WORLD_SIZE")
+        if local_world < 1:
+            raise _environment_error(f"LOCAL_WORLD_SIZE must be at least 1, got {local_world}")
+        within("LOCAL_RANK", local, local_world, "LOCAL_WORLD_SIZE")
+    port = whole("MASTER_PORT")
+    if not 1 <= port <= 65535:
+        raise _environment_error(f"MASTER_PORT must lie in [1, 65535], got {port}")
+    return LaunchEnvironment(rank, world, local, environ["MASTER_ADDR"].strip(), port)
+
+
+def join_timeout(environ=None) -> float:
+    """Seconds the join may take: $DSV41_JOIN_TIMEOUT_S, else DEFAULT_JOIN_TIMEOUT_S."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(JOIN_TIMEOUT_VARIABLE, "")
+    if not text.strip():
+        return DEFAULT_JOIN_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ExpertParallelError(f"{JOIN_TIMEOUT_VARIABLE} must be a number of seconds above 0, got {text!r}",
+                                  agreed=False)
+    return seconds
+
+
+def resolve_master(addr: str, port: int, timeout_s: float) -> None:
+    """Refuse a MASTER_ADDR that names no address, before any rank waits on it (the store would
+    retry it until its timeout). The lookup runs in a thread, so a silent DNS server is bounded too."""
+    outcome: dict = {}
+
+    def lookup():
+        try:
+            outcome["addresses"] = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:  # UnicodeError: a name no DNS label can hold
+            outcome["error"] = exc
+
+    resolver = threading.Thread(target=lookup, name="dsv41-resolve-master", daemon=True)
+    resolver.start()
+    resolver.join(timeout_s)
+    if resolver.is_alive():
+        raise _environment_error(f"MASTER_ADDR {addr!r} did not resolve within {timeout_s:g} s "
+                                 f"({JOIN_TIMEOUT_VARIABLE})")
+    error = outcome.get("error")
+    if error is not None:
+        reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+        raise _environment_error(f"MASTER_ADDR {addr!r} does not resolve ({reason}): set it to rank 0's host name "
+                                 f"or address")
+
+
+def _first_answer(addr: str, port: int, deadline: float) -> Optional[OSError]:
+    """Wait until something accepts a connection at addr:port (None), or the deadline passes (the
+    last error). A plain socket, because TCPStore's own retries print C++ frames on every attempt."""
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return None
+        except OSError as exc:
+            last = exc
+        if time.monotonic() + 0.25 >= deadline:
+            return last
+        time.sleep(0.25)
+
+
+_joins_begun = 0  # groups this process started joining: each counts its arrivals under its own key
+
+
+def join_store(env: LaunchEnvironment, join_timeout_s: float, timeout_s: float):
+    """The group's store, once every rank has arrived at it, within join_timeout_s; else one
+    ExpertParallelError. Rank 0 hosts the store, or under torchrun its agent does and every rank is
+    a client (TORCHELASTIC_USE_AGENT_STORE), as torch's env:// rendezvous decides."""
+    global _joins_begun
+    deadline = time.monotonic() + join_timeout_s
+    where = f"{env.master_addr}:{env.master_port}"
+
+    def failed(why: str) -> ExpertParallelError:
+        return ExpertParallelError(f"rank {env.rank} could not join the expert-parallel group within "
+                                   f"{join_timeout_s:g} s ({JOIN_TIMEOUT_VARIABLE}): {why}", agreed=False)
+
+    store_timeout = timedelta(seconds=join_timeout_s)
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    if env.rank == 0 and not agent_hosts_store:
+        try:  # not waiting for the workers here: the count below does, and says how many came
+            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, True, timeout=store_timeout,
+                                  wait_for_workers=False, multi_tenant=True)
+        except Exception as exc:  # the port taken, or MASTER_ADDR not this host's
+            raise ExpertParallelError(f"rank 0 could not host the group's store at {where} (MASTER_ADDR:MASTER_PORT): "
+                                      f"{one_line(exc)}", agreed=False) from None
+    else:
+        unanswered = _first_answer(env.master_addr, env.master_port, deadline)
+        if unanswered is not None:
+            raise failed(f"nothing answered at {where} (MASTER_ADDR:MASTER_PORT): {one_line(unanswered)}")
+        try:
+            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout=store_timeout)
+        except Exception as exc:
+            raise failed(f"the store at {where} did not answer as one: {one_line(exc)}") from None
+
+    _joins_begun += 1
+    key = f"dsv41/joined/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_joins_begun}"
+    try:
+        arrived = store.add(key, 1)
+        while arrived < env.world_size:
+            if time.monotonic() >= deadline:
+                raise failed(f"{arrived} of {env.world_size} ranks arrived at {where}")
+            time.sleep(0.05)
+            arrived = store.add(key, 0)
+    except ExpertParallelError:
+        raise
+    except Exception as exc:  # the host of the store went away while this rank waited
+        raise failed(f"the store at {where} went away: {one_line(exc)}") from None
+    store.set_timeout(timedelta(seconds=timeout_s))  # from here on it serves the group's collectives
+    return store
+
+
+def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
+         join_timeout_s: Optional[float] = None) -> RankView:
     """The process group this process belongs to: the one already initialized, else one started
     from torchrun's environment ("auto": NCCL when every rank can have its own GPU, gloo
-    otherwise). Raises ExpertParallelError outside torchrun with no group."""
+    otherwise). timeout_s bounds every collective; join_timeout_s (default $DSV41_JOIN_TIMEOUT_S,
+    else 60 s) bounds the join. Raises ExpertParallelError outside torchrun with no group, on a bad
+    environment or MASTER_ADDR (before joining), and when the join does not complete in time."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if dist.is_available() and dist.is_initialized():
@@ -109,12 +284,23 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> RankVie
         raise ExpertParallelError("expert parallelism needs a process group: start the command under torchrun "
                                   "(torchrun --nproc-per-node N -m dsv41 ...) or call "
                                   "torch.distributed.init_process_group first")
+    env = launch_environment()
+    if join_timeout_s is None:
+        join_timeout_s = join_timeout()
+    elif not (math.isfinite(join_timeout_s) and join_timeout_s > 0):
+        raise ValueError(f"join_timeout_s must be a number of seconds above 0, got {join_timeout_s!r}")
+    resolve_master(env.master_addr, env.master_port, join_timeout_s)
     if backend == "auto":
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        backend = "nccl" if torch.cuda.is_available() and local < torch.cuda.device_count() else "gloo"
+        backend = "nccl" if torch.cuda.is_available() and env.local_rank < torch.cuda.device_count() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        torch.cuda.set_device(env.local_rank)
+    store = join_store(env, join_timeout_s, timeout_s)
+    try:
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+                                timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:  # every rank reached the store, but they could not connect to each other
+        raise ExpertParallelError(f"rank {env.rank} could not start the {backend} group: {one_line(exc)}",
+                                  agreed=False) from None
     return view()
 
 
@@ -188,6 +374,43 @@ def main_first(step: Callable[[], T], group=None) -> T:
     if failure is not None:
         raise failure
     return result
+
+
+def fingerprint(*parts) -> str:
+    """A short digest of bytes, text, int sequences or tensors, for comparing requests across ranks."""
+    digest = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            part = part.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        elif isinstance(part, str):
+            part = part.encode("utf-8", "surrogatepass")
+        elif not isinstance(part, bytes):
+            part = repr(part).encode()
+        digest.update(len(part).to_bytes(8, "little") + part)  # lengths keep ("ab", "c") apart from ("a", "bc")
+    return f"sha256 {digest.hexdigest()[:12]}"
+
+
+def agree_on_request(request: dict, group=None) -> None:
+    """Every rank must be asked for the same computation (its routing decides every exchange's
+    sizes, and gloo aborts the process on a mismatch): compare each rank's `request` (name -> a
+    short text, `fingerprint` for large values) with rank 0's before the first exchange. On a
+    difference every rank raises one ExpertParallelError naming the first rank that differs and how."""
+    ranks = view(group)
+    if ranks.world_size == 1:
+        return
+    requests: list = [None] * ranks.world_size
+    try:
+        dist.all_gather_object(requests, dict(request), group=group)
+    except Exception as exc:
+        raise ExpertParallelError(f"rank {ranks.rank}: the group broke while comparing requests: {one_line(exc)}",
+                                  agreed=False) from None
+    first = requests[0]
+    for rank, other in enumerate(requests[1:], start=1):
+        names = list(first) + [name for name in other if name not in first]
+        differences = [f"{name} {other.get(name, '(not given)')} against {first.get(name, '(not given)')}"
+                       for name in names if other.get(name) != first.get(name)]
+        if differences:
+            raise ExpertParallelError(f"rank {rank}'s request differs from rank 0's: " + "; ".join(differences))
 
 
 # ---------------------------------------------------------------------- the routed experts

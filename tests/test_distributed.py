@@ -4,12 +4,15 @@ ends the group with one clear line.
 The group tests start real groups with torchrun (gloo on loopback, CPU only) and run this file as
 each rank's script (`python tests/test_distributed.py --rank-run OUT MODE CHECKPOINT`); each rank
 writes what it computed as a safetensors file that the test compares with the same run in this
-process without a group."""
+process without a group. The start-up tests set each rank's environment themselves (loopback only,
+short join timeouts) to give ranks bad variables, an unresolvable master or different requests."""
 
 import os
+import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -93,7 +96,7 @@ def test_rank_view_owns_experts_round_robin():
 
 
 def test_without_a_group_the_error_says_how_to_start_one(monkeypatch):
-    for variable in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for variable in LAUNCH_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
     with pytest.raises(ExpertParallelError, match="torchrun"):
         init()
@@ -101,6 +104,154 @@ def test_without_a_group_the_error_says_how_to_start_one(monkeypatch):
         dsv41.load(expert_parallel=True, quiet=True)
     with pytest.raises(ValueError, match="backend"):
         init(backend="mpi")
+
+
+# ---------------------------------------------------------------------- start-up: environment, master, join
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+SHORT_JOIN_TIMEOUT_S = 3  # the join timeout of the tests that wait for it to pass
+STARTUP_BOUND_S = 60  # a process refusing up front ends far sooner (importing torch takes seconds)
+UNRESOLVABLE = "nonexistent.invalid"  # the .invalid TLD never resolves (RFC 2606)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _launch_env(rank: int, world: int, port: int, **overrides) -> dict:
+    """A worker's environment as torchrun sets it, on loopback, but with rank 0 hosting the group's
+    store itself (no torchrun agent); an override of None removes the variable."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DSV41_JOIN_TIMEOUT_S=str(SHORT_JOIN_TIMEOUT_S))
+    for variable in ("TORCHELASTIC_USE_AGENT_STORE", "LOCAL_WORLD_SIZE"):
+        env.pop(variable, None)
+    for variable, value in overrides.items():
+        if value is None:
+            env.pop(variable, None)
+        else:
+            env[variable] = str(value)
+    return env
+
+
+def _generate_command(checkpoint: str, prompt: str = PROMPT, *extra: str) -> list:
+    return [sys.executable, "-m", "dsv41", "generate", "--expert-parallel", "--checkpoint", checkpoint,
+            "--prompt", prompt, "--max-new-tokens", "2", "--quiet", *extra]
+
+
+def _run_generate(checkpoint: str, env: dict):
+    """One `dsv41 generate --expert-parallel` process -> (the finished process, its wall seconds)."""
+    began = time.monotonic()
+    done = subprocess.run(_generate_command(checkpoint), capture_output=True, text=True, timeout=STARTUP_BOUND_S,
+                          env=env, cwd=str(REPO))
+    return done, time.monotonic() - began
+
+
+@pytest.fixture
+def refuse_joining(monkeypatch):
+    """Joining fails the test: what `init` checks must be refused before any store or group."""
+    import torch.distributed as dist
+
+    def joined(*args, **kwargs):
+        raise AssertionError("joined the group")
+    monkeypatch.setattr(dist, "TCPStore", joined)
+    monkeypatch.setattr(dist, "init_process_group", joined)
+
+
+def _set_launch_env(monkeypatch, env: dict) -> None:
+    for variable in (*LAUNCH_VARIABLES, "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE", "DSV41_JOIN_TIMEOUT_S"):
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, str(value))
+
+
+GOOD_ENV = {"RANK": 1, "WORLD_SIZE": 2, "LOCAL_RANK": 1, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}
+ENV = "torchrun's environment is not usable: "
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"RANK": 5}, "RANK must lie in [0, 1] for WORLD_SIZE 2, got 5"),
+    ({"RANK": -1}, "RANK must lie in [0, 1] for WORLD_SIZE 2, got -1"),
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE must be a whole number, got 'two'"),
+    ({"WORLD_SIZE": 0}, "WORLD_SIZE must be at least 1, got 0"),
+    ({"LOCAL_RANK": 2}, "LOCAL_RANK must lie in [0, 1] for WORLD_SIZE 2, got 2"),
+    ({"LOCAL_WORLD_SIZE": 1}, "LOCAL_RANK must lie in [0, 0] for LOCAL_WORLD_SIZE 1, got 1"),
+    ({"MASTER_PORT": 70000}, "MASTER_PORT must lie in [1, 65535], got 70000"),
+    ({"MASTER_PORT": "29500x"}, "MASTER_PORT must be a whole number, got '29500x'"),
+    ({"LOCAL_RANK": None}, "LOCAL_RANK is not set (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR "
+                           "and MASTER_PORT for every rank)"),
+    ({"RANK": None, "MASTER_ADDR": ""}, "RANK and MASTER_ADDR are not set (torchrun sets RANK, WORLD_SIZE, "
+                                        "LOCAL_RANK, MASTER_ADDR and MASTER_PORT for every rank)"),
+    ({"MASTER_ADDR": UNRESOLVABLE}, f"MASTER_ADDR {UNRESOLVABLE!r} does not resolve"),
+])
+def test_the_environment_is_refused_in_one_sentence_before_joining(monkeypatch, refuse_joining, changes, message):
+    env = {k: v for k, v in {**GOOD_ENV, **changes}.items() if v is not None}
+    _set_launch_env(monkeypatch, env)
+    with pytest.raises(ExpertParallelError) as caught:
+        init()
+    assert str(caught.value).startswith(ENV + message), str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-3", "nan", "inf"])
+def test_the_join_timeout_must_be_a_positive_number_of_seconds(monkeypatch, refuse_joining, value):
+    _set_launch_env(monkeypatch, {**GOOD_ENV, "DSV41_JOIN_TIMEOUT_S": value})
+    with pytest.raises(ExpertParallelError, match=rf"^DSV41_JOIN_TIMEOUT_S must be a number of seconds above 0, "
+                                                  rf"got '{value}'$"):
+        init()
+
+
+def test_a_rank_outside_the_world_is_one_line_from_generate(tiny_checkpoint):
+    done, seconds = _run_generate(tiny_checkpoint, _launch_env(5, 2, _free_port()))
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [f"dsv41 generate: {ENV}RANK must lie in [0, 1] for WORLD_SIZE 2, got 5"]
+    assert seconds < STARTUP_BOUND_S
+
+
+def test_an_unresolvable_master_is_one_line_from_generate_before_any_join(tiny_checkpoint):
+    join_timeout_s = 30  # a join would take this long; the resolution check refuses it first
+    env = _launch_env(0, 2, _free_port(), MASTER_ADDR=UNRESOLVABLE, DSV41_JOIN_TIMEOUT_S=join_timeout_s)
+    done, seconds = _run_generate(tiny_checkpoint, env)
+    assert done.returncode == 1
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"dsv41 generate: {ENV}MASTER_ADDR {UNRESOLVABLE!r} does not "
+                                                   f"resolve"), done.stderr[-3000:]
+    assert seconds < join_timeout_s
+
+
+@pytest.mark.parametrize("rank, why", [
+    (1, "nothing answered at 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT)"),  # no master listens
+    (0, "1 of 2 ranks arrived at 127.0.0.1:{port}"),  # the master, its peer never started
+])
+def test_a_join_that_cannot_complete_ends_after_the_stated_timeout(tiny_checkpoint, rank, why):
+    port = _free_port()
+    done, seconds = _run_generate(tiny_checkpoint, _launch_env(rank, 2, port))
+    assert done.returncode == 1
+    want = (f"dsv41 generate: rank {rank} could not join the expert-parallel group within {SHORT_JOIN_TIMEOUT_S} s "
+            f"(DSV41_JOIN_TIMEOUT_S): {why.format(port=port)}")
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(want), done.stderr[-3000:]
+    assert SHORT_JOIN_TIMEOUT_S <= seconds < STARTUP_BOUND_S
+
+
+def test_under_torchrun_a_rank_whose_peers_never_arrive_ends_the_join_after_the_timeout(monkeypatch):
+    """torchrun's agent hosts the store and every rank is its client: the join waits for all ranks
+    at the store itself, within the timeout, before any process group starts."""
+    import torch.distributed as dist
+
+    port = _free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    _set_launch_env(monkeypatch, {**GOOD_ENV, "RANK": 0, "LOCAL_RANK": 0, "MASTER_PORT": port,
+                                  "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    began = time.monotonic()
+    with pytest.raises(ExpertParallelError, match=rf"^rank 0 could not join the expert-parallel group within 1 s "
+                                                  rf"\(DSV41_JOIN_TIMEOUT_S\): 1 of 2 ranks arrived at "
+                                                  rf"127.0.0.1:{port}$"):
+        init(join_timeout_s=1)
+    assert 1 <= time.monotonic() - began < 20
+    assert not dist.is_initialized()
+    del agent_store
 
 
 # ---------------------------------------------------------------------- real groups
@@ -200,6 +351,49 @@ def test_bench_experts_across_ranks_counts_the_bytes_it_exchanges(tmp_path):
             others = t * TOPK - r["pairs"]
             assert r["bytes_sent"] == (nproc - 1) * (r["pairs"] * dim + 1) * 2
             assert r["bytes_received"] == (others * dim + nproc - 1) * 2
+
+
+def _run_ranks(commands: list) -> tuple[list, list]:
+    """Each command as one rank of a group on loopback (rank 0 hosting the store) -> (exit codes,
+    (stdout, stderr) per rank)."""
+    port = _free_port()
+    ranks = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO),
+                              env=_launch_env(rank, len(commands), port, DSV41_JOIN_TIMEOUT_S=STARTUP_BOUND_S))
+             for rank, command in enumerate(commands)]
+    try:
+        outputs = [rank.communicate(timeout=STARTUP_BOUND_S) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    return [rank.returncode for rank in ranks], outputs
+
+
+def test_ranks_given_different_requests_stop_with_one_line_on_rank_0(tiny_checkpoint):
+    """Rank 1 is given another prompt and token count: the ranks compare their requests before the
+    first exchange, so every rank exits 1 and rank 0 names the differences, nothing from gloo."""
+    codes, outputs = _run_ranks([_generate_command(tiny_checkpoint),
+                                 _generate_command(tiny_checkpoint, "A different prompt", "--max-new-tokens", "3")])
+    assert codes == [1, 1], outputs
+    lines = outputs[0][1].splitlines()
+    assert len(lines) == 1, outputs[0][1][-3000:]
+    assert lines[0].startswith("dsv41 generate: rank 1's request differs from rank 0's: --prompt "), lines[0]
+    assert lines[0].endswith("; --max-new-tokens 3 against 2"), lines[0]
+    assert outputs[1][1] == "" and outputs[0][0] == outputs[1][0] == ""
+
+
+def test_a_rank_whose_prompt_cannot_be_prepared_stops_every_rank_at_once(tiny_checkpoint, tmp_path):
+    """Rank 1's image does not exist: the ranks prepare their prompts as one step, so no rank is
+    left waiting in an exchange for the group's timeout."""
+    missing = tmp_path / "missing.png"
+    began = time.monotonic()
+    codes, outputs = _run_ranks([_generate_command(tiny_checkpoint),
+                                 _generate_command(tiny_checkpoint, PROMPT, "--image", str(missing))])
+    assert codes == [1, 1], outputs
+    lines = outputs[0][1].splitlines()
+    want = "dsv41 generate: rank 1 failed preparing the prompt: ImageError: "
+    assert len(lines) == 1 and lines[0].startswith(want), outputs[0][1][-3000:]
+    assert str(missing) in lines[0] and outputs[1][1] == ""
+    assert time.monotonic() - began < DEFAULT_TIMEOUT_S
 
 
 def test_agree_in_a_group_of_one_names_the_failure():
