@@ -2,6 +2,11 @@
 its reply parsed, and the positions the model already holds reused; the terminal loop behind
 `dsv41 chat`.
 
+Ids. A turn runs on `chat.token_ids` of the rendered conversation, never on its text tokenized
+whole: the template's markers are control tokens and message text is text, so a message that
+spells `<｜Assistant｜>` or a DSML block forges no turn and no tool call (what the text would
+tokenize to, had it been typed into the prompt, is the release's string and nothing more).
+
 Reuse. Each turn renders the whole conversation again and tokenizes it; `generate(...,
 reuse_prefix=True)` keeps the part of the model's sequence the new prompt starts with and runs only
 the rest. Without thinking, the previous turn rendered back (its reply, the end token, the new
@@ -21,14 +26,19 @@ second turn's first reply position; 1.08 for a thinking prompt run as two calls 
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
+import os
+import stat
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from . import chat as chat_format
+from . import vision
 from .generate import GenerationResult, generate
-from .tokenizer import ASSISTANT_TOKEN, BOS_TOKEN, THINK_START_TOKEN
+from .tokenizer import ASSISTANT_TOKEN, THINK_START_TOKEN
 
 
 @dataclass
@@ -49,9 +59,10 @@ class ChatResult:
         return self.reply.message()
 
 
-def prompt_ids(model, text: str) -> list[int]:
-    """Token ids of a rendered prompt: its text already holds the begin-of-sentence token, so none is added."""
-    return model.tokenizer.encode(text, add_special_tokens=False).ids
+def prompt_ids(model, prompt: chat_format.ChatPrompt) -> list[int]:
+    """Token ids of a rendered prompt (`chat.token_ids`: only the template's markers are control
+    tokens; its text already holds the begin-of-sentence token, so none is added)."""
+    return chat_format.token_ids(prompt, model.tokenizer)
 
 
 def reply_text(model, ids) -> str:
@@ -75,21 +86,19 @@ def chat(model, messages, *, tools=None, thinking: bool = False, reasoning_effor
     `ChatResult.timings` covers both calls."""
     prompt = chat_format.render(messages, tools=tools, thinking=thinking, reasoning_effort=reasoning_effort,
                                 drop_thinking=drop_thinking)
-    ids = prompt_ids(model, prompt.text)
+    ids = prompt_ids(model, prompt)
     options = dict(temperature=temperature, seed=seed, trace=trace, callback=callback, prefill_chunk=prefill_chunk,
                    progress=progress)
     if speculative:
         options["speculative"] = True
-    feed = ids
-    if prompt.images:  # the vision path puts each image's span at its placeholder
-        options["images"] = [image_source(record) for record in prompt.images]
-        feed = prompt.text[len(BOS_TOKEN):] if model.add_bos else prompt.text  # `prepare` adds the model's BOS
+    # the vision path puts each image's span at its placeholder; every image is read before anything runs
+    feed = _with_images(model, ids, prompt.images) if prompt.images else ids
     if resume is not None and reuse_prefix:
         _resume(model, resume, ids)
 
     # the next turn renders this reply without its reasoning: it parts from this prompt at the `<think>`
     split = (reuse_prefix and thinking and not prompt.keeps_reasoning and not prompt.images and len(ids) > 1
-             and prompt.text.endswith(ASSISTANT_TOKEN + THINK_START_TOKEN)
+             and _ends_with_markup(prompt, ASSISTANT_TOKEN + THINK_START_TOKEN)
              and ids[-1] == model.tokenizer.token_to_id(THINK_START_TOKEN)
              and len(ids) + max_new_tokens - 1 <= model.max_seq_len)  # else generate's own refusal, unsplit
     head = None
@@ -106,19 +115,26 @@ def chat(model, messages, *, tools=None, thinking: bool = False, reasoning_effor
         snapshot = model.snapshot() if keep_resume else None
     prefill_s = result.timings["prefill_s"] + (head.timings["prefill_s"] if head is not None else 0.0)
     raw = reply_text(model, result.ids)
-    reply = chat_format.parse(raw, thinking=prompt.text.endswith(THINK_START_TOKEN))
+    reply = chat_format.parse(raw, thinking=_ends_with_markup(prompt, THINK_START_TOKEN))
     timings = {"prompt_tokens": len(ids), "reused_positions": reused, "prefilled": len(ids) - reused,
                "prefill_s": prefill_s, "decode_s": result.timings["decode_s"],
                "tokens_per_s": result.timings["tokens_per_s"], "new_tokens": len(result.ids)}
     return ChatResult(reply, raw, result, prompt.text, ids, reused, timings, prompt.images, snapshot)
 
 
+def _ends_with_markup(prompt: chat_format.ChatPrompt, marker: str) -> bool:
+    """The prompt ends with the template's own `marker` (a message's text spelling it does not count)."""
+    if not prompt.segments:
+        return False
+    text, kind = prompt.segments[-1]
+    return kind == chat_format.MARKUP and text.endswith(marker)
+
+
 def image_source(record: dict):
     """What the vision path reads for one of the format's image records: a path, or the bytes of a
     base64 `data:` URL, `data` field or base64 `source`. An image at a web address is refused:
-    nothing here fetches from the network."""
-    import base64
-
+    nothing here fetches from the network. A record that names no image, or data that is not
+    base64, is a ChatFormatError."""
     source = record.get("source")
     if isinstance(source, dict):
         record = {"data": source["data"]} if source.get("type") == "base64" and "data" in source else source
@@ -126,15 +142,64 @@ def image_source(record: dict):
         record = {"url": source}
     if record.get("data") is not None:
         data = record["data"]
-        return bytes(data) if isinstance(data, (bytes, bytearray)) else base64.b64decode(data)
-    url = str(record.get("url") or record.get("path") or "")
+        if isinstance(data, (bytes, bytearray)):
+            return bytes(data)
+        return _base64(data, "an image block's data")
+    url = record.get("url") or record.get("path") or ""
+    if not isinstance(url, str) or not url:
+        raise chat_format.ChatFormatError("an image record needs a path, a url or base64 data, and this one has "
+                                          "none of them as text")
     if url.startswith("data:"):
-        return base64.b64decode(url.partition(",")[2])
+        return _base64(url.partition(",")[2], "an image's data: URL")
     if url.startswith("file://"):
         return url[len("file://"):]
     if "://" in url:
         raise chat_format.ChatFormatError(f"the image {url[:80]!r} is a web address; download it and pass its path")
     return url
+
+
+def _base64(text, what: str) -> bytes:
+    import base64
+
+    if not isinstance(text, str):
+        raise chat_format.ChatFormatError(f"{what} is a {type(text).__name__}, not base64 text")
+    try:  # line breaks are allowed (MIME wraps base64), any other stray character is not
+        return base64.b64decode("".join(text.split()), validate=True)
+    except ValueError as exc:  # binascii.Error, or text that is not ASCII
+        raise chat_format.ChatFormatError(f"{what} is not base64 ({str(exc).rstrip('.') or 'bad padding'})") from None
+
+
+def _with_images(model, ids: list[int], records: list[dict]) -> vision.Prompt:
+    """The prompt ids with each image placeholder turned into its image's span, every image read
+    before anything runs. An image that cannot be read is one sentence naming it; for a path, the
+    same sentence whether the file is missing, a folder, not an image or damaged, so that a message
+    cannot probe which local paths exist."""
+    cfg = model.cfg
+    if not cfg.vision_n_layers:
+        raise chat_format.ChatFormatError("the conversation holds images, but this model's config has no vision "
+                                          "tower (vision_n_layers is 0)")
+    spans = []
+    for number, record in enumerate(records, 1):
+        source = image_source(record)
+        try:  # one image at a time, so that a failure names its image
+            spans.append(vision.prepare(cfg, [cfg.image_token_id], [source]))
+        except vision.ImageError as exc:
+            if isinstance(source, str):
+                raise chat_format.ChatFormatError(f"image {number} of the conversation ({source[:80]!r}) cannot be "
+                                                  f"read as an image file") from None
+            raise chat_format.ChatFormatError(f"image {number} of the conversation cannot be used: {exc}") from None
+    out_ids, types, images = [], [], []
+    pending = iter(spans)
+    for token in ids:
+        if token != cfg.image_token_id:
+            out_ids.append(token)
+            types.append(vision.TEXT)
+            continue
+        span = next(pending)
+        images += [dataclasses.replace(image, start=image.start + len(out_ids)) for image in span.images]
+        out_ids += span.ids
+        types += span.token_types
+    return vision.Prompt(out_ids, types, tuple(images))
 
 
 def _resume(model, snapshot, ids: list[int]) -> None:
@@ -196,15 +261,37 @@ class Conversation:
         return {"messages": self.messages, "tools": self.tools, "thinking": self.thinking,
                 "reasoning_effort": self.reasoning_effort}
 
-    def save(self, path) -> None:
-        """The conversation as JSON: its messages (OpenAI-style) and the options that render them."""
-        with open(path, "w", encoding="utf-8") as out:
-            json.dump(self.to_json(), out, ensure_ascii=False, indent=1)
-            out.write("\n")
+    def save(self, path, *, overwrite: bool = False) -> None:
+        """The conversation as JSON: its messages (OpenAI-style) and the options that render them.
+        An existing file is kept (FileExistsError) unless `overwrite`; anything but a regular file
+        (a folder, a FIFO, a device) is refused either way (OSError), never opened for writing."""
+        text = json.dumps(self.to_json(), ensure_ascii=False, indent=1) + "\n"
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and not stat.S_ISREG(mode):
+            raise OSError(f"{os.fspath(path)} is not a regular file")
+        if mode is not None and not overwrite:
+            raise FileExistsError(f"{os.fspath(path)} exists")
+        # O_EXCL: a file that appeared since the check is kept; O_NONBLOCK: a FIFO put there since
+        # cannot make the open wait for a reader
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL) | getattr(os, "O_NONBLOCK", 0)
+        fd = os.open(path, flags, 0o666)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"{os.fspath(path)} is not a regular file")
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                fd = None
+                out.write(text)
+        finally:
+            if fd is not None:
+                os.close(fd)
 
 
 # ---------------------------------------------------------------------- the terminal
-HELP = "/reset forgets the conversation, /save FILE writes it as JSON, /help shows this, Ctrl-D quits"
+HELP = ("/reset forgets the conversation, /save FILE writes it as JSON (/save! FILE replaces an existing file), "
+        "/help shows this, Ctrl-D quits")
 
 
 def run_terminal(model, stdin=None, stdout=None, *, system: Optional[str] = None, thinking: bool = False,
@@ -213,9 +300,10 @@ def run_terminal(model, stdin=None, stdout=None, *, system: Optional[str] = None
     """Chat on a terminal: one message per line; replies on `stdout` (reasoning dimmed, tool calls as
     JSON, on a terminal; plain prefixed lines otherwise); `/reset`, `/save FILE`, Ctrl-D (end of
     input) quits. On a terminal, line editing and history come from readline. `status`: where a
-    line per turn with token counts and reuse goes (None: stderr; False: nowhere). Returns the exit
-    code."""
+    line per turn with token counts and reuse goes (None: stderr; False: nowhere). A line that is
+    not UTF-8 is refused with one line and the session goes on. Returns the exit code."""
     stdin = sys.stdin if stdin is None else stdin
+    _escape_undecodable(stdin)
     stdout = sys.stdout if stdout is None else stdout
     status = sys.stderr if status is None else status
     interactive = _isatty(stdin) and _isatty(stdout)
@@ -229,6 +317,7 @@ def run_terminal(model, stdin=None, stdout=None, *, system: Optional[str] = None
                                 temperature=temperature, seed=seed, speculative=speculative)
     if interactive:
         print(_dim(f"chat with {getattr(model, 'checkpoint', None) or 'the model'}; {HELP}", True), file=stdout)
+    number = 0
     while True:
         try:
             line = _read_line(stdin, stdout, interactive)
@@ -239,8 +328,17 @@ def run_terminal(model, stdin=None, stdout=None, *, system: Optional[str] = None
             if interactive:
                 print(file=stdout)
             return 0
+        number += 1
         text = line.strip()
         if not text:
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # an undecodable byte, escaped by _escape_undecodable
+            code = ord(text[exc.start])
+            what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else "a lone surrogate"
+            print(f"not sent: line {number} is not UTF-8 text ({what} at character {exc.start + 1}); "
+                  f"nothing was added", file=stdout)
             continue
         if text.startswith("/"):
             _command(text, conversation, stdout)
@@ -268,6 +366,16 @@ def _isatty(stream) -> bool:
         return False
 
 
+def _escape_undecodable(stdin) -> None:
+    """Read bytes that are not UTF-8 as lone surrogates (so one bad line is refused and the rest of
+    the input still read) rather than let the decoder raise out of the loop."""
+    if getattr(stdin, "errors", None) == "strict" and hasattr(stdin, "reconfigure"):
+        try:
+            stdin.reconfigure(errors="surrogateescape")
+        except (ValueError, OSError, io.UnsupportedOperation):  # a stream that cannot change now: left as it is
+            pass
+
+
 def _read_line(stdin, stdout, interactive: bool) -> Optional[str]:
     if interactive and stdin is sys.stdin and stdout is sys.stdout:
         try:
@@ -286,17 +394,21 @@ def _command(text: str, conversation: Conversation, stdout) -> None:
     if name == "/reset":
         conversation.reset()
         print("(conversation cleared)", file=stdout)
-    elif name == "/save":
-        if not argument.strip():
-            print("/save needs a file name: /save FILE", file=stdout)
+    elif name in ("/save", "/save!"):
+        path = argument.strip()
+        if not path:
+            print(f"{name} needs a file name: {name} FILE", file=stdout)
             return
         try:
-            conversation.save(argument.strip())
+            conversation.save(path, overwrite=name == "/save!")
+        except FileExistsError:
+            print(f"not saved: {path} exists and is kept; /save! {path} replaces it", file=stdout)
+            return
         except OSError as exc:
-            print(f"could not save to {argument.strip()}: {exc.strerror or exc}", file=stdout)
+            print(f"not saved: {f'{path}: {exc.strerror}' if exc.strerror else exc}", file=stdout)
             return
         count = len(conversation.messages)
-        print(f"(saved {count} message{'' if count == 1 else 's'} to {argument.strip()})", file=stdout)
+        print(f"(saved {count} message{'' if count == 1 else 's'} to {path})", file=stdout)
     elif name == "/help":
         print(HELP, file=stdout)
     else:
