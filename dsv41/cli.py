@@ -83,7 +83,7 @@ def generate_main(argv: list[str]) -> int:
                              "sampling's distribution)")
     parser.add_argument("--draft-tokens", type=int, default=None, metavar="N",
                         help="with --speculative: proposals per step, 1 to the draft block (default: the block, 5)")
-    parser.add_argument("--min-confidence", type=float, default=0.5, metavar="C",
+    parser.add_argument("--min-confidence", type=float, default=None, metavar="C",
                         help="with --speculative: drop the proposals from the first whose confidence is below C "
                              "(default 0.5; 0 keeps them all)")
     parser.add_argument("--threads", type=_threads_arg, default="auto", metavar="auto|N",
@@ -97,6 +97,22 @@ def generate_main(argv: list[str]) -> int:
                              "and any rank's error")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or report on stderr")
     args = parser.parse_args(argv)
+    if not args.speculative:
+        given = [flag for flag, value in (("--draft-tokens", args.draft_tokens), ("--min-confidence", args.min_confidence))
+                 if value is not None]
+        if given:
+            parser.error(f"{' and '.join(given)} only {'work' if len(given) > 1 else 'works'} with --speculative: add "
+                         f"--speculative or leave {'them' if len(given) > 1 else 'it'} out")
+    if args.min_confidence is None:
+        args.min_confidence = 0.5
+    try:
+        return _generate(args)
+    except KeyboardInterrupt:  # before any token (loading, the prefill): nothing to keep
+        print("dsv41 generate: interrupted", file=sys.stderr)
+        return 130
+
+
+def _generate(args) -> int:
     ranks = None  # with --expert-parallel: this process's place in the group
 
     def fail(message: str, agreed: bool = True) -> int:
@@ -177,31 +193,58 @@ def generate_main(argv: list[str]) -> int:
             raise
         return fail(str(exc), getattr(exc, "agreed", True))
 
-    from .vision import ImageError
+    from .vision import ImageError, check_placeholders
 
-    try:  # every image read and checked before anything runs
+    def prepared():
         ids = model.prepare(args.prompt, args.image) if args.image else model.encode(args.prompt)
-    except ImageError as exc:
+        if not args.image:
+            check_placeholders(model.cfg, ids, 0)  # a placeholder without --image would be read as text
+        if len(ids) > model.cfg.max_seq_len:
+            raise ValueError(f"the prompt is {len(ids)} tokens, longer than the model's {model.cfg.max_seq_len}-token "
+                             f"maximum")
+        if len(ids) + args.max_new_tokens - 1 > model.max_seq_len:
+            raise ValueError(f"{len(ids)} prompt tokens + {args.max_new_tokens} new ones exceed the {model.max_seq_len} "
+                             f"positions the caches were sized for (raise --max-seq-len)")
+        return ids
+
+    try:  # every image read and checked before anything runs; under a group, on every rank at once
+        ids = prepared() if ranks is None else distributed.agree(prepared, "preparing the prompt")
+    except (ImageError, ValueError) as exc:
         return fail(str(exc))
-    if len(ids) > model.cfg.max_seq_len:
-        return fail(f"the prompt is {len(ids)} tokens, longer than the model's {model.cfg.max_seq_len}-token maximum")
-    if len(ids) + args.max_new_tokens - 1 > model.max_seq_len:
-        return fail(f"{len(ids)} prompt tokens + {args.max_new_tokens} new ones exceed the {model.max_seq_len} "
-                    f"positions the caches were sized for (raise --max-seq-len)")
+    except RuntimeError as exc:  # ExpertParallelError
+        if ranks is None:
+            raise
+        return fail(str(exc), getattr(exc, "agreed", True))
+    if ranks is not None:
+        try:  # before the first exchange: a rank asked for something else would abort the exchange in gloo
+            distributed.agree_on_request(_expert_parallel_request(args, model, ids))
+        except distributed.ExpertParallelError as exc:
+            return fail(str(exc), exc.agreed)
 
     if not args.quiet:
         print(f"prompt: {len(ids)} tokens; generating {args.max_new_tokens} "
               f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}, seed {args.seed}'})",
               file=sys.stderr)
 
+    generated: list[int] = []  # what Ctrl-C must not lose
+
+    def keep(step, token, logits):
+        generated.append(token)
+
     def run():
         return generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         seed=args.seed, prefill_chunk=args.prefill_chunk, progress=not args.quiet,
                         speculative=args.speculative, draft_tokens=args.draft_tokens,
-                        min_confidence=args.min_confidence)
+                        min_confidence=args.min_confidence, callback=keep)
 
     try:
         result = run() if ranks is None else distributed.agree(run, "generating")
+    except KeyboardInterrupt:
+        if ranks is None or ranks.is_main:
+            print(model.decode(generated), flush=True)
+            print(f"dsv41 generate: interrupted after {len(generated)} of {args.max_new_tokens} tokens "
+                  f"(the text so far is above)", file=sys.stderr)
+        return 130
     except (NonFiniteLogits, ValueError) as exc:  # ValueError: a speculative request this model refuses
         return fail(str(exc))
     except RuntimeError as exc:  # ExpertParallelError
@@ -232,12 +275,38 @@ def generate_main(argv: list[str]) -> int:
     return 0
 
 
+def _expert_parallel_request(args, model, ids) -> dict:
+    """What every rank of `generate --expert-parallel` must agree on: the prompt and the options that
+    change what is computed (a sampling seed only when sampling, the draft's options only with
+    --speculative), each as a short text; not the devices, threads or cache sizes."""
+    import dataclasses
+
+    from .distributed import fingerprint
+
+    images = getattr(ids, "images", ())
+    prompt = fingerprint(list(getattr(ids, "ids", ids)), list(getattr(ids, "token_types", ())),
+                         *(part for image in images for part in (image.start, image.patches)))
+    config = [(f.name, getattr(model.cfg, f.name)) for f in dataclasses.fields(model.cfg) if f.compare]
+    request = {"--checkpoint": f"config {fingerprint(config)}", "--numerics": args.numerics,
+               "--fix-stale-index-keys": str(args.fix_stale_index_keys),
+               "--prompt": f"{len(ids)} tokens{f' with {len(images)} images' if images else ''}, {prompt}",
+               "--max-new-tokens": str(args.max_new_tokens), "--temperature": repr(args.temperature),
+               "--prefill-chunk": str(args.prefill_chunk), "--speculative": str(args.speculative)}
+    if args.temperature > 0:
+        request["--seed"] = str(args.seed)
+    if args.speculative:
+        request["--draft-tokens"] = str(args.draft_tokens)
+        request["--min-confidence"] = repr(args.min_confidence)
+    return request
+
+
 # ---------------------------------------------------------------------- dsv41 chat
 def chat_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dsv41 chat", description=(
         "Chat with a checkpoint in the V4.1 chat format (default: the embedded tiny one, random-weighted, so its "
         "replies are noise). One message per line; /reset forgets the conversation, /save FILE writes it as "
-        "JSON, Ctrl-D quits. Each turn continues from the positions the previous one left in the caches."))
+        "JSON (never over an existing file; /save! FILE replaces one), Ctrl-D quits. Each turn continues from "
+        "the positions the previous one left in the caches."))
     parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded tiny one)")
     parser.add_argument("--thinking", action="store_true", help="the model reasons before it answers (shown dimmed)")
     parser.add_argument("--reasoning-effort", default=None, metavar="N|low|high|max",
@@ -254,20 +323,46 @@ def chat_main(argv: list[str]) -> int:
     parser.add_argument("--quiet", action="store_true", help="no load report or per-turn token counts on stderr")
     args = parser.parse_args(argv)
 
-    def fail(message: str) -> int:
+    def fail(message: str, code: int = 1) -> int:
         print(f"dsv41 chat: {message}", file=sys.stderr)
-        return 1
+        return code
 
-    from .chat import ChatFormatError, reasoning_budget
-    from .conversation import run_terminal
+    if args.system is not None:
+        try:
+            args.system.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a byte of a non-UTF-8 argv, escaped by Python
+            return fail(f"--system is not UTF-8 text (character {exc.start + 1}); pass UTF-8")
+    try:  # importing torch and loading take a while: Ctrl-C there is one line, exit 130
+        model_or_code = _chat_model(args, fail)
+    except KeyboardInterrupt:
+        return fail("interrupted while loading the checkpoint", 130)
+    if isinstance(model_or_code, int):
+        return model_or_code
+
+    try:
+        from .conversation import run_terminal
+
+        return run_terminal(model_or_code, sys.stdin, sys.stdout, system=args.system, thinking=args.thinking,
+                            reasoning_effort=args.reasoning_effort, max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature, seed=args.seed, status=False if args.quiet else None,
+                            speculative=args.speculative)
+    except KeyboardInterrupt:  # outside a read or a reply, which handle their own
+        print(file=sys.stdout)
+        return 130
+
+
+def _chat_model(args, fail):
+    """The checked arguments' model for `dsv41 chat`, or the exit code of a failed check or load."""
+    from .chat import ChatFormatError, reasoning_budget, render
     from .generate import check_sampling
 
-    effort = args.reasoning_effort
-    if effort is not None and effort.strip().isdigit():
-        effort = int(effort)
+    if args.reasoning_effort is not None and args.reasoning_effort.strip().isdigit():
+        args.reasoning_effort = int(args.reasoning_effort)
     try:
-        reasoning_budget(effort)
+        reasoning_budget(args.reasoning_effort)
         check_sampling(args.max_new_tokens, args.temperature, args.seed)
+        if args.system is not None:
+            render([{"role": "system", "content": args.system}])  # what the format refuses in it
     except (ChatFormatError, ValueError) as exc:
         return fail(f"{exc} (see --help)")
     if args.max_seq_len is not None and args.max_seq_len <= 0:
@@ -288,16 +383,15 @@ def chat_main(argv: list[str]) -> int:
     if problem:
         return fail(problem)
     try:
-        model = load(path, quiet=args.quiet, max_seq_len=args.max_seq_len)
+        return load(path, quiet=args.quiet, max_seq_len=args.max_seq_len)
     except (LoadError, ValueError) as exc:
         return fail(str(exc))
-    return run_terminal(model, sys.stdin, sys.stdout, system=args.system, thinking=args.thinking,
-                        reasoning_effort=effort, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        seed=args.seed, status=False if args.quiet else None, speculative=args.speculative)
 
 
 def _threads_arg(text: str):
-    """A --threads value: "auto" or a whole number >= 1."""
+    """A --threads value: "auto" or a whole number from 1 to the CPUs this process may run on."""
+    from .loader import check_threads
+
     if text.strip().lower() == "auto":
         return "auto"
     try:
@@ -306,6 +400,10 @@ def _threads_arg(text: str):
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"takes auto or a whole number of threads >= 1, got {text!r}")
+    try:
+        check_threads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 
@@ -315,8 +413,8 @@ def _audit_problem(path: str) -> Optional[str]:
 
     try:
         report = run_audit(path, require_complete=True)
-    except AuditError as exc:
-        return str(exc)
+    except AuditError as exc:  # its fix names the audit's own options; --checkpoint is ours
+        return f"{exc.problem}; pass --checkpoint a checkpoint folder (its shards and config.json)"
     if report.unreadable:
         file, why = report.unreadable[0]
         return why if why.startswith(file) else f"{file}: {why}"  # header errors already name the shard

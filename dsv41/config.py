@@ -143,6 +143,9 @@ NULLABLE = frozenset({"vision_max_wh_ratio"})
 # MAX_ENGRAM_COLUMNS, below). Layer ids, token ids and ratios are placed by the relationship checks
 # of verify(); here they only need to be 64-bit integers.
 MAX_LAYERS = 1024  # n_layers 40
+# The shortest image span: image start, one cell, its row newline, image end (vision.span_length(1, 1)).
+# A vision_max_n_token below it cannot hold any image.
+MIN_IMAGE_SPAN = 4
 MAX_INT64 = (1 << 63) - 1
 VALUE_BOUNDS: dict[str, tuple[int, int]] = {
     "vocab_size": (1, 1 << 22),  # 129,280
@@ -150,7 +153,7 @@ VALUE_BOUNDS: dict[str, tuple[int, int]] = {
     "moe_inter_dim": (1, 1 << 17),  # 2,304
     "n_layers": (1, MAX_LAYERS),
     "n_mtp_layers": (0, 64),  # 3
-    "dspark_block_size": (1, 256),  # 5
+    "dspark_block_size": (0, 256),  # 5; 0 turns the draft stack off
     "dspark_noise_token_id": (-MAX_INT64, MAX_INT64),
     "dspark_markov_rank": (1, 1 << 14),  # 256
     "dspark_n_routed_experts": (0, 1 << 14),  # 128; 0 routes the MTP layers like the backbone
@@ -186,7 +189,7 @@ VALUE_BOUNDS: dict[str, tuple[int, int]] = {
     "vision_inter_dim": (1, 1 << 17),  # 2,816
     "vision_patch_size": (1, 1 << 9),  # 14
     "vision_downsample_ratio": (1, 64),  # 3
-    "vision_max_n_token": (1, 1 << 16),  # 1,024
+    "vision_max_n_token": (MIN_IMAGE_SPAN, 1 << 16),  # 1,024
     "vision_min_pixels": (1, 1 << 24),  # 295,936
     "image_token_id": (-MAX_INT64, MAX_INT64),
     "engram_n_heads": (1, 1 << 10),  # 8

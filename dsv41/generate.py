@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .trace import ForwardTrace, GenerationTrace, StepRecord
-from .vision import Prompt
+from .vision import Prompt, check_placeholders, image_sources
 
 class NonFiniteLogits(RuntimeError):
     """A forward gave NaN or Inf logits: generation stops; the message names where it began."""
@@ -64,12 +64,33 @@ def _whole(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def locate_non_finite(model, ids: Sequence[int]) -> str:
-    """Where the forward of `ids` first goes non-finite, as a phrase: runs them once more as a
-    prefill with a finite check per site (leaves the model reset)."""
+def _whole_ids(prompt) -> list[int]:
+    """A prompt given as token ids -> a list of ints; a float id is refused, not cut."""
+    try:
+        ids = torch.as_tensor(prompt)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"a prompt of token ids is one list of whole numbers, got {type(prompt).__name__}") from None
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool or ids.dim() != 1:
+        raise ValueError(f"a prompt of token ids is one list of whole numbers, got {ids.dtype} values of shape "
+                         f"{list(ids.shape)}")
+    return ids.tolist()
+
+
+def locate_non_finite(model, ids) -> str:
+    """Where the forward of `ids` (token ids, or a `vision.Prompt` with its images) first goes
+    non-finite, as a phrase: runs them once more as a prefill with a finite check per site, after
+    the vision tower's rows of each image (leaves the model reset)."""
     trace = ForwardTrace(check_finite=True)
     try:
-        model(torch.tensor([list(ids)]), 0, trace=trace)
+        if isinstance(ids, Prompt):
+            ids = model.encode_images(ids)  # the rows the generation used, when it had them
+            broken = [k for k, image in enumerate(ids.images) if not bool(torch.isfinite(image.features).all())]
+            if broken:  # the tower runs before the embedding: its output is the first site
+                return (f"the first non-finite output is the vision tower's (the ViT and aligner rows of image "
+                        f"{broken[0] + 1} of {len(ids.images)})")
+            model(ids, 0, trace=trace)
+        else:
+            model(torch.tensor([list(ids)]), 0, trace=trace)
     finally:
         model.reset()
     bad = trace.first_non_finite()
@@ -79,13 +100,17 @@ def locate_non_finite(model, ids: Sequence[int]) -> str:
     return f"the first non-finite output is {where}"
 
 
-def _check_finite(model, logits: torch.Tensor) -> None:
+def _check_finite(model, logits: torch.Tensor, prompt: Optional[Prompt] = None) -> None:
     """Stop with one sentence when the logits of the model's last position are not finite (the
-    sequence fed so far, `model.token_ids`, is run again to say where it began)."""
+    sequence fed so far, `model.token_ids`, is run again to say where it began; `prompt`, the
+    Prompt it started with, lends the rerun its images)."""
     if not bool(torch.isfinite(logits).all()):
-        sequence = model.token_ids[0].tolist()
+        held = model.token_ids[0].tolist()
+        sequence = held
+        if prompt is not None and prompt.images and held[: len(prompt)] == list(prompt.ids):
+            sequence = prompt.extend(held[len(prompt):])  # without its images the span reruns as text tokens
         raise NonFiniteLogits(
-            f"the logits at position {len(sequence) - 1} are NaN or Inf, so generation stops: "
+            f"the logits at position {len(held) - 1} are NaN or Inf, so generation stops: "
             f"{locate_non_finite(model, sequence)}; `dsv41 audit --values` finds non-finite weights")
 
 
@@ -137,7 +162,7 @@ def prefill(model, prompt_ids, *, trace=None, start_pos: int = 0, chunk: Optiona
         ids = prompt_ids
         length = len(ids)
     else:
-        ids = torch.as_tensor(prompt_ids, dtype=torch.long)
+        ids = torch.as_tensor(prompt_ids)  # the model refuses ids that are not whole numbers
         ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
         length = ids.size(1)
     if chunk is None:
@@ -157,23 +182,26 @@ def prefill(model, prompt_ids, *, trace=None, start_pos: int = 0, chunk: Optiona
 
 def decode_one(model, token_id, *, trace=None) -> torch.Tensor:
     """Feed one token per row at the next position -> float32 logits [b, vocab]."""
-    ids = torch.as_tensor(token_id, dtype=torch.long).reshape(-1, 1)
+    ids = torch.as_tensor(token_id).reshape(-1, 1)  # the model refuses ids that are not whole numbers
     return model(ids, model.position, trace=trace)
 
 
 def decode_n(model, token_id, n: int, *, temperature: float = 0.0, generator: Optional[torch.Generator] = None,
              callback: Optional[Callable[[int, int, torch.Tensor], Optional[bool]]] = None,
-             stop_ids: Sequence[int] = (), trace=None, steps: Optional[list] = None) -> list[int]:
+             stop_ids: Sequence[int] = (), trace=None, steps: Optional[list] = None,
+             check_finite: Optional[Callable] = None) -> list[int]:
     """Feed `token_id` (batch 1) and keep going for up to `n` tokens, sampling each from the last
     logits. Returns the produced ids (the fed token excluded). `callback(step, token, logits)` runs
     after each token; returning False stops. A token in `stop_ids` is kept and stops the loop.
-    NaN or Inf logits stop it with NonFiniteLogits."""
+    NaN or Inf logits stop it with NonFiniteLogits (`check_finite(model, logits)` in place of the
+    plain check: generate's knows the prompt's images)."""
     out: list[int] = []
     token = int(token_id)
+    check_finite = check_finite or _check_finite
     for step in range(n):
         began = time.perf_counter()
         logits = decode_one(model, token, trace=trace)
-        _check_finite(model, logits)
+        check_finite(model, logits)
         token = int(sample(logits, temperature, generator)[0])
         out.append(token)
         if steps is not None:
@@ -208,6 +236,7 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
     the stack; the result's `speculation` says what each step drafted, kept and accepted."""
     check_prompt(prompt)
     check_sampling(max_new_tokens, temperature, seed)
+    images = image_sources(images)
     if speculative:
         from . import speculative as spec_module  # same layer; imported when used
 
@@ -223,7 +252,9 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
         vision_s = time.perf_counter() - began
         prompt_ids = list(prompt.ids)
     else:
-        prompt_ids = model.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        prompt_ids = model.encode(prompt) if isinstance(prompt, str) else _whole_ids(prompt)
+        if isinstance(prompt, str):
+            check_placeholders(model.cfg, prompt_ids, 0)  # `prepare`'s refusal: no image for the placeholder
     # the last new token is sampled, never fed back: it takes no cache position
     if len(prompt_ids) + max_new_tokens - 1 > model.max_seq_len:
         raise ValueError(f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new ones need "
@@ -236,6 +267,10 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
 
     began = time.perf_counter()
     feed = prompt if isinstance(prompt, Prompt) else prompt_ids
+
+    def check_finite(m, logits):  # a NaN diagnosis reruns the prompt with its images
+        _check_finite(m, logits, feed if isinstance(feed, Prompt) else None)
+
     # equal ids are not equal images: reuse stops at the first image position
     shareable = prompt_ids[: _first_image(feed) + 1]
     reused = _reusable_prefix(model, shareable) if reuse_prefix else 0
@@ -243,7 +278,7 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
         model.rollback(model.position - reused)
     logits = prefill(model, feed[reused:], trace=ftrace, start_pos=reused, chunk=prefill_chunk,
                      progress=progress)
-    _check_finite(model, logits)
+    check_finite(model, logits)
     ids: list[int] = []
     finish = "length"
     if max_new_tokens > 0:
@@ -269,13 +304,13 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
             more, spec_steps = spec_module.decode_speculative(
                 model, ids[-1], max_new_tokens - 1, draft_tokens=draft_tokens, min_confidence=min_confidence,
                 draft_source=draft_source, stop_ids=stop_ids, trace=ftrace,
-                callback=shifted if callback is not None else None, check_finite=_check_finite, step_record=record,
+                callback=shifted if callback is not None else None, check_finite=check_finite, step_record=record,
                 temperature=temperature, generator=generator)
             speculation = spec_module.Speculation(spec_steps)
         else:
             more = decode_n(model, ids[-1], max_new_tokens - 1, temperature=temperature, generator=generator,
                             callback=shifted if callback is not None else None, stop_ids=stop_ids, trace=ftrace,
-                            steps=steps)
+                            steps=steps, check_finite=check_finite)
         ids += more
         if more and more[-1] in stop_ids:
             finish = "eos"

@@ -16,9 +16,11 @@ and the Engram skips the positions (no n-gram reaches across them, no update lan
 
 `plan(width, height, cfg)` is the whole resize decision as a pure function: the minimum-pixel
 upscale, the optional width/height cap, rounding up to whole patches and the shrink that keeps the
-span within `vision_max_n_token` positions. `load_image` takes a path, bytes or a PIL image and
-says in one sentence what is wrong with a bad one. The tower runs in bf16, as the released runtime
-holds it, with float32 norm weights and rotary tables.
+span within `vision_max_n_token` positions. `read_image` takes a path, bytes or a PIL image, says
+in one sentence what is wrong with a bad one and holds a source to the plan's pixel budget: up to
+Pillow's default limit it decodes at full size (the reference's pixels, bit for bit), past it
+reduced to what the plan can use. The tower runs in bf16, as the released runtime holds it, with
+float32 norm weights and rotary tables.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import dataclasses
 import io
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -34,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import MIN_IMAGE_SPAN
 from .layers import RMSNorm, param
 
 TEXT, IMAGE_START, IMAGE, IMAGE_NEWLINE, IMAGE_END = -1, 0, 1, 2, 3
@@ -41,6 +45,17 @@ TEXT, IMAGE_START, IMAGE, IMAGE_NEWLINE, IMAGE_END = -1, 0, 1, 2, 3
 VISION_NORM_EPS = 1e-6
 # Letterbox fill around a padded image: mid grey, which normalizes to (almost) zero.
 PAD_GREY = (127, 127, 127)
+# Sources up to this many pixels are decoded at full size and framed as the released reference
+# frames them, bit for bit: Pillow's default MAX_IMAGE_PIXELS, what Pillow decodes without a warning.
+# Fixed here, so a change to Pillow's global does not move it.
+EXACT_DECODE_PIXELS = 89_478_485
+# Larger sources are decoded reduced and may have at most this many times the pixels of the largest
+# frame a plan makes (8x per side, as far as a JPEG's DCT draft reduces): past it the tower would see
+# less than one pixel in 64 of the source.
+SOURCE_REDUCTION_LIMIT = 64
+# A reduced decode keeps at least twice the framed size per side for the final bicubic resize, the
+# gap Pillow's own thumbnail keeps.
+REDUCING_GAP = 2
 
 
 class ImageError(ValueError):
@@ -116,6 +131,9 @@ def plan(width: int, height: int, cfg) -> VisionPlan:
     if not cfg.vision_n_layers:
         raise ImageError("this model's config has no vision tower (vision_n_layers is 0), so it takes no images")
     patch, ratio, budget = cfg.vision_patch_size, cfg.vision_downsample_ratio, cfg.vision_max_n_token
+    if budget < MIN_IMAGE_SPAN:  # Config.verify refuses it; a config built in Python may not have been verified
+        raise ImageError(f"vision_max_n_token {budget} cannot hold an image span, which takes at least "
+                         f"{MIN_IMAGE_SPAN} positions (image start, one cell, its row newline, image end)")
     max_wh = cfg.vision_max_wh_ratio
     w, h = width, height
     if max_wh is not None and w > h * max_wh:
@@ -128,29 +146,59 @@ def plan(width: int, height: int, cfg) -> VisionPlan:
     if span_length(rows, cols) > budget:
         pixel_h, pixel_w = _fit_budget(h, w, patch, ratio, budget)
         rows, cols = _llm_grid(pixel_h, pixel_w, patch, ratio)
+    if rows < 1 or cols < 1:  # never a span without cells: the image would vanish from the prompt
+        raise ImageError(f"an image of {width} x {height} pixels gets no image cell under vision_max_n_token {budget}")
     return VisionPlan(width, height, int(pixel_w), int(pixel_h), int(pixel_h) // patch, int(pixel_w) // patch,
                       rows, cols, stretch=max_wh is not None and width >= max_wh * height)
+
+
+def largest_plan_pixels(cfg) -> int:
+    """The most pixels any plan under `cfg` frames an image to: one row of the most cells a span
+    holds (rows * (cols + 1) + 2 <= vision_max_n_token leaves at most vision_max_n_token - 3 cells)."""
+    cell = cfg.vision_patch_size * cfg.vision_downsample_ratio
+    return (cfg.vision_max_n_token - 3) * cell * cell
+
+
+def source_pixel_budget(cfg) -> int:
+    """The most pixels a source image may have under `cfg`: what Pillow decodes silently, or
+    SOURCE_REDUCTION_LIMIT times the largest frame, whichever is more."""
+    return max(EXACT_DECODE_PIXELS, SOURCE_REDUCTION_LIMIT * largest_plan_pixels(cfg))
 
 
 # ---------------------------------------------------------------------- loading
 def _describe(source) -> str:
     if isinstance(source, (str, os.PathLike)):
-        return os.fspath(source)
+        return os.fspath(source) or "the empty path"
     if isinstance(source, (bytes, bytearray, memoryview)):
         return f"the image bytes ({len(source):,} bytes)"
     return "the PIL image"
 
 
 def load_image(source):
-    """A path, bytes or a PIL image -> an RGB PIL image (a copy; the source is left as it was).
-    Anything unusable raises ImageError with one sentence naming the input."""
+    """A path, bytes or a PIL image -> an RGB PIL image at full size (a copy; the source is left as
+    it was), for sources of up to EXACT_DECODE_PIXELS pixels (`read_image` reads larger ones
+    reduced, for a plan). Anything unusable raises ImageError with one sentence naming the input."""
+    return _read(source, None)[0]
+
+
+def read_image(source, cfg):
+    """A path, bytes or a PIL image -> (an RGB PIL image, the source's (width, height)) for `cfg`'s
+    plan. Up to EXACT_DECODE_PIXELS the image is `load_image`'s, at full size. A larger source, up
+    to `source_pixel_budget(cfg)`, is decoded reduced to no less than REDUCING_GAP times its frame
+    per side: a JPEG through its DCT draft, then any format box-reduced by whole factors, strip by
+    strip. Pass the size on to `patchify`, which plans the source, not the reduced copy."""
+    return _read(source, cfg)
+
+
+def _read(source, cfg):
     from PIL import Image, UnidentifiedImageError
 
     name = _describe(source)
     if isinstance(source, (str, os.PathLike)):
-        if not os.path.isfile(source):
+        path = os.fspath(source)
+        if not os.path.isfile(path):
             raise ImageError(f"{name}: no such image file")
-        opener = lambda: Image.open(os.fspath(source))  # noqa: E731
+        opener = lambda: Image.open(path)  # noqa: E731
     elif isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         opener = lambda: Image.open(io.BytesIO(data))  # noqa: E731
@@ -159,49 +207,158 @@ def load_image(source):
     else:
         raise ImageError(f"an image is a file path, bytes or a PIL image, got {type(source).__name__}")
     try:
-        if opener is None:
-            image = _to_rgb(source, name)
-        else:
+        with warnings.catch_warnings():
+            # the size is held to this module's budget in _decode; Pillow's warning would only say
+            # so again, raw, on stderr
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            if opener is None:
+                return _decode(source, name, cfg, owned=False)
             with opener() as opened:
-                opened.load()  # decode now: a truncated file fails here, not later in a resize
-                image = _to_rgb(opened, name)
+                return _decode(opened, name, cfg, owned=True)
     except ImageError:
         raise
-    except Image.DecompressionBombError:
+    except Image.DecompressionBombError:  # past twice Pillow's limit: refused in Image.open, before any size is read
         raise ImageError(f"{name}: more pixels than Pillow's decompression-bomb limit "
-                         f"({Image.MAX_IMAGE_PIXELS:,} pixels) allows; shrink it first") from None
+                         f"({2 * Image.MAX_IMAGE_PIXELS:,} pixels) allows; shrink it first") from None
     except UnidentifiedImageError:
         raise ImageError(f"{name}: not an image file Pillow can read") from None
     except (OSError, SyntaxError, ValueError, EOFError) as exc:  # Pillow's truncated / damaged data
         raise ImageError(f"{name}: the image data is truncated or damaged ({_first_line(exc)})") from None
-    return image
+
+
+def _decode(image, name: str, cfg, owned: bool):
+    """(RGB image, source size) of an opened image; `owned`: opened here, so it may be drafted."""
+    width, height = image.size
+    if width < 1 or height < 1:
+        raise ImageError(f"{name}: the image has zero size ({width} x {height} pixels)")
+    if width * height <= EXACT_DECODE_PIXELS:
+        if owned:
+            image.load()  # decode now: a truncated file fails here, not later in a resize
+        return _to_rgb(image, name), (width, height)
+    _check_budget(name, width, height, cfg)
+    wanted = _reduced_size(width, height, cfg)
+    if owned:
+        image.draft(None, wanted)  # a JPEG decodes at 1/2, 1/4 or 1/8 scale, never below `wanted`; others ignore it
+    image.load()
+    factor = (max(1, image.width // wanted[0]), max(1, image.height // wanted[1]))
+    return _reduce_to_rgb(image, name, factor), (width, height)
+
+
+def _check_budget(name: str, width: int, height: int, cfg) -> None:
+    pixels = width * height
+    if cfg is None:
+        raise ImageError(f"{name}: {width:,} x {height:,} is {pixels:,} pixels, more than the "
+                         f"{EXACT_DECODE_PIXELS:,} pixels load_image decodes at full size; read_image and "
+                         "model.prepare read larger ones reduced")
+    budget = source_pixel_budget(cfg)
+    if pixels > budget:
+        raise ImageError(f"{name}: {width:,} x {height:,} is {pixels:,} pixels, more than the {budget:,} this "
+                         f"model reads (the larger of Pillow's default limit and {SOURCE_REDUCTION_LIMIT} x its "
+                         f"largest image frame, {largest_plan_pixels(cfg):,} pixels); shrink it first")
+
+
+def _reduced_size(width: int, height: int, cfg) -> tuple[int, int]:
+    """The smallest size a reduced decode keeps: REDUCING_GAP times the frame the source fills."""
+    shape = plan(width, height, cfg)
+    frame = (shape.pixel_width, shape.pixel_height)
+    fitted = frame if shape.stretch else contained_size(width, height, frame)
+    return max(1, fitted[0] * REDUCING_GAP), max(1, fitted[1] * REDUCING_GAP)
+
+
+def _reduce_to_rgb(image, name: str, factor: tuple[int, int]):
+    """`image` converted to RGB and box-reduced by `factor`, a strip at a time: the strips are a
+    whole number of reduction blocks tall, so the result is the whole image's reduction, and no
+    full-size second copy of the source is ever held."""
+    from PIL import Image
+
+    if factor == (1, 1):
+        return _to_rgb(image, name)
+    fx, fy = factor
+    out = Image.new("RGB", (-(-image.width // fx), -(-image.height // fy)))
+    step = max(1, (1 << 22) // (image.width * fy)) * fy  # about 4 M source pixels a strip
+    for top in range(0, image.height, step):
+        strip = image.crop((0, top, image.width, min(image.height, top + step)))
+        out.paste(_to_rgb(strip, name).reduce(factor), (0, top // fy))
+    return out
 
 
 def _to_rgb(image, name: str):
-    if image.width < 1 or image.height < 1:
-        raise ImageError(f"{name}: the image has zero size ({image.width} x {image.height} pixels)")
+    if image.mode in ("I", "F") or image.mode.startswith("I;16"):
+        image = _to_eight_bit(image)
     try:
         return image.convert("RGB")
     except (ValueError, OSError) as exc:
         raise ImageError(f"{name}: its mode {image.mode} cannot be converted to RGB ({_first_line(exc)})") from None
 
 
+def _to_eight_bit(image):
+    """A 16-bit, 32-bit integer or float greyscale image -> mode L, scaled by its type's range where
+    Pillow's own conversion clips at 255: 16-bit and mode I (Pillow's mode for 16-bit data too) are
+    taken as [0, 65535] -> round(v / 257), values outside it clamped; mode F as [0, 1] ->
+    round(v * 255) half up, NaN as 0."""
+    import numpy as np
+    from PIL import Image
+
+    values = np.asarray(image)
+    if image.mode == "F":
+        unit = np.nan_to_num(values, nan=0.0, posinf=1.0, neginf=0.0).clip(0.0, 1.0)
+        scaled = np.floor(unit * 255 + 0.5)
+    else:
+        scaled = (values.clip(0, 65535).astype(np.int32) + 128) // 257  # 257 is odd: no halves to break
+    return Image.fromarray(scaled.astype(np.uint8))
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
 
 
-def patchify(image, cfg) -> tuple[VisionPlan, torch.Tensor]:
+def contained_size(width: int, height: int, frame: tuple[int, int]) -> tuple[int, int]:
+    """The size ImageOps.contain gives a `width x height` image inside `frame`, with its rounding."""
+    ratio, frame_ratio = width / height, frame[0] / frame[1]
+    if ratio > frame_ratio:
+        return frame[0], round(height / width * frame[0])
+    if ratio < frame_ratio:
+        return round(width / height * frame[1]), frame[1]
+    return frame
+
+
+def frame_reduced(image, shape: VisionPlan):
+    """`image`, a reduced copy of a `shape.width x shape.height` source, framed to the plan's pixel
+    size as ImageOps.pad frames the source itself: the fitted size from the source's size, the same
+    offset on grey (or stretched, when the plan says so); only the resize starts from fewer pixels."""
+    from PIL import Image
+
+    frame = (shape.pixel_width, shape.pixel_height)
+    fitted = frame if shape.stretch else contained_size(shape.width, shape.height, frame)
+    if fitted == frame:
+        return image.resize(frame)
+    out = Image.new("RGB", frame, PAD_GREY)
+    if min(fitted) > 0:  # a sliver too thin for one pixel leaves the frame grey, as ImageOps.pad does
+        if fitted[0] != frame[0]:
+            offset = (round((frame[0] - fitted[0]) * 0.5), 0)
+        else:
+            offset = (0, round((frame[1] - fitted[1]) * 0.5))
+        out.paste(image.resize(fitted), offset)
+    return out
+
+
+def patchify(image, cfg, *, source_size: Optional[tuple[int, int]] = None) -> tuple[VisionPlan, torch.Tensor]:
     """An RGB PIL image -> (its plan, bf16 patches [vit_rows * vit_cols, 3, p, p] in row-major order).
 
     The image is stretched to the plan's pixel size when `plan.stretch`, else scaled to fit and
-    centred on grey; pixels go to [-1, 1] in float32 and are rounded to bf16 once."""
+    centred on grey; pixels go to [-1, 1] in float32 and are rounded to bf16 once. `source_size`:
+    the (width, height) of the source a reduced image was read from (`read_image`); the plan is
+    that size's."""
     import numpy as np
     from PIL import ImageOps
 
     p = cfg.vision_patch_size
-    shape = plan(image.width, image.height, cfg)
+    shape = plan(*(source_size or image.size), cfg)
     size = (shape.pixel_width, shape.pixel_height)
-    framed = image.resize(size) if shape.stretch else ImageOps.pad(image, size, color=PAD_GREY)
+    if image.size == (shape.width, shape.height):  # full size: the released reference's framing, bit for bit
+        framed = image.resize(size) if shape.stretch else ImageOps.pad(image, size, color=PAD_GREY)
+    else:
+        framed = frame_reduced(image, shape)
     pixels = torch.from_numpy(np.asarray(framed, dtype=np.float32)).permute(2, 0, 1) / 255  # [3, H, W]
     pixels = ((pixels - 0.5) / 0.5).to(torch.bfloat16)
     patches = pixels.reshape(3, shape.vit_rows, p, shape.vit_cols, p)  # [3, rows, p, cols, p]
@@ -261,23 +418,51 @@ class Prompt:
         return Prompt(self.ids + ids, self.token_types + [TEXT] * len(ids), self.images)
 
 
+def image_sources(images) -> list:
+    """`images` as a list (None is none). One image given bare, where the list goes, is refused:
+    iterating it would take its characters, bytes or pixel rows for images."""
+    if images is None:
+        return []
+    if isinstance(images, (list, tuple)):
+        return list(images)
+    from PIL import Image
+
+    if isinstance(images, (str, os.PathLike, bytes, bytearray, memoryview, Image.Image)):
+        raise ImageError(f"images takes a list of images, got a single {type(images).__name__} "
+                         f"({_describe(images)}); pass a list, [image]")
+    try:
+        return list(images)
+    except TypeError:
+        raise ImageError(f"images takes a list of paths, bytes or PIL images, got {type(images).__name__}") from None
+
+
+def check_placeholders(cfg, ids: Sequence[int], count: int) -> None:
+    """Refuse token ids whose image placeholders (`image_token_id`) are not one per image given:
+    a placeholder without its image would be read as a text token."""
+    marker = cfg.image_token_id
+    markers = sum(1 for i in ids if i == marker)
+    if markers != count:
+        hint = "; pass one image per placeholder (images= in Python, --image on the command line)" if not count else ""
+        raise ImageError(f"the prompt marks {markers} image place{'s' if markers != 1 else ''} (token {marker}) "
+                         f"but {count} image{'s were' if count != 1 else ' was'} given{hint}")
+
+
 def prepare(cfg, ids: Sequence[int], images: Sequence = (), *, insert_at: int = 0) -> Prompt:
     """Token ids with image placeholders -> a Prompt: each `image_token_id` in `ids` becomes the
     span of the next image. Without any placeholder the images go first (at `insert_at`, after a
     BOS); any other count that differs from the number of images is an error."""
     ids = [int(i) for i in ids]
-    images = list(images)
+    images = image_sources(images)
     marker = cfg.image_token_id
-    markers = sum(1 for i in ids if i == marker)
     if images and not cfg.vision_n_layers:
         raise ImageError("this model's config has no vision tower (vision_n_layers is 0), so it takes no images")
-    if images and markers == 0:
+    if images and marker not in ids:
         ids = ids[:insert_at] + [marker] * len(images) + ids[insert_at:]
-        markers = len(images)
-    if markers != len(images):
-        raise ImageError(f"the prompt marks {markers} image place{'s' if markers != 1 else ''} "
-                         f"(token {marker}) but {len(images)} image{'s were' if len(images) != 1 else ' was'} given")
-    loaded = [patchify(load_image(source), cfg) for source in images]  # every image read before any is used
+    check_placeholders(cfg, ids, len(images))
+    loaded = []
+    for source in images:  # every image read before any is used
+        image, size = read_image(source, cfg)
+        loaded.append(patchify(image, cfg, source_size=size))
     out_ids, types, inputs = [], [], []
     pending = iter(loaded)
     for token in ids:

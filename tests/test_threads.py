@@ -62,7 +62,22 @@ def test_load_refuses_a_bad_threads_value_before_touching_torch(tiny_checkpoint,
     assert torch.get_num_threads() == 2
 
 
-def test_generate_threads_flag(tiny_checkpoint, capsys):
+def test_more_threads_than_cpus_are_refused_in_one_sentence(tiny_checkpoint, capsys, monkeypatch):
+    """Thousands of threads crashed torch (a segfault): the count is bounded by the CPUs this
+    process may run on, in Python and on the command line."""
+    monkeypatch.setattr(loader, "machine_cores", lambda: 2)
+    before = torch.get_num_threads()
+    with pytest.raises(ValueError, match="threads=3 is more than the 2 CPUs this process may run on"):
+        load(tiny_checkpoint, quiet=True, threads=3)
+    assert torch.get_num_threads() == before
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--checkpoint", tiny_checkpoint, "--prompt", "x", "--threads", "10000"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "threads=10000 is more than the 2 CPUs" in err and "Traceback" not in err
+
+
+def test_generate_threads_flag(tiny_checkpoint, capsys, monkeypatch):
+    monkeypatch.setattr(loader, "machine_cores", lambda: 2)  # two threads are allowed even on a one-core runner
     args = ["generate", "--checkpoint", tiny_checkpoint, "--prompt", "The harbor", "--max-new-tokens", "2"]
     assert main([*args, "--threads", "2"]) == 0
     assert "torch threads: 2 (threads=2)" in capsys.readouterr().err and torch.get_num_threads() == 2
