@@ -277,6 +277,7 @@ def _doctored_decode_pick(stack, x, layer, q, replace_finite: bool):
     spare = [t for t in range(row.numel()) if t not in picked and row[t] == -torch.inf]
     out = [t for t in sorted(picked) if (row[t] > -torch.inf) == replace_finite]
     assert spare and out
+    rec.selected = rec.selected.clone()  # records of a forward are inference tensors: doctor a copy
     rec.selected[0, 0, (sel == out[0]).nonzero()[0, 0]] = spare[0]
     return pre, dec, tp, td
 
