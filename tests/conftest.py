@@ -66,6 +66,12 @@ def tiny_checkpoint(tmp_path_factory) -> str:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "checkpoint", seed=0, progress=False)
 
 
+def notebook_group(only: str):
+    """The mark that keeps the tests of one notebook group on one test worker under
+    `pytest -n N --dist loadgroup` (the README's test command), so they share its smoke run."""
+    return pytest.mark.xdist_group(f"notebooks-{only}")
+
+
 # (notebooks, threads) -> (run folder, summary) of the session's first smoke run of them
 _SMOKE_RUNS: dict = {}
 

@@ -4,13 +4,14 @@ compared, file by file, with the run the notebook tests use."""
 
 import pytest
 
-from conftest import run_notebooks_smoke
+from conftest import notebook_group, run_notebooks_smoke
 
 # the groups and thread settings the notebook tests run them with, so the first runs are shared
 GROUPS = [("01,02", None), ("03,04", None), ("05", 1), ("06", 1)]
 
 
-@pytest.mark.parametrize("only, threads", GROUPS)
+# each group on the test worker that runs its notebook tests (conftest.notebook_group)
+@pytest.mark.parametrize("only, threads", [pytest.param(*g, marks=notebook_group(g[0])) for g in GROUPS])
 def test_two_runs_export_the_same_figure_bytes(tmp_path_factory, tiny_checkpoint, only, threads):
     first, _ = run_notebooks_smoke(tmp_path_factory, tiny_checkpoint, only, threads)
     second, _ = run_notebooks_smoke(tmp_path_factory, tiny_checkpoint, only, threads, fresh=True)

@@ -9,7 +9,9 @@ from dsv41.config import TINY, load_config
 from dsv41.numerics import Numerics
 from widgets import replay_counts
 
-from conftest import run_notebooks_smoke, sidecar
+from conftest import notebook_group, run_notebooks_smoke, sidecar
+
+pytestmark = notebook_group("05")
 
 EXPECTED_OUTPUTS = sorted([f"05_{stem}.{ext}" for stem in ("routing", "expert_cache", "ties", "expert_policy",
                                                                     "chunked_prefill", "rollback")

@@ -5,7 +5,9 @@ import pytest
 
 from dsv41.config import load_config
 
-from conftest import run_notebooks_smoke, sidecar
+from conftest import notebook_group, run_notebooks_smoke, sidecar
+
+pytestmark = notebook_group("06")
 
 EXPECTED_OUTPUTS = sorted([f"06_{stem}.{ext}" for stem in ("draft_stack", "speculation", "known_acceptance",
                                                             "verify_cost") for ext in ("json", "png", "svg")]

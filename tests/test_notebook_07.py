@@ -6,7 +6,9 @@ import pytest
 from dsv41 import vision
 from dsv41.config import TINY
 
-from conftest import run_notebooks_smoke, sidecar
+from conftest import notebook_group, run_notebooks_smoke, sidecar
+
+pytestmark = notebook_group("07")
 
 FIGURES = ("resize_plan", "patch_grid", "span_layout", "routing_image_tokens", "bias_vl", "engram_mask")
 

@@ -10,7 +10,7 @@ import pytest
 from dsv41 import notebooks as runner
 from dsv41.cli import main as dsv41_main
 
-from conftest import run_notebooks_smoke, sidecar, write_throwaway_notebook
+from conftest import notebook_group, run_notebooks_smoke, sidecar, write_throwaway_notebook
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -171,6 +171,7 @@ def smoke_run(tmp_path_factory, tiny_checkpoint):
 
 
 SMOKE_NOTEBOOKS = "01,02"
+pytestmark = notebook_group(SMOKE_NOTEBOOKS)
 
 
 _sidecar = sidecar

@@ -6,13 +6,14 @@ from a run."""
 import pytest
 import torch
 
-from conftest import run_notebooks_smoke, sidecar
+from conftest import notebook_group, run_notebooks_smoke, sidecar
 from dsv41 import csa2_stats as cs
 from dsv41.attention import WINDOW_LAYOUTS
 from dsv41.config import RELEASED, TINY
 from dsv41.kernels import SPARSE_ATTN_CHUNK
 
 SMOKE_NOTEBOOKS = "03,04"
+pytestmark = notebook_group(SMOKE_NOTEBOOKS)
 
 
 @pytest.fixture(scope="module")
