@@ -16,25 +16,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageDraw, ImageOps
+from PIL import Image, ImageOps
 
 import dsv41
 from dsv41 import vision
 from dsv41.config import MIN_IMAGE_SPAN, RELEASED, TINY
 from dsv41.generate import NonFiniteLogits, locate_non_finite
 from dsv41.vision import ImageError
+from test_vision import MARK, drawn  # the same drawn test image
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-MARK = "<｜deepseek_image｜>"
-
-
-def drawn(width, height, seed=0):
-    im = Image.new("RGB", (width, height), (30 + seed, 60, 200))
-    d = ImageDraw.Draw(im)
-    d.ellipse((width * 0.2, height * 0.2, width * 0.8, height * 0.8), fill=(240, 200, 20 + seed))
-    d.line((0, 0, width, height), fill=(10, 200, 10), width=3)
-    return im
 
 
 def encoded(im, fmt="PNG", **options) -> bytes:
