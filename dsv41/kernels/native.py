@@ -322,10 +322,18 @@ def forced_isa(level: str):
 _STATE: dict = {}
 
 
+# What each request resolved to (a forced level, or $DSV41_ISA's value, "" when unset): load() is
+# on every product's path, and reading the CPU's features costs more than a small product.
+_LEVEL_OF_REQUEST: dict = {}
+
+
 def load() -> Optional[NativeKernels]:
     """The native kernels for the level in force, built on first use; None where they cannot be
     built or loaded."""
-    level = isa_level()
+    request = ("forced", _FORCED[-1]) if _FORCED else ("env", os.environ.get(ISA_ENV, ""))
+    level = _LEVEL_OF_REQUEST.get(request)
+    if level is None:
+        level = _LEVEL_OF_REQUEST[request] = isa_level()
     if level not in _STATE:
         try:
             _STATE[level] = _build_and_load(level), None
