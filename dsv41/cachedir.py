@@ -5,11 +5,12 @@ output from anything else found there."""
 import hashlib
 import os
 from pathlib import Path
+from dsv41.errors import Dsv41Error
 
 CACHE_ENV = "DSV41_CACHE"
 
 
-class CacheError(RuntimeError):
+class CacheError(Dsv41Error, RuntimeError):
     """The cache folder cannot be used; the message is one sentence naming it and the fix."""
 
 

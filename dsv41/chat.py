@@ -47,6 +47,7 @@ from typing import Any, Optional
 from .tokenizer import (ASSISTANT_TOKEN, BOS_TOKEN, CHAT_TOKENS, DSML_TOKEN, EOS_TOKEN, IMAGE_TOKEN,
                         LATEST_REMINDER_TOKEN, SYSTEM_TOKEN, TASK_TOKENS, THINK_END_TOKEN,
                         THINK_START_TOKEN, USER_TOKEN)
+from .errors import Dsv41Error
 
 ROLES = ("system", "user", "assistant", "tool", "latest_reminder")
 
@@ -64,7 +65,7 @@ DEFAULT_REASONING_EFFORT = "high"
 _MARKERS = (BOS_TOKEN, EOS_TOKEN, THINK_START_TOKEN, THINK_END_TOKEN, DSML_TOKEN)
 
 
-class ChatFormatError(ValueError):
+class ChatFormatError(Dsv41Error, ValueError):
     """A conversation the format cannot render; the message says which message and why."""
 
 

@@ -22,6 +22,7 @@ import os
 import sys
 from dataclasses import dataclass
 from typing import Any
+from dsv41.errors import Dsv41Error
 
 T, V, Q = "text_config", "vision_config", "quantization_config"
 
@@ -233,7 +234,7 @@ MAX_INVENTORY_TENSORS = 500_000
 MAX_ENGRAM_COLUMNS = 384
 
 
-class ConfigError(ValueError):
+class ConfigError(Dsv41Error, ValueError):
     """A config file that cannot be read as either released layout."""
 
 

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from .kernels.experts import routed_experts
 from .model import FetchedExperts
+from .errors import Dsv41Error
 
 # How long a collective waits for a silent peer before every rank gives up.
 DEFAULT_TIMEOUT_S = 120
@@ -64,7 +65,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 T = TypeVar("T")
 
 
-class ExpertParallelError(RuntimeError):
+class ExpertParallelError(Dsv41Error, RuntimeError):
     """A rank of the expert-parallel group failed; the message (one line) names the rank and why.
     `agreed`: every rank of the group raised this same error (False: the group broke before the
     ranks could agree, so each says what it saw)."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv41.argtypes import whole_number
+from dsv41.errors import Dsv41Error
 
 # Miller-Rabin with the first twelve primes as bases is exact for every n < 3.3e24, far beyond any
 # bucket size a config can ask for.
@@ -34,7 +35,7 @@ _REPLACEMENT_CHAR = "\ufffd"
 _MULTIPLIER_SEED_STRIDE = 10007
 
 
-class EngramError(ValueError):
+class EngramError(Dsv41Error, ValueError):
     """An Engram fact that disagrees with the config or the tokenizer."""
 
 

@@ -28,8 +28,9 @@ import torch
 
 from .trace import ForwardTrace, GenerationTrace, StepRecord
 from .vision import Prompt, check_placeholders, image_sources
+from .errors import Dsv41Error
 
-class NonFiniteLogits(RuntimeError):
+class NonFiniteLogits(Dsv41Error, RuntimeError):
     """A forward gave NaN or Inf logits: generation stops; the message names where it began."""
 
 

@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from dsv41.inventory import DTYPE_SIZES
+from dsv41.errors import Dsv41Error
 
 # The safetensors library refuses headers above 100 MB; anything larger is not a header.
 MAX_HEADER_BYTES = 100_000_000
 INDEX_NAME = "model.safetensors.index.json"
 
 
-class HeaderError(ValueError):
+class HeaderError(Dsv41Error, ValueError):
     """A file whose header cannot be read; the message is one sentence naming the file."""
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsv41.argtypes import whole_number
+from dsv41.errors import Dsv41Error
 
 MANIFEST_NAME = ".dsv41-lab.json"
 MANIFEST_FORMAT = 1
@@ -38,7 +39,7 @@ COPIED, UPDATED, CURRENT, KEPT = "copied", "updated", "current", "kept"
 _WOULD = {COPIED: "would copy", UPDATED: "would update", KEPT: "would keep"}
 
 
-class LabError(Exception):
+class LabError(Dsv41Error):
     """A lab folder or notebooks folder that cannot be used: one sentence, exit 2."""
 
 

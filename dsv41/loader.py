@@ -44,6 +44,7 @@ from .layers import activation_dtype
 from .attention import check_cache_format
 from .model import FetchedExperts, Model
 from .numerics import Numerics
+from .errors import Dsv41Error
 
 # Default number of packed experts a layer keeps between forwards.
 DEFAULT_EXPERT_CACHE = 16
@@ -67,7 +68,7 @@ LOADED, ROUTED, ENGRAM, MTP, UNEXPECTED = (
 ON_DISK = (ROUTED, ENGRAM, MTP)
 
 
-class LoadError(ValueError):
+class LoadError(Dsv41Error, ValueError):
     """A checkpoint that cannot be loaded; the message is one sentence naming the file or tensor."""
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dsv41.argtypes import whole_number
+from dsv41.errors import Dsv41Error
 
 NOTEBOOK_PATTERN = re.compile(r"^\d\d_[A-Za-z0-9_\-]+\.ipynb$")
 RUN_PATTERN = re.compile(r"^run-(\d+)$")
@@ -50,7 +51,7 @@ MAX_CELL_TIMEOUT_S = 86_400
 PENDING, RUNNING, COMPLETED, FAILED, INTERRUPTED = "pending", "running", "completed", "failed", "interrupted"
 
 
-class NotebookRunError(Exception):
+class NotebookRunError(Dsv41Error):
     """Bad usage or an unusable set-up: one sentence for a person, exit 2 (`exit_code` 1 for a
     failure that is not the caller's usage, such as a folder the system refuses to create)."""
 

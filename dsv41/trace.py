@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from .config import MAX_LAYERS, VALUE_BOUNDS
+from .errors import Dsv41Error
 
 
 @dataclass
@@ -307,7 +308,7 @@ if hasattr(torch, "float8_e8m0fnu"):
 _RECORDS = {"attention": AttentionRecord, "routing": RoutingRecord, "engram": EngramRecord, "finite": FiniteRecord}
 
 
-class TraceFileError(ValueError):
+class TraceFileError(Dsv41Error, ValueError):
     """A file that is not a trace `GenerationTrace.save` wrote, a damaged or oversized one, or one from a
     newer version: one sentence naming the file and what is wrong with it."""
 

@@ -39,6 +39,7 @@ from torch import nn
 
 from .config import MIN_IMAGE_SPAN
 from .layers import RMSNorm, param
+from .errors import Dsv41Error
 
 TEXT, IMAGE_START, IMAGE, IMAGE_NEWLINE, IMAGE_END = -1, 0, 1, 2, 3
 # The vision tower's RMSNorm epsilon (the language model's norm_eps does not reach it).
@@ -58,7 +59,7 @@ SOURCE_REDUCTION_LIMIT = 64
 REDUCING_GAP = 2
 
 
-class ImageError(ValueError):
+class ImageError(Dsv41Error, ValueError):
     """An image that cannot be used; the message is one sentence naming the input."""
 
 

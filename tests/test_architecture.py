@@ -14,7 +14,7 @@ PACKAGE = ROOT / "dsv41"
 
 # the table's layers, as module-name prefixes (a package stands for everything in it)
 LAYERS = [
-    ["numerics", "cachedir", "argtypes", "config", "inventory", "headers", "engram", "tokenizer", "chat", "audit"],
+    ["numerics", "errors", "cachedir", "argtypes", "config", "inventory", "headers", "engram", "tokenizer", "chat", "audit"],
     ["kernels"],
     ["formats", "tiny"],
     ["layers", "trace"],

@@ -15,12 +15,13 @@ from dsv41.audit.report import FAIL, AuditReport, CategoryRow, CheckResult, Shar
 from dsv41.config import Config, ConfigError, load_config, resolve_config_path
 from dsv41.headers import INDEX_NAME, HeaderError, ShardHeader, layout_problems, plausible_header_length, read_header
 from dsv41.inventory import TensorSpec, category_of, category_totals, expected_tensors, layer_of, shard_names
+from dsv41.errors import Dsv41Error
 
 
 VALUE_BOUNDS_CHECK = "config.required_keys"  # the check that reports the config's impossible values
 
 
-class AuditError(Exception):
+class AuditError(Dsv41Error):
     """Input the audit cannot start on: `problem` names the file, `fix` (when there is one) says
     which of `dsv41 audit`'s options mends it; the message is both, one sentence. Other commands
     that run the audit say `problem` with their own options' fix."""
