@@ -66,6 +66,19 @@ def tiny_checkpoint(tmp_path_factory) -> str:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "checkpoint", seed=0, progress=False)
 
 
+# The numbered notebooks in the groups the tests run them in: one smoke run per group, shared by
+# that group's tests on one test worker. Every kernel runs on one torch thread, as in the browser
+# test's JupyterLab: two threads on two shared cores run the tiny model several times slower.
+NOTEBOOK_GROUPS = ("01,02", "03,04", "05", "06", "07")
+SMOKE_THREADS = 1
+
+
+def group_of(notebook: str) -> str:
+    """The group of notebook `notebook` ("04_candidate_blocks" or "04")."""
+    number = notebook[:2]
+    return next(group for group in NOTEBOOK_GROUPS if number in group.split(","))
+
+
 def notebook_group(only: str):
     """The mark that keeps the tests of one notebook group on one test worker under
     `pytest -n N --dist loadgroup` (the README's test command), so they share its smoke run."""
@@ -74,9 +87,11 @@ def notebook_group(only: str):
 
 # (notebooks, threads) -> (run folder, summary) of the session's first smoke run of them
 _SMOKE_RUNS: dict = {}
+# notebook number ("04") -> a copy of what the browser test's run of it exported, on this worker
+BROWSER_EXPORTS: dict = {}
 
 
-def run_notebooks_smoke(tmp_path_factory, checkpoint, only: str, threads: int | None = None, *,
+def run_notebooks_smoke(tmp_path_factory, checkpoint, only: str, threads: int | None = SMOKE_THREADS, *,
                         fresh: bool = False):
     """Execute notebooks `only` ("01,02") in smoke mode on `checkpoint` into a fresh run folder and
     fail the calling fixture, naming the failing cells, unless all of them ran clean. Returns the
@@ -88,6 +103,20 @@ def run_notebooks_smoke(tmp_path_factory, checkpoint, only: str, threads: int | 
     run_and_summary = _run_smoke(tmp_path_factory, checkpoint, only, threads)
     _SMOKE_RUNS.setdefault(key, run_and_summary)
     return run_and_summary
+
+
+def second_run_exports(tmp_path_factory, checkpoint, only: str) -> dict:
+    """A second run of notebooks `only`, independent of the first (other kernel processes): for
+    each notebook number, the folder holding what it exported. The browser test's run of a
+    notebook is used where it ran on this worker (JupyterLab's kernel, with the smoke run's
+    parameters); the others run again under papermill."""
+    numbers = only.split(",")
+    exports = {n: BROWSER_EXPORTS[n] for n in numbers if n in BROWSER_EXPORTS}
+    rest = [n for n in numbers if n not in exports]
+    if rest:
+        run, _ = run_notebooks_smoke(tmp_path_factory, checkpoint, ",".join(rest), fresh=True)
+        exports.update({n: run for n in rest})
+    return exports
 
 
 def _run_smoke(tmp_path_factory, checkpoint, only: str, threads):

@@ -2,7 +2,10 @@
 Playwright with the system Chromium (/usr/bin/chromium, `apt-get install chromium`; no browser
 download). Every numbered notebook is opened, run with Run -> Run All Cells and checked for error
 outputs, loaded figures and rendered widget views; in notebook 05 every view's slider and toggle
-is moved and the prompt probe run again, and each must re-render its figure. Full-page screenshots
+is moved and the prompt probe run again, and each must re-render its figure. The copies carry the
+notebook tests' smoke parameters in a cell after their parameters cell, as papermill injects them,
+so what a run exports is also the second run that tests/test_figures_deterministic.py compares
+byte for byte with the papermill run; each notebook's test runs on the worker of its group. Full-page screenshots
 go to the test's temporary folder and to outputs/browser/ (git-ignored) when that folder can be
 written.
 
@@ -27,6 +30,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from conftest import BROWSER_EXPORTS, SMOKE_THREADS, group_of, notebook_group
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
@@ -68,17 +73,25 @@ def _require_browser(config):
 
 # ---------------------------------------------------------------------- JupyterLab
 class Lab:
-    """A JupyterLab server on a free local port over a temporary copy of notebooks/."""
+    """A JupyterLab server on a free local port over a temporary copy of notebooks/, each copy
+    run with the smoke parameters on `checkpoint`, exporting into `exports/<notebook>`."""
 
-    def __init__(self, base: Path):
+    def __init__(self, base: Path, checkpoint: str):
         self.base = base
-        self.root = base / "lab" / "notebooks"  # the notebooks' `../outputs/interactive` lands in base/lab/outputs
+        self.root = base / "lab" / "notebooks"
         shutil.copytree(REPO / "notebooks", self.root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+        for name in NOTEBOOKS:
+            self.exports(name).mkdir(parents=True)
+            _inject_parameters(self.root / f"{name}.ipynb", {"checkpoint": checkpoint, "smoke": True,
+                                                              "output_dir": str(self.exports(name))})
         self.token = secrets.token_hex(16)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = base / "jupyterlab.log"
         self.proc: subprocess.Popen | None = None
+
+    def exports(self, name: str) -> Path:
+        return self.base / "exports" / name
 
     def env(self) -> dict:
         private = self.base / "jupyter"
@@ -90,9 +103,8 @@ class Lab:
             "JUPYTERLAB_WORKSPACES_DIR": str(private / "workspaces"), "IPYTHONDIR": str(private / "ipython"),
             "DSV41_CACHE": str(self.base / "dsv41-cache"),  # the tiny checkpoint and native kernel, never the user's cache
             "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-            # one torch thread in the kernel, as tests/test_notebook_05.py: two threads on two shared
-            # cores run the tiny model several times slower than one
-            "OMP_NUM_THREADS": "1",
+            # the notebook tests' torch threads (conftest.SMOKE_THREADS), so both runs are alike
+            "OMP_NUM_THREADS": str(SMOKE_THREADS),
         })
         return env
 
@@ -181,16 +193,30 @@ class Lab:
             return "(no log)"
 
 
+def _inject_parameters(path: Path, values: dict) -> None:
+    """A cell tagged `injected-parameters` after the notebook's parameters cell, setting `values`,
+    as papermill adds one (`dsv41 notebooks -p smoke true --checkpoint DIR` passes these)."""
+    import nbformat
+    from nbformat.v4 import new_code_cell
+
+    nb = nbformat.read(str(path), as_version=4)
+    at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.get("metadata", {}).get("tags", []))
+    source = "# Parameters of the notebook tests' smoke run\n" + "\n".join(f"{k} = {v!r}" for k, v in values.items())
+    nb.cells.insert(at + 1, new_code_cell(source, metadata={"tags": ["injected-parameters"]}))
+    nbformat.write(nb, str(path))
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory, pytestconfig):
+# one server and one browser per test worker: the notebooks' tests are spread over the workers by group
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory, pytestconfig, tiny_checkpoint):
     _require_browser(pytestconfig)
-    server = Lab(tmp_path_factory.mktemp("browser"))
+    server = Lab(tmp_path_factory.mktemp("browser"), tiny_checkpoint)
     try:
         server.start()
         yield server
@@ -198,7 +224,7 @@ def lab(tmp_path_factory, pytestconfig):
         server.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def browser_context(lab):
     from playwright.sync_api import sync_playwright
 
@@ -417,7 +443,7 @@ def _move_slider(slider) -> None:
 
 # ---------------------------------------------------------------------- the tests
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NOTEBOOKS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=notebook_group(group_of(n))) for n in NOTEBOOKS])
 def test_notebook_runs_clean_in_jupyterlab(lab, notebook_page, name, tmp_path):
     page = notebook_page
     out_dirs = _out_dirs(tmp_path)
@@ -428,11 +454,14 @@ def test_notebook_runs_clean_in_jupyterlab(lab, notebook_page, name, tmp_path):
         _screenshot(page, f"{name}-timed-out", out_dirs)
         raise
     print(f"{name}: Run All Cells took {seconds:.1f} s in JupyterLab")
+    # what Run All exported, before any control moves (tests/test_figures_deterministic.py)
+    exported = shutil.copytree(lab.exports(name), tmp_path / "exports")
     nb = _save(page, lab, name)
     dom = page.evaluate(_DOM_JS)
     shots = _screenshot(page, name, out_dirs)
     print(f"{name}: screenshots {', '.join(map(str, shots))}")
     _check_outputs(name, nb, dom)
+    BROWSER_EXPORTS[name[:2]] = exported
     if name == "05_generation":
         # at least the routing, expert-cache and tie views, and the prompt probe
         controls = [v["controls"] for v in dom["widgetOutputs"]]

@@ -1,24 +1,30 @@
-"""Every figure the notebooks export is byte-identical from one run to the next: each smoke run
-below executes the notebooks in fresh kernel processes, and the second run of each group is
-compared, file by file, with the run the notebook tests use."""
+"""Every figure and sidecar the notebooks export is byte-identical from one run to the next: the
+notebook tests' smoke run of each group is compared, file by file, with a second run in other
+kernel processes (the browser test's JupyterLab run of a notebook where it ran on this worker,
+else a second papermill run)."""
 
 import pytest
 
-from conftest import notebook_group, run_notebooks_smoke
+from conftest import NOTEBOOK_GROUPS, notebook_group, run_notebooks_smoke, second_run_exports
 
-# the groups and thread settings the notebook tests run them with, so the first runs are shared
-GROUPS = [("01,02", None), ("03,04", None), ("05", 1), ("06", 1)]
+EXPORTED = (".png", ".svg", ".json")
 
 
-# each group on the test worker that runs its notebook tests (conftest.notebook_group)
-@pytest.mark.parametrize("only, threads", [pytest.param(*g, marks=notebook_group(g[0])) for g in GROUPS])
-def test_two_runs_export_the_same_figure_bytes(tmp_path_factory, tiny_checkpoint, only, threads):
-    first, _ = run_notebooks_smoke(tmp_path_factory, tiny_checkpoint, only, threads)
-    second, _ = run_notebooks_smoke(tmp_path_factory, tiny_checkpoint, only, threads, fresh=True)
-    assert first != second
-    figures = sorted(p.name for p in first.iterdir() if p.suffix in (".png", ".svg"))
-    assert figures and figures == sorted(p.name for p in second.iterdir() if p.suffix in (".png", ".svg"))
-    differ = [name for name in figures if (first / name).read_bytes() != (second / name).read_bytes()]
-    assert differ == [], f"these exported figures differ between two runs: {differ}"
-    sidecars = sorted(p.name for p in first.iterdir() if p.suffix == ".json" and p.name != "summary.json")
-    assert [n for n in sidecars if (first / n).read_bytes() != (second / n).read_bytes()] == []
+def _exports(folder, number: str) -> dict:
+    return {p.name: p.read_bytes() for p in folder.iterdir()
+            if p.name.startswith(f"{number}_") and p.suffix in EXPORTED}
+
+
+# each group on the test worker that runs its notebook tests (conftest.notebook_group), after the
+# browser test's runs of its notebooks there (test_browser.py is collected first)
+@pytest.mark.parametrize("only", [pytest.param(g, marks=notebook_group(g)) for g in NOTEBOOK_GROUPS])
+def test_two_runs_export_the_same_figure_bytes(tmp_path_factory, tiny_checkpoint, only):
+    first, _ = run_notebooks_smoke(tmp_path_factory, tiny_checkpoint, only)
+    for number, folder in second_run_exports(tmp_path_factory, tiny_checkpoint, only).items():
+        assert folder != first
+        a, b = _exports(first, number), _exports(folder, number)
+        figures = sorted(n for n in a if not n.endswith(".json"))
+        assert figures, f"notebook {number} exported no figure"
+        assert sorted(a) == sorted(b), f"notebook {number}: the two runs exported different files"
+        differ = [name for name in sorted(a) if a[name] != b[name]]
+        assert differ == [], f"notebook {number}: these exports differ between two runs: {differ}"

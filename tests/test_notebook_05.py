@@ -24,7 +24,7 @@ def smoke_run(tmp_path_factory, tiny_checkpoint):
     cache) for these tests."""
     # one torch thread in the kernel: two threads on two shared cores run the tiny model several
     # times slower than one
-    run, summary = run_notebooks_smoke(tmp_path_factory, tiny_checkpoint, "05", threads=1)
+    run, summary = run_notebooks_smoke(tmp_path_factory, tiny_checkpoint, "05")
     assert sorted(summary["notebooks"][0]["outputs"]) == EXPECTED_OUTPUTS
     return run
 

@@ -16,7 +16,7 @@ EXPECTED_OUTPUTS = sorted([f"06_{stem}.{ext}" for stem in ("draft_stack", "specu
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory, tiny_checkpoint):
-    run, summary = run_notebooks_smoke(tmp_path_factory, tiny_checkpoint, "06", threads=1)
+    run, summary = run_notebooks_smoke(tmp_path_factory, tiny_checkpoint, "06")
     assert sorted(summary["notebooks"][0]["outputs"]) == EXPECTED_OUTPUTS
     return run
 

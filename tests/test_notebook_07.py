@@ -15,7 +15,7 @@ FIGURES = ("resize_plan", "patch_grid", "span_layout", "routing_image_tokens", "
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory, tiny_checkpoint):
-    run, summary = run_notebooks_smoke(tmp_path_factory, tiny_checkpoint, "07", threads=1)
+    run, summary = run_notebooks_smoke(tmp_path_factory, tiny_checkpoint, "07")
     outputs = sorted(summary["notebooks"][0]["outputs"])
     assert outputs == sorted([f"07_{stem}.{ext}" for stem in FIGURES for ext in ("json", "png", "svg")]
                              + ["07_vision_facts.json"])
