@@ -11,16 +11,16 @@ import dataclasses
 import pytest
 import torch
 
-from dsv41 import attention as attention_module
+from dsv41.attention import layer as attention_layer
 from dsv41.attention import (
     Attention,
     AttentionRuntime,
-    AttentionStack,
     Compressor,
     candidate_block_scores,
     select_candidate_blocks,
 )
 from dsv41.config import TINY
+from dsv41.csa2_stack import AttentionStack
 from dsv41.kernels import SPARSE_ATTN_CHUNK, fp4_act_quant, sparse_attn
 from dsv41.layers import apply_rotary_emb, init_random_, precompute_freqs_cis
 from dsv41.numerics import WINDOW_LAYOUTS, Numerics
@@ -212,7 +212,7 @@ def _sparse_attn_calls(monkeypatch):
         calls.append((idxs.clone(), kv.clone(), out.clone()))
         return out
 
-    monkeypatch.setattr(attention_module, "sparse_attn", recording)
+    monkeypatch.setattr(attention_layer, "sparse_attn", recording)
     return calls
 
 

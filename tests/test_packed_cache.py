@@ -18,10 +18,10 @@ from dsv41.attention import (
     COMPRESSED_ENCODING,
     INDEX_KEY_ENCODING,
     WINDOW_ENCODING,
-    AttentionStack,
     QuantizedCache,
 )
 from dsv41.config import RELEASED, TINY
+from dsv41.csa2_stack import AttentionStack
 from dsv41.model import Model
 from dsv41.numerics import Numerics
 
