@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .attention import Attention
+from .attention import Attention, LayerRows
 from .kernels import sparse_attn
 from .layers import Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype
 from .model import Block, Embedding, Head, hc_pre, identity_pre
@@ -50,6 +50,17 @@ class DraftBlock:
     @property
     def proposals(self) -> list[int]:
         return self.ids[0, 1:].tolist()
+
+
+@dataclass
+class DraftRows:
+    """What a target forward over [start, end) may overwrite in the draft stack: each stage's
+    window-ring rows and the main hidden state of the last fed position before it."""
+
+    start: int
+    end: int
+    rings: list[LayerRows]
+    last_main: Optional[torch.Tensor]
 
 
 class DraftAttention(Attention):
@@ -173,24 +184,27 @@ class DraftStack(nn.Module):
         # kept only as long as a call `truncate` can cut (no longer than the window)
         self.last_fed = (start_pos, main_hidden) if main_hidden.size(1) <= self.cfg.window_size else None
 
-    def capture(self, start: int, end: int) -> dict:
-        return {"rings": [layer.attn.capture(start, end) for layer in self.mtp], "last_main": self.last_main}
+    def capture(self, start: int, end: int) -> DraftRows:
+        """What a forward over [start, end) may overwrite here: each ring's slots and the last main
+        hidden state (`restore` puts them back, `truncate` cuts the last feed short)."""
+        return DraftRows(start, end, [layer.attn.capture(start, end) for layer in self.mtp], self.last_main)
+
+    def restore(self, rows: DraftRows) -> None:
+        for layer, ring in zip(self.mtp, rows.rings):
+            layer.attn.restore(ring)
+        self.last_main = rows.last_main
 
     def truncatable(self, start: int, end: int) -> bool:
         return (self.last_fed is not None and self.last_fed[0] == start and self.last_fed[1].size(1) == end - start
                 and all(layer.attn.truncatable(start, end) for layer in self.mtp))
 
-    def truncate(self, saved: dict, start: int, end: int, keep_end: int) -> None:
+    def truncate(self, rows: DraftRows, keep_end: int) -> None:
         """The last forward's feed cut back to [start, keep_end) (see `Attention.truncate`)."""
-        for layer, ring in zip(self.mtp, saved["rings"]):
-            layer.attn.truncate(ring, start, end, keep_end)
+        start = rows.start
+        for layer, ring in zip(self.mtp, rows.rings):
+            layer.attn.truncate(ring, keep_end)
         self.last_main = self.last_fed[1][:, keep_end - start - 1 : keep_end - start]
         self.last_fed = (start, self.last_fed[1][:, : keep_end - start])
-
-    def restore(self, saved: dict) -> None:
-        for layer, ring in zip(self.mtp, saved["rings"]):
-            layer.attn.restore(ring)
-        self.last_main = saved["last_main"]
 
     @torch.inference_mode()
     def draft(self, token_id, start_pos: int, *, temperature: float = 0.0,

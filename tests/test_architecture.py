@@ -19,7 +19,7 @@ LAYERS = [
     ["formats", "tiny"],
     ["layers", "trace"],
     ["attention"],
-    ["model", "vision", "dspark", "distributed"],
+    ["model", "sequence", "vision", "dspark", "distributed"],
     ["generate", "speculative", "conversation"],
     ["loader"],
     ["csa2_stats", "csa2_stack", "cache_policy", "viz", "bench", "notebooks", "lab", "cli", "__main__"],

@@ -34,7 +34,8 @@ queries selected (`Attention._compressed_rows`, which renumbers the selections i
 so a decode step decodes index_topk rows, not the whole context.
 
 The package: `caches` (encodings, `QuantizedCache`, the byte model), `runtime` (`AttentionRuntime`),
-`compressor`, `indexer` (top-k and candidate blocks) and `layer` (`window_rows`, `Attention`).
+`compressor`, `indexer` (top-k and candidate blocks), `layer` (`window_rows`, `Attention`) and
+`state` (the rows a call may overwrite, as typed records, and putting them back).
 """
 
 from ..numerics import WINDOW_LAYOUTS
@@ -67,4 +68,5 @@ from .caches import (
 from .compressor import Compressor
 from .indexer import Indexer, candidate_block_scores, select_candidate_blocks, top_k
 from .layer import Attention, window_rows
-from .runtime import AttentionRuntime
+from .runtime import AttentionRuntime, Published
+from .state import CompressorTail, LayerRows, StackRows

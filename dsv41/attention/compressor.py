@@ -10,6 +10,7 @@ from torch import nn
 from ..layers import Linear, RMSNorm, activation_dtype
 from ..numerics import Numerics
 from .caches import TAIL_DTYPE
+from .state import CompressorTail
 
 
 class Compressor(nn.Module):
@@ -40,7 +41,7 @@ class Compressor(nn.Module):
             self.register_buffer("score_state", torch.full(state, -torch.inf, dtype=TAIL_DTYPE), persistent=False)
         self.window = cfg.window_size
         # (start_pos, kv, score) of the last call of several rows, at most a window long: what
-        # `truncate_state` rebuilds the partial group from when that call is cut short
+        # `truncate` rebuilds the partial group from when that call is cut short
         self.last_call: Optional[tuple] = None
 
     def reset_state(self) -> None:
@@ -49,11 +50,24 @@ class Compressor(nn.Module):
             self.score_state.fill_(-torch.inf)
         self.last_call = None
 
-    def truncate_state(self, kv_state: torch.Tensor, score_state: torch.Tensor, start: int, keep_end: int) -> None:
-        """The partial group as a call over [start, keep_end) would have left it, from the state
-        before the last call (`kv_state`, `score_state`) and that call's own projections."""
+    def capture(self) -> CompressorTail:
+        """A copy of the partial group, for `restore` or `truncate`."""
+        return CompressorTail(self.kv_state.clone(), self.score_state.clone())
+
+    def restore(self, tail: CompressorTail) -> None:
+        self.kv_state.copy_(tail.kv_state)
+        self.score_state.copy_(tail.score_state)
+
+    def truncatable(self, start: int, end: int) -> bool:
+        """Whether the last call was over [start, end) with its projections kept (`truncate`)."""
+        return self.last_call is not None and self.last_call[0] == start and self.last_call[1].size(1) == end - start
+
+    def truncate(self, tail: CompressorTail, start: int, keep_end: int) -> None:
+        """The partial group as a call over [start, keep_end) would have left it, from the tail
+        before the last call and that call's own projections."""
         call_start, kv, score = self.last_call
-        assert call_start == start, "truncate_state cuts the last call only"
+        assert call_start == start, "truncate cuts the last call only"
+        kv_state, score_state = tail.kv_state, tail.score_state
         bsz, ratio, held = kv.size(0), self.ratio, start % self.ratio
         self.kv_state.copy_(kv_state)
         self.score_state.copy_(score_state)

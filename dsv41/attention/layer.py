@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -24,7 +25,8 @@ from .caches import (
 )
 from .compressor import Compressor
 from .indexer import Indexer
-from .runtime import AttentionRuntime
+from .runtime import AttentionRuntime, Published
+from .state import LayerRows
 
 
 def window_rows(start_pos: int, seqlen: int, window: int, layout: str = "reference",
@@ -140,26 +142,31 @@ class Attention(nn.Module):
         if self.indexer is not None:
             self.indexer.reset_state()
 
-    def capture(self, start: int, end: int) -> dict:
-        """Copies of the cache rows a call over positions [start, end) may write (or, with start 0,
-        every row a sequence of `end` positions has written): the window ring slots of the last
-        `window` of those positions, the compressed-KV and index-key rows of the groups they can
-        complete, and the compressor's partial group, as the caches hold them (packed bytes or BF16).
-        `restore` writes them back."""
+    def capture(self, start: int, end: int) -> LayerRows:
+        """Copies of the cache rows a call over positions [start, end) may write (`LayerRows`);
+        `restore` writes them back, `truncate` the part of them a shorter call would not have
+        overwritten."""
         win = self.window_size
         slots = torch.arange(max(start, end - win), end, device=self.window_kv_cache.values.device) % win
-        saved = {"slots": slots, "window": self.window_kv_cache.save(slots)}
+        rows = LayerRows(start, end, slots, self.window_kv_cache.save(slots))
         if self.ratio:
-            groups = slice(start // self.ratio, end // self.ratio)
-            saved["groups"] = groups
+            rows.groups = slice(start // self.ratio, end // self.ratio)
             if self.compressor is not None:
-                saved["compressed"] = self.compress_kv_cache.save(groups)
+                rows.compressed = self.compress_kv_cache.save(rows.groups)
                 if self.compressor.ratio > 1:
-                    saved["kv_state"] = self.compressor.kv_state.clone()
-                    saved["score_state"] = self.compressor.score_state.clone()
+                    rows.tail = self.compressor.capture()
             if self.indexer is not None and self.indexer.owns_k:
-                saved["index_keys"] = self.indexer.k_cache.save(groups)
-        return saved
+                rows.index_keys = self.indexer.k_cache.save(rows.groups)
+        return rows
+
+    def restore(self, rows: LayerRows) -> None:
+        self.window_kv_cache.load(rows.slots, rows.window)
+        if rows.compressed is not None:
+            self.compress_kv_cache.load(rows.groups, rows.compressed)
+        if rows.tail is not None:
+            self.compressor.restore(rows.tail)
+        if rows.index_keys is not None:
+            self.indexer.k_cache.load(rows.groups, rows.index_keys)
 
     def truncatable(self, start: int, end: int) -> bool:
         """Whether the last call, over [start, end), can be cut short in place (`truncate`): no
@@ -168,38 +175,40 @@ class Attention(nn.Module):
         if end - start > self.window_size:
             return False
         if self.compressor is not None and self.compressor.ratio > 1:
-            last = self.compressor.last_call
-            return last is not None and last[0] == start and last[1].size(1) == end - start
+            return self.compressor.truncatable(start, end)
         return True
 
-    def truncate(self, saved: dict, start: int, end: int, keep_end: int) -> None:
-        """Cut the last call (over [start, end), `saved` its undo record) back to [start, keep_end):
-        the slots and groups of the dropped positions get their earlier contents again, the
-        partial group is rebuilt; the rows the call computed for the kept positions stay. The
-        same bytes as running [start, keep_end) as its own call wherever a row's arithmetic does
-        not depend on how many rows share the call (Numerics.parity())."""
-        positions = torch.arange(max(start, end - self.window_size), end, device=saved["slots"].device)
+    def truncate(self, rows: LayerRows, keep_end: int) -> None:
+        """Cut the last call (`rows` its undo record) back to [rows.start, keep_end): the slots and
+        groups of the dropped positions get their earlier contents again, the partial group is
+        rebuilt; the rows the call computed for the kept positions stay. The same bytes as running
+        [start, keep_end) as its own call wherever a row's arithmetic does not depend on how many
+        rows share the call (Numerics.parity())."""
+        start, end = rows.start, rows.end
+        positions = torch.arange(max(start, end - self.window_size), end, device=rows.slots.device)
         dropped = positions >= keep_end
-        self.window_kv_cache.load(saved["slots"][dropped], tuple(part[:, dropped] for part in saved["window"]))
+        self.window_kv_cache.load(rows.slots[dropped], tuple(part[:, dropped] for part in rows.window))
         if self.ratio:
             first, kept = start // self.ratio, keep_end // self.ratio
             groups, offset = slice(kept, end // self.ratio), kept - first
-            if "compressed" in saved:
-                self.compress_kv_cache.load(groups, tuple(part[:, offset:] for part in saved["compressed"]))
-            if "kv_state" in saved:
-                self.compressor.truncate_state(saved["kv_state"], saved["score_state"], start, keep_end)
-            if "index_keys" in saved:
-                self.indexer.k_cache.load(groups, tuple(part[:, offset:] for part in saved["index_keys"]))
+            if rows.compressed is not None:
+                self.compress_kv_cache.load(groups, tuple(part[:, offset:] for part in rows.compressed))
+            if rows.tail is not None:
+                self.compressor.truncate(rows.tail, start, keep_end)
+            if rows.index_keys is not None:
+                self.indexer.k_cache.load(groups, tuple(part[:, offset:] for part in rows.index_keys))
 
-    def restore(self, saved: dict) -> None:
-        self.window_kv_cache.load(saved["slots"], saved["window"])
-        if "compressed" in saved:
-            self.compress_kv_cache.load(saved["groups"], saved["compressed"])
-        if "kv_state" in saved:
-            self.compressor.kv_state.copy_(saved["kv_state"])
-            self.compressor.score_state.copy_(saved["score_state"])
-        if "index_keys" in saved:
-            self.indexer.k_cache.load(saved["groups"], saved["index_keys"])
+    def publishes(self, published: Published, start: int, end: int) -> Published:
+        """What a runtime holding `published` holds after this layer ran a call over [start, end):
+        a Full layer publishes its compressed KV; an index-key owner its keys when one of its
+        groups completed in the call (on every call, with the stale-key fix), as `forward` does."""
+        if self.mode == "full":
+            published = replace(published, compress_kv=self.compress_kv_cache, compress_kv_from=self.layer)
+        indexer = self.indexer
+        if indexer is not None and indexer.owns_k and (
+                self.numerics.fix_stale_index_keys or end // self.ratio > start // self.ratio):
+            published = replace(published, index_k=indexer.k_cache, index_k_from=self.layer)
+        return published
 
     def cache_bytes(self) -> dict[str, int]:
         """Allocated bytes of this layer's caches by part ('window ring data' / 'scales',

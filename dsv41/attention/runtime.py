@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+
+@dataclass(frozen=True)
+class Published:
+    """What a runtime carries from call to call: the caches the last Full layer and the last
+    index-key owner published, and who they were (the stale-key rule makes that part of the
+    sequence's state)."""
+
+    compress_kv: Optional[object] = None  # a QuantizedCache
+    compress_kv_from: Optional[int] = None
+    index_k: Optional[object] = None
+    index_k_from: Optional[int] = None
 
 
 class AttentionRuntime:
@@ -32,14 +45,14 @@ class AttentionRuntime:
         self.candidates_from: Optional[int] = None
         self.candidates_call: Optional[tuple[int, int]] = None
 
-    def published(self) -> tuple:
-        """What persists from call to call: which layers' caches were published last (the stale-key
-        rule makes that part of the sequence's state). `republish` puts it back."""
-        return self.compress_kv, self.compress_kv_from, self.index_k, self.index_k_from
+    def published(self) -> Published:
+        """What persists from call to call; `republish` puts it back."""
+        return Published(self.compress_kv, self.compress_kv_from, self.index_k, self.index_k_from)
 
-    def republish(self, published: tuple) -> None:
+    def republish(self, published: Published) -> None:
         self.reset()
-        self.compress_kv, self.compress_kv_from, self.index_k, self.index_k_from = published
+        self.compress_kv, self.compress_kv_from = published.compress_kv, published.compress_kv_from
+        self.index_k, self.index_k_from = published.index_k, published.index_k_from
 
     def __repr__(self) -> str:
         return (f"AttentionRuntime(compress_kv_from={self.compress_kv_from}, "
