@@ -1,5 +1,6 @@
 """The model: `Model` is where a forward starts; below it the backbone of blocks (mixture of
-experts, hyper-connections, the Engram consumer, CSA2 attention from the `attention` package) and the head.
+experts, hyper-connections, the Engram consumer, CSA2 attention from the `attention` package) and
+the head. What a forward overwrote, rollback and snapshots are `sequence.py`'s.
 
 `Model(cfg, tokenizer=..., hasher=...)` holds the backbone, the attention runtime, the n-gram
 hasher and the sequence position; `model(ids, start_pos)` runs a forward, `encode` / `decode` turn
