@@ -34,22 +34,25 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .attention import (
+from .attention import (  # noqa: F401 (the byte model's names, re-exported for the notebooks)
     COMPRESSED_KV,
     COMPRESSOR_TAILS,
+    HOLDING,
     INDEX_FP4_BLOCK,
     INDEX_KEYS,
     KV_FP4_BLOCK,
-    WINDOW_FP8_BLOCK,
     WINDOW_RING,
     Attention,
     AttentionRuntime,
-    AttentionStack,
     CacheBytes,
+    KVCacheBytes,
+    SourceBytes,
     candidate_block_scores,
     check_cache_format,
+    kv_cache_bytes,
     select_candidate_blocks,
 )
+from .csa2_stack import AttentionStack
 from .kernels import fp4_act_quant
 from .layers import apply_rotary_emb
 from .numerics import WINDOW_LAYOUTS, Numerics
@@ -115,145 +118,8 @@ def mode_partition(cfg) -> dict[str, list[int]]:
 
 
 # ---------------------------------------------------------------------------------- cache bytes
-@dataclass(frozen=True)
-class Encoding:
-    """How one cached vector is held: `bits` per element plus one `scale_bytes` scale per
-    `scale_block` elements (scale_block 0: no scales)."""
-
-    name: str
-    bits: int
-    scale_block: int = 0
-    scale_bytes: int = 0
-
-    def data_bytes(self, dim: int) -> int:
-        return dim * self.bits // 8
-
-    def scale_bytes_for(self, dim: int) -> int:
-        return dim // self.scale_block * self.scale_bytes if self.scale_block else 0
-
-
-# The trained model's quantization points (the blocks are the ones attention.py quantizes with)
-STORED = {
-    WINDOW: Encoding("FP8 E4M3 + E8M0 per 32", 8, WINDOW_FP8_BLOCK, 1),
-    COMPRESSED: Encoding("FP4 E2M1 + E4M3 per 16", 4, KV_FP4_BLOCK, 1),
-    INDEX_KEYS: Encoding("FP4 E2M1 + E8M0 per 32", 4, INDEX_FP4_BLOCK, 1),
-}
-# The reference runtime fake-quantizes and keeps the dequantized values in BF16 (cache_format="bf16")
-RUNTIME = {name: Encoding("BF16", 16) for name in STORED}
-TAIL_BYTES = 4  # the compressor's kv_state / score_state are float32
-# which formula holding describes the buffers of each cache_format
-HOLDING = {"packed": "stored", "bf16": "runtime"}
-
-
-@dataclass(frozen=True)
-class SourceBytes:
-    """One KV source layer (a Full layer): bytes of one compressed entry (a latent and its index
-    key) and, divided by the ratio, per token of context."""
-
-    layer: int
-    ratio: int
-    kv_data: int
-    kv_scales: int
-    key_data: int
-    key_scales: int
-
-    @property
-    def per_entry(self) -> int:
-        return self.kv_data + self.kv_scales + self.key_data + self.key_scales
-
-    @property
-    def per_token(self) -> float:
-        return self.per_entry / self.ratio
-
-    def per_token_by_component(self) -> dict[str, float]:
-        return {"compressed KV data": self.kv_data / self.ratio, "compressed KV scales": self.kv_scales / self.ratio,
-                "index key data": self.key_data / self.ratio, "index key scales": self.key_scales / self.ratio}
-
-    def entries(self, context: int) -> int:
-        return context // self.ratio
-
-
-@dataclass(frozen=True)
-class KVCacheBytes:
-    """KV-cache bytes of a config, by component. Per token: the compressed KV and index keys of
-    each KV source (one entry per `ratio` tokens). Fixed, whatever the context: one window ring of
-    `window_size` entries per backbone layer and the float32 partial-group tail of each ratio > 1
-    compressor. `total(context)` counts whole groups only, as the caches do."""
-
-    holding: str  # 'stored' | 'runtime'
-    encodings: dict
-    sources: tuple[SourceBytes, ...]
-    window_entry: int  # bytes of one window entry
-    window_size: int
-    n_window_rings: int
-    tail_bytes: dict  # {source layer: bytes}, ratio > 1 only
-
-    @property
-    def per_token(self) -> float:
-        return sum(s.per_token for s in self.sources)
-
-    @property
-    def window_ring_bytes(self) -> int:
-        return self.window_entry * self.window_size * self.n_window_rings
-
-    @property
-    def fixed(self) -> int:
-        return self.window_ring_bytes + sum(self.tail_bytes.values())
-
-    def total(self, context: int) -> int:
-        return self.fixed + sum(s.entries(context) * s.per_entry for s in self.sources)
-
-    def components(self, context: int) -> dict[str, int]:
-        """Bytes at `context` tokens: window rings, compressor tails, and per source its KV and keys."""
-        out = {WINDOW: self.window_ring_bytes, "compressor tails": sum(self.tail_bytes.values())}
-        for s in self.sources:
-            n = s.entries(context)
-            out[f"layer {s.layer} {COMPRESSED}"] = n * (s.kv_data + s.kv_scales)
-            out[f"layer {s.layer} {INDEX_KEYS}"] = n * (s.key_data + s.key_scales)
-        return out
-
-    def formula(self, cfg) -> list[str]:
-        """The arithmetic, one line per term, with this config's numbers in it."""
-        e = self.encodings
-        lines = []
-        for name, dim in ((COMPRESSED, cfg.head_dim), (INDEX_KEYS, cfg.index_head_dim), (WINDOW, cfg.head_dim)):
-            enc = e[name]
-            scale = (f" + {dim}/{enc.scale_block} x {enc.scale_bytes} B scales" if enc.scale_block else "")
-            lines.append(f"{name} entry ({enc.name}): {dim} x {enc.bits}/8 B{scale} = "
-                         f"{enc.data_bytes(dim) + enc.scale_bytes_for(dim)} B")
-        for s in self.sources:
-            lines.append(f"layer {s.layer} (ratio {s.ratio}): ({s.kv_data + s.kv_scales} + {s.key_data + s.key_scales}) "
-                         f"/ {s.ratio} = {s.per_token:g} B per token")
-        lines.append(f"per token: {' + '.join(f'{s.per_token:g}' for s in self.sources)} = {self.per_token:g} B")
-        lines.append(f"window rings (fixed): {self.n_window_rings} layers x {self.window_size} x {self.window_entry} B "
-                     f"= {self.window_ring_bytes:,} B")
-        if self.tail_bytes:
-            lines.append(f"compressor tails (fixed, float32 kv_state + score_state): "
-                         f"{' + '.join(f'{b:,}' for b in self.tail_bytes.values())} = {sum(self.tail_bytes.values()):,} B")
-        return lines
-
-
-def kv_cache_bytes(cfg, holding: str = "stored") -> KVCacheBytes:
-    """KV-cache bytes of `cfg` (backbone layers, batch 1). holding='stored': the trained model's
-    formats (window FP8 + E8M0 per 32, compressed KV FP4 + E4M3 per 16, index keys FP4 + E8M0 per
-    32), which is what cache_format="packed" (the default) allocates; 'runtime': BF16 everywhere,
-    what cache_format="bf16" (the reference runtime's buffers) allocates."""
-    if holding not in ("stored", "runtime"):
-        raise ValueError(f"holding must be 'stored' or 'runtime', got {holding!r}")
-    enc = STORED if holding == "stored" else RUNTIME
-    sources = []
-    tails = {}
-    for layer in cfg.kv_source_layers:
-        ratio = cfg.compress_ratios[layer]
-        kv, key = enc[COMPRESSED], enc[INDEX_KEYS]
-        sources.append(SourceBytes(layer, ratio, kv.data_bytes(cfg.head_dim), kv.scale_bytes_for(cfg.head_dim),
-                                   key.data_bytes(cfg.index_head_dim), key.scale_bytes_for(cfg.index_head_dim)))
-        if ratio > 1:
-            tails[layer] = 2 * ratio * cfg.head_dim * TAIL_BYTES
-    win = enc[WINDOW]
-    return KVCacheBytes(holding=holding, encodings=dict(enc), sources=tuple(sources),
-                        window_entry=win.data_bytes(cfg.head_dim) + win.scale_bytes_for(cfg.head_dim),
-                        window_size=cfg.window_size, n_window_rings=cfg.n_layers, tail_bytes=tails)
+# the prediction from a config (`kv_cache_bytes`, `KVCacheBytes`, `HOLDING`) is attention's own byte
+# model (`attention.caches`), re-exported here; the measurements below read built stacks
 
 
 def allocated_cache_bytes(stack: AttentionStack) -> dict[str, int]:

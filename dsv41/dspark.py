@@ -29,9 +29,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .attention import Attention
+from .attention import Attention, LayerRows
 from .kernels import sparse_attn
-from .layers import Linear, RMSNorm, activation_dtype, apply_rotary_emb, f32_linear, linear_dtype
+from .layers import Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype
 from .model import Block, Embedding, Head, hc_pre, identity_pre
 from .numerics import Numerics
 
@@ -52,49 +52,43 @@ class DraftBlock:
         return self.ids[0, 1:].tolist()
 
 
+@dataclass
+class DraftRows:
+    """What a target forward over [start, end) may overwrite in the draft stack: each stage's
+    window-ring rows and the main hidden state of the last fed position before it."""
+
+    start: int
+    end: int
+    rings: list[LayerRows]
+    last_main: Optional[torch.Tensor]
+
+
 class DraftAttention(Attention):
     """A draft stage's attention: a window ring fed with the main hidden state of committed
     positions, and a block that attends to the ring and to all of its own positions."""
 
-    def main_rows(self, main_x: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, ...]:
-        """main_x [b, s, dim] of positions start_pos.. -> the ring's stored parts of their KV rows
-        (FP8 QAT over 32 after RoPE, as a window row)."""
-        kv = self.kv_norm(self.wkv(main_x))  # [b, s, head_dim]
-        apply_rotary_emb(kv[..., -self.rope_head_dim :], self.freqs_cis[start_pos : start_pos + main_x.size(1)])
-        parts, _ = self.window_kv_cache.quantize(kv)
-        return parts
-
     def feed(self, main_x: torch.Tensor, start_pos: int) -> None:
-        """Write the rows of positions start_pos.. into their slots (position % window; the last
-        `window` of them)."""
-        seqlen, win = main_x.size(1), self.window_size
-        parts = self.main_rows(main_x, start_pos)
-        keep = min(seqlen, win)
-        slots = torch.arange(start_pos + seqlen - keep, start_pos + seqlen, device=main_x.device) % win
-        self.window_kv_cache.write(slots, tuple(part[:, seqlen - keep :] for part in parts))
+        """Write the window rows of main_x [b, s, dim], positions start_pos.., into their slots
+        (FP8 QAT over 32 after RoPE, as a backbone layer's window rows)."""
+        freqs = self.freqs_cis[start_pos : start_pos + main_x.size(1)]
+        parts, _ = self.window_kv_cache.quantize(self.window_kv(main_x, freqs))
+        self.write_window(parts, start_pos)
 
     def block(self, x: torch.Tensor, start_pos: int, main_x: torch.Tensor) -> torch.Tensor:
         """x [b, block, dim] at positions start_pos + 1.. ; main_x [b, 1, dim] of position start_pos
         (written into its slot first) -> [b, block, dim]."""
         bsz, block, _ = x.shape
-        rd, win = self.rope_head_dim, self.window_size
+        win = self.window_size
         self.feed(main_x, start_pos)
         freqs = self.freqs_cis[start_pos + 1 : start_pos + 1 + block]
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [b, block, heads, head_dim]
-        apply_rotary_emb(q[..., -rd:], freqs)
-        kv = self.kv_norm(self.wkv(x))  # [b, block, head_dim]
-        apply_rotary_emb(kv[..., -rd:], freqs)
-        _, kv = self.window_kv_cache.quantize(kv)  # on the ring's grid, not stored
+        _, q = self.queries(x, freqs)  # [b, block, heads, head_dim]
+        _, kv = self.window_kv_cache.quantize(self.window_kv(x, freqs))  # on the ring's grid, not stored
         kv = torch.cat([self.window_kv_cache.read(bsz), kv], dim=1)  # [b, window + block, head_dim]
         # the ring's written slots (all once the sequence has `window` positions), then the block
         columns = torch.cat([torch.arange(min(win, start_pos + 1)), win + torch.arange(block)]).to(x.device)
         idxs = columns.int().view(1, 1, -1).expand(bsz, block, -1)
         o = sparse_attn(q, kv, self.attn_sink, idxs, self.softmax_scale)
-        apply_rotary_emb(o[..., -rd:], freqs, inverse=True)
-        o = o.view(bsz, block, self.n_groups, -1)  # [b, block, groups, heads/groups * head_dim]
-        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-        return self.wo_b(torch.einsum("bsgd,grd->bsgr", o, wo_a).flatten(2))
+        return self.project_out(o, freqs)
 
 
 class MarkovHead(nn.Module):
@@ -190,24 +184,27 @@ class DraftStack(nn.Module):
         # kept only as long as a call `truncate` can cut (no longer than the window)
         self.last_fed = (start_pos, main_hidden) if main_hidden.size(1) <= self.cfg.window_size else None
 
-    def capture(self, start: int, end: int) -> dict:
-        return {"rings": [layer.attn.capture(start, end) for layer in self.mtp], "last_main": self.last_main}
+    def capture(self, start: int, end: int) -> DraftRows:
+        """What a forward over [start, end) may overwrite here: each ring's slots and the last main
+        hidden state (`restore` puts them back, `truncate` cuts the last feed short)."""
+        return DraftRows(start, end, [layer.attn.capture(start, end) for layer in self.mtp], self.last_main)
+
+    def restore(self, rows: DraftRows) -> None:
+        for layer, ring in zip(self.mtp, rows.rings):
+            layer.attn.restore(ring)
+        self.last_main = rows.last_main
 
     def truncatable(self, start: int, end: int) -> bool:
         return (self.last_fed is not None and self.last_fed[0] == start and self.last_fed[1].size(1) == end - start
                 and all(layer.attn.truncatable(start, end) for layer in self.mtp))
 
-    def truncate(self, saved: dict, start: int, end: int, keep_end: int) -> None:
+    def truncate(self, rows: DraftRows, keep_end: int) -> None:
         """The last forward's feed cut back to [start, keep_end) (see `Attention.truncate`)."""
-        for layer, ring in zip(self.mtp, saved["rings"]):
-            layer.attn.truncate(ring, start, end, keep_end)
+        start = rows.start
+        for layer, ring in zip(self.mtp, rows.rings):
+            layer.attn.truncate(ring, keep_end)
         self.last_main = self.last_fed[1][:, keep_end - start - 1 : keep_end - start]
         self.last_fed = (start, self.last_fed[1][:, : keep_end - start])
-
-    def restore(self, saved: dict) -> None:
-        for layer, ring in zip(self.mtp, saved["rings"]):
-            layer.attn.restore(ring)
-        self.last_main = saved["last_main"]
 
     @torch.inference_mode()
     def draft(self, token_id, start_pos: int, *, temperature: float = 0.0,

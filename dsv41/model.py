@@ -1,5 +1,6 @@
 """The model: `Model` is where a forward starts; below it the backbone of blocks (mixture of
-experts, hyper-connections, the Engram consumer, CSA2 attention from `attention.py`) and the head.
+experts, hyper-connections, the Engram consumer, CSA2 attention from the `attention` package) and
+the head. What a forward overwrote, rollback and snapshots are `sequence.py`'s.
 
 `Model(cfg, tokenizer=..., hasher=...)` holds the backbone, the attention runtime, the n-gram
 hasher and the sequence position; `model(ids, start_pos)` runs a forward, `encode` / `decode` turn
@@ -27,13 +28,14 @@ from __future__ import annotations
 
 import numbers
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import sequence
 from .attention import Attention, AttentionRuntime, CacheBytes, cache_bytes, check_cache_format
 from .formats import dequantize_engram_rows
 from .kernels import hc_split_sinkhorn
@@ -521,7 +523,7 @@ class Model:
         self.report = self.checkpoint = None
         self.position = 0  # positions consumed since the last reset
         self.token_ids = torch.zeros(1, 0, dtype=torch.long)  # [b, position]: what the sequence holds
-        self._undo: deque = deque(maxlen=undo_calls)
+        self.undo_records: deque = deque(maxlen=undo_calls)  # sequence.CallRecord per call, oldest first
 
     def attach(self, experts: ExpertStore, engram_tables: dict[int, EngramTable], routed=None) -> None:
         """Where routed experts and Engram rows are read from (neither is a parameter); `routed`:
@@ -580,7 +582,7 @@ class Model:
             self.hasher.reset()
         self.position = 0
         self.token_ids = torch.zeros(1, 0, dtype=torch.long)
-        self._undo.clear()
+        self.undo_records.clear()
 
     def reset_expert_cache(self) -> None:
         """Start the expert cache cold: drop every cached expert and zero its hit / miss counters
@@ -618,8 +620,7 @@ class Model:
         if start_pos == 0:
             self.reset()
             self.token_ids = torch.zeros(bsz, 0, dtype=torch.long)
-        undo = self._capture(start_pos, start_pos + seqlen, ids, image_mask)
-        undo.prompt = prompt
+        undo = sequence.record_call(self, start_pos, ids, image_mask, prompt)
         try:
             hash_ids = None
             if self.hasher is not None:
@@ -633,9 +634,9 @@ class Model:
             if self.draft_stack is not None:
                 self.draft_stack.feed(self.backbone.main_hidden, start_pos)
         except BaseException:
-            self._put_back(undo)  # nothing half-applied: the caches as they were before the call
+            sequence.undo_call(self, undo)  # nothing half-applied: the caches as they were before the call
             raise
-        self._undo.append(undo)
+        self.undo_records.append(undo)
         self.token_ids = torch.cat([self.token_ids, ids], dim=1)
         self.position = start_pos + seqlen
         return logits
@@ -655,31 +656,11 @@ class Model:
         return ids.long().unsqueeze(0) if ids.dim() == 1 else ids.long()
 
     # ------------------------------------------------------------------ rollback and snapshots
-    def _capture(self, start: int, end: int, ids=None, image_mask=None) -> "SequenceState":
-        layers = [block.attn.capture(start, end) for block in self.backbone.layers]
-        return SequenceState(start, layers, self.runtime.published(),
-                             None if self.hasher is None else self.hasher.state(), None, ids, image_mask,
-                             model_id=id(self),
-                             draft=None if self.draft_stack is None else self.draft_stack.capture(start, end))
-
-    def _put_back(self, state: "SequenceState") -> None:
-        for block, saved in zip(self.backbone.layers, state.layers):
-            block.attn.restore(saved)
-        if self.draft_stack is not None:
-            self.draft_stack.restore(state.draft)
-        self.runtime.republish(state.published)
-        if self.hasher is not None:
-            self.hasher.set_state(state.hasher)
-        # an undo record's earlier ids are still the sequence's own: cut, not copied per call
-        self.token_ids = (self.token_ids[:, : state.position] if state.token_ids is None
-                          else state.token_ids.clone())
-        self.position = state.position
-
     @property
     def rollback_limit(self) -> int:
         """The shortest length `rollback` can return to: the start of the oldest call it still
         remembers (each call keeps what it overwrote; the last `undo_calls` calls are kept)."""
-        return self._undo[0].position if self._undo else self.position
+        return sequence.rollback_limit(self)
 
     @_any_grad_mode
     def rollback(self, n_positions: int, *, rerun: bool = True) -> bool:
@@ -695,87 +676,18 @@ class Model:
         forward, and the same bytes as the re-run under Numerics.parity() (under the reference's
         arithmetic a row can depend on how many rows shared its call). Returns whether a kept
         part ran again."""
-        if not isinstance(n_positions, int) or not 0 <= n_positions <= self.position:
-            raise ValueError(f"rollback takes 0 to {self.position} positions, got {n_positions!r}")
-        target = self.position - n_positions
-        if n_positions == 0:
-            return False
-        if target == 0:
-            self.reset()
-            return False
-        if target < self.rollback_limit:
-            raise ValueError(f"can roll back to position {self.rollback_limit} at the earliest (the oldest call "
-                             f"kept; load with a larger undo_calls), not to {target}")
-        if not rerun and self._truncatable(target):
-            self._truncate(self._undo[-1], target)
-            return False
-        last = None
-        while self.position > target:
-            last = self._undo.pop()
-            self._put_back(last)
-        if self.position < target:  # the undone call's kept part, as the one call it would have been
-            keep = target - last.position
-            if last.prompt is not None:  # its images' spans are written again, cut to the kept part
-                self(last.prompt[:keep], last.position)
-            else:
-                mask = None if last.image_mask is None else torch.as_tensor(last.image_mask)[:, :keep]
-                self(last.ids[:, :keep], last.position, image_mask=mask)
-            return True
-        return False
-
-    def _truncatable(self, target: int) -> bool:
-        last = self._undo[-1] if self._undo else None
-        if last is None or not last.position < target < self.position or last.ids is None or last.prompt is not None:
-            return False
-        start, end = last.position, self.position
-        return (all(block.attn.truncatable(start, end) for block in self.backbone.layers)
-                and (self.draft_stack is None or self.draft_stack.truncatable(start, end)))
-
-    def _truncate(self, record: "SequenceState", target: int) -> None:
-        start, end, keep = record.position, self.position, target - record.position
-        for block, saved in zip(self.backbone.layers, record.layers):
-            block.attn.truncate(saved, start, end, target)
-        if self.draft_stack is not None:
-            self.draft_stack.truncate(record.draft, start, end, target)
-        # what a call over [start, target) publishes: every Full layer its compressed KV; an index-key
-        # owner its keys when one of its groups completed in the call (always, with the stale-key fix)
-        compress_kv, compress_from, index_k, index_from = record.published
-        for block in self.backbone.layers:
-            attn = block.attn
-            if attn.mode == "full":
-                compress_kv, compress_from = attn.compress_kv_cache, attn.layer
-            indexer = attn.indexer
-            if indexer is not None and indexer.owns_k and (
-                    self.numerics.fix_stale_index_keys or target // attn.ratio > start // attn.ratio):
-                index_k, index_from = indexer.k_cache, attn.layer
-        self.runtime.republish((compress_kv, compress_from, index_k, index_from))
-        mask = None if record.image_mask is None else torch.as_tensor(record.image_mask, dtype=torch.bool)[:, :keep]
-        if self.hasher is not None:
-            self.hasher.set_state(record.hasher)
-            self.hasher(record.ids[:, :keep], None if mask is None else ~mask)  # the look-back after the kept ids
-        record.ids, record.image_mask = record.ids[:, :keep], mask
-        self.token_ids = self.token_ids[:, :target]
-        self.position = target
+        return sequence.rollback(self, n_positions, rerun=rerun)
 
     @_any_grad_mode
-    def snapshot(self) -> "SequenceState":
+    def snapshot(self) -> "sequence.Snapshot":
         """A copy of the sequence so far (caches, look-back, what was published), for `restore`:
         a later request continues from a shared prefix instead of running it again."""
-        state = self._capture(0, self.position)
-        state.position, state.token_ids = self.position, self.token_ids.clone()
-        state.undo = list(self._undo)  # earlier calls' records: a restored sequence can still roll back
-        return state
+        return sequence.snapshot(self)
 
     @_any_grad_mode
-    def restore(self, state: "SequenceState") -> None:
+    def restore(self, state: "sequence.Snapshot") -> None:
         """Continue from a `snapshot` of this model (the sequence as it was then)."""
-        if not isinstance(state, SequenceState):
-            raise ValueError(f"restore takes a snapshot from model.snapshot(), got {type(state).__name__}")
-        if state.model_id != id(self):
-            raise ValueError("this snapshot was taken of another model")
-        self.reset()
-        self._put_back(state)
-        self._undo = deque(state.undo, maxlen=self._undo.maxlen)
+        sequence.restore(self, state)
 
     # ------------------------------------------------------------------ text
     @property
@@ -826,26 +738,6 @@ class Model:
     def __repr__(self) -> str:
         where = self.report.checkpoint if self.report is not None else "not loaded"
         return f"Model({where!r}, {self.cfg.summary()})"
-
-
-@dataclass
-class SequenceState:
-    """What a call overwrote (an undo record) or what a sequence holds (a snapshot): per layer the
-    cache rows `Attention.capture` copied, the runtime's published caches, the n-gram look-back; a
-    snapshot the sequence's token ids (an undo record needs none: the ids before its `position`
-    are the sequence's own), an undo record its call's ids to run again."""
-
-    position: int
-    layers: list
-    published: tuple
-    hasher: Optional[tuple]
-    token_ids: Optional[torch.Tensor]
-    ids: Optional[torch.Tensor] = None
-    image_mask: Optional[torch.Tensor] = None
-    undo: list = field(default_factory=list)
-    prompt: Optional[Prompt] = None  # the call's Prompt when it was given one (its images with it)
-    model_id: int = 0
-    draft: Optional[dict] = None  # the draft stack's rings and last main hidden state
 
 
 def _generation():

@@ -19,10 +19,10 @@ LAYERS = [
     ["formats", "tiny"],
     ["layers", "trace"],
     ["attention"],
-    ["model", "vision", "dspark", "distributed"],
+    ["model", "sequence", "vision", "dspark", "distributed"],
     ["generate", "speculative", "conversation"],
     ["loader"],
-    ["csa2_stats", "cache_policy", "viz", "bench", "notebooks", "lab", "cli", "__main__"],
+    ["csa2_stats", "csa2_stack", "cache_policy", "viz", "bench", "notebooks", "lab", "cli", "__main__"],
 ]
 # (importer, imported): the upward lookups the rule allows, each named in the document
 ALLOWED_UPWARD = {("model", "generate"), ("model", "conversation")}

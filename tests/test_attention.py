@@ -11,16 +11,17 @@ import dataclasses
 import pytest
 import torch
 
-from dsv41 import attention as attention_module
+from dsv41.attention import layer as attention_layer
+from dsv41.attention import state as attention_state
 from dsv41.attention import (
     Attention,
     AttentionRuntime,
-    AttentionStack,
     Compressor,
     candidate_block_scores,
     select_candidate_blocks,
 )
 from dsv41.config import TINY
+from dsv41.csa2_stack import AttentionStack
 from dsv41.kernels import SPARSE_ATTN_CHUNK, fp4_act_quant, sparse_attn
 from dsv41.layers import apply_rotary_emb, init_random_, precompute_freqs_cis
 from dsv41.numerics import WINDOW_LAYOUTS, Numerics
@@ -212,7 +213,7 @@ def _sparse_attn_calls(monkeypatch):
         calls.append((idxs.clone(), kv.clone(), out.clone()))
         return out
 
-    monkeypatch.setattr(attention_module, "sparse_attn", recording)
+    monkeypatch.setattr(attention_layer, "sparse_attn", recording)
     return calls
 
 
@@ -356,6 +357,41 @@ def _snapshot(stack):
 def _differs(a, b):
     # published tensors compare by identity (was a new selection published?), publishers by value
     return a is not b if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else a != b
+
+
+# TINY's last Full layer compresses at ratio 1 and so publishes its index keys on every call; with
+# the ratios swapped it compresses at 2, and a call completing none of its groups leaves the
+# ratio-1 layer's keys published (with the reference's stale keys)
+LAST_SOURCE_AT_RATIO_2 = dataclasses.replace(TINY, compress_ratios=(0, 0, 1, 1, 2, 2, 2, 0, 0, 0, 0))
+
+
+@pytest.mark.parametrize("fix", [True, False])
+@pytest.mark.parametrize("cfg, start, keep_end", [(TINY, 7, 10), (LAST_SOURCE_AT_RATIO_2, 8, 9)])
+def test_cutting_a_call_short_in_place_equals_running_the_shorter_call(fix, cfg, start, keep_end):
+    # the undo record of a call over [start, 13) is enough to leave every cache, the compressor's
+    # partial group and what the runtime publishes as a call over [start, keep_end) would have
+    numerics = Numerics.parity().with_options(fix_stale_index_keys=fix)
+    cut, whole = (AttentionStack(cfg, max_seq_len=MAX_SEQ, seed=9, numerics=numerics) for _ in range(2))
+    x = _x(13, seed=30)
+    with torch.inference_mode():
+        for stack in (cut, whole):
+            stack(x[:, :start], 0)
+        rows = attention_state.capture(cut.layers, cut.runtime, start, 13)
+        assert [r.tail is not None for r in rows.layers] == [layer.ratio > 1 and layer.mode == "full"
+                                                             for layer in cut.layers]
+        cut(x[:, start:], start)
+        assert attention_state.truncatable(cut.layers, start, 13)
+        attention_state.truncate(cut.layers, cut.runtime, rows, keep_end)
+        whole(x[:, start:keep_end], start)
+        for a, b in zip(cut.layers, whole.layers):
+            for (name, buf), (_, want) in zip(a.named_buffers(), b.named_buffers()):
+                assert torch.equal(buf, want), (a.layer, name)
+        got, want = cut.runtime.published(), whole.runtime.published()
+        assert (got.compress_kv_from, got.index_k_from) == (want.compress_kv_from, want.index_k_from)
+        assert got.index_k is cut.layers[got.index_k_from].indexer.k_cache
+        if cfg is LAST_SOURCE_AT_RATIO_2 and not fix:
+            assert got.index_k_from == 2  # not layer 4, which published last before the call
+        assert torch.equal(cut(x[:, keep_end:12], keep_end), whole(x[:, keep_end:12], keep_end))
 
 
 def test_caches_and_runtime_slots_are_written_only_by_their_owners():

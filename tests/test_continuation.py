@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dsv41
+from dsv41 import sequence
 from dsv41.numerics import Numerics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -170,6 +171,22 @@ def test_snapshots_let_another_request_reuse_a_prefix(parity, reference):
     assert torch.equal(parity(torch.tensor([[7]]), len(prefix) + len(second)), want)
     with pytest.raises(ValueError, match="another model"):
         reference.restore(shared)
+
+
+def test_undo_records_and_snapshots_each_hold_what_they_need(parity):
+    # an undo record: where its call started and ended, its ids to run again, the rows it may
+    # overwrite; a snapshot: the whole sequence's ids and rows, and the undo records before it
+    ids = _ids(12, 7)
+    parity(torch.tensor([ids[:9]]), 0)
+    parity(torch.tensor([ids[9:]]), 9)
+    first, last = parity.undo_records
+    assert isinstance(last, sequence.CallRecord) and (last.start, last.end) == (9, 12)
+    assert last.ids.tolist() == [ids[9:]]
+    assert [(rows.start, rows.end) for rows in last.attention.layers] == [(9, 12)] * parity.cfg.n_layers
+    snap = parity.snapshot()
+    assert isinstance(snap, sequence.Snapshot) and snap.position == 12 and snap.token_ids.tolist() == [ids]
+    assert snap.undo == (first, last) and all(rows.start == 0 for rows in snap.attention.layers)
+    assert repr(snap) == "Snapshot(position=12, batch=1, undo_calls=2)"
 
 
 def _state(model) -> list[torch.Tensor]:

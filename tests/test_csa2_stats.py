@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dsv41 import csa2_stats as cs
-from dsv41.attention import AttentionStack, select_candidate_blocks
+from dsv41.attention import select_candidate_blocks
+from dsv41.csa2_stack import AttentionStack
 from dsv41.config import RELEASED, TINY
 from dsv41.numerics import Numerics
 from dsv41.trace import Trace

@@ -18,10 +18,10 @@ from dsv41.attention import (
     COMPRESSED_ENCODING,
     INDEX_KEY_ENCODING,
     WINDOW_ENCODING,
-    AttentionStack,
     QuantizedCache,
 )
 from dsv41.config import RELEASED, TINY
+from dsv41.csa2_stack import AttentionStack
 from dsv41.model import Model
 from dsv41.numerics import Numerics
 
@@ -182,8 +182,8 @@ def test_rollback_and_snapshots_work_on_the_packed_bytes(pair):
     for model in pair:
         _run(model, ids[:25], [11, 6, 1, 1, 1, 5])
     snap = packed.snapshot()
-    assert all(t.dtype == torch.uint8 for saved in snap.layers for t in saved["window"])
-    assert all(t.dtype == torch.bfloat16 for saved in bf16.snapshot().layers for t in saved["window"])
+    assert all(t.dtype == torch.uint8 for saved in snap.attention.layers for t in saved.window)
+    assert all(t.dtype == torch.bfloat16 for saved in bf16.snapshot().attention.layers for t in saved.window)
     # roll back over a group flush and a ring wrap, continue, and compare with the BF16 model doing the same
     results = []
     for model in pair:
