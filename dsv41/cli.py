@@ -138,55 +138,38 @@ def _generate(args) -> int:
     if args.max_seq_len is not None and args.max_seq_len <= 0:
         return fail(f"--max-seq-len must be > 0, got {args.max_seq_len}")
 
-    from .kernels.experts import expert_devices
-    from .loader import DEFAULT_EXPERT_CACHE, LoadError, load
+    from .errors import Dsv41Error
+    from .loader import LoadError, checkpoint_path, expert_placement, load, start_expert_parallel
     from .numerics import Numerics
+    from .stores import DEFAULT_EXPERT_CACHE
 
-    try:  # one device or a comma-separated list, resolved once (without CUDA: one line, the CPU)
-        devices = expert_devices([d.strip() for d in args.expert_device.split(",")])
-    except RuntimeError:
-        return fail(f"--expert-device {args.expert_device!r} is not a torch device name (try cpu, cuda or cuda:0,cuda:1)")
-    except ValueError as exc:
-        return fail(f"--expert-device {args.expert_device!r} is not usable: {exc}")
     numerics = Numerics.named(args.numerics).with_options(fix_stale_index_keys=args.fix_stale_index_keys or None)
-    if args.expert_parallel:
-        from . import distributed
+    devices = [d.strip() for d in args.expert_device.split(",")]  # one device or a comma-separated list
+    devices = devices if len(devices) > 1 else devices[0]
+    try:
+        if args.expert_parallel:
+            from . import distributed
 
-        try:
-            ranks = distributed.init()
-        except distributed.ExpertParallelError as exc:
-            return fail(str(exc))
-        except (RuntimeError, ValueError) as exc:  # the group could not start (rendezvous, backend)
-            return fail(f"the expert-parallel group did not start: {distributed.one_line(exc)}")
-        args.quiet = args.quiet or not ranks.is_main
-        if args.expert_device == "cuda":
-            devices = "cuda"  # the loader gives each rank its own GPU
-
-    path = args.checkpoint
-    if path is None:
-        from .cachedir import CacheError
-        from .tiny import default_checkpoint
-
-        try:
-            if ranks is not None:  # rank 0 builds the shared cache once
-                path = distributed.main_first(lambda: default_checkpoint(progress=not args.quiet))
-            else:
-                path = default_checkpoint(progress=not args.quiet)
-        except CacheError as exc:
-            return fail(str(exc))
+            ranks = start_expert_parallel()
+            args.quiet = args.quiet or not ranks.is_main
+        expert_placement(devices, ranks, option="--expert-device")  # refused before anything is built
+        path = checkpoint_path(args.checkpoint, progress=not args.quiet, ranks=ranks)
+    except Dsv41Error as exc:  # LoadError, ExpertParallelError: one sentence each
+        return fail(str(exc))
 
     def audited_load():
         problem = _audit_problem(path)
         if problem:
             raise LoadError(problem)
-        return load(path, numerics=numerics, expert_device=devices, resident_engram=args.resident_engram,
+        return load(path, numerics=numerics, expert_device=devices,
+                    resident_engram=args.resident_engram,
                     expert_cache=DEFAULT_EXPERT_CACHE if args.expert_cache is None else args.expert_cache,
                     quiet=args.quiet, max_seq_len=args.max_seq_len, threads=args.threads,
                     expert_parallel=args.expert_parallel)
 
     try:
         model = audited_load() if ranks is None else distributed.agree(audited_load, "loading")
-    except (LoadError, ValueError) as exc:
+    except LoadError as exc:
         return fail(str(exc))
     except RuntimeError as exc:  # ExpertParallelError: another rank's failure, already one line
         if ranks is None:
@@ -195,16 +178,13 @@ def _generate(args) -> int:
 
     from .vision import ImageError, check_placeholders
 
-    def prepared():
+    def prepared():  # whether the new tokens fit the caches is generate()'s check
         ids = model.prepare(args.prompt, args.image) if args.image else model.encode(args.prompt)
         if not args.image:
             check_placeholders(model.cfg, ids, 0)  # a placeholder without --image would be read as text
-        if len(ids) > model.cfg.max_seq_len:
+        if len(ids) > model.cfg.max_seq_len:  # no --max-seq-len can help this one
             raise ValueError(f"the prompt is {len(ids)} tokens, longer than the model's {model.cfg.max_seq_len}-token "
                              f"maximum")
-        if len(ids) + args.max_new_tokens - 1 > model.max_seq_len:
-            raise ValueError(f"{len(ids)} prompt tokens + {args.max_new_tokens} new ones exceed the {model.max_seq_len} "
-                             f"positions the caches were sized for (raise --max-seq-len)")
         return ids
 
     try:  # every image read and checked before anything runs; under a group, on every rank at once
@@ -368,29 +348,21 @@ def _chat_model(args, fail):
     if args.max_seq_len is not None and args.max_seq_len <= 0:
         return fail(f"--max-seq-len must be > 0, got {args.max_seq_len}")
 
-    from .loader import LoadError, load
+    from .loader import LoadError, checkpoint_path, load
 
-    path = args.checkpoint
-    if path is None:
-        from .cachedir import CacheError
-        from .tiny import default_checkpoint
-
-        try:
-            path = default_checkpoint(progress=not args.quiet)
-        except CacheError as exc:
-            return fail(str(exc))
-    problem = _audit_problem(path)
-    if problem:
-        return fail(problem)
     try:
+        path = checkpoint_path(args.checkpoint, progress=not args.quiet)
+        problem = _audit_problem(path)
+        if problem:
+            raise LoadError(problem)
         return load(path, quiet=args.quiet, max_seq_len=args.max_seq_len)
-    except (LoadError, ValueError) as exc:
+    except LoadError as exc:
         return fail(str(exc))
 
 
 def _threads_arg(text: str):
     """A --threads value: "auto" or a whole number from 1 to the CPUs this process may run on."""
-    from .loader import check_threads
+    from .threads import check_threads
 
     if text.strip().lower() == "auto":
         return "auto"
