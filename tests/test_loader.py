@@ -370,3 +370,30 @@ def test_numerics_is_the_only_arithmetic_option_and_a_bad_one_fails_before_loadi
         load(tiny_checkpoint, quiet=True, window_layout="uniform")
     with pytest.raises(LoadError, match="numerics must be a Numerics value"):
         load(tiny_checkpoint, quiet=True, numerics="parity")
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(threads=0), "threads must be"),
+    (dict(cache_format="fp16"), "cache_format must be one of"),
+    (dict(max_batch_size=0), r"max_batch_size must lie in \[1, 64\]"),
+    (dict(undo_calls=-1), "undo_calls must be a whole number >= 0"),
+    (dict(expert_cache=-1), "expert cache capacity must be >= 0"),
+    (dict(expert_device="nonsense"), "expert_device 'nonsense' is not a torch device name"),
+    (dict(max_seq_len=10 ** 9), r"max_seq_len must lie in \[1, "),
+])
+def test_bad_arguments_are_a_load_error_still_a_value_error(tiny_checkpoint, options, message):
+    with pytest.raises(LoadError, match=message) as info:
+        load(tiny_checkpoint, quiet=True, **options)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, dsv41.Dsv41Error)
+
+
+def test_the_steps_the_cli_shares_with_load(tiny_checkpoint, tmp_path):
+    from dsv41.loader import checkpoint_path, expert_placement, read_config
+
+    assert checkpoint_path(tiny_checkpoint) == tiny_checkpoint
+    assert checkpoint_path(None, progress=False) == load(quiet=True).report.checkpoint  # the embedded default
+    assert expert_placement("cpu") == [torch.device("cpu")]
+    with pytest.raises(LoadError, match="^--expert-device 'gpu0' is not a torch device name"):
+        expert_placement("gpu0", option="--expert-device")
+    with pytest.raises(LoadError, match="not a checkpoint directory"):
+        read_config(str(tmp_path / "missing"))
