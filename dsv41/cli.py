@@ -112,68 +112,134 @@ def generate_main(argv: list[str]) -> int:
         return 130
 
 
-def _generate(args) -> int:
-    ranks = None  # with --expert-parallel: this process's place in the group
+class _Failed(Exception):
+    """A step of `dsv41 generate` failed and said so; `code` is the exit status."""
 
-    def fail(message: str, agreed: bool = True) -> int:
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+class _Process:
+    """One `dsv41 generate` process: its place in the expert-parallel group (`ranks`, None when it
+    runs alone), how it fails, and how a step runs (alone, or on every rank at once)."""
+
+    def __init__(self):
+        self.ranks = None
+
+    def fail(self, message: str, agreed: bool = True) -> _Failed:
         # the other ranks' errors reach rank 0 through `distributed.agree`; a rank speaks for itself
         # only when the group broke before the ranks could agree
-        if ranks is None or ranks.is_main or not agreed:
+        if self.ranks is None or self.ranks.is_main or not agreed:
             print(f"dsv41 generate: {message}", file=sys.stderr)
-        if ranks is not None:
-            distributed.shutdown()  # leave the group before exit (a second call is a no-op)
-        return 1
+        if self.ranks is not None:
+            from . import distributed
 
-    from .generate import NonFiniteLogits, check_prompt, check_sampling, generate
+            distributed.shutdown()  # leave the group before exit (a second call is a no-op)
+        return _Failed(1)
+
+    def step(self, run, what: str, errors: tuple = ()):
+        """run()'s value; `errors` it raises alone are one sentence, and under the group any rank's
+        failure is one ExpertParallelError on every rank (`distributed.agree`)."""
+        try:
+            if self.ranks is None:
+                return run()
+            from . import distributed
+
+            return distributed.agree(run, what)
+        except errors as exc:
+            raise self.fail(str(exc)) from None
+        except RuntimeError as exc:  # ExpertParallelError: any rank's failure, already one line
+            if self.ranks is None:
+                raise
+            raise self.fail(str(exc), getattr(exc, "agreed", True)) from None
+
+
+def _generate(args) -> int:
+    from .generate import NonFiniteLogits, generate
+    from .vision import ImageError
+
+    process = _Process()
+    try:
+        _check_generate_args(args, process)
+        model = _generate_model(args, process)
+        ids = process.step(lambda: _prompt_ids(args, model), "preparing the prompt", (ImageError, ValueError))
+        if process.ranks is not None:
+            from . import distributed
+
+            try:  # before the first exchange: a rank asked for something else would abort the exchange in gloo
+                distributed.agree_on_request(_expert_parallel_request(args, model, ids))
+            except distributed.ExpertParallelError as exc:
+                raise process.fail(str(exc), exc.agreed) from None
+        if not args.quiet:
+            print(f"prompt: {len(ids)} tokens; generating {args.max_new_tokens} "
+                  f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}, seed {args.seed}'})",
+                  file=sys.stderr)
+        generated: list[int] = []  # what Ctrl-C must not lose
+
+        def run():
+            return generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            seed=args.seed, prefill_chunk=args.prefill_chunk, progress=not args.quiet,
+                            speculative=args.speculative, draft_tokens=args.draft_tokens,
+                            min_confidence=args.min_confidence,
+                            callback=lambda step, token, logits: generated.append(token))
+
+        try:  # ValueError: a speculative request this model refuses
+            result = process.step(run, "generating", (NonFiniteLogits, ValueError))
+        except KeyboardInterrupt:
+            if process.ranks is None or process.ranks.is_main:
+                print(model.decode(generated), flush=True)
+                print(f"dsv41 generate: interrupted after {len(generated)} of {args.max_new_tokens} tokens "
+                      f"(the text so far is above)", file=sys.stderr)
+            return 130
+        finally:
+            if process.ranks is not None:
+                from . import distributed
+
+                distributed.shutdown()
+    except _Failed as failed:
+        return failed.code
+    if process.ranks is None or process.ranks.is_main:  # only rank 0 prints the generation
+        _print_generation(args, model, result)
+    return 0
+
+
+def _check_generate_args(args, process: _Process) -> None:
+    """The arguments generate() and load() would refuse, refused before anything is loaded."""
+    from .generate import check_prompt, check_sampling
 
     try:  # the same sentences a Python caller of generate() gets
         check_prompt(args.prompt)
         check_sampling(args.max_new_tokens, args.temperature, args.seed)
     except ValueError as exc:
-        return fail(f"{exc} (see --help)")
+        raise process.fail(f"{exc} (see --help)") from None
     if args.expert_cache is not None and args.expert_cache < 0:
-        return fail(f"--expert-cache must be >= 0, got {args.expert_cache}")
+        raise process.fail(f"--expert-cache must be >= 0, got {args.expert_cache}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
-        return fail(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+        raise process.fail(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     if args.max_seq_len is not None and args.max_seq_len <= 0:
-        return fail(f"--max-seq-len must be > 0, got {args.max_seq_len}")
+        raise process.fail(f"--max-seq-len must be > 0, got {args.max_seq_len}")
 
-    from .kernels.experts import expert_devices
-    from .loader import DEFAULT_EXPERT_CACHE, LoadError, load
+
+def _generate_model(args, process: _Process):
+    """The loader's own steps, in its order: the group (with --expert-parallel), the expert
+    devices, the checkpoint path; then the header audit and `load`, on every rank at once."""
+    from .errors import Dsv41Error
+    from .loader import LoadError, checkpoint_path, expert_placement, load, start_expert_parallel
     from .numerics import Numerics
+    from .stores import DEFAULT_EXPERT_CACHE
 
-    try:  # one device or a comma-separated list, resolved once (without CUDA: one line, the CPU)
-        devices = expert_devices([d.strip() for d in args.expert_device.split(",")])
-    except RuntimeError:
-        return fail(f"--expert-device {args.expert_device!r} is not a torch device name (try cpu, cuda or cuda:0,cuda:1)")
-    except ValueError as exc:
-        return fail(f"--expert-device {args.expert_device!r} is not usable: {exc}")
     numerics = Numerics.named(args.numerics).with_options(fix_stale_index_keys=args.fix_stale_index_keys or None)
-    if args.expert_parallel:
-        from . import distributed
-
-        try:
-            ranks = distributed.init()
-        except distributed.ExpertParallelError as exc:
-            return fail(str(exc))
-        except (RuntimeError, ValueError) as exc:  # the group could not start (rendezvous, backend)
-            return fail(f"the expert-parallel group did not start: {distributed.one_line(exc)}")
-        args.quiet = args.quiet or not ranks.is_main
-        if args.expert_device == "cuda":
-            devices = "cuda"  # the loader gives each rank its own GPU
-
-    path = args.checkpoint
-    if path is None:
-        from .cachedir import CacheError
-        from .tiny import default_checkpoint
-
-        try:
-            if ranks is not None:  # rank 0 builds the shared cache once
-                path = distributed.main_first(lambda: default_checkpoint(progress=not args.quiet))
-            else:
-                path = default_checkpoint(progress=not args.quiet)
-        except CacheError as exc:
-            return fail(str(exc))
+    devices = [d.strip() for d in args.expert_device.split(",")]  # one device or a comma-separated list
+    devices = devices if len(devices) > 1 else devices[0]
+    try:
+        if args.expert_parallel:
+            process.ranks = start_expert_parallel()
+            args.quiet = args.quiet or not process.ranks.is_main
+        expert_placement(devices, process.ranks, option="--expert-device")  # refused before anything is built
+        path = checkpoint_path(args.checkpoint, progress=not args.quiet, ranks=process.ranks)
+    except Dsv41Error as exc:  # LoadError, ExpertParallelError: one sentence each
+        raise process.fail(str(exc)) from None
 
     def audited_load():
         problem = _audit_problem(path)
@@ -184,95 +250,41 @@ def _generate(args) -> int:
                     quiet=args.quiet, max_seq_len=args.max_seq_len, threads=args.threads,
                     expert_parallel=args.expert_parallel)
 
-    try:
-        model = audited_load() if ranks is None else distributed.agree(audited_load, "loading")
-    except (LoadError, ValueError) as exc:
-        return fail(str(exc))
-    except RuntimeError as exc:  # ExpertParallelError: another rank's failure, already one line
-        if ranks is None:
-            raise
-        return fail(str(exc), getattr(exc, "agreed", True))
+    return process.step(audited_load, "loading", (LoadError,))
 
-    from .vision import ImageError, check_placeholders
 
-    def prepared():
-        ids = model.prepare(args.prompt, args.image) if args.image else model.encode(args.prompt)
-        if not args.image:
-            check_placeholders(model.cfg, ids, 0)  # a placeholder without --image would be read as text
-        if len(ids) > model.cfg.max_seq_len:
-            raise ValueError(f"the prompt is {len(ids)} tokens, longer than the model's {model.cfg.max_seq_len}-token "
-                             f"maximum")
-        if len(ids) + args.max_new_tokens - 1 > model.max_seq_len:
-            raise ValueError(f"{len(ids)} prompt tokens + {args.max_new_tokens} new ones exceed the {model.max_seq_len} "
-                             f"positions the caches were sized for (raise --max-seq-len)")
-        return ids
+def _prompt_ids(args, model):
+    """The prompt's ids (a `vision.Prompt` with --image), every image read and checked; whether
+    the new tokens fit the caches is generate()'s check."""
+    from .vision import check_placeholders
 
-    try:  # every image read and checked before anything runs; under a group, on every rank at once
-        ids = prepared() if ranks is None else distributed.agree(prepared, "preparing the prompt")
-    except (ImageError, ValueError) as exc:
-        return fail(str(exc))
-    except RuntimeError as exc:  # ExpertParallelError
-        if ranks is None:
-            raise
-        return fail(str(exc), getattr(exc, "agreed", True))
-    if ranks is not None:
-        try:  # before the first exchange: a rank asked for something else would abort the exchange in gloo
-            distributed.agree_on_request(_expert_parallel_request(args, model, ids))
-        except distributed.ExpertParallelError as exc:
-            return fail(str(exc), exc.agreed)
+    ids = model.prepare(args.prompt, args.image) if args.image else model.encode(args.prompt)
+    if not args.image:
+        check_placeholders(model.cfg, ids, 0)  # a placeholder without --image would be read as text
+    if len(ids) > model.cfg.max_seq_len:  # no --max-seq-len can help this one
+        raise ValueError(f"the prompt is {len(ids)} tokens, longer than the model's {model.cfg.max_seq_len}-token "
+                         f"maximum")
+    return ids
 
-    if not args.quiet:
-        print(f"prompt: {len(ids)} tokens; generating {args.max_new_tokens} "
-              f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}, seed {args.seed}'})",
-              file=sys.stderr)
 
-    generated: list[int] = []  # what Ctrl-C must not lose
-
-    def keep(step, token, logits):
-        generated.append(token)
-
-    def run():
-        return generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        seed=args.seed, prefill_chunk=args.prefill_chunk, progress=not args.quiet,
-                        speculative=args.speculative, draft_tokens=args.draft_tokens,
-                        min_confidence=args.min_confidence, callback=keep)
-
-    try:
-        result = run() if ranks is None else distributed.agree(run, "generating")
-    except KeyboardInterrupt:
-        if ranks is None or ranks.is_main:
-            print(model.decode(generated), flush=True)
-            print(f"dsv41 generate: interrupted after {len(generated)} of {args.max_new_tokens} tokens "
-                  f"(the text so far is above)", file=sys.stderr)
-        return 130
-    except (NonFiniteLogits, ValueError) as exc:  # ValueError: a speculative request this model refuses
-        return fail(str(exc))
-    except RuntimeError as exc:  # ExpertParallelError
-        if ranks is None:
-            raise
-        return fail(str(exc), getattr(exc, "agreed", True))
-    finally:
-        if ranks is not None:
-            distributed.shutdown()
-    if ranks is not None and not ranks.is_main:
-        return 0  # only rank 0 prints the generation
+def _print_generation(args, model, result) -> None:
     print(result.text)
-    if not args.quiet:
-        t = result.timings
-        rate = f", {t['tokens_per_s']:.2f} tokens/s decoding" if t["tokens_per_s"] else ""
-        hits = sum(model.experts.counters.hits.values())
-        misses = sum(model.experts.counters.misses.values())
-        vision = f"vision tower {t['vision_s']:.2f} s, " if t.get("vision_s") else ""
-        print(f"{len(result.ids)} tokens ({result.finish_reason}); {vision}prefill {t['prefill_s']:.2f} s, decode "
-              f"{t['decode_s']:.2f} s{rate}; expert cache {hits} hits / {misses} misses", file=sys.stderr)
-        if result.speculation is not None:
-            s = result.speculation
-            per_forward = f"{s.tokens_per_forward:.2f}" if s.tokens_per_forward else "-"
-            print(f"speculative: {len(s.steps)} steps, {s.mean_accepted or 0:.2f} proposals accepted per step, "
-                  f"{s.target_forwards} target forwards for {s.tokens} tokens ({per_forward} per forward); "
-                  f"acceptance by draft position "
-                  + ", ".join("-" if a is None else f"{a:.0%}" for a in s.acceptance_by_position()), file=sys.stderr)
-    return 0
+    if args.quiet:
+        return
+    t = result.timings
+    rate = f", {t['tokens_per_s']:.2f} tokens/s decoding" if t["tokens_per_s"] else ""
+    hits = sum(model.experts.counters.hits.values())
+    misses = sum(model.experts.counters.misses.values())
+    vision = f"vision tower {t['vision_s']:.2f} s, " if t.get("vision_s") else ""
+    print(f"{len(result.ids)} tokens ({result.finish_reason}); {vision}prefill {t['prefill_s']:.2f} s, decode "
+          f"{t['decode_s']:.2f} s{rate}; expert cache {hits} hits / {misses} misses", file=sys.stderr)
+    if result.speculation is not None:
+        s = result.speculation
+        per_forward = f"{s.tokens_per_forward:.2f}" if s.tokens_per_forward else "-"
+        print(f"speculative: {len(s.steps)} steps, {s.mean_accepted or 0:.2f} proposals accepted per step, "
+              f"{s.target_forwards} target forwards for {s.tokens} tokens ({per_forward} per forward); "
+              f"acceptance by draft position "
+              + ", ".join("-" if a is None else f"{a:.0%}" for a in s.acceptance_by_position()), file=sys.stderr)
 
 
 def _expert_parallel_request(args, model, ids) -> dict:
@@ -368,29 +380,21 @@ def _chat_model(args, fail):
     if args.max_seq_len is not None and args.max_seq_len <= 0:
         return fail(f"--max-seq-len must be > 0, got {args.max_seq_len}")
 
-    from .loader import LoadError, load
+    from .loader import LoadError, checkpoint_path, load
 
-    path = args.checkpoint
-    if path is None:
-        from .cachedir import CacheError
-        from .tiny import default_checkpoint
-
-        try:
-            path = default_checkpoint(progress=not args.quiet)
-        except CacheError as exc:
-            return fail(str(exc))
-    problem = _audit_problem(path)
-    if problem:
-        return fail(problem)
     try:
+        path = checkpoint_path(args.checkpoint, progress=not args.quiet)
+        problem = _audit_problem(path)
+        if problem:
+            raise LoadError(problem)
         return load(path, quiet=args.quiet, max_seq_len=args.max_seq_len)
-    except (LoadError, ValueError) as exc:
+    except LoadError as exc:
         return fail(str(exc))
 
 
 def _threads_arg(text: str):
     """A --threads value: "auto" or a whole number from 1 to the CPUs this process may run on."""
-    from .loader import check_threads
+    from .threads import check_threads
 
     if text.strip().lower() == "auto":
         return "auto"

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .kernels.experts import routed_experts
-from .model import FetchedExperts
+from .stores import FetchedExperts
 from .errors import Dsv41Error
 
 # How long a collective waits for a silent peer before every rank gives up.
@@ -102,6 +102,11 @@ class RankView:
 
     def describe(self) -> str:
         return f"rank {self.rank} of {self.world_size} ({self.backend}, local rank {self.local_rank})"
+
+    def refusal(self, layer: int, foreign: Sequence[int]) -> "ExpertParallelError":
+        """The error `stores.OwnedExpertStore` raises when asked for experts this rank does not own."""
+        return ExpertParallelError(f"{self.describe()} was asked for layer {layer}'s experts {list(foreign)}, "
+                                   f"which rank {foreign[0] % self.world_size} holds")
 
 
 @dataclass(frozen=True)
@@ -544,23 +549,3 @@ class ExpertParallelExperts:
         return combine_pairs(expert_ids, pair_rows)
 
     __call__ = forward
-
-
-class OwnedExpertStore:
-    """A store that refuses any expert this rank does not own: the one place the ownership rule
-    is enforced, so a routing mistake is an error instead of a silent read of another rank's share."""
-
-    def __init__(self, store, ranks: RankView):
-        self.store, self.ranks = store, ranks
-
-    def fetch(self, layer: int, expert_ids: Sequence[int]):
-        foreign = [e for e in expert_ids if not self.ranks.owns(e)]
-        if foreign:
-            raise ExpertParallelError(f"{self.ranks.describe()} was asked for layer {layer}'s experts {foreign}, "
-                                      f"which rank {foreign[0] % self.ranks.world_size} holds")
-        return self.store.fetch(layer, expert_ids)
-
-    def __getattr__(self, name):  # counters, clear, cached, nbytes: the wrapped cache's
-        if name == "store":  # not set yet (a copy being built): no recursion through the lookup below
-            raise AttributeError(name)
-        return getattr(self.store, name)

@@ -18,10 +18,11 @@ import os
 import struct
 import sys
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from dsv41.inventory import DTYPE_SIZES
 from dsv41.errors import Dsv41Error
+from dsv41.text import brief, is_unicode
 
 # The safetensors library refuses headers above 100 MB; anything larger is not a header.
 MAX_HEADER_BYTES = 100_000_000
@@ -119,7 +120,7 @@ def read_header(path: str) -> ShardHeader:
     metadata = data.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise HeaderError(f"{path}: __metadata__ must map strings to strings")
-    if not all(_is_unicode(k) and _is_unicode(v) for k, v in metadata.items()):
+    if not all(is_unicode(k) and is_unicode(v) for k, v in metadata.items()):
         raise HeaderError(f"{path}: __metadata__ holds a string with an unpaired surrogate escape, "
                           "which is not Unicode text; the file is damaged")
     entries = {}
@@ -129,11 +130,11 @@ def read_header(path: str) -> ShardHeader:
 
 
 def _entry(path: str, name: str, info) -> HeaderEntry:
-    if not _is_unicode(name):
-        raise HeaderError(f"{path}: tensor name {_brief(name)} holds an unpaired surrogate escape, which is not "
+    if not is_unicode(name):
+        raise HeaderError(f"{path}: tensor name {brief(name)} holds an unpaired surrogate escape, which is not "
                           "Unicode text; the file is damaged")
     if type(info) is not dict:
-        raise HeaderError(f"{path}: tensor {_brief(name)} is described by {type(info).__name__}, not an object")
+        raise HeaderError(f"{path}: tensor {brief(name)} is described by {type(info).__name__}, not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     # type(dtype) is str first: a list or object there is unhashable, and `in DTYPE_SIZES` would raise
     if (type(dtype) is str and dtype in DTYPE_SIZES and type(shape) is list and type(offsets) is list
@@ -143,15 +144,15 @@ def _entry(path: str, name: str, info) -> HeaderEntry:
         return HeaderEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
     # the slow path only words the problem
     if type(dtype) is not str or dtype not in DTYPE_SIZES:
-        raise HeaderError(f"{path}: tensor {_brief(name)} has unknown dtype {_brief(dtype)} "
+        raise HeaderError(f"{path}: tensor {brief(name)} has unknown dtype {brief(dtype)} "
                           f"(known: {', '.join(sorted(DTYPE_SIZES))})")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise HeaderError(f"{path}: tensor {_brief(name)} has shape {_brief(shape)}, not a list of non-negative integers")
+        raise HeaderError(f"{path}: tensor {brief(name)} has shape {brief(shape)}, not a list of non-negative integers")
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets)
             or offsets[0] > offsets[1]):
-        raise HeaderError(f"{path}: tensor {_brief(name)} has data_offsets {_brief(offsets)}, "
+        raise HeaderError(f"{path}: tensor {brief(name)} has data_offsets {brief(offsets)}, "
                           "not [begin, end] with 0 <= begin <= end")
-    raise HeaderError(f"{path}: tensor {_brief(name)} has shape {_brief(shape)} and data_offsets {_brief(offsets)}, "
+    raise HeaderError(f"{path}: tensor {brief(name)} has shape {brief(shape)} and data_offsets {brief(offsets)}, "
                       "beyond the 64-bit byte range a safetensors file can address")
 
 
@@ -186,54 +187,63 @@ def _fits(shape: list[int], itemsize: int) -> bool:
     return True
 
 
-def _is_unicode(text: str) -> bool:
-    # json decodes "\ud800" to a lone surrogate, which no file name, report or terminal can encode
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+class TilingProblem(NamedTuple):
+    """One way a shard's tensors fail to tile its data area. `kind`: "span" (the offsets do not
+    span dtype x shape bytes), "overlap", "gap", "past_end" (the last tensor runs past the file) or
+    "trailing" (bytes after the last tensor); `entry` the tensor concerned (None for trailing
+    bytes), `previous` the tensor before it in the data area, `position` where that one ends."""
+
+    kind: str
+    entry: Optional[HeaderEntry]
+    previous: Optional[str]
+    position: int
 
 
-def _brief(value, limit: int = 60) -> str:
-    """A header value for a message, kept short and never recursive: a damaged header can hold a
-    megabyte-long string or a list nested a thousand deep."""
-    if isinstance(value, list):
-        if len(value) <= 8 and not any(isinstance(v, (list, dict)) for v in value):
-            return "[" + ", ".join(_brief(v, 24) for v in value) + "]"
-        return f"a list of {len(value):,} items"
-    if isinstance(value, dict):
-        return f"an object of {len(value):,} keys" if value else "{}"
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 4] + " ..."
-
-
-def layout_problems(header: ShardHeader, header_prefix: bool = False) -> list[str]:
-    """How the tensors fail to tile the data area, one sentence each (empty when they do).
-    With header_prefix the file is known to stop early, so only the end-of-file test is skipped."""
-    problems = []
-    for e in header.entries.values():
-        if e.nbytes != e.expected_nbytes:
-            problems.append(f"{e.name}: data_offsets span {e.nbytes:,} bytes but {e.dtype} {list(e.shape)} "
-                            f"needs {e.expected_nbytes:,}")
-    ordered = sorted(header.entries.values(), key=lambda e: (e.begin, e.end))
+def tiling_problems(header: ShardHeader, header_prefix: bool = False) -> list[TilingProblem]:
+    """Every way the tensors fail to tile the data area: spans that do not fit their dtype and
+    shape first, then walking the tensors by offset, gaps and overlaps, then the end of the file
+    (skipped with header_prefix, where the file is known to stop early). Empty when they tile it.
+    The audit words all of them (`layout_problems`), the loader the first."""
+    problems = [TilingProblem("span", e, None, e.begin) for e in header.entries.values()
+                if e.nbytes != e.expected_nbytes]
     position, previous = 0, None
-    for e in ordered:
+    for e in sorted(header.entries.values(), key=lambda e: (e.begin, e.end)):
         if e.begin < position:
-            problems.append(f"{e.name}: bytes {e.begin:,}-{e.end:,} overlap {previous} (which ends at {position:,})")
+            problems.append(TilingProblem("overlap", e, previous, position))
         elif e.begin > position:
-            where = f"after {previous}" if previous else "at the start of the data area"
-            problems.append(f"{e.name}: a gap of {e.begin - position:,} unreferenced bytes {where}")
+            problems.append(TilingProblem("gap", e, previous, position))
         if e.end >= position:
             position, previous = e.end, e.name
     if not header_prefix:
         if position > header.data_size:
-            problems.append(f"{previous} ends at byte {position:,} of the data area but the file holds only "
-                            f"{max(header.data_size, 0):,}: the file is truncated (or a header prefix: "
-                            "pass --header-prefix)")
+            problems.append(TilingProblem("past_end", header.entries[previous], None, position))
         elif position < header.data_size:
-            problems.append(f"{header.data_size - position:,} bytes after the last tensor are referenced by no tensor")
+            problems.append(TilingProblem("trailing", None, previous, position))
     return problems
+
+
+def layout_problems(header: ShardHeader, header_prefix: bool = False) -> list[str]:
+    """How the tensors fail to tile the data area, one sentence each in the audit's words (empty
+    when they do). With header_prefix the file is known to stop early, so only the end-of-file
+    test is skipped."""
+    out = []
+    for p in tiling_problems(header, header_prefix):
+        e = p.entry
+        if p.kind == "span":
+            out.append(f"{e.name}: data_offsets span {e.nbytes:,} bytes but {e.dtype} {list(e.shape)} "
+                       f"needs {e.expected_nbytes:,}")
+        elif p.kind == "overlap":
+            out.append(f"{e.name}: bytes {e.begin:,}-{e.end:,} overlap {p.previous} (which ends at {p.position:,})")
+        elif p.kind == "gap":
+            where = f"after {p.previous}" if p.previous else "at the start of the data area"
+            out.append(f"{e.name}: a gap of {e.begin - p.position:,} unreferenced bytes {where}")
+        elif p.kind == "past_end":
+            out.append(f"{e.name} ends at byte {p.position:,} of the data area but the file holds only "
+                       f"{max(header.data_size, 0):,}: the file is truncated (or a header prefix: "
+                       "pass --header-prefix)")
+        else:
+            out.append(f"{header.data_size - p.position:,} bytes after the last tensor are referenced by no tensor")
+    return out
 
 
 # ---------------------------------------------------------------------- writing

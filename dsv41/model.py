@@ -29,7 +29,7 @@ from __future__ import annotations
 import numbers
 from collections import deque
 from dataclasses import replace
-from typing import Optional, Protocol, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ from .kernels import hc_split_sinkhorn
 from .kernels.experts import PackedExpert, clamped_swiglu, routed_experts
 from .layers import F32_ROW_PAD, Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype, param
 from .numerics import Numerics
+from .stores import DictExpertStore, EngramTable, ExpertStore, FetchedExperts, TensorEngramTable  # noqa: F401 (their import path)
 from .trace import EngramRecord, FiniteRecord, ForwardTrace, RoutingRecord
 from .vision import IMAGE_END, IMAGE_NEWLINE, IMAGE_START, Aligner, Prompt, ViT, encode_image, write_spans
 from .vision import prepare as prepare_prompt
@@ -85,31 +86,6 @@ _any_grad_mode = torch.inference_mode()
 
 def _whole(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-class FetchedExperts(list):
-    """What one `fetch` returns: the packed experts in the order asked, plus how many of them this
-    call found in the store's cache (`hits`) and had to read (`misses`)."""
-
-    def __init__(self, experts: Sequence[PackedExpert] = (), hits: int = 0, misses: int = 0):
-        super().__init__(experts)
-        self.hits, self.misses = hits, misses
-
-
-class ExpertStore(Protocol):
-    """What RoutedExperts reads packed experts from (the loader's cache, or a dict in tests)."""
-
-    def fetch(self, layer: int, expert_ids: Sequence[int]) -> FetchedExperts: ...
-
-
-class DictExpertStore:
-    """A store over experts already in memory: {(layer, expert): PackedExpert}; every fetch hits."""
-
-    def __init__(self, experts: dict[tuple[int, int], PackedExpert]):
-        self.experts = experts
-
-    def fetch(self, layer: int, expert_ids: Sequence[int]) -> FetchedExperts:
-        return FetchedExperts([self.experts[(layer, e)] for e in expert_ids], hits=len(expert_ids))
 
 
 class RoutedExperts:
@@ -228,22 +204,6 @@ class MoE(nn.Module):
                 # a second routing with the text bias, for the record only: the forward used the first
                 text_bias_ids=self.gate(flat)[1].reshape(*shape[:-1], -1).cpu() if images else None))
         return y.to(x.dtype).reshape(shape)
-
-
-class EngramTable(Protocol):
-    """Where an Engram layer's rows live: `gather(ids) -> (FP8 rows [..., D], E8M0 scales [..., D/32])`."""
-
-    def gather(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-class TensorEngramTable:
-    """An Engram table already in memory (resident, or a test's)."""
-
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor):
-        self.weight, self.scale = weight, scale
-
-    def gather(self, ids: torch.Tensor):
-        return self.weight[ids], self.scale[ids]
 
 
 class Engram(nn.Module):

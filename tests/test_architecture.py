@@ -14,14 +14,15 @@ PACKAGE = ROOT / "dsv41"
 
 # the table's layers, as module-name prefixes (a package stands for everything in it)
 LAYERS = [
-    ["numerics", "errors", "cachedir", "argtypes", "config", "inventory", "headers", "engram", "tokenizer", "chat", "audit"],
+    ["numerics", "errors", "text", "threads", "cachedir", "argtypes", "config", "inventory", "headers", "engram",
+     "tokenizer", "chat", "audit"],
     ["kernels"],
-    ["formats", "tiny"],
+    ["formats", "tiny", "checkpoint", "stores"],
     ["layers", "trace"],
     ["attention"],
     ["model", "sequence", "vision", "dspark", "distributed"],
     ["generate", "speculative", "conversation"],
-    ["loader"],
+    ["loader", "report"],
     ["csa2_stats", "csa2_stack", "cache_policy", "viz", "bench", "notebooks", "lab", "cli", "__main__"],
 ]
 # (importer, imported): the upward lookups the rule allows, each named in the document

@@ -95,6 +95,17 @@ def test_rank_view_owns_experts_round_robin():
     assert not view.is_main and RankView().is_main
 
 
+def test_the_owned_expert_store_serves_this_ranks_share_and_refuses_the_rest():
+    from dsv41.stores import DictExpertStore, OwnedExpertStore
+
+    view = RankView(rank=1, world_size=2)
+    store = OwnedExpertStore(DictExpertStore({(0, 1): "one", (0, 3): "three", (0, 2): "two"}), view)
+    assert list(store.fetch(0, [1, 3])) == ["one", "three"]
+    with pytest.raises(ExpertParallelError, match=r"^rank 1 of 2 .* was asked for layer 0's experts \[2\], "
+                                                  r"which rank 0 holds$"):
+        store.fetch(0, [1, 2])
+
+
 def test_without_a_group_the_error_says_how_to_start_one(monkeypatch):
     for variable in LAUNCH_VARIABLES:
         monkeypatch.delenv(variable, raising=False)

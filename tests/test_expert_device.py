@@ -11,7 +11,9 @@ from dsv41.cli import generate_main as cli_main
 from dsv41.kernels import experts as kernel_experts, triton_experts
 from dsv41.kernels.experts import routed_experts_reference
 from dsv41.loader import load
-from dsv41.model import DictExpertStore, PackedExpert, RoutedExperts
+from dsv41.kernels.experts import PackedExpert
+from dsv41.model import RoutedExperts
+from dsv41.stores import DictExpertStore
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -100,6 +100,26 @@ def test_layout_problems(tmp_path, tensors, payload, message):
     assert any(message in p for p in problems), problems
 
 
+@pytest.mark.parametrize("tensors, payload, kind", [
+    ({"a": entry("F32", [2], 0, 8), "b": entry("F32", [2], 4, 12)}, 12, "overlap"),
+    ({"a": entry("F32", [2], 0, 8), "b": entry("F32", [2], 12, 20)}, 20, "gap"),
+    ({"a": entry("F32", [2], 0, 12)}, 12, "span"),
+    ({"a": entry("F32", [4], 0, 16)}, 10, "past_end"),
+    ({"a": entry("F32", [2], 0, 8)}, 11, "trailing"),
+])
+def test_one_tiling_check_serves_the_audit_and_the_loader(tmp_path, tensors, payload, kind):
+    from dsv41.checkpoint import Checkpoint, LoadError
+
+    shard = raw_file(tmp_path / "l.safetensors", tensors, b"\0" * payload)
+    h = hd.read_header(shard)
+    problems = hd.tiling_problems(h)
+    assert problems[0].kind == kind and len(hd.layout_problems(h)) == len(problems)
+    assert hd.tiling_problems(h, header_prefix=True) == [p for p in problems if p.kind not in ("past_end", "trailing")]
+    with pytest.raises(LoadError) as info:  # the loader words the first of the same problems
+        Checkpoint(str(tmp_path))
+    assert str(info.value).startswith(shard + ": ") and "download it again" in str(info.value)
+
+
 def test_plausible_header_length(tmp_path):
     good = str(tmp_path / "h00001.bin")
     hd.write_shard(good, TENSORS)

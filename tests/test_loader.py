@@ -14,17 +14,10 @@ import dsv41
 from dsv41.config import RELEASED
 from dsv41.inventory import expected_tensors
 from dsv41.numerics import Numerics
-from dsv41.loader import (
-    ENGRAM,
-    LOADED,
-    MTP,
-    ROUTED,
-    Checkpoint,
-    ExpertCache,
-    LoadError,
-    load,
-    predict_retained_bytes,
-)
+from dsv41.checkpoint import Checkpoint, LoadError
+from dsv41.loader import load
+from dsv41.report import ENGRAM, LOADED, MTP, ROUTED, predict_retained_bytes
+from dsv41.stores import ExpertCache
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -349,7 +342,8 @@ def test_a_callers_default_dtype_changes_nothing(model, tiny_checkpoint):
 def test_numerics_options_reach_every_float32_projection_and_the_runtime(tiny_checkpoint, monkeypatch, pad):
     from dsv41 import layers, model as model_module
 
-    m = load(tiny_checkpoint, quiet=True, window_layout="uniform" if pad else "reference", pad_f32_rows=pad)
+    m = load(tiny_checkpoint, quiet=True, numerics=Numerics(window_layout="uniform" if pad else "reference",
+                                                            pad_f32_rows=pad))
     assert m.numerics == (Numerics(window_layout="uniform", pad_f32_rows=True) if pad else Numerics.reference())
     seen = []
     original = layers.f32_linear
@@ -369,6 +363,37 @@ def test_numerics_options_reach_every_float32_projection_and_the_runtime(tiny_ch
     assert set(seen) == {pad}
 
 
-def test_an_unknown_window_layout_fails_before_loading(tiny_checkpoint):
+def test_numerics_is_the_only_arithmetic_option_and_a_bad_one_fails_before_loading(tiny_checkpoint):
     with pytest.raises(ValueError, match="window_layout"):
-        load(tiny_checkpoint, quiet=True, window_layout="ring")
+        load(tiny_checkpoint, quiet=True, numerics=Numerics(window_layout="ring"))  # refused building the value
+    with pytest.raises(TypeError):  # the old keyword shortcuts are gone: a field is set on the value
+        load(tiny_checkpoint, quiet=True, window_layout="uniform")
+    with pytest.raises(LoadError, match="numerics must be a Numerics value"):
+        load(tiny_checkpoint, quiet=True, numerics="parity")
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(threads=0), "threads must be"),
+    (dict(cache_format="fp16"), "cache_format must be one of"),
+    (dict(max_batch_size=0), r"max_batch_size must lie in \[1, 64\]"),
+    (dict(undo_calls=-1), "undo_calls must be a whole number >= 0"),
+    (dict(expert_cache=-1), "expert cache capacity must be >= 0"),
+    (dict(expert_device="nonsense"), "expert_device 'nonsense' is not a torch device name"),
+    (dict(max_seq_len=10 ** 9), r"max_seq_len must lie in \[1, "),
+])
+def test_bad_arguments_are_a_load_error_still_a_value_error(tiny_checkpoint, options, message):
+    with pytest.raises(LoadError, match=message) as info:
+        load(tiny_checkpoint, quiet=True, **options)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, dsv41.Dsv41Error)
+
+
+def test_the_steps_the_cli_shares_with_load(tiny_checkpoint, tmp_path):
+    from dsv41.loader import checkpoint_path, expert_placement, read_config
+
+    assert checkpoint_path(tiny_checkpoint) == tiny_checkpoint
+    assert checkpoint_path(None, progress=False) == load(quiet=True).report.checkpoint  # the embedded default
+    assert expert_placement("cpu") == [torch.device("cpu")]
+    with pytest.raises(LoadError, match="^--expert-device 'gpu0' is not a torch device name"):
+        expert_placement("gpu0", option="--expert-device")
+    with pytest.raises(LoadError, match="not a checkpoint directory"):
+        read_config(str(tmp_path / "missing"))

@@ -13,7 +13,8 @@ import struct
 import pytest
 import torch
 
-from dsv41.loader import Checkpoint, LoadError, load
+from dsv41.checkpoint import Checkpoint, LoadError
+from dsv41.loader import load
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

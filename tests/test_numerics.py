@@ -39,10 +39,10 @@ def test_bad_values_are_refused_by_name(bad, match):
         Numerics.named("fast")
 
 
-def test_load_takes_a_numerics_value_and_the_keyword_shortcuts_override_its_fields(tiny_checkpoint):
+def test_load_takes_a_numerics_value_with_its_fields_changed_one_by_one(tiny_checkpoint):
     import dsv41
 
-    m = dsv41.load(tiny_checkpoint, quiet=True, numerics=Numerics.parity(), fix_stale_index_keys=False)
+    m = dsv41.load(tiny_checkpoint, quiet=True, numerics=Numerics.parity().with_options(fix_stale_index_keys=False))
     assert m.numerics == Numerics(False, "uniform", True, "lowest")
     # the one value reaches every layer that reads it
     for block in m.backbone.layers:

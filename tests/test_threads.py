@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from dsv41 import bench, loader
+from dsv41 import threads as threads_module
 from dsv41.cli import main
 from dsv41.config import RELEASED, TINY
-from dsv41.loader import AUTO_THREADS_MIN_WEIGHTS, all_cores, auto_threads, load
+from dsv41.loader import load
+from dsv41.threads import AUTO_THREADS_MIN_WEIGHTS, all_cores, auto_threads
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +67,7 @@ def test_load_refuses_a_bad_threads_value_before_touching_torch(tiny_checkpoint,
 def test_more_threads_than_cpus_are_refused_in_one_sentence(tiny_checkpoint, capsys, monkeypatch):
     """Thousands of threads crashed torch (a segfault): the count is bounded by the CPUs this
     process may run on, in Python and on the command line."""
-    monkeypatch.setattr(loader, "machine_cores", lambda: 2)
+    monkeypatch.setattr(threads_module, "machine_cores", lambda: 2)
     before = torch.get_num_threads()
     with pytest.raises(ValueError, match="threads=3 is more than the 2 CPUs this process may run on"):
         load(tiny_checkpoint, quiet=True, threads=3)
@@ -77,7 +79,7 @@ def test_more_threads_than_cpus_are_refused_in_one_sentence(tiny_checkpoint, cap
 
 
 def test_generate_threads_flag(tiny_checkpoint, capsys, monkeypatch):
-    monkeypatch.setattr(loader, "machine_cores", lambda: 2)  # two threads are allowed even on a one-core runner
+    monkeypatch.setattr(threads_module, "machine_cores", lambda: 2)  # two threads are allowed even on a one-core runner
     args = ["generate", "--checkpoint", tiny_checkpoint, "--prompt", "The harbor", "--max-new-tokens", "2"]
     assert main([*args, "--threads", "2"]) == 0
     assert "torch threads: 2 (threads=2)" in capsys.readouterr().err and torch.get_num_threads() == 2
@@ -89,7 +91,8 @@ def test_generate_threads_flag(tiny_checkpoint, capsys, monkeypatch):
 
 
 def test_bench_threads_reports_both_settings_and_their_ratio(tiny_checkpoint, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(loader, "all_cores", lambda: 2)  # two settings even on a one-core runner
+    monkeypatch.setattr(loader, "all_cores", lambda: 2)  # two settings even on a one-core runner (bench's import)
+    monkeypatch.setattr(threads_module, "all_cores", lambda: 2)
     torch.set_num_threads(2)
     out = tmp_path / "threads.json"
     assert main(["bench", "threads", "--checkpoint", tiny_checkpoint, "--tokens", "2", "--repeats", "3",
