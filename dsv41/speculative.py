@@ -132,7 +132,7 @@ class Speculation:
 
 def check_speculation(model, temperature: float, draft_tokens, min_confidence, draft_source) -> int:
     """The draft length a speculative run will use, after checking the request (one sentence each)."""
-    block = int(getattr(model.cfg, "dspark_block_size", 0) or 0)
+    block = model.cfg.verified().dspark_block_size
     if draft_source is None and getattr(model, "draft_stack", None) is None:
         raise ValueError("speculative decoding needs the DSpark draft stack, and this model has none (no "
                          "mtp.* stages, dspark_block_size 0, or loaded with dspark=False)")

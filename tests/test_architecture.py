@@ -14,10 +14,10 @@ PACKAGE = ROOT / "dsv41"
 
 # the table's layers, as module-name prefixes (a package stands for everything in it)
 LAYERS = [
-    ["numerics", "errors", "cachedir", "argtypes", "config", "inventory", "headers", "engram", "tokenizer", "chat", "audit"],
+    ["numerics", "errors", "cachedir", "argtypes", "config", "config_fields", "inventory", "headers", "engram", "tokenizer", "chat_reply", "chat", "audit"],
     ["kernels"],
     ["formats", "tiny"],
-    ["layers", "trace"],
+    ["layers", "trace", "sampling", "token_ids"],
     ["attention"],
     ["model", "vision", "dspark", "distributed"],
     ["generate", "speculative", "conversation"],
