@@ -6,6 +6,12 @@ With temperature > 0 a token is drawn with the Gumbel-max trick (`sampling.sampl
 the speculative verify and the draft stack also draw through) from a seeded `torch.Generator`, so a
 seed reproduces a run on the same torch build.
 
+Input is made one `vision.Prompt` on entry (`as_prompt`: text tokenized, images put in their
+placeholders, token ids checked as whole numbers), so everything after reads one type; a model call
+gets it as a Prompt when it carries images and as plain ids otherwise. The argument checks
+(`check_prompt`, `check_sampling`, `check_length`, `check_prefill_chunk`) are public so that
+`dsv41 generate` can refuse the same arguments with the same sentences before it loads a model.
+
 `compare_prefill_decode` runs a prompt both ways — one prefill over every position, and the same
 tokens fed one at a time — and reports where the logits, the indexer selections and the expert
 routing first part, and under which of the model's numerics options. With the reference's
@@ -75,6 +81,12 @@ def check_length(prompt_tokens: int, max_new_tokens: int, max_seq_len: int, *, m
     if prompt_tokens + max_new_tokens - 1 > max_seq_len:
         raise ValueError(f"{prompt_tokens} prompt tokens + {max_new_tokens} new ones need "
                          f"{prompt_tokens + max_new_tokens - 1} positions, more than max_seq_len {max_seq_len}{hint}")
+
+
+def check_prefill_chunk(chunk) -> None:
+    """The error a bad `prefill_chunk` gets (None: no chunking), in Python and from the CLI alike."""
+    if chunk is not None and (not _whole(chunk) or chunk < 1):
+        raise ValueError(f"prefill_chunk must be a whole number >= 1, got {chunk!r}")
 
 
 def _whole(x) -> bool:
@@ -189,8 +201,7 @@ def prefill(model, prompt_ids, *, trace=None, start_pos: int = 0, chunk: Optiona
             return ids[:, at:stop]
     if chunk is None:
         return model(part(0, length), start_pos, trace=trace)
-    if not _whole(chunk) or chunk < 1:
-        raise ValueError(f"prefill_chunk must be a whole number >= 1, got {chunk!r}")
+    check_prefill_chunk(chunk)
     from tqdm import tqdm
 
     with tqdm(total=length, desc="prefill", unit="tok", file=sys.stderr, disable=not progress,
