@@ -299,16 +299,11 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
         model.rollback(model.position - reused)
     logits = prefill(model, prompt[reused:], trace=ftrace, start_pos=reused, chunk=prefill_chunk, progress=progress)
     check_finite(model, logits)
-    ids: list[int] = []
-    finish = "length"
+    ids, finish = [], "length"
     if max_new_tokens > 0:
-        first = int(sample(logits, temperature, generator)[0])
-        ids.append(first)
-        steps.append(StepRecord(len(prompt) - 1, first, top2_margin(logits), time.perf_counter() - began))
-        if callback is not None and callback(0, first, logits) is False:
-            finish = "callback"
-        elif first in stop_ids:
-            finish = "eos"
+        ids = [int(sample(logits, temperature, generator)[0])]
+        steps.append(StepRecord(len(prompt) - 1, ids[0], top2_margin(logits), time.perf_counter() - began))
+        finish = _finish_after(ids[0], logits, callback, stop_ids)
     prefill_s = time.perf_counter() - began
 
     began = time.perf_counter()
@@ -338,6 +333,14 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
     if speculation is not None:
         timings["target_forwards"] = speculation.target_forwards
     return GenerationResult(list(prompt.ids), ids, model.decode(ids), timings, finish, gtrace, speculation)
+
+
+def _finish_after(first: int, logits, callback, stop_ids) -> str:
+    """How the run stands after the prefill's token: 'callback' when the callback stops it, 'eos'
+    at a stop token, else 'length' (decoding goes on)."""
+    if callback is not None and callback(0, first, logits) is False:
+        return "callback"
+    return "eos" if first in stop_ids else "length"
 
 
 def _decode_speculative(spec_module, model, anchor: int, n: int, steps: list, draft_tokens: int,
