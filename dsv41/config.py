@@ -17,13 +17,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass
 from typing import Any
 from dsv41.errors import Dsv41Error
 
+from dsv41.config_json import (  # noqa: F401  (MAX_CONFIG_*: importable from here as before)
+    MAX_CONFIG_DEPTH, MAX_CONFIG_INT_DIGITS, _LongInteger, assign, brief, freeze, is_finite, is_int, leaf_paths,
+    lookup, number_text, parse_int, shape_problem, shown, thaw,
+)
 from dsv41.config_fields import (  # noqa: F401  (the schema's names, importable from here as before)
     T, V, Q, Field, FIELDS, FLAT_ALIASES, NESTED_ONLY, VALUE_BOUNDS, LIST_BOUNDS, FLOAT_LIMITS, MAX_LAYERS,
     MIN_IMAGE_SPAN, MAX_INT64, MAX_LIST_ENTRIES, MAX_FP8_BLOCK, MAX_INVENTORY_TENSORS, MAX_ENGRAM_COLUMNS,
@@ -76,7 +79,7 @@ class Config:
         """Read either layout; the nested one is recognised by its `text_config`."""
         if not isinstance(data, dict):
             raise ConfigError(f"{source or 'config'}: expected a JSON object, got {type(data).__name__}")
-        problem = _shape_problem(data)
+        problem = shape_problem(data)
         if problem:
             raise ConfigError(f"{source or 'config'}: {problem}")
         if "text_config" in data:
@@ -85,7 +88,7 @@ class Config:
 
     @classmethod
     def _from_flat(cls, data: dict, source: str | None) -> "Config":
-        values = {key: _freeze(data[key]) for key in FLAT_KEYS if key in data}
+        values = {key: freeze(data[key]) for key in FLAT_KEYS if key in data}
         _check_types(values, source)
         unknown = tuple(sorted(set(data) - set(FLAT_KEYS)))
         return cls(**values, layout="flat", source=source, unknown_keys=unknown)
@@ -94,28 +97,28 @@ class Config:
     def _from_nested(cls, data: dict, source: str | None) -> "Config":
         values, seen = {}, set()
         for name, path in FLAT_ALIASES + NESTED_ONLY:
-            found, value = _lookup(data, path)
+            found, value = lookup(data, path)
             if found:
-                values[name] = _freeze(value)
+                values[name] = freeze(value)
                 seen.add(path)
         fmt = []
         for path in NESTED_FORMAT_DEFAULTS:
-            found, value = _lookup(data, path)
+            found, value = lookup(data, path)
             if found:
                 fmt.append((path, value))
                 seen.add(path)
         _check_types(values, source)
         block = dict(fmt).get((Q, "weight_block_size"), [32, 32])
-        if not (isinstance(block, list) and len(block) == 2 and all(_is_int(b) for b in block)):
-            raise ConfigError(f"{source or 'config'}: field {Q}.weight_block_size is {_brief(block)}, "
+        if not (isinstance(block, list) and len(block) == 2 and all(is_int(b) for b in block)):
+            raise ConfigError(f"{source or 'config'}: field {Q}.weight_block_size is {brief(block)}, "
                               "expected a list of two integers")
-        unknown = tuple(sorted(".".join(map(str, p)) for p in _leaf_paths(data) if p not in seen))
+        unknown = tuple(sorted(".".join(map(str, p)) for p in leaf_paths(data) if p not in seen))
         return cls(**values, layout="nested", source=source, nested_format=tuple(fmt), unknown_keys=unknown)
 
     # ------------------------------------------------------------------ writing
     def as_reference_dict(self) -> dict:
         """The flat `inference/config.json` this config corresponds to (64 keys, release order)."""
-        return {key: _thaw(getattr(self, key)) for key in FLAT_KEYS}
+        return {key: thaw(getattr(self, key)) for key in FLAT_KEYS}
 
     def as_nested_dict(self) -> dict:
         """The nested `config.json` (Transformers layout), in the release's key arrangement."""
@@ -127,15 +130,15 @@ class Config:
         out: dict = {}
         top_order = ("architectures", "model_type", "dtype", "transformers_version", "bos_token_id",
                      "eos_token_id", "pad_token_id", "image_token_id")
-        pairs = {path: _thaw(getattr(self, name)) for name, path in FLAT_ALIASES + NESTED_ONLY}
+        pairs = {path: thaw(getattr(self, name)) for name, path in FLAT_ALIASES + NESTED_ONLY}
         pairs.update(fmt)
         for key in top_order:
-            _assign(out, (key,), pairs.pop((key,)))
+            assign(out, (key,), pairs.pop((key,)))
         for section in (Q, T, V):
             out[section] = {}
         # model_type first inside each section, as the release writes it
         for path in sorted(pairs, key=lambda p: (p[0], p[-1] != "model_type")):
-            _assign(out, path, pairs[path])
+            assign(out, path, pairs[path])
         return out
 
     # ------------------------------------------------------------------ comparing
@@ -145,7 +148,7 @@ class Config:
         for field in FLAT_KEYS + NESTED_ONLY_KEYS:
             a, b = getattr(self, field), getattr(other, field)
             if a != b:
-                lines.append(f"{field}: {_show(a)} vs {_show(b)}")
+                lines.append(f"{field}: {shown(a)} vs {shown(b)}")
         return lines
 
     # ------------------------------------------------------------------ derived facts
@@ -250,8 +253,8 @@ class Config:
         problems: list[str] = []
         for name, (low, high) in VALUE_BOUNDS.items():
             value = getattr(self, name)
-            if _is_int(value) and not low <= value <= high:
-                problems.append(f"{self._label(name)} is {_number(value)}, outside [{low:,}, {high:,}]")
+            if is_int(value) and not low <= value <= high:
+                problems.append(f"{self._label(name)} is {number_text(value)}, outside [{low:,}, {high:,}]")
         for name, high in LIST_BOUNDS.items():
             value = getattr(self, name)
             if not isinstance(value, tuple):
@@ -259,24 +262,24 @@ class Config:
             if len(value) > MAX_LIST_ENTRIES:
                 problems.append(f"{self._label(name)} has {len(value):,} entries; no list in a config describes "
                                 f"more than {MAX_LIST_ENTRIES:,} layers")
-            elif (bad := next((v for v in value if _is_int(v) and not -MAX_INT64 <= v <= high), None)) is not None:
+            elif (bad := next((v for v in value if is_int(v) and not -MAX_INT64 <= v <= high), None)) is not None:
                 limit = f"above {high:,}" if bad > 0 and high < MAX_INT64 else "beyond a 64-bit integer"
-                problems.append(f"{self._label(name)} holds {_number(bad)}, {limit}")
+                problems.append(f"{self._label(name)} holds {number_text(bad)}, {limit}")
         for name, (relation, low, high) in FLOAT_LIMITS.items():
             value = getattr(self, name)
             if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
-            if not _finite(value):
-                problems.append(f"{self._label(name)} is {_number(value)}, not a finite number")
+            if not is_finite(value):
+                problems.append(f"{self._label(name)} is {number_text(value)}, not a finite number")
             elif value < low or (relation == ">" and value == low):
                 word = "above" if relation == ">" else "at least"
-                problems.append(f"{self._label(name)} is {_number(value)}, it must be {word} {low}")
+                problems.append(f"{self._label(name)} is {number_text(value)}, it must be {word} {low}")
             elif high is not None and value > high:
-                problems.append(f"{self._label(name)} is {_number(value)}, above {high:,}")
+                problems.append(f"{self._label(name)} is {number_text(value)}, above {high:,}")
         fmt = dict(self.nested_format)
         block = fmt.get((Q, "weight_block_size"), [32, 32])
         if not _block_ok(block):
-            problems.append(f"quantization_config.weight_block_size {_brief(block)} is not two integers in "
+            problems.append(f"quantization_config.weight_block_size {brief(block)} is not two integers in "
                             f"[1, {MAX_FP8_BLOCK:,}]")
         if problems:
             return problems  # the joint bounds below multiply these
@@ -298,10 +301,10 @@ class Config:
         at most 48 others per backbone or MTP layer, 8 per vision block, 6 per Engram table and a
         few global ones. The released geometry: 96,812 against its 96,085."""
         counts = (self.n_layers, self.n_mtp_layers, self.n_routed_experts, self.vision_n_layers)
-        if not all(_is_int(c) for c in counts):
+        if not all(is_int(c) for c in counts):
             return None
         n, mtp, experts, vision = counts
-        mtp_experts = self.dspark_n_routed_experts if _is_int(self.dspark_n_routed_experts) else 0
+        mtp_experts = self.dspark_n_routed_experts if is_int(self.dspark_n_routed_experts) else 0
         engram = len(self.engram_layer_ids) if isinstance(self.engram_layer_ids, tuple) else 0
         return (6 * (n * experts + mtp * (mtp_experts or experts)) + 48 * (n + mtp) + 8 * vision
                 + 6 * engram + 16)
@@ -309,8 +312,8 @@ class Config:
     def engram_column_count(self) -> int | None:
         """Hash columns over all Engram layers, each of which owns one prime: the prime search that
         lays the tables out grows with the square of this."""
-        if not (isinstance(self.engram_layer_ids, tuple) and _is_int(self.engram_max_ngram_size)
-                and _is_int(self.engram_n_heads)):
+        if not (isinstance(self.engram_layer_ids, tuple) and is_int(self.engram_max_ngram_size)
+                and is_int(self.engram_n_heads)):
             return None
         return len(self.engram_layer_ids) * max(self.engram_max_ngram_size - 1, 0) * self.engram_n_heads
 
@@ -500,7 +503,7 @@ def load_config(path: str) -> Config:
     path = resolve_config_path(path)
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.loads(f.read(), parse_int=_config_int)
+            data = json.loads(f.read(), parse_int=parse_int)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     except UnicodeDecodeError:
@@ -555,91 +558,9 @@ def compare_layouts(directory: str) -> dict:
 _NESTED_PATHS = {f.name: f.nested for f in FIELDS}
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _finite(value) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        return False
-
-
-def _number(value) -> str:
-    """A number for a message: huge integers by their size (str() refuses past 4,300 digits)."""
-    if _is_int(value) and value.bit_length() > 64:
-        return f"an integer of about {int(value.bit_length() * 0.30103) + 1:,} digits"
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    return f"{value:,}" if _is_int(value) and abs(value) >= 10_000 else repr(value)
-
-
 def _block_ok(block) -> bool:
     return (isinstance(block, (list, tuple)) and len(block) == 2
-            and all(_is_int(b) and 1 <= b <= MAX_FP8_BLOCK for b in block))
-
-
-def _brief(value, limit: int = 60) -> str:
-    """A JSON value for a message, kept short and never recursive."""
-    if isinstance(value, (list, tuple)):
-        if len(value) <= 8 and not any(isinstance(v, (list, tuple, dict)) for v in value):
-            return "[" + ", ".join(_brief(v, 24) for v in value) + "]"
-        return f"a list of {len(value):,} items"
-    if isinstance(value, dict):
-        return f"an object of {len(value):,} keys" if value else "{}"
-    if isinstance(value, bool) or value is None:
-        return json.dumps(value)
-    if isinstance(value, (int, float)):
-        return _number(value)
-    text = json.dumps(value) if isinstance(value, str) else repr(value)
-    return text if len(text) <= limit else text[:limit - 4] + " ..."
-
-
-# A config nests three levels (text_config.rope_scaling.factor); anything past this is damage, and
-# the readers below recurse over the nesting.
-MAX_CONFIG_DEPTH = 32
-# No config value needs more digits than this (the largest, engram_num_embeddings, has 9); json
-# would otherwise convert up to 4,300 digits, or any number of them where that limit is lifted.
-MAX_CONFIG_INT_DIGITS = 40
-
-
-class _LongInteger(ValueError):
-    def __init__(self, digits: int):
-        super().__init__(digits)
-        self.digits = digits
-
-
-def _config_int(text: str) -> int:
-    digits = len(text) - text.startswith("-")
-    if digits > MAX_CONFIG_INT_DIGITS:
-        raise _LongInteger(digits)
-    return int(text)
-
-
-def _shape_problem(data) -> str | None:
-    """Why a parsed config cannot be one, judged without recursing: lists and objects nested past
-    MAX_CONFIG_DEPTH (the readers below recurse over them), a key that is not a string, or a string
-    holding an unpaired surrogate (json decodes "\\ud800" to one, and no terminal can print it)."""
-    stack = [(data, 1)]
-    while stack:
-        node, level = stack.pop()
-        if isinstance(node, str):
-            try:
-                node.encode("utf-8")
-            except UnicodeEncodeError:
-                return f"holds the string {ascii(node)[:40]} with an unpaired surrogate escape, which is not Unicode text"
-        elif isinstance(node, (dict, list, tuple)):
-            if level > MAX_CONFIG_DEPTH:
-                return f"nests more than {MAX_CONFIG_DEPTH} levels deep (a config nests three), so it is not a config"
-            if isinstance(node, dict):
-                if not all(isinstance(k, str) for k in node):
-                    return "has a key that is not a string"
-                stack.extend((k, level) for k in node)
-                stack.extend((v, level + 1) for v in node.values())
-            else:
-                stack.extend((v, level + 1) for v in node)
-    return None
+            and all(is_int(b) and 1 <= b <= MAX_FP8_BLOCK for b in block))
 
 
 def distinct_ascending(ids) -> bool:
@@ -675,47 +596,7 @@ def _check_types(values: dict, source: str | None) -> None:
     for name, value in values.items():
         if not _type_ok(value, _ANNOTATIONS[name]):
             expected = _ANNOTATIONS[name].replace(" | None", "").replace("tuple[", "list of ").replace(", ...]", "")
-            raise ConfigError(f"{source or 'config'}: field {name} is {_brief(value)}, expected {expected}")
-
-
-def _freeze(value):
-    if isinstance(value, list):
-        return tuple(_freeze(v) for v in value)
-    return value
-
-
-def _thaw(value):
-    if isinstance(value, tuple):
-        return [_thaw(v) for v in value]
-    return value
-
-
-def _lookup(data: dict, path: tuple[str, ...]):
-    node = data
-    for key in path:
-        if not isinstance(node, dict) or key not in node:
-            return False, None
-        node = node[key]
-    return True, node
-
-
-def _assign(out: dict, path: tuple[str, ...], value) -> None:
-    node = out
-    for key in path[:-1]:
-        node = node.setdefault(key, {})
-    node[path[-1]] = value
-
-
-def _leaf_paths(data: dict, prefix: tuple[str, ...] = ()):
-    for key, value in data.items():
-        if isinstance(value, dict):
-            yield from _leaf_paths(value, prefix + (key,))
-        else:
-            yield prefix + (key,)
-
-
-def _show(value) -> str:
-    return "(absent)" if value is None else json.dumps(_thaw(value))
+            raise ConfigError(f"{source or 'config'}: field {name} is {brief(value)}, expected {expected}")
 
 
 # ---------------------------------------------------------------------- CLI
@@ -742,7 +623,7 @@ def cli_main(argv: list[str]) -> int:
     print("  [ok] the config is self-consistent" if not problems else f"  [fail] {len(problems)} problem(s)")
     if args.json:
         report = {"source": cfg.source, "layout": cfg.layout, "flat": cfg.as_reference_dict(),
-                  "nested_only": {k: _thaw(getattr(cfg, k)) for k in NESTED_ONLY_KEYS},
+                  "nested_only": {k: thaw(getattr(cfg, k)) for k in NESTED_ONLY_KEYS},
                   "unknown_keys": list(cfg.unknown_keys), "problems": problems}
         try:
             with open(args.json, "w", encoding="utf-8") as f:

@@ -14,7 +14,7 @@ PACKAGE = ROOT / "dsv41"
 
 # the table's layers, as module-name prefixes (a package stands for everything in it)
 LAYERS = [
-    ["numerics", "errors", "cachedir", "argtypes", "config", "config_fields", "inventory", "headers", "engram", "tokenizer", "chat_reply", "chat", "audit"],
+    ["numerics", "errors", "cachedir", "argtypes", "config", "config_fields", "config_json", "inventory", "headers", "engram", "tokenizer", "chat_reply", "chat", "audit"],
     ["kernels"],
     ["formats", "tiny"],
     ["layers", "trace", "sampling", "token_ids"],
