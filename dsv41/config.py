@@ -17,307 +17,56 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass
 from typing import Any
 from dsv41.errors import Dsv41Error
 
-T, V, Q = "text_config", "vision_config", "quantization_config"
-
-# (canonical = flat key, path in the nested config.json), in the released flat file's key order.
-FLAT_ALIASES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("vocab_size", (T, "vocab_size")),
-    ("dim", (T, "hidden_size")),
-    ("moe_inter_dim", (T, "moe_intermediate_size")),
-    ("n_layers", (T, "num_hidden_layers")),
-    ("n_mtp_layers", (T, "num_nextn_predict_layers")),
-    ("dspark_block_size", (T, "dspark_block_size")),
-    ("dspark_noise_token_id", (T, "dspark_noise_token_id")),
-    ("dspark_target_layer_ids", (T, "dspark_target_layer_ids")),
-    ("dspark_markov_rank", (T, "dspark_markov_rank")),
-    ("dspark_n_routed_experts", (T, "dspark_n_routed_experts")),
-    ("dspark_n_activated_experts", (T, "dspark_num_experts_per_tok")),
-    ("n_heads", (T, "num_attention_heads")),
-    ("n_routed_experts", (T, "n_routed_experts")),
-    ("n_shared_experts", (T, "n_shared_experts")),
-    ("n_activated_experts", (T, "num_experts_per_tok")),
-    ("score_func", (T, "scoring_func")),
-    ("route_scale", (T, "routed_scaling_factor")),
-    ("swiglu_limit", (T, "swiglu_limit")),
-    ("q_lora_rank", (T, "q_lora_rank")),
-    ("head_dim", (T, "head_dim")),
-    ("rope_head_dim", (T, "qk_rope_head_dim")),
-    ("norm_eps", (T, "rms_norm_eps")),
-    ("o_groups", (T, "o_groups")),
-    ("o_lora_rank", (T, "o_lora_rank")),
-    ("window_size", (T, "sliding_window")),
-    ("kv_source_layers", (T, "kv_source_layer_ids")),
-    ("index_source_layers", (T, "index_source_layer_ids")),
-    ("original_seq_len", (T, "rope_scaling", "original_max_position_embeddings")),
-    ("rope_theta", (T, "rope_theta")),
-    ("rope_factor", (T, "rope_scaling", "factor")),
-    ("beta_fast", (T, "rope_scaling", "beta_fast")),
-    ("beta_slow", (T, "rope_scaling", "beta_slow")),
-    ("index_n_heads", (T, "index_n_heads")),
-    ("index_head_dim", (T, "index_head_dim")),
-    ("index_topk", (T, "index_topk")),
-    ("candidate_source_layer", (T, "candidate_source_layer_id")),
-    ("candidate_topk_blocks", (T, "candidate_topk_blocks")),
-    ("candidate_block_size", (T, "candidate_block_size")),
-    ("hc_mult", (T, "hc_mult")),
-    ("hc_sinkhorn_iters", (T, "hc_sinkhorn_iters")),
-    ("hc_eps", (T, "hc_eps")),
-    ("engram_layer_ids", (T, "engram_layer_ids")),
-    ("engram_vocab_size", (T, "engram_vocab_size")),
-    ("engram_num_embeddings", (T, "engram_num_embeddings")),
-    ("engram_max_ngram_size", (T, "engram_max_ngram_size")),
-    ("engram_pad_id", (T, "engram_pad_token_id")),
-    ("engram_compressed_vocab_size", (T, "engram_compressed_vocab_size")),
-    ("dtype", (Q, "quant_method")),
-    ("expert_dtype", (Q, "expert_dtype")),
-    ("compress_rope_theta", (T, "compress_rope_theta")),
-    ("compress_ratios", (T, "compress_ratios")),
-    ("vision_n_layers", (V, "num_hidden_layers")),
-    ("vision_dim", (V, "hidden_size")),
-    ("vision_n_heads", (V, "num_attention_heads")),
-    ("vision_inter_dim", (V, "intermediate_size")),
-    ("vision_patch_size", (V, "patch_size")),
-    ("vision_downsample_ratio", (V, "downsample_ratio")),
-    ("vision_max_n_token", (V, "max_image_tokens")),
-    ("vision_min_pixels", (V, "min_pixels")),
-    ("vision_max_wh_ratio", (V, "max_wh_ratio")),
-    ("image_token_id", ("image_token_id",)),
-    ("engram_n_heads", (T, "engram_n_heads")),
-    ("engram_head_dim", (T, "engram_head_dim")),
-    ("vision_rope_theta", (V, "rope_theta")),
+from dsv41.config_json import (  # noqa: F401  (MAX_CONFIG_*: importable from here as before)
+    MAX_CONFIG_DEPTH, MAX_CONFIG_INT_DIGITS, _LongInteger, assign, brief, freeze, is_finite, is_int, leaf_paths,
+    lookup, number_text, parse_int, shape_problem, shown, thaw,
 )
-
-# Fields only the nested (Transformers) file states; the flat file never had them.
-NESTED_ONLY: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("model_type", ("model_type",)),
-    ("architectures", ("architectures",)),
-    ("param_dtype", ("dtype",)),
-    ("bos_token_id", ("bos_token_id",)),
-    ("eos_token_id", ("eos_token_id",)),
-    ("pad_token_id", ("pad_token_id",)),
-    ("hidden_act", (T, "hidden_act")),
-    ("max_position_embeddings", (T, "max_position_embeddings")),
-    ("num_key_value_heads", (T, "num_key_value_heads")),
-    ("tie_word_embeddings", (T, "tie_word_embeddings")),
-    ("topk_method", (T, "topk_method")),
-    ("norm_topk_prob", (T, "norm_topk_prob")),
+from dsv41.config_fields import (  # noqa: F401  (the schema's names, importable from here as before)
+    T, V, Q, Field, FIELDS, FLAT_ALIASES, NESTED_ONLY, VALUE_BOUNDS, LIST_BOUNDS, FLOAT_LIMITS, MAX_LAYERS,
+    MIN_IMAGE_SPAN, MAX_INT64, MAX_LIST_ENTRIES, MAX_FP8_BLOCK, MAX_INVENTORY_TENSORS, MAX_ENGRAM_COLUMNS,
+    NESTED_FORMAT_DEFAULTS, FLAT_KEYS, NESTED_ONLY_KEYS, NULLABLE,
 )
-
-# Nested keys that carry format facts, not model facts: kept verbatim for the round trip back to
-# config.json and checked by verify(), but not fields of the schema.
-NESTED_FORMAT_DEFAULTS: dict[tuple[str, ...], Any] = {
-    ("transformers_version",): "5.6.0",
-    (Q, "activation_scheme"): "dynamic",
-    (Q, "weight_block_size"): [32, 32],
-    (Q, "scale_fmt"): "ue8m0",
-    (T, "model_type"): "deepseek_v41_text",
-    (T, "attention_bias"): False,
-    (T, "attention_dropout"): 0.0,
-    (T, "initializer_range"): 0.02,
-    (T, "use_cache"): True,
-    (T, "rope_scaling", "rope_type"): "yarn",
-    (V, "model_type"): "deepseek_v41_vision",
-}
-
-FLAT_KEYS = tuple(name for name, _ in FLAT_ALIASES)
-NESTED_ONLY_KEYS = tuple(name for name, _ in NESTED_ONLY)
-# vision_max_wh_ratio is legitimately null in the release: "no limit".
-NULLABLE = frozenset({"vision_max_wh_ratio"})
-
-
-# ---------------------------------------------------------------------- value bounds
-# verify() rejects values no checkpoint can have before it looks at any relationship, and the
-# tensor inventory (so the audit, make-headers and the loader) refuses a config that fails them,
-# because every consumer enumerates the config: n_layers = 10**9 makes the inventory list billions
-# of tensors, n_mtp_layers = 2**37 a 2**37-entry tuple of DSpark targets, o_groups = 0 a division by
-# zero. Each ceiling is the released value times a generous factor (about 16-64x, rounded to a
-# power of two; the released value is in the comment), so a successor several times the release's
-# size still verifies while nothing absurd does. Sizes start at 1; counts that may be absent start
-# at 0. Two joint bounds then cap what the counts multiply into (MAX_INVENTORY_TENSORS,
-# MAX_ENGRAM_COLUMNS, below). Layer ids, token ids and ratios are placed by the relationship checks
-# of verify(); here they only need to be 64-bit integers.
-MAX_LAYERS = 1024  # n_layers 40
-# The shortest image span: image start, one cell, its row newline, image end (vision.span_length(1, 1)).
-# A vision_max_n_token below it cannot hold any image.
-MIN_IMAGE_SPAN = 4
-MAX_INT64 = (1 << 63) - 1
-VALUE_BOUNDS: dict[str, tuple[int, int]] = {
-    "vocab_size": (1, 1 << 22),  # 129,280
-    "dim": (1, 1 << 17),  # 5,120
-    "moe_inter_dim": (1, 1 << 17),  # 2,304
-    "n_layers": (1, MAX_LAYERS),
-    "n_mtp_layers": (0, 64),  # 3
-    "dspark_block_size": (0, 256),  # 5; 0 turns the draft stack off
-    "dspark_noise_token_id": (-MAX_INT64, MAX_INT64),
-    "dspark_markov_rank": (1, 1 << 14),  # 256
-    "dspark_n_routed_experts": (0, 1 << 14),  # 128; 0 routes the MTP layers like the backbone
-    "dspark_n_activated_experts": (0, 1 << 14),  # 3
-    "n_heads": (1, 1 << 12),  # 64
-    "n_routed_experts": (1, 1 << 14),  # 384
-    "n_shared_experts": (0, 64),  # 1
-    "n_activated_experts": (1, 1 << 14),  # 6
-    "q_lora_rank": (1, 1 << 16),  # 1,280
-    "head_dim": (1, 1 << 14),  # 512
-    "rope_head_dim": (1, 1 << 14),  # 64
-    "o_groups": (1, 1 << 12),  # 8
-    "o_lora_rank": (1, 1 << 16),  # 1,024
-    "window_size": (1, 1 << 13),  # 128; every layer's KV window cache holds this many positions
-    "original_seq_len": (1, 1 << 22),  # 65,536
-    "beta_fast": (1, 1 << 10),  # 32; YaRN divides by these numbers of turns
-    "beta_slow": (1, 1 << 10),  # 1
-    "index_n_heads": (1, 1 << 11),  # 32
-    "index_head_dim": (1, 1 << 13),  # 128
-    "index_topk": (1, 1 << 15),  # 512
-    "candidate_source_layer": (-1, MAX_LAYERS - 1),  # 20; -1 turns candidate blocks off
-    "candidate_topk_blocks": (0, 1 << 17),  # 2,048
-    "candidate_block_size": (0, 1 << 9),  # 8
-    "hc_mult": (1, 64),  # 4
-    "hc_sinkhorn_iters": (1, 1 << 10),  # 20
-    "engram_vocab_size": (1, 1 << 30),  # 16,000,000; the primes are searched upward from it
-    "engram_max_ngram_size": (1, 64),  # 4
-    "engram_pad_id": (-MAX_INT64, MAX_INT64),
-    "engram_compressed_vocab_size": (1, 1 << 22),  # 99,092
-    "vision_n_layers": (0, MAX_LAYERS),  # 32; 0 is a checkpoint without the vision tower
-    "vision_dim": (1, 1 << 16),  # 1,024
-    "vision_n_heads": (1, 1 << 10),  # 16
-    "vision_inter_dim": (1, 1 << 17),  # 2,816
-    "vision_patch_size": (1, 1 << 9),  # 14
-    "vision_downsample_ratio": (1, 64),  # 3
-    "vision_max_n_token": (MIN_IMAGE_SPAN, 1 << 16),  # 1,024
-    "vision_min_pixels": (1, 1 << 24),  # 295,936
-    "image_token_id": (-MAX_INT64, MAX_INT64),
-    "engram_n_heads": (1, 1 << 10),  # 8
-    "engram_head_dim": (1, 1 << 14),  # 256
-    "bos_token_id": (-MAX_INT64, MAX_INT64),
-    "eos_token_id": (-MAX_INT64, MAX_INT64),
-    "pad_token_id": (-MAX_INT64, MAX_INT64),
-    "max_position_embeddings": (1, 1 << 26),  # 1,048,576
-    "num_key_value_heads": (1, 1 << 12),  # 1
-}
-# Lists: at most one entry per layer (MAX_LAYERS backbone + 64 MTP), each entry at most this.
-MAX_LIST_ENTRIES = MAX_LAYERS + 64
-LIST_BOUNDS: dict[str, int] = {
-    "dspark_target_layer_ids": MAX_INT64, "kv_source_layers": MAX_INT64, "index_source_layers": MAX_INT64,
-    "engram_layer_ids": MAX_INT64,
-    "engram_num_embeddings": 1 << 35,  # 384,016,682 rows; a table is rows x engram_head_dim bytes
-    "compress_ratios": 1 << 10,  # 2; positions pooled into one compressed entry
-    "architectures": 0,  # strings: only the length applies
-}
-# Floats: every one must be finite, and at least (>=) or above (>) its minimum, and at most its
-# ceiling. A RoPE base of 1 makes YaRN divide by log(1) = 0; a YaRN factor below 1 would shrink
-# the context it extends, and original_seq_len x rope_factor must stay a modest integer.
-FLOAT_LIMITS: dict[str, tuple[str, float, float | None]] = {
-    "route_scale": (">", 0, None),  # 1.5
-    "swiglu_limit": (">=", 0, None),  # 10.0; 0 turns the clamp off
-    "norm_eps": (">=", 0, None),  # 1e-20
-    "rope_theta": (">", 1, None),  # 10,000
-    "rope_factor": (">=", 1, 1 << 10),  # 16
-    "hc_eps": (">=", 0, None),  # 1e-06
-    "compress_rope_theta": (">", 1, None),  # 160,000
-    "vision_max_wh_ratio": (">", 0, None),  # null: no limit
-    "vision_rope_theta": (">", 1, None),  # 10,000
-}
-MAX_FP8_BLOCK = 1 << 12  # [32, 32]
-# Joint bounds. Every consumer enumerates the inventory (the audit spends about 10 us a tensor on
-# two slow cores, the loader more), so its size is capped at about 5x the release's 96,085:
-# a geometry with twice the layers and twice the experts still fits, and the audit of the largest
-# allowed config finishes in seconds. The Engram prime search grows with the square of the hash
-# columns (1 s for 384 columns from a 2**30 vocabulary), so those are capped at 8x the release's 48.
-MAX_INVENTORY_TENSORS = 500_000
-MAX_ENGRAM_COLUMNS = 384
 
 
 class ConfigError(Dsv41Error, ValueError):
     """A config file that cannot be read as either released layout."""
 
 
-@dataclass(frozen=True)
+def _schema_fields(cls):
+    """Give the class one field per row of FIELDS (None by default: a file may be silent on it),
+    ahead of the provenance fields it declares itself, and make it a frozen dataclass."""
+    own = dict(cls.__dict__.get("__annotations__", {}))
+    cls.__annotations__ = {f.name: f.annotation for f in FIELDS} | own
+    for f in FIELDS:
+        setattr(cls, f.name, None)
+    return dataclass(frozen=True)(cls)
+
+
+def _runtime_fields(cls):
+    """Give the class one field per row of FIELDS, typed without None except where a field may be
+    absent (`Field.may_be_absent`), and make it a frozen dataclass."""
+    cls.__annotations__ = {f.name: f.annotation if f.may_be_absent else f.kind for f in FIELDS}
+    return dataclass(frozen=True)(cls)
+
+
+@_runtime_fields
+class VerifiedConfig:
+    """A config as runtime code reads it (`Config.verified`): the same field names, each default of
+    FIELDS applied where the file was silent (n_mtp_layers 0, swiglu_limit 0.0, candidate_source_layer
+    -1, ...), values inside their bounds, and None only where `Field.may_be_absent`."""
+
+
+@_schema_fields
 class Config:
-    # --- flat-layout fields (the reference runtime's names), in the released order
-    vocab_size: int | None = None
-    dim: int | None = None
-    moe_inter_dim: int | None = None
-    n_layers: int | None = None
-    n_mtp_layers: int | None = None
-    dspark_block_size: int | None = None
-    dspark_noise_token_id: int | None = None
-    dspark_target_layer_ids: tuple[int, ...] | None = None
-    dspark_markov_rank: int | None = None
-    dspark_n_routed_experts: int | None = None
-    dspark_n_activated_experts: int | None = None
-    n_heads: int | None = None
-    n_routed_experts: int | None = None
-    n_shared_experts: int | None = None
-    n_activated_experts: int | None = None
-    score_func: str | None = None
-    route_scale: float | None = None
-    swiglu_limit: float | None = None
-    q_lora_rank: int | None = None
-    head_dim: int | None = None
-    rope_head_dim: int | None = None
-    norm_eps: float | None = None
-    o_groups: int | None = None
-    o_lora_rank: int | None = None
-    window_size: int | None = None
-    kv_source_layers: tuple[int, ...] | None = None
-    index_source_layers: tuple[int, ...] | None = None
-    original_seq_len: int | None = None
-    rope_theta: float | None = None
-    rope_factor: float | None = None
-    beta_fast: int | None = None
-    beta_slow: int | None = None
-    index_n_heads: int | None = None
-    index_head_dim: int | None = None
-    index_topk: int | None = None
-    candidate_source_layer: int | None = None
-    candidate_topk_blocks: int | None = None
-    candidate_block_size: int | None = None
-    hc_mult: int | None = None
-    hc_sinkhorn_iters: int | None = None
-    hc_eps: float | None = None
-    engram_layer_ids: tuple[int, ...] | None = None
-    engram_vocab_size: int | None = None
-    engram_num_embeddings: tuple[int, ...] | None = None
-    engram_max_ngram_size: int | None = None
-    engram_pad_id: int | None = None
-    engram_compressed_vocab_size: int | None = None
-    dtype: str | None = None  # quantization dtype of the dense linears ("fp8" / "bf16")
-    expert_dtype: str | None = None  # routed experts ("fp4")
-    compress_rope_theta: float | None = None
-    compress_ratios: tuple[int, ...] | None = None
-    vision_n_layers: int | None = None
-    vision_dim: int | None = None
-    vision_n_heads: int | None = None
-    vision_inter_dim: int | None = None
-    vision_patch_size: int | None = None
-    vision_downsample_ratio: int | None = None
-    vision_max_n_token: int | None = None
-    vision_min_pixels: int | None = None
-    vision_max_wh_ratio: float | None = None
-    image_token_id: int | None = None
-    engram_n_heads: int | None = None
-    engram_head_dim: int | None = None
-    vision_rope_theta: float | None = None
-    # --- fields only the nested file states
-    model_type: str | None = None
-    architectures: tuple[str, ...] | None = None
-    param_dtype: str | None = None  # storage dtype of unquantized tensors ("bfloat16")
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-    pad_token_id: int | None = None
-    hidden_act: str | None = None
-    max_position_embeddings: int | None = None
-    num_key_value_heads: int | None = None
-    tie_word_embeddings: bool | None = None
-    topk_method: str | None = None
-    norm_topk_prob: bool | None = None
+    """Every FIELDS row is a field of this name (None where the file is silent), canonical names
+    the flat file's; then where the config came from."""
+
     # --- provenance, not model facts
     layout: str | None = dataclasses.field(default=None, compare=False)  # "nested" | "flat" | None
     source: str | None = dataclasses.field(default=None, compare=False)
@@ -330,7 +79,7 @@ class Config:
         """Read either layout; the nested one is recognised by its `text_config`."""
         if not isinstance(data, dict):
             raise ConfigError(f"{source or 'config'}: expected a JSON object, got {type(data).__name__}")
-        problem = _shape_problem(data)
+        problem = shape_problem(data)
         if problem:
             raise ConfigError(f"{source or 'config'}: {problem}")
         if "text_config" in data:
@@ -339,7 +88,7 @@ class Config:
 
     @classmethod
     def _from_flat(cls, data: dict, source: str | None) -> "Config":
-        values = {key: _freeze(data[key]) for key in FLAT_KEYS if key in data}
+        values = {key: freeze(data[key]) for key in FLAT_KEYS if key in data}
         _check_types(values, source)
         unknown = tuple(sorted(set(data) - set(FLAT_KEYS)))
         return cls(**values, layout="flat", source=source, unknown_keys=unknown)
@@ -348,28 +97,28 @@ class Config:
     def _from_nested(cls, data: dict, source: str | None) -> "Config":
         values, seen = {}, set()
         for name, path in FLAT_ALIASES + NESTED_ONLY:
-            found, value = _lookup(data, path)
+            found, value = lookup(data, path)
             if found:
-                values[name] = _freeze(value)
+                values[name] = freeze(value)
                 seen.add(path)
         fmt = []
         for path in NESTED_FORMAT_DEFAULTS:
-            found, value = _lookup(data, path)
+            found, value = lookup(data, path)
             if found:
                 fmt.append((path, value))
                 seen.add(path)
         _check_types(values, source)
         block = dict(fmt).get((Q, "weight_block_size"), [32, 32])
-        if not (isinstance(block, list) and len(block) == 2 and all(_is_int(b) for b in block)):
-            raise ConfigError(f"{source or 'config'}: field {Q}.weight_block_size is {_brief(block)}, "
+        if not (isinstance(block, list) and len(block) == 2 and all(is_int(b) for b in block)):
+            raise ConfigError(f"{source or 'config'}: field {Q}.weight_block_size is {brief(block)}, "
                               "expected a list of two integers")
-        unknown = tuple(sorted(".".join(map(str, p)) for p in _leaf_paths(data) if p not in seen))
+        unknown = tuple(sorted(".".join(map(str, p)) for p in leaf_paths(data) if p not in seen))
         return cls(**values, layout="nested", source=source, nested_format=tuple(fmt), unknown_keys=unknown)
 
     # ------------------------------------------------------------------ writing
     def as_reference_dict(self) -> dict:
         """The flat `inference/config.json` this config corresponds to (64 keys, release order)."""
-        return {key: _thaw(getattr(self, key)) for key in FLAT_KEYS}
+        return {key: thaw(getattr(self, key)) for key in FLAT_KEYS}
 
     def as_nested_dict(self) -> dict:
         """The nested `config.json` (Transformers layout), in the release's key arrangement."""
@@ -381,15 +130,15 @@ class Config:
         out: dict = {}
         top_order = ("architectures", "model_type", "dtype", "transformers_version", "bos_token_id",
                      "eos_token_id", "pad_token_id", "image_token_id")
-        pairs = {path: _thaw(getattr(self, name)) for name, path in FLAT_ALIASES + NESTED_ONLY}
+        pairs = {path: thaw(getattr(self, name)) for name, path in FLAT_ALIASES + NESTED_ONLY}
         pairs.update(fmt)
         for key in top_order:
-            _assign(out, (key,), pairs.pop((key,)))
+            assign(out, (key,), pairs.pop((key,)))
         for section in (Q, T, V):
             out[section] = {}
         # model_type first inside each section, as the release writes it
         for path in sorted(pairs, key=lambda p: (p[0], p[-1] != "model_type")):
-            _assign(out, path, pairs[path])
+            assign(out, path, pairs[path])
         return out
 
     # ------------------------------------------------------------------ comparing
@@ -399,7 +148,7 @@ class Config:
         for field in FLAT_KEYS + NESTED_ONLY_KEYS:
             a, b = getattr(self, field), getattr(other, field)
             if a != b:
-                lines.append(f"{field}: {_show(a)} vs {_show(b)}")
+                lines.append(f"{field}: {shown(a)} vs {shown(b)}")
         return lines
 
     # ------------------------------------------------------------------ derived facts
@@ -475,6 +224,20 @@ class Config:
         s += f", DSpark block {self.dspark_block_size} over layers {list(self.dspark_target_layer_ids or ())}"
         return s
 
+    def verified(self) -> VerifiedConfig:
+        """This config for runtime code, without the None a defending `or 0` would need: every
+        default of FIELDS applied where the file is silent. ConfigError when a field a model needs
+        is unset or a value is outside its bounds (`value_problems`); the relationships between
+        fields are verify()'s."""
+        values = {f.name: f.default if getattr(self, f.name) is None else getattr(self, f.name) for f in FIELDS}
+        missing = [f.name for f in FIELDS if values[f.name] is None and not f.may_be_absent]
+        if missing:
+            raise ConfigError(f"{self.source or 'config'}: fields a model needs are not set: {', '.join(missing)}")
+        problems = self.value_problems()
+        if problems:
+            raise ConfigError(f"{self.source or 'config'}: {problems[0]}")
+        return VerifiedConfig(**values)
+
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
 
@@ -490,8 +253,8 @@ class Config:
         problems: list[str] = []
         for name, (low, high) in VALUE_BOUNDS.items():
             value = getattr(self, name)
-            if _is_int(value) and not low <= value <= high:
-                problems.append(f"{self._label(name)} is {_number(value)}, outside [{low:,}, {high:,}]")
+            if is_int(value) and not low <= value <= high:
+                problems.append(f"{self._label(name)} is {number_text(value)}, outside [{low:,}, {high:,}]")
         for name, high in LIST_BOUNDS.items():
             value = getattr(self, name)
             if not isinstance(value, tuple):
@@ -499,24 +262,24 @@ class Config:
             if len(value) > MAX_LIST_ENTRIES:
                 problems.append(f"{self._label(name)} has {len(value):,} entries; no list in a config describes "
                                 f"more than {MAX_LIST_ENTRIES:,} layers")
-            elif (bad := next((v for v in value if _is_int(v) and not -MAX_INT64 <= v <= high), None)) is not None:
+            elif (bad := next((v for v in value if is_int(v) and not -MAX_INT64 <= v <= high), None)) is not None:
                 limit = f"above {high:,}" if bad > 0 and high < MAX_INT64 else "beyond a 64-bit integer"
-                problems.append(f"{self._label(name)} holds {_number(bad)}, {limit}")
+                problems.append(f"{self._label(name)} holds {number_text(bad)}, {limit}")
         for name, (relation, low, high) in FLOAT_LIMITS.items():
             value = getattr(self, name)
             if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
-            if not _finite(value):
-                problems.append(f"{self._label(name)} is {_number(value)}, not a finite number")
+            if not is_finite(value):
+                problems.append(f"{self._label(name)} is {number_text(value)}, not a finite number")
             elif value < low or (relation == ">" and value == low):
                 word = "above" if relation == ">" else "at least"
-                problems.append(f"{self._label(name)} is {_number(value)}, it must be {word} {low}")
+                problems.append(f"{self._label(name)} is {number_text(value)}, it must be {word} {low}")
             elif high is not None and value > high:
-                problems.append(f"{self._label(name)} is {_number(value)}, above {high:,}")
+                problems.append(f"{self._label(name)} is {number_text(value)}, above {high:,}")
         fmt = dict(self.nested_format)
         block = fmt.get((Q, "weight_block_size"), [32, 32])
         if not _block_ok(block):
-            problems.append(f"quantization_config.weight_block_size {_brief(block)} is not two integers in "
+            problems.append(f"quantization_config.weight_block_size {brief(block)} is not two integers in "
                             f"[1, {MAX_FP8_BLOCK:,}]")
         if problems:
             return problems  # the joint bounds below multiply these
@@ -538,10 +301,10 @@ class Config:
         at most 48 others per backbone or MTP layer, 8 per vision block, 6 per Engram table and a
         few global ones. The released geometry: 96,812 against its 96,085."""
         counts = (self.n_layers, self.n_mtp_layers, self.n_routed_experts, self.vision_n_layers)
-        if not all(_is_int(c) for c in counts):
+        if not all(is_int(c) for c in counts):
             return None
         n, mtp, experts, vision = counts
-        mtp_experts = self.dspark_n_routed_experts if _is_int(self.dspark_n_routed_experts) else 0
+        mtp_experts = self.dspark_n_routed_experts if is_int(self.dspark_n_routed_experts) else 0
         engram = len(self.engram_layer_ids) if isinstance(self.engram_layer_ids, tuple) else 0
         return (6 * (n * experts + mtp * (mtp_experts or experts)) + 48 * (n + mtp) + 8 * vision
                 + 6 * engram + 16)
@@ -549,8 +312,8 @@ class Config:
     def engram_column_count(self) -> int | None:
         """Hash columns over all Engram layers, each of which owns one prime: the prime search that
         lays the tables out grows with the square of this."""
-        if not (isinstance(self.engram_layer_ids, tuple) and _is_int(self.engram_max_ngram_size)
-                and _is_int(self.engram_n_heads)):
+        if not (isinstance(self.engram_layer_ids, tuple) and is_int(self.engram_max_ngram_size)
+                and is_int(self.engram_n_heads)):
             return None
         return len(self.engram_layer_ids) * max(self.engram_max_ngram_size - 1, 0) * self.engram_n_heads
 
@@ -562,21 +325,10 @@ class Config:
                 return f"{name} ({'.'.join(path)})"
         return name
 
-    def verify(self) -> list[str]:
-        """Relationships between fields that a consumer would otherwise hold in its head.
-        Returns one sentence per problem; empty means self-consistent."""
+    def _layer_problems(self) -> list[str]:
+        """verify()'s checks of the per-layer lists: compress ratios, the layer-id lists, and which
+        source each compressing layer reads."""
         problems: list[str] = []
-        required = [k for k in FLAT_KEYS if k not in NULLABLE]
-        if self.layout == "nested":
-            required += list(NESTED_ONLY_KEYS)
-        missing = [k for k in required if getattr(self, k) is None]
-        if missing:
-            problems.append(f"required fields missing: {', '.join(missing)}")
-            return problems  # the relationships below need them
-        problems += self.value_problems()
-        if problems:
-            return problems  # the relationships below would divide by, loop over or allocate these values
-
         n, n_all = self.n_layers, self.n_total_layers
         ratios = self.compress_ratios
         if len(ratios) != n_all:
@@ -606,7 +358,24 @@ class Config:
                     problems.append(f"layer {layer} reads compressed positions (ratio {r}) but no {kind} source is at or before it")
                 elif not self.reads_at_source_ratio(layer, src):
                     problems.append(f"layer {layer} (ratio {r}) reads the {kind} source {src}, which compresses at ratio {ratios[src]}")
+        return problems
 
+    def verify(self) -> list[str]:
+        """Relationships between fields that a consumer would otherwise hold in its head.
+        Returns one sentence per problem; empty means self-consistent."""
+        problems: list[str] = []
+        required = [k for k in FLAT_KEYS if k not in NULLABLE]
+        if self.layout == "nested":
+            required += list(NESTED_ONLY_KEYS)
+        missing = [k for k in required if getattr(self, k) is None]
+        if missing:
+            problems.append(f"required fields missing: {', '.join(missing)}")
+            return problems  # the relationships below need them
+        problems += self.value_problems()
+        if problems:
+            return problems  # the relationships below would divide by, loop over or allocate these values
+
+        problems += self._layer_problems()
         if self.candidate_source_layer >= 0:
             if self.candidate_source_layer not in self.index_source_layers:
                 problems.append(f"candidate_source_layer {self.candidate_source_layer} is not an index source")
@@ -734,7 +503,7 @@ def load_config(path: str) -> Config:
     path = resolve_config_path(path)
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.loads(f.read(), parse_int=_config_int)
+            data = json.loads(f.read(), parse_int=parse_int)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     except UnicodeDecodeError:
@@ -786,94 +555,12 @@ def compare_layouts(directory: str) -> dict:
 
 
 # ---------------------------------------------------------------------- helpers
-_NESTED_PATHS = {name: path for name, path in FLAT_ALIASES + NESTED_ONLY}
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _finite(value) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        return False
-
-
-def _number(value) -> str:
-    """A number for a message: huge integers by their size (str() refuses past 4,300 digits)."""
-    if _is_int(value) and value.bit_length() > 64:
-        return f"an integer of about {int(value.bit_length() * 0.30103) + 1:,} digits"
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    return f"{value:,}" if _is_int(value) and abs(value) >= 10_000 else repr(value)
+_NESTED_PATHS = {f.name: f.nested for f in FIELDS}
 
 
 def _block_ok(block) -> bool:
     return (isinstance(block, (list, tuple)) and len(block) == 2
-            and all(_is_int(b) and 1 <= b <= MAX_FP8_BLOCK for b in block))
-
-
-def _brief(value, limit: int = 60) -> str:
-    """A JSON value for a message, kept short and never recursive."""
-    if isinstance(value, (list, tuple)):
-        if len(value) <= 8 and not any(isinstance(v, (list, tuple, dict)) for v in value):
-            return "[" + ", ".join(_brief(v, 24) for v in value) + "]"
-        return f"a list of {len(value):,} items"
-    if isinstance(value, dict):
-        return f"an object of {len(value):,} keys" if value else "{}"
-    if isinstance(value, bool) or value is None:
-        return json.dumps(value)
-    if isinstance(value, (int, float)):
-        return _number(value)
-    text = json.dumps(value) if isinstance(value, str) else repr(value)
-    return text if len(text) <= limit else text[:limit - 4] + " ..."
-
-
-# A config nests three levels (text_config.rope_scaling.factor); anything past this is damage, and
-# the readers below recurse over the nesting.
-MAX_CONFIG_DEPTH = 32
-# No config value needs more digits than this (the largest, engram_num_embeddings, has 9); json
-# would otherwise convert up to 4,300 digits, or any number of them where that limit is lifted.
-MAX_CONFIG_INT_DIGITS = 40
-
-
-class _LongInteger(ValueError):
-    def __init__(self, digits: int):
-        super().__init__(digits)
-        self.digits = digits
-
-
-def _config_int(text: str) -> int:
-    digits = len(text) - text.startswith("-")
-    if digits > MAX_CONFIG_INT_DIGITS:
-        raise _LongInteger(digits)
-    return int(text)
-
-
-def _shape_problem(data) -> str | None:
-    """Why a parsed config cannot be one, judged without recursing: lists and objects nested past
-    MAX_CONFIG_DEPTH (the readers below recurse over them), a key that is not a string, or a string
-    holding an unpaired surrogate (json decodes "\\ud800" to one, and no terminal can print it)."""
-    stack = [(data, 1)]
-    while stack:
-        node, level = stack.pop()
-        if isinstance(node, str):
-            try:
-                node.encode("utf-8")
-            except UnicodeEncodeError:
-                return f"holds the string {ascii(node)[:40]} with an unpaired surrogate escape, which is not Unicode text"
-        elif isinstance(node, (dict, list, tuple)):
-            if level > MAX_CONFIG_DEPTH:
-                return f"nests more than {MAX_CONFIG_DEPTH} levels deep (a config nests three), so it is not a config"
-            if isinstance(node, dict):
-                if not all(isinstance(k, str) for k in node):
-                    return "has a key that is not a string"
-                stack.extend((k, level) for k in node)
-                stack.extend((v, level + 1) for v in node.values())
-            else:
-                stack.extend((v, level + 1) for v in node)
-    return None
+            and all(is_int(b) and 1 <= b <= MAX_FP8_BLOCK for b in block))
 
 
 def distinct_ascending(ids) -> bool:
@@ -902,54 +589,14 @@ def _type_ok(value, annotation: str) -> bool:
     return scalar(value, kind)
 
 
-_ANNOTATIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name in FLAT_KEYS + NESTED_ONLY_KEYS}
+_ANNOTATIONS = {f.name: f.annotation for f in FIELDS}
 
 
 def _check_types(values: dict, source: str | None) -> None:
     for name, value in values.items():
         if not _type_ok(value, _ANNOTATIONS[name]):
             expected = _ANNOTATIONS[name].replace(" | None", "").replace("tuple[", "list of ").replace(", ...]", "")
-            raise ConfigError(f"{source or 'config'}: field {name} is {_brief(value)}, expected {expected}")
-
-
-def _freeze(value):
-    if isinstance(value, list):
-        return tuple(_freeze(v) for v in value)
-    return value
-
-
-def _thaw(value):
-    if isinstance(value, tuple):
-        return [_thaw(v) for v in value]
-    return value
-
-
-def _lookup(data: dict, path: tuple[str, ...]):
-    node = data
-    for key in path:
-        if not isinstance(node, dict) or key not in node:
-            return False, None
-        node = node[key]
-    return True, node
-
-
-def _assign(out: dict, path: tuple[str, ...], value) -> None:
-    node = out
-    for key in path[:-1]:
-        node = node.setdefault(key, {})
-    node[path[-1]] = value
-
-
-def _leaf_paths(data: dict, prefix: tuple[str, ...] = ()):
-    for key, value in data.items():
-        if isinstance(value, dict):
-            yield from _leaf_paths(value, prefix + (key,))
-        else:
-            yield prefix + (key,)
-
-
-def _show(value) -> str:
-    return "(absent)" if value is None else json.dumps(_thaw(value))
+            raise ConfigError(f"{source or 'config'}: field {name} is {brief(value)}, expected {expected}")
 
 
 # ---------------------------------------------------------------------- CLI
@@ -976,7 +623,7 @@ def cli_main(argv: list[str]) -> int:
     print("  [ok] the config is self-consistent" if not problems else f"  [fail] {len(problems)} problem(s)")
     if args.json:
         report = {"source": cfg.source, "layout": cfg.layout, "flat": cfg.as_reference_dict(),
-                  "nested_only": {k: _thaw(getattr(cfg, k)) for k in NESTED_ONLY_KEYS},
+                  "nested_only": {k: thaw(getattr(cfg, k)) for k in NESTED_ONLY_KEYS},
                   "unknown_keys": list(cfg.unknown_keys), "problems": problems}
         try:
             with open(args.json, "w", encoding="utf-8") as f:

@@ -34,6 +34,7 @@ from .kernels import sparse_attn
 from .layers import Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype
 from .model import Block, Embedding, Head, hc_pre, identity_pre
 from .numerics import Numerics
+from .sampling import gumbel_max, probabilities
 
 
 @dataclass
@@ -237,9 +238,8 @@ class DraftStack(nn.Module):
             logits[:, i] += bias
             markov_embeds.append(markov_embed)
             if temperature > 0:
-                p = torch.softmax(logits[:, i] / temperature, dim=-1, dtype=torch.float32)
-                noise = torch.empty_like(p).exponential_(1.0, generator=generator)
-                out[:, i + 1] = (p / noise).argmax(dim=-1)
+                p = probabilities(logits[:, i], temperature)
+                out[:, i + 1] = gumbel_max(p, generator)
                 probs.append(p)
             else:
                 out[:, i + 1] = logits[:, i].argmax(dim=-1)

@@ -2,9 +2,15 @@
 
 The prompt is one forward at position 0; its last row gives the first new token, then every new
 token is one forward at the next position. Greedy is the default and breaks ties to the lowest id.
-With temperature > 0 a token is drawn with the Gumbel-max trick (argmax of softmax(logits / T)
-divided by Exponential(1) noise) from a seeded `torch.Generator`, so a seed reproduces a run on the
-same torch build; `torch.multinomial` is never used.
+With temperature > 0 a token is drawn with the Gumbel-max trick (`sampling.sample`, the one sampler
+the speculative verify and the draft stack also draw through) from a seeded `torch.Generator`, so a
+seed reproduces a run on the same torch build.
+
+Input is made one `vision.Prompt` on entry (`as_prompt`: text tokenized, images put in their
+placeholders, token ids checked as whole numbers), so everything after reads one type; a model call
+gets it as a Prompt when it carries images and as plain ids otherwise. The argument checks
+(`check_prompt`, `check_sampling`, `check_length`, `check_prefill_chunk`) are public so that
+`dsv41 generate` can refuse the same arguments with the same sentences before it loads a model.
 
 `compare_prefill_decode` runs a prompt both ways — one prefill over every position, and the same
 tokens fed one at a time — and reports where the logits, the indexer selections and the expert
@@ -26,8 +32,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .sampling import greedy, sample  # noqa: F401  (greedy: part of this module's public face)
 from .trace import ForwardTrace, GenerationTrace, StepRecord
-from .vision import Prompt, check_placeholders, image_sources
+from .token_ids import as_token_ids
+from .vision import TEXT, Prompt, check_placeholders, image_sources
 from .errors import Dsv41Error
 
 class NonFiniteLogits(Dsv41Error, RuntimeError):
@@ -61,20 +69,57 @@ def check_sampling(max_new_tokens, temperature, seed) -> None:
         raise ValueError(f"seed must be a whole number in [0, 2**64), got {seed!r}")
 
 
+def check_length(prompt_tokens: int, max_new_tokens: int, max_seq_len: int, *, model_limit: Optional[int] = None,
+                 hint: str = "") -> None:
+    """The errors a prompt too long for the run gets, in Python and from `dsv41 generate` alike:
+    longer than `model_limit` (the config's `max_seq_len`, when given), or with `max_new_tokens`
+    more than the `max_seq_len` positions the caches hold (`Model.max_seq_len`). `hint` ends the
+    second message (the CLI's " (raise --max-seq-len)")."""
+    if model_limit is not None and prompt_tokens > model_limit:
+        raise ValueError(f"the prompt is {prompt_tokens} tokens, longer than the model's {model_limit}-token maximum")
+    # the last new token is sampled, never fed back: it takes no cache position
+    if prompt_tokens + max_new_tokens - 1 > max_seq_len:
+        raise ValueError(f"{prompt_tokens} prompt tokens + {max_new_tokens} new ones need "
+                         f"{prompt_tokens + max_new_tokens - 1} positions, more than max_seq_len {max_seq_len}{hint}")
+
+
+def check_prefill_chunk(chunk) -> None:
+    """The error a bad `prefill_chunk` gets (None: no chunking), in Python and from the CLI alike."""
+    if chunk is not None and (not _whole(chunk) or chunk < 1):
+        raise ValueError(f"prefill_chunk must be a whole number >= 1, got {chunk!r}")
+
+
 def _whole(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _whole_ids(prompt) -> list[int]:
-    """A prompt given as token ids -> a list of ints; a float id is refused, not cut."""
-    try:
-        ids = torch.as_tensor(prompt)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"a prompt of token ids is one list of whole numbers, got {type(prompt).__name__}") from None
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool or ids.dim() != 1:
-        raise ValueError(f"a prompt of token ids is one list of whole numbers, got {ids.dtype} values of shape "
-                         f"{list(ids.shape)}")
-    return ids.tolist()
+def as_prompt(model, prompt, images: Sequence = ()) -> Prompt:
+    """What generation runs on, made once on entry: text (tokenized, with `images` in its
+    placeholders or first, `Model.prepare`), token ids [s] (whole numbers) or a `vision.Prompt`
+    -> a checked Prompt (its images' rows not yet computed; `Model.encode_images` does that)."""
+    check_prompt(prompt)
+    images = image_sources(images)
+    if images and not isinstance(prompt, str):
+        raise ValueError("images= goes with a text prompt; a Prompt carries its own images")
+    if isinstance(prompt, Prompt):
+        return prompt
+    if images:
+        return model.prepare(prompt, images)
+    if isinstance(prompt, str):
+        ids = model.encode(prompt)
+        check_placeholders(model.cfg, ids, 0)  # `prepare`'s refusal: no image for the placeholder
+    else:
+        ids = as_token_ids(prompt, one_sequence=True)[0].tolist()
+    return Prompt(ids, [TEXT] * len(ids))
+
+
+def _model_input(prompt: Prompt, start: int = 0, stop: Optional[int] = None):
+    """Positions [start, stop) of `prompt` as a model call takes them: a prompt with images as a
+    Prompt (each part keeps the image spans it overlaps), one without as plain ids [1, n], whose
+    calls a rollback can cut short in place."""
+    if prompt.images:
+        return prompt[start:stop]
+    return torch.tensor([prompt.ids[start:stop]])
 
 
 def locate_non_finite(model, ids) -> str:
@@ -83,15 +128,14 @@ def locate_non_finite(model, ids) -> str:
     the vision tower's rows of each image (leaves the model reset)."""
     trace = ForwardTrace(check_finite=True)
     try:
-        if isinstance(ids, Prompt):
-            ids = model.encode_images(ids)  # the rows the generation used, when it had them
-            broken = [k for k, image in enumerate(ids.images) if not bool(torch.isfinite(image.features).all())]
+        prompt = as_prompt(model, ids)
+        if prompt.images:
+            prompt = model.encode_images(prompt)  # the rows the generation used, when it had them
+            broken = [k for k, image in enumerate(prompt.images) if not bool(torch.isfinite(image.features).all())]
             if broken:  # the tower runs before the embedding: its output is the first site
                 return (f"the first non-finite output is the vision tower's (the ViT and aligner rows of image "
-                        f"{broken[0] + 1} of {len(ids.images)})")
-            model(ids, 0, trace=trace)
-        else:
-            model(torch.tensor([list(ids)]), 0, trace=trace)
+                        f"{broken[0] + 1} of {len(prompt.images)})")
+        model(_model_input(prompt), 0, trace=trace)
     finally:
         model.reset()
     bad = trace.first_non_finite()
@@ -115,23 +159,7 @@ def _check_finite(model, logits: torch.Tensor, prompt: Optional[Prompt] = None) 
             f"{locate_non_finite(model, sequence)}; `dsv41 audit --values` finds non-finite weights")
 
 
-# ---------------------------------------------------------------------- sampling
-
-
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim; among equal maxima the lowest id (torch.argmax's documented rule)."""
-    return logits.argmax(dim=-1)
-
-
-def sample(logits: torch.Tensor, temperature: float = 0.0, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Next ids [b] from logits [b, vocab]: greedy at temperature 0, else Gumbel-max from `generator`."""
-    if temperature <= 0:
-        return greedy(logits)
-    probs = torch.softmax(logits.float() / max(temperature, 1e-5), dim=-1)
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return (probs / noise).argmax(dim=-1)
-
-
+# ---------------------------------------------------------------------- what a run recorded
 def top2_margin(logits: torch.Tensor) -> float:
     """Largest minus second-largest logit of the first row (0.0 is an exact tie)."""
     top = logits.reshape(-1, logits.size(-1))[0].float().topk(2).values
@@ -159,24 +187,27 @@ def prefill(model, prompt_ids, *, trace=None, start_pos: int = 0, chunk: Optiona
     """Run the prompt [b, s] (or [s]) from `start_pos` (0: a new sequence) -> float32 logits
     [b, vocab] of its last position. `chunk`: at most that many tokens per forward (the same
     logits as one call under Numerics.parity()); `progress`: a tqdm bar on stderr (tokens, tokens/s)."""
-    if isinstance(prompt_ids, Prompt):  # ids with image spans: a chunk keeps the images it overlaps
-        ids = prompt_ids
-        length = len(ids)
+    if isinstance(prompt_ids, Prompt):  # one sequence: a part keeps the image spans it overlaps
+        length = len(prompt_ids)
+
+        def part(at: int, stop: int):
+            return _model_input(prompt_ids, at, stop)
     else:
         ids = torch.as_tensor(prompt_ids)  # the model refuses ids that are not whole numbers
-        ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+        ids = ids.unsqueeze(0) if ids.dim() == 1 else ids  # [b, s]
         length = ids.size(1)
+
+        def part(at: int, stop: int):
+            return ids[:, at:stop]
     if chunk is None:
-        return model(ids, start_pos, trace=trace)
-    if not _whole(chunk) or chunk < 1:
-        raise ValueError(f"prefill_chunk must be a whole number >= 1, got {chunk!r}")
+        return model(part(0, length), start_pos, trace=trace)
+    check_prefill_chunk(chunk)
     from tqdm import tqdm
 
     with tqdm(total=length, desc="prefill", unit="tok", file=sys.stderr, disable=not progress,
               leave=False) as bar:
         for at in range(0, length, chunk):
-            part = ids[at : at + chunk] if isinstance(ids, Prompt) else ids[:, at : at + chunk]
-            logits = model(part, start_pos + at, trace=trace)
+            logits = model(part(at, at + chunk), start_pos + at, trace=trace)
             bar.update(min(chunk, length - at))
     return logits
 
@@ -238,80 +269,53 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
     check_prompt(prompt)
     check_sampling(max_new_tokens, temperature, seed)
     images = image_sources(images)
+    spec_module = None
     if speculative:
         from . import speculative as spec_module  # same layer; imported when used
 
         draft_tokens = spec_module.check_speculation(model, temperature, draft_tokens, min_confidence, draft_source)
-    if images:
-        if not isinstance(prompt, str):
-            raise ValueError("images= goes with a text prompt; a Prompt carries its own images")
-        prompt = model.prepare(prompt, images)
+    prompt = as_prompt(model, prompt, images)
     vision_s = 0.0
-    if isinstance(prompt, Prompt):
+    if prompt.images:
         began = time.perf_counter()
         prompt = model.encode_images(prompt)
         vision_s = time.perf_counter() - began
-        prompt_ids = list(prompt.ids)
-    else:
-        prompt_ids = model.encode(prompt) if isinstance(prompt, str) else _whole_ids(prompt)
-        if isinstance(prompt, str):
-            check_placeholders(model.cfg, prompt_ids, 0)  # `prepare`'s refusal: no image for the placeholder
-    # the last new token is sampled, never fed back: it takes no cache position
-    if len(prompt_ids) + max_new_tokens - 1 > model.max_seq_len:
-        raise ValueError(f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new ones need "
-                         f"{len(prompt_ids) + max_new_tokens - 1} positions, more than max_seq_len {model.max_seq_len}")
+    check_length(len(prompt), max_new_tokens, model.max_seq_len)
     generator = torch.Generator().manual_seed(int(seed)) if temperature > 0 else None
     ftrace = ForwardTrace() if trace else None
     steps: list[StepRecord] = []
     stop_ids = (model.cfg.eos_token_id,) if stop_at_eos and model.cfg.eos_token_id is not None else ()
     steps_before = len(model.experts.counters.steps)
 
-    began = time.perf_counter()
-    feed = prompt if isinstance(prompt, Prompt) else prompt_ids
-
     def check_finite(m, logits):  # a NaN diagnosis reruns the prompt with its images
-        _check_finite(m, logits, feed if isinstance(feed, Prompt) else None)
+        _check_finite(m, logits, prompt)
 
-    # equal ids are not equal images: reuse stops at the first image position
-    shareable = prompt_ids[: _first_image(feed) + 1]
-    reused = _reusable_prefix(model, shareable) if reuse_prefix else 0
+    def shifted(step, token, lg):  # the decoders count from 0; the prefill made token 0
+        return callback(step + 1, token, lg)
+
+    began = time.perf_counter()
+    reused = _reusable_prefix(model, prompt) if reuse_prefix else 0
     if reused:
         model.rollback(model.position - reused)
-    logits = prefill(model, feed[reused:], trace=ftrace, start_pos=reused, chunk=prefill_chunk,
-                     progress=progress)
+    logits = prefill(model, prompt[reused:], trace=ftrace, start_pos=reused, chunk=prefill_chunk, progress=progress)
     check_finite(model, logits)
-    ids: list[int] = []
-    finish = "length"
+    ids, finish = [], "length"
     if max_new_tokens > 0:
-        first = int(sample(logits, temperature, generator)[0])
-        ids.append(first)
-        steps.append(StepRecord(len(prompt_ids) - 1, first, top2_margin(logits), time.perf_counter() - began))
-        if callback is not None and callback(0, first, logits) is False:
-            finish = "callback"
-        elif first in stop_ids:
-            finish = "eos"
+        ids = [int(sample(logits, temperature, generator)[0])]
+        steps.append(StepRecord(len(prompt) - 1, ids[0], top2_margin(logits), time.perf_counter() - began))
+        finish = _finish_after(ids[0], logits, callback, stop_ids)
     prefill_s = time.perf_counter() - began
 
     began = time.perf_counter()
     speculation = spec_module.Speculation([]) if speculative else None
     if finish == "length" and max_new_tokens > 1:
-        def shifted(step, token, lg):  # decode_n counts from 0; the prefill made token 0
-            return callback(step + 1, token, lg)
-
+        decode = dict(temperature=temperature, generator=generator, stop_ids=stop_ids, trace=ftrace,
+                      callback=shifted if callback is not None else None, check_finite=check_finite)
         if speculative:
-            def record(position, token, row, seconds):
-                steps.append(StepRecord(position, token, top2_margin(row), seconds))
-
-            more, spec_steps = spec_module.decode_speculative(
-                model, ids[-1], max_new_tokens - 1, draft_tokens=draft_tokens, min_confidence=min_confidence,
-                draft_source=draft_source, stop_ids=stop_ids, trace=ftrace,
-                callback=shifted if callback is not None else None, check_finite=check_finite, step_record=record,
-                temperature=temperature, generator=generator)
-            speculation = spec_module.Speculation(spec_steps)
+            more, speculation = _decode_speculative(spec_module, model, ids[-1], max_new_tokens - 1, steps,
+                                                    draft_tokens, min_confidence, draft_source, decode)
         else:
-            more = decode_n(model, ids[-1], max_new_tokens - 1, temperature=temperature, generator=generator,
-                            callback=shifted if callback is not None else None, stop_ids=stop_ids, trace=ftrace,
-                            steps=steps, check_finite=check_finite)
+            more = decode_n(model, ids[-1], max_new_tokens - 1, steps=steps, **decode)
         ids += more
         if more and more[-1] in stop_ids:
             finish = "eos"
@@ -319,34 +323,49 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
             finish = "callback"
     decode_s = time.perf_counter() - began
 
-    per_token = [s.seconds for s in steps]
-    timings = {"prefill_s": prefill_s, "decode_s": decode_s, "per_token_s": per_token,
+    timings = {"prefill_s": prefill_s, "decode_s": decode_s, "per_token_s": [s.seconds for s in steps],
                "tokens_per_s": (len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else None,
-               "prompt_tokens": len(prompt_ids), "reused_positions": reused, "vision_s": vision_s}
+               "prompt_tokens": len(prompt), "reused_positions": reused, "vision_s": vision_s}
     gtrace = None
     if trace:
         gtrace = GenerationTrace(ftrace, steps, [dict(s, layers={k: list(v) for k, v in s["layers"].items()})
                                                  for s in model.experts.counters.steps[steps_before:]])
     if speculation is not None:
         timings["target_forwards"] = speculation.target_forwards
-    return GenerationResult(prompt_ids, ids, model.decode(ids), timings, finish, gtrace, speculation)
+    return GenerationResult(list(prompt.ids), ids, model.decode(ids), timings, finish, gtrace, speculation)
 
 
-def _first_image(prompt) -> int:
-    """The first image-span position of a Prompt (its length when it has none, or for plain ids)."""
-    types = prompt.token_types if isinstance(prompt, Prompt) else ()
-    return next((i for i, t in enumerate(types) if t >= 0), len(prompt))
+def _finish_after(first: int, logits, callback, stop_ids) -> str:
+    """How the run stands after the prefill's token: 'callback' when the callback stops it, 'eos'
+    at a stop token, else 'length' (decoding goes on)."""
+    if callback is not None and callback(0, first, logits) is False:
+        return "callback"
+    return "eos" if first in stop_ids else "length"
 
 
-def _reusable_prefix(model, prompt_ids: Sequence[int]) -> int:
+def _decode_speculative(spec_module, model, anchor: int, n: int, steps: list, draft_tokens: int,
+                        min_confidence: float, draft_source, decode: dict):
+    """`decode_n`'s speculative counterpart for `generate` -> (ids, Speculation); every committed
+    token is recorded in `steps` as plain decoding records it."""
+    def record(position, token, row, seconds):
+        steps.append(StepRecord(position, token, top2_margin(row), seconds))
+
+    more, spec_steps = spec_module.decode_speculative(
+        model, anchor, n, draft_tokens=draft_tokens, min_confidence=min_confidence, draft_source=draft_source,
+        step_record=record, **decode)
+    return more, spec_module.Speculation(spec_steps)
+
+
+def _reusable_prefix(model, prompt: Prompt) -> int:
     """How many leading positions of the model's current (batch 1) sequence the prompt shares and
     a rollback can keep; at least the prompt's last token is always run again (its logits start
-    the generation)."""
+    the generation), and equal ids are not equal images: sharing stops at the first image span."""
     held = model.token_ids
     if held.size(0) != 1 or not held.size(1):
         return 0
+    first_image = next((i for i, t in enumerate(prompt.token_types) if t != TEXT), len(prompt))
     shared = 0
-    for have, want in zip(held[0].tolist(), prompt_ids[:-1]):
+    for have, want in zip(held[0].tolist(), prompt.ids[: first_image + 1][:-1]):
         if have != want:
             break
         shared += 1
@@ -416,16 +435,13 @@ def compare_prefill_decode(model, prompt) -> PrefillDecodeComparison:
     token per call, and report where logits, indexer selections and routing first differ, under the
     `Numerics` the model was loaded with (kept in the report's `numerics`). Leaves the model reset."""
 
-    spans = model.encode_images(prompt) if isinstance(prompt, Prompt) else None  # one token per call cuts the spans
-    if spans is not None:
-        ids = list(spans.ids)
-    else:
-        ids = model.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
-    if not ids:
-        raise ValueError("the prompt is empty")
+    prompt = as_prompt(model, prompt)
+    if prompt.images:
+        prompt = model.encode_images(prompt)  # once: one token per call cuts the spans
+    ids = prompt.ids
 
     def part(start: int, stop: int):
-        return spans[start:stop] if spans is not None else torch.tensor([ids[start:stop]])
+        return _model_input(prompt, start, stop)
 
     one, step = ForwardTrace(), ForwardTrace()
     full = model(part(0, len(ids)), 0, trace=one, all_positions=True)[0]  # [s, vocab]

@@ -43,6 +43,7 @@ from .kernels.experts import PackedExpert, clamped_swiglu, routed_experts
 from .layers import F32_ROW_PAD, Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype, param
 from .numerics import Numerics
 from .stores import DictExpertStore, EngramTable, ExpertStore, FetchedExperts, TensorEngramTable  # noqa: F401 (their import path)
+from .token_ids import as_token_ids
 from .trace import EngramRecord, FiniteRecord, ForwardTrace, RoutingRecord
 from .vision import IMAGE_END, IMAGE_NEWLINE, IMAGE_START, Aligner, Prompt, ViT, encode_image, write_spans
 from .vision import prepare as prepare_prompt
@@ -603,17 +604,8 @@ class Model:
 
     @staticmethod
     def _token_ids(input_ids) -> torch.Tensor:
-        """Token ids as given (a list, [s] or [b, s], any integer dtype) -> int64 [b, s]; anything
-        that is not whole numbers (floats would be cut silently) is refused."""
-        try:
-            ids = torch.as_tensor(input_ids)
-        except (TypeError, ValueError, RuntimeError):
-            raise ValueError(f"token ids must be whole numbers in a list or tensor, got {type(input_ids).__name__}") from None
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise ValueError(f"token ids must be whole numbers, got {ids.dtype} values")
-        if ids.dim() not in (1, 2):
-            raise ValueError(f"token ids are [tokens] or [batch, tokens], got {ids.dim()} dimensions")
-        return ids.long().unsqueeze(0) if ids.dim() == 1 else ids.long()
+        """Token ids as given -> int64 [b, s] (`token_ids.as_token_ids`: whole numbers or an error)."""
+        return as_token_ids(input_ids)
 
     # ------------------------------------------------------------------ rollback and snapshots
     @property

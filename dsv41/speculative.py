@@ -39,6 +39,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .sampling import gumbel_max, probabilities
+
 # draft_source(model, anchor, n) -> (proposals, confidences) or (proposals, confidences, probs): what
 # the tests and the best-case benchmark put in place of the draft stack; `probs` [n, vocab] are the
 # distributions sampled proposals were drawn from (without them a proposal counts as certain)
@@ -130,7 +132,7 @@ class Speculation:
 
 def check_speculation(model, temperature: float, draft_tokens, min_confidence, draft_source) -> int:
     """The draft length a speculative run will use, after checking the request (one sentence each)."""
-    block = int(getattr(model.cfg, "dspark_block_size", 0) or 0)
+    block = model.cfg.verified().dspark_block_size
     if draft_source is None and getattr(model, "draft_stack", None) is None:
         raise ValueError("speculative decoding needs the DSpark draft stack, and this model has none (no "
                          "mtp.* stages, dspark_block_size 0, or loaded with dspark=False)")
@@ -157,13 +159,6 @@ def judge(p: torch.Tensor, q: Optional[torch.Tensor], proposal: int,
         return True, None
     residual = (p - q).clamp_min(0)
     return False, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-
-
-def _sample_row(logits: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, int]:
-    """(probabilities, a token drawn from them by Gumbel-max), as plain sampling draws."""
-    probs = torch.softmax(logits.float() / max(temperature, 1e-5), dim=-1)
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return probs, int((probs / noise).argmax())
 
 
 def stack_drafts(model, anchor: int, n: int, temperature: float = 0.0, generator=None) -> tuple:
@@ -207,14 +202,14 @@ def decode_speculative(model, anchor: int, n: int, *, draft_tokens: int, min_con
         if temperature > 0:
             accepted, following = 0, None
             for i in range(kept):
-                p = torch.softmax(logits[i].float() / max(temperature, 1e-5), dim=-1)
+                p = probabilities(logits[i], temperature)
                 ok, following = judge(p, None if draft_probs is None else draft_probs[i].float(), proposals[i],
                                       generator)
                 if not ok:
                     break
                 accepted += 1
             if accepted == kept:  # every kept proposal accepted: the bonus token from the target
-                following = _sample_row(logits[kept], temperature, generator)[1]
+                following = int(gumbel_max(probabilities(logits[kept], temperature), generator))
         else:
             choice = logits.argmax(dim=-1).tolist()  # the target's greedy token after each fed prefix
             accepted = 0

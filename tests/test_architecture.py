@@ -14,11 +14,11 @@ PACKAGE = ROOT / "dsv41"
 
 # the table's layers, as module-name prefixes (a package stands for everything in it)
 LAYERS = [
-    ["numerics", "errors", "text", "threads", "cachedir", "argtypes", "config", "inventory", "headers", "engram",
-     "tokenizer", "chat", "audit"],
+    ["numerics", "errors", "text", "threads", "cachedir", "argtypes", "config", "config_fields", "config_json",
+     "inventory", "headers", "engram", "tokenizer", "chat_reply", "chat", "audit"],
     ["kernels"],
     ["formats", "tiny", "checkpoint", "stores"],
-    ["layers", "trace"],
+    ["layers", "trace", "sampling", "token_ids"],
     ["attention"],
     ["model", "sequence", "vision", "dspark", "distributed"],
     ["generate", "speculative", "conversation"],

@@ -348,3 +348,10 @@ def test_the_embedded_tokenizer_has_every_marker_as_one_id():
     assert encoded.count(tok.token_to_id(D)) == text.count(D)
     assert encoded.count(tok.token_to_id(A)) == text.count(A)
     assert chat.CALLS_TAG == D + " calls"
+
+
+def test_the_reply_side_lives_in_chat_reply_and_still_imports_from_chat():
+    from dsv41 import chat_reply
+
+    assert chat.parse is chat_reply.parse and chat.Reply is chat_reply.Reply and chat.ToolCall is chat_reply.ToolCall
+    assert chat.CALLS_TAG == chat_reply.CALLS_TAG and chat.SAFE_NAME is chat_reply.SAFE_NAME

@@ -359,3 +359,32 @@ def test_counts_in_range_one_by_one_can_imply_too_many_tensors(tmp_path):
     write_config_pair(cfg, str(tmp_path))
     run = _cli(str(tmp_path))
     assert run.returncode == 1 and "[fail] 1 problem(s)" in run.stdout
+
+
+def test_the_field_table_is_the_one_schema():
+    """The alias map, the bounds and the dataclass fields all come from config_fields.FIELDS."""
+    import dataclasses
+
+    from dsv41.config_fields import FIELDS, FLOAT_LIMITS, LIST_BOUNDS, VALUE_BOUNDS
+
+    names = [f.name for f in FIELDS]
+    assert len(names) == len(set(names)) == 76
+    assert [f.name for f in dataclasses.fields(Config)][:76] == names
+    assert FLAT_KEYS + NESTED_ONLY_KEYS == tuple(names)
+    numeric = [f.name for f in FIELDS if f.kind in ("int", "float") or f.kind.startswith("tuple[")]
+    assert sorted(numeric) == sorted(list(VALUE_BOUNDS) + list(LIST_BOUNDS) + list(FLOAT_LIMITS))
+    assert all(f.bound is not None for f in FIELDS if f.name in numeric)
+
+
+def test_the_verified_view_has_no_none_where_runtime_code_defended_against_it():
+    view = RELEASED.verified()
+    assert (view.n_mtp_layers, view.dspark_block_size, view.candidate_source_layer) == (3, 5, 20)
+    assert view.vision_max_wh_ratio is None  # null in the release: no limit
+    silent = RELEASED.replace(n_mtp_layers=None, swiglu_limit=None, candidate_source_layer=None,
+                              engram_layer_ids=None, norm_topk_prob=None, vision_rope_theta=None).verified()
+    assert (silent.n_mtp_layers, silent.swiglu_limit, silent.candidate_source_layer) == (0, 0.0, -1)
+    assert (silent.engram_layer_ids, silent.norm_topk_prob, silent.vision_rope_theta) == ((), True, 10000.0)
+    with pytest.raises(ConfigError, match="fields a model needs are not set: dim"):
+        RELEASED.replace(dim=None).verified()
+    with pytest.raises(ConfigError, match="o_groups is 0, outside"):
+        RELEASED.replace(o_groups=0).verified()

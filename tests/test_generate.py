@@ -357,3 +357,50 @@ def test_cli_prefill_chunk_gives_the_same_text(tiny_checkpoint, capsys):
     assert capsys.readouterr().out == whole
     code, out, err = _run(capsys, *args, "--prefill-chunk", "0")
     assert code == 1 and out == "" and "--prefill-chunk must be >= 1" in err
+
+
+def test_every_prompt_form_is_made_one_prompt_on_entry(model):
+    from dsv41.generate import as_prompt
+    from dsv41.vision import TEXT, Prompt
+
+    text = "The harbor at dawn"
+    ids = model.encode(text)
+    for given in (text, ids, torch.tensor(ids, dtype=torch.int32), model.prepare(text)):
+        prompt = as_prompt(model, given)
+        assert isinstance(prompt, Prompt) and prompt.ids == ids and not prompt.images
+        assert set(prompt.token_types) == {TEXT}
+    with pytest.raises(ValueError, match="images= goes with a text prompt"):
+        as_prompt(model, ids, ["image.png"])
+    with pytest.raises(ValueError, match="one list of whole numbers"):
+        as_prompt(model, [ids])
+
+
+def test_the_length_and_chunk_checks_the_cli_shares():
+    from dsv41.generate import check_length, check_prefill_chunk
+
+    check_length(10, 3, 12)
+    with pytest.raises(ValueError, match=r"need 13 positions, more than max_seq_len 12 \(raise --max-seq-len\)"):
+        check_length(10, 4, 12, hint=" (raise --max-seq-len)")
+    with pytest.raises(ValueError, match="the prompt is 20 tokens, longer than the model's 16-token maximum"):
+        check_length(20, 1, 64, model_limit=16)
+    check_prefill_chunk(None)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="prefill_chunk must be a whole number >= 1"):
+            check_prefill_chunk(bad)
+
+
+def test_one_sampler_draws_what_each_caller_drew_before():
+    """Plain, speculative and draft sampling share sampling.py: the same noise stream and argmax as
+    the formula each wrote out before (softmax(logits / T) divided by Exponential(1) noise)."""
+    from dsv41 import sampling
+
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
+    for temperature in (0.3, 1.0, 2.5):
+        want_gen = torch.Generator().manual_seed(7)
+        probs = torch.softmax(logits.float() / max(temperature, 1e-5), dim=-1)
+        want = (probs / torch.empty_like(probs).exponential_(1.0, generator=want_gen)).argmax(dim=-1)
+        got = sampling.sample(logits, temperature, torch.Generator().manual_seed(7))
+        assert torch.equal(got, want)
+        draft_probs = torch.softmax(logits / temperature, dim=-1, dtype=torch.float32)  # the draft stack's form
+        assert torch.equal(sampling.probabilities(logits, temperature), draft_probs)
+    assert torch.equal(sampling.sample(logits, 0.0), logits.argmax(dim=-1))
