@@ -16,7 +16,7 @@ PACKAGE = ROOT / "dsv41"
 LAYERS = [
     ["numerics", "errors", "cachedir", "argtypes", "config", "inventory", "headers", "engram", "tokenizer", "chat", "audit"],
     ["kernels"],
-    ["formats", "tiny"],
+    ["formats", "synthetic", "tiny"],
     ["layers", "trace"],
     ["attention"],
     ["model", "vision", "dspark", "distributed"],
