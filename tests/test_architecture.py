@@ -17,7 +17,7 @@ LAYERS = [
     ["numerics", "errors", "cachedir", "argtypes", "config", "inventory", "headers", "engram", "tokenizer", "chat", "audit"],
     ["kernels"],
     ["formats", "synthetic", "tiny"],
-    ["layers", "trace"],
+    ["layers", "hooks", "trace"],
     ["attention"],
     ["model", "vision", "dspark", "distributed"],
     ["generate", "speculative", "conversation"],

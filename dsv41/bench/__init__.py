@@ -7,8 +7,8 @@ copy bandwidth, the command-line plumbing). Ratios, not absolute times, are what
 the machine may be shared."""
 
 from .cli import cli_main
-from .common import (DIM, INTER, SWIGLU_LIMIT, TOPK, PhaseClock, best_time, best_times, copy_bandwidth,
-                     rss_bytes, time_phases, token_list)
+from .common import (DIM, INTER, PHASE_SITES, SWIGLU_LIMIT, TOPK, PhaseClock, best_time, best_times,
+                     copy_bandwidth, rss_bytes, token_list)
 from .decode import PHASES, bench_decode, decode_config, write_decode_checkpoint
 from .experts import (TARGETS, baseline_moe, bench_experts, bench_experts_gpu, bench_experts_parallel,
                       expand_experts, expanded_moe, fused_moe, kernel_path, make_experts, make_routing,

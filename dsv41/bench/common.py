@@ -72,12 +72,18 @@ def reset_peak_rss() -> bool:
 
 
 # ---------------------------------------------------------------------- the phase clock
+# site pattern -> the phase its span is counted in ("other" is what no site covers)
+PHASE_SITES = {"layers.*.attn": "attention", "layers.*.ffn.routed": "routed experts",
+               "layers.*.ffn.shared": "shared expert", "layers.*.engram": "Engram", "head": "head"}
+
+
 class PhaseClock:
-    """Seconds per phase of a forward, and per (layer, phase), accumulated between a start and a
-    stop at the model's parts (`time_phases`)."""
+    """Seconds per phase of a forward, and per (layer, phase), accumulated between the enter and
+    the exit of the model's sites (`hooks`), for as long as it is subscribed (`timing`)."""
 
     def __init__(self, phases: Sequence[str]):
         self.phases = tuple(phases)
+        self._phase_of = {pattern.rsplit(".", 1)[-1]: phase for pattern, phase in PHASE_SITES.items()}
         self.reset()
 
     def reset(self) -> None:
@@ -85,70 +91,23 @@ class PhaseClock:
         self.by_layer: dict = {}
         self._began: dict = {}
 
-    def start(self, layer: Optional[int], phase: str) -> None:
-        self._began[(layer, phase)] = time.perf_counter()
+    def _key(self, name: str):
+        parts = name.split(".")
+        return (int(parts[1]) if parts[0] == "layers" else None), self._phase_of[parts[-1]]
 
-    def stop(self, layer: Optional[int], phase: str) -> None:
-        took = time.perf_counter() - self._began.pop((layer, phase))
+    def enter(self, name: str) -> None:
+        self._began[name] = time.perf_counter()
+
+    def exit(self, name: str, value, context: dict) -> None:
+        took = time.perf_counter() - self._began.pop(name)
+        layer, phase = self._key(name)
         self.seconds[phase] += took
         if layer is not None:
             self.by_layer[(layer, phase)] = self.by_layer.get((layer, phase), 0.0) + took
 
-
-class TimedExperts:
-    """A layer's routed experts timed under "routed experts": `compute(x, ids, weights)` when
-    given (another implementation of the same call), else the experts' own forward."""
-
-    def __init__(self, inner, clock: PhaseClock, layer: int, compute: Optional[Callable] = None):
-        self.inner, self.clock, self.layer = inner, clock, layer
-        self.compute = compute if compute is not None else inner.forward
-
-    def forward(self, x, expert_ids, weights):
-        self.clock.start(self.layer, "routed experts")
-        try:
-            return self.compute(x, expert_ids, weights)
-        finally:
-            self.clock.stop(self.layer, "routed experts")
-
-    __call__ = forward
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
-def time_phases(model, clock: PhaseClock, routed: Optional[Callable] = None,
-                shared: Optional[Callable] = None) -> Callable[[], None]:
-    """Time attention, routed experts, shared expert, Engram and head of every layer on `clock`;
-    `routed(experts)` / `shared(shared_expert)` build the computation each layer runs instead
-    (the decode bench's baseline and fused forms). Returns what puts the model back."""
-    undo, handles = [], []
-
-    def hook(module, layer, phase):
-        handles.append(module.register_forward_pre_hook(lambda *_: clock.start(layer, phase)))
-        handles.append(module.register_forward_hook(lambda *_: clock.stop(layer, phase)))
-
-    backbone = model.backbone
-    for i, block in enumerate(backbone.layers):
-        moe, expert = block.ffn, block.ffn.shared_experts
-        original = moe.experts
-        moe.experts = TimedExperts(original, clock, i, None if routed is None else routed(original))
-        undo.append(lambda moe=moe, original=original: setattr(moe, "experts", original))
-        if shared is not None:
-            expert.forward = shared(expert)
-            undo.append(lambda expert=expert: expert.__dict__.pop("forward", None))
-        hook(block.attn, i, "attention")
-        hook(expert, i, "shared expert")
-        if block.engram is not None:
-            hook(block.engram, i, "Engram")
-    hook(backbone.head, None, "head")
-
-    def restore():
-        for fn in undo:
-            fn()
-        for h in handles:
-            h.remove()
-
-    return restore
+    def timing(self, model):
+        """`with clock.timing(model):` the clock subscribed to the model's phase sites."""
+        return model.sites.hooks(dict.fromkeys(PHASE_SITES, self), strict=False)
 
 
 # ---------------------------------------------------------------------- command-line plumbing

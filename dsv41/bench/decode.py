@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from . import released, speculative
-from .common import DIM, INTER, TOPK, PhaseClock, on_synthetic_checkpoint, rss_bytes, time_phases
+from dsv41.model import RoutedExperts
+
+from .common import DIM, INTER, TOPK, PhaseClock, on_synthetic_checkpoint, rss_bytes
 from .experts import _baseline_expert, _expand_bf16
 
 PHASES = ("attention", "routed experts", "shared expert", "Engram", "head")
@@ -57,24 +59,19 @@ def write_decode_checkpoint(out_dir: str, dim: int = DIM, inter: int = INTER, se
 
 
 # ---------------------------------------------------------------------- the two forms of the experts
-def _routed_form(experts, fused: bool) -> Callable:
-    """A layer's routed experts fetched from the loader's cache, then run fused from the packed
-    bytes or (the earlier runtime) each selected expert expanded to BF16."""
-    from dsv41.kernels.experts import routed_experts
+class _ExpandedExperts(RoutedExperts):
+    """The earlier runtime's routed experts: fetched from the loader's cache, each selected
+    expert then expanded to BF16 on every call."""
 
-    def forward(x, expert_ids, weights):
+    def forward(self, x, expert_ids, weights):
         selected = torch.unique(expert_ids).tolist()
-        fetched = dict(zip(selected, experts.store.fetch(experts.layer, selected)))
-        if fused:
-            return routed_experts(x, expert_ids, weights, fetched, experts.swiglu_limit)
+        fetched = dict(zip(selected, self.store.fetch(self.layer, selected)))
         y = torch.zeros(x.shape, dtype=torch.float32)
         for e in selected:
             rows, slot = torch.where(expert_ids == e)
-            y.index_add_(0, rows, _baseline_expert(x[rows], fetched[e], experts.swiglu_limit,
+            y.index_add_(0, rows, _baseline_expert(x[rows], fetched[e], self.swiglu_limit,
                                                    weights[rows, slot, None]).float())
         return y
-
-    return forward
 
 
 def _shared_form(shared, fused: bool) -> Callable:
@@ -96,6 +93,15 @@ def _shared_form(shared, fused: bool) -> Callable:
     return dense
 
 
+def _attach_forms(model, fused: bool) -> None:
+    """Every layer's experts in the baseline's or the fused form (fused routed experts are the
+    model's own), through `MoE.attach_store`."""
+    for block in model.backbone.layers:
+        moe = block.ffn
+        moe.attach_store(moe.experts.store, routed=None if fused else _ExpandedExperts,
+                         shared=_shared_form(moe.shared_experts, fused))
+
+
 def bench_decode(checkpoint: str, *, prompt_tokens: int, decode_tokens: int,
                  log: Callable[[str], None] = print) -> dict:
     """Prefill then decode greedily, baseline then fused; tokens/s and per-phase seconds per token."""
@@ -113,10 +119,8 @@ def bench_decode(checkpoint: str, *, prompt_tokens: int, decode_tokens: int,
               "fused_cpu_kernel": "native" if native.available() else "torch", "modes": {}}
     for mode in ("baseline", "fused"):
         clock = PhaseClock(PHASES)
-        fused = mode == "fused"
-        restore = time_phases(model, clock, routed=lambda experts: _routed_form(experts, fused),
-                              shared=lambda expert: _shared_form(expert, fused))
-        try:
+        _attach_forms(model, mode == "fused")
+        with clock.timing(model):
             model.prefill(prompt)  # warms the expert cache and the allocations
             began = time.perf_counter()
             logits = model.prefill(prompt)
@@ -126,8 +130,6 @@ def bench_decode(checkpoint: str, *, prompt_tokens: int, decode_tokens: int,
             began = time.perf_counter()
             tokens = model.decode_n(token, decode_tokens)
             decode_s = time.perf_counter() - began
-        finally:
-            restore()
         per_token = {phase: t / decode_tokens for phase, t in clock.seconds.items()}
         per_token["other"] = decode_s / decode_tokens - sum(per_token.values())
         report["modes"][mode] = {"prefill_s": prefill_s, "decode_s": decode_s, "tokens_per_s": decode_tokens / decode_s,

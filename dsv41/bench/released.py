@@ -12,8 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .common import (TOPK, PhaseClock, copy_bandwidth, folder_bytes, on_synthetic_checkpoint, require_cuda,
-                     rss_bytes, time_phases)
+from .common import TOPK, PhaseClock, copy_bandwidth, folder_bytes, on_synthetic_checkpoint, require_cuda, rss_bytes
 
 
 # Phases of a released-geometry decode token, in print order; "other" is what no hook covers
@@ -189,50 +188,18 @@ def bench_decode_released(checkpoint: str, *, prompt_tokens: int, decode_tokens:
             for n in thread_settings:
                 torch.set_num_threads(n)
                 clock = PhaseClock(RELEASED_PHASES)
-                restore = time_phases(model, clock)
-                try:
+                with clock.timing(model):
                     logits = model.prefill(prompt)  # also warms the expert cache: experts resident
                     clock.reset()
                     began = time.perf_counter()
                     tokens = model.decode_n(int(logits[0].argmax()), decode_tokens)
                     decode_s = time.perf_counter() - began
-                finally:
-                    restore()
                 runs[n].append((decode_s, dict(clock.seconds), dict(clock.by_layer), tokens))
     finally:
         torch.set_num_threads(before)
 
     for n in thread_settings:
-        decode_s, phase_s, layer_s, tokens = min(runs[n], key=lambda r: r[0])
-        per_token = {phase: t / decode_tokens for phase, t in phase_s.items()}
-        per_token["other"] = decode_s / decode_tokens - sum(v for k, v in per_token.items() if k != "other")
-        bw = bandwidth[n]
-        phases = {phase: _floor_cells(per_token[phase], nbytes["phases"][phase], bw) for phase in RELEASED_PHASES}
-        token = _floor_cells(decode_s / decode_tokens, sum(nbytes["phases"].values()), bw)
-        layer_cells = {}
-        for i in range(cfg.n_layers):
-            layer_cells[str(i)] = {"mode": modes[i], **{
-                phase: _floor_cells(layer_s.get((i, phase), 0.0) / decode_tokens, nbytes["layers"][i][phase], bw)
-                for phase in ("attention", "routed experts", "shared expert", "Engram")}}
-        full = [i for i in range(cfg.n_layers) if modes[i] != "reuse"]
-        reuse = [i for i in range(cfg.n_layers) if modes[i] == "reuse"]
-        engram = list(cfg.engram_layer_ids)
-
-        def mean(layers, phase, key):
-            return sum(layer_cells[str(i)][phase][key] for i in layers) / len(layers)
-
-        per_layer_s = {kind: {ph: mean(ls, ph, "seconds") for ph in ("attention", "routed experts", "shared expert")}
-                       for kind, ls in (("full", full), ("reuse", reuse))}
-        per_layer_b = {kind: {ph: mean(ls, ph, "bytes") for ph in ("attention", "routed experts", "shared expert")}
-                       for kind, ls in (("full", full), ("reuse", reuse))}
-        per_layer_s["engram"], per_layer_b["engram"] = mean(engram, "Engram", "seconds"), mean(engram, "Engram", "bytes")
-        prediction = predict_released(per_layer_s, per_layer_b, phases["head"]["seconds"], phases["head"]["bytes"],
-                                      phases["other"]["seconds"], phases["other"]["bytes"], cfg.n_layers, bw)
-        report["settings"][str(n)] = {
-            "threads": n, "copy_bandwidth_bytes_per_s": bw, "decode_s": decode_s,
-            "tokens_per_s": decode_tokens / decode_s, "phases": phases, "token": token, "layers": layer_cells,
-            "prediction_released": prediction, "tokens": tokens,
-            "round_seconds": [r[0] for r in runs[n]]}
+        report["settings"][str(n)] = _setting_cell(n, runs[n], bandwidth[n], nbytes, cfg, decode_tokens)
     # the top-level phases and token are those of the last setting (every core)
     last = report["settings"][str(thread_settings[-1])]
     report.update(threads=thread_settings[-1], copy_bandwidth_bytes_per_s=last["copy_bandwidth_bytes_per_s"],
@@ -248,6 +215,41 @@ def bench_decode_released(checkpoint: str, *, prompt_tokens: int, decode_tokens:
     log(f"resident memory: {report['end']['rss_bytes'] / 2**30:.2f} GiB now, "
         f"{report['end']['peak_rss_bytes'] / 2**30:.2f} GiB peak")
     return report
+
+
+def _setting_cell(n: int, rounds: list, bw: float, nbytes: dict, cfg, decode_tokens: int) -> dict:
+    """One thread setting's report from its fastest round: per phase, per layer and the token
+    against the bandwidth floor, and the 40-layer prediction."""
+    decode_s, phase_s, layer_s, tokens = min(rounds, key=lambda r: r[0])
+    per_token = {phase: t / decode_tokens for phase, t in phase_s.items()}
+    per_token["other"] = decode_s / decode_tokens - sum(v for k, v in per_token.items() if k != "other")
+    modes = cfg.layer_modes
+    phases = {phase: _floor_cells(per_token[phase], nbytes["phases"][phase], bw) for phase in RELEASED_PHASES}
+    token = _floor_cells(decode_s / decode_tokens, sum(nbytes["phases"].values()), bw)
+    layer_cells = {}
+    for i in range(cfg.n_layers):
+        layer_cells[str(i)] = {"mode": modes[i], **{
+            phase: _floor_cells(layer_s.get((i, phase), 0.0) / decode_tokens, nbytes["layers"][i][phase], bw)
+            for phase in ("attention", "routed experts", "shared expert", "Engram")}}
+    full = [i for i in range(cfg.n_layers) if modes[i] != "reuse"]
+    reuse = [i for i in range(cfg.n_layers) if modes[i] == "reuse"]
+    engram = list(cfg.engram_layer_ids)
+
+    def mean(layers, phase, key):
+        return sum(layer_cells[str(i)][phase][key] for i in layers) / len(layers)
+
+    per_layer_s = {kind: {ph: mean(ls, ph, "seconds") for ph in ("attention", "routed experts", "shared expert")}
+                   for kind, ls in (("full", full), ("reuse", reuse))}
+    per_layer_b = {kind: {ph: mean(ls, ph, "bytes") for ph in ("attention", "routed experts", "shared expert")}
+                   for kind, ls in (("full", full), ("reuse", reuse))}
+    per_layer_s["engram"], per_layer_b["engram"] = mean(engram, "Engram", "seconds"), mean(engram, "Engram", "bytes")
+    prediction = predict_released(per_layer_s, per_layer_b, phases["head"]["seconds"], phases["head"]["bytes"],
+                                  phases["other"]["seconds"], phases["other"]["bytes"], cfg.n_layers, bw)
+    return {
+        "threads": n, "copy_bandwidth_bytes_per_s": bw, "decode_s": decode_s,
+        "tokens_per_s": decode_tokens / decode_s, "phases": phases, "token": token, "layers": layer_cells,
+        "prediction_released": prediction, "tokens": tokens,
+        "round_seconds": [r[0] for r in rounds]}
 
 
 def _log_released(report: dict, thread_settings: Sequence[int], log: Callable[[str], None]) -> None:
