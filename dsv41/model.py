@@ -44,7 +44,8 @@ from .layers import F32_ROW_PAD, Linear, RMSNorm, activation_dtype, f32_linear, 
 from .numerics import Numerics
 from .stores import DictExpertStore, EngramTable, ExpertStore, FetchedExperts, TensorEngramTable  # noqa: F401 (their import path)
 from .token_ids import as_token_ids
-from .trace import EngramRecord, FiniteRecord, ForwardTrace, RoutingRecord
+from .trace import ForwardTrace
+from .hooks import NO_SITES, name_sites, site
 from .vision import IMAGE_END, IMAGE_NEWLINE, IMAGE_START, Aligner, Prompt, ViT, encode_image, write_spans
 from .vision import prepare as prepare_prompt
 
@@ -165,7 +166,14 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (top-k of E, through `experts`) plus the shared expert, summed in float32."""
+    """Routed experts (top-k of E, through `experts`) plus the shared expert, summed in float32.
+
+    Sites (`hooks`): `gate` ((weights, ids) as routed), `routed` and `shared` (around each half,
+    their float32 outputs), and the layer's own (`layers.N.ffn`: its output, with the routing in
+    the context: ids, weights, the input, the image mask, the gate and the experts)."""
+
+    SITES = ("", "gate", "routed", "shared")
+    named_sites = NO_SITES
 
     def __init__(self, cfg, layer: int, *, numerics: Numerics = Numerics()):
         super().__init__()
@@ -175,36 +183,39 @@ class MoE(nn.Module):
         self.gate = Gate(cfg, n_experts, topk, numerics=numerics)
         self.shared_experts = SharedExpert(cfg.dim, cfg.moe_inter_dim, self.swiglu_limit, linear_dtype(cfg))
         self.experts: Optional[RoutedExperts] = None  # see attach_store (not a parameter)
+        self.shared_forward = None  # see attach_store: None runs shared_experts
 
-    def attach_store(self, store: ExpertStore, routed=None) -> None:
+    def attach_store(self, store: ExpertStore, routed=None, shared=None) -> None:
         """Read this layer's routed experts from `store`. Under pad_f32_rows they run
         batch-invariant: the padding's purpose, one arithmetic for any row count, extends to them.
         `routed` builds the routed half instead of `RoutedExperts`, with its constructor's
-        arguments (the expert-parallel group's `distributed.ExpertParallelExperts`)."""
+        arguments (the expert-parallel group's `distributed.ExpertParallelExperts`); `shared`, a
+        function [n, dim] -> [n, dim], computes the shared expert instead of `shared_experts` (a
+        benchmark's other form of it)."""
         self.experts = (routed or RoutedExperts)(self.layer, store, self.swiglu_limit,
                                                  batch_invariant=self.numerics.pad_f32_rows)
+        self.shared_forward = shared
 
-    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None, trace=None,
-                start_pos: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.experts is None:
             raise RuntimeError(f"layer {self.layer}: no routed experts attached (load the model with dsv41.load)")
         shape = x.shape
         flat = x.reshape(-1, self.dim)  # [n, dim]
         weights, ids = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
-        y = self.experts.forward(flat, ids, weights)  # [n, dim] float32
-        y = y + self.shared_experts(flat)
-        if isinstance(trace, ForwardTrace):
-            fetched = getattr(self.experts, "last_fetch", None)  # None: a stand-in without counts
-            images = image_mask is not None and bool(image_mask.any())
-            trace.routing.append(RoutingRecord(
-                self.layer, start_pos, ids.reshape(*shape[:-1], -1).cpu(),
-                weights.reshape(*shape[:-1], -1).detach().cpu(),
-                cache_hits=fetched.hits if fetched is not None else 0,
-                cache_misses=fetched.misses if fetched is not None else 0,
-                image_mask=image_mask.reshape(shape[:-1]).cpu() if images else None,
-                # a second routing with the text bias, for the record only: the forward used the first
-                text_bias_ids=self.gate(flat)[1].reshape(*shape[:-1], -1).cpu() if images else None))
-        return y.to(x.dtype).reshape(shape)
+        gate_site = site(self, "gate")
+        if gate_site:
+            gate_site.exit((weights, ids))
+        routed, shared = site(self, "routed"), site(self, "shared")
+        y = routed.around(self.experts.forward, flat, ids, weights) if routed else \
+            self.experts.forward(flat, ids, weights)  # [n, dim] float32
+        shared_forward = self.shared_forward or self.shared_experts
+        y = y + (shared.around(shared_forward, flat) if shared else shared_forward(flat))
+        out = y.to(x.dtype).reshape(shape)
+        own = site(self, "")
+        if own:
+            own.exit(out, {"ids": ids, "weights": weights, "x": x, "image_mask": image_mask, "gate": self.gate,
+                           "experts": self.experts})
+        return out
 
 
 class Engram(nn.Module):
@@ -213,7 +224,11 @@ class Engram(nn.Module):
     The layer's hash ids pick one table row per column; `wkv` maps the concatenated rows to one
     key per copy plus one shared value. Each copy's gate is sigmoid(signed sqrt(d)) of d, the
     RMS-normalized dot product of the copy with its key (normalized per copy over dim), and the
-    copy receives gate * value."""
+    copy receives gate * value. Its site (`layers.N.engram`) spans the whole update; the exit sees
+    the updated stream with the gates [b, s, hc] in the context."""
+
+    SITES = ("",)
+    named_sites = NO_SITES
 
     def __init__(self, cfg, layer: int, n_hash_cols: int):
         super().__init__()
@@ -225,9 +240,11 @@ class Engram(nn.Module):
         self.k_weight = param(torch.ones(cfg.hc_mult, cfg.dim, dtype=act))
         self.table: Optional[EngramTable] = None  # attached by the loader (not a parameter)
 
-    def forward(self, x: torch.Tensor, hash_ids: torch.Tensor, token_mask: Optional[torch.Tensor] = None,
-                trace=None, start_pos: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hash_ids: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [b, s, hc, dim]; hash_ids [b, s, n_hash_cols]; token_mask [b, s] (False: no update)."""
+        own = site(self, "")
+        if own:
+            own.enter()
         if self.table is None:
             raise RuntimeError(f"layer {self.layer}: no Engram table attached (load the model with dsv41.load)")
         rows, scales = self.table.gather(hash_ids.to(torch.long))  # [b, s, cols, D], [b, s, cols, D/32]
@@ -238,9 +255,10 @@ class Engram(nn.Module):
         gate = engram_gate(x, key, self.q_weight.float() * self.k_weight.float(), self.eps)  # [b, s, hc]
         if token_mask is not None:
             gate = gate.masked_fill(~token_mask.unsqueeze(-1), 0)
-        if isinstance(trace, ForwardTrace):
-            trace.engram.append(EngramRecord(self.layer, start_pos, gate.detach().cpu()))
-        return (x.float() + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(x.dtype)
+        out = (x.float() + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(x.dtype)
+        if own:
+            own.exit(out, {"gate": gate})
+        return out
 
 
 def engram_gate(x: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -283,15 +301,17 @@ def identity_pre(batch: int, seq: int, hc_mult: int, device=None) -> torch.Tenso
     return pre
 
 
-def record_finite(trace, layer: Optional[int], site: str, start_pos: int, out: torch.Tensor) -> None:
-    if isinstance(trace, ForwardTrace) and trace.check_finite:
-        trace.finite.append(FiniteRecord(layer, site, start_pos, bool(torch.isfinite(out).all())))
-
-
 # ---------------------------------------------------------------------- the stack
 class Block(nn.Module):
     """Engram (at its layers), then attention and the MoE, each between a hyper-connection
-    collapse and expansion. Parameter names are the checkpoint's (`layers.N.` + name)."""
+    collapse and expansion. Parameter names are the checkpoint's (`layers.N.` + name).
+
+    Sites: `resid_pre` (the stream [b, s, hc, dim] after Engram: what the attention site reads and
+    a draft stack is fed), `attn` (around attention, its output [b, s, dim]), `resid_mid` (after
+    the attention site's expansion) and `resid_post` (after the FFN site's)."""
+
+    SITES = ("resid_pre", "attn", "resid_mid", "resid_post")
+    named_sites = NO_SITES
 
     attention_type = Attention  # a draft stage's block attends another way (dspark.DraftAttention)
 
@@ -326,38 +346,44 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, start_pos: int, pre: torch.Tensor, runtime: AttentionRuntime,
                 hash_ids: Optional[torch.Tensor] = None, image_mask: Optional[torch.Tensor] = None,
-                trace=None, main_hiddens: Optional[list] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                trace=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, s, hc, dim], pre [b, s, hc] (from the previous block) -> (x, the next block's pre).
-        A block that `feeds_draft` appends its input, averaged over the copies, to `main_hiddens`.
+        `trace` reaches attention only (the block's own observers subscribe to its sites).
 
         hash_ids [b, s, n_hash_cols] for an Engram layer; image_mask [b, s] True inside image spans
         (their routing uses bias_vl and they get no Engram update)."""
         if self.engram is not None:
             if hash_ids is None:
                 raise ValueError(f"layer {self.layer} is an Engram layer and needs its hash ids")
-            x = self.engram(x, hash_ids, None if image_mask is None else ~image_mask, trace, start_pos)
-            record_finite(trace, self.layer, "engram", start_pos, x)
-        if main_hiddens is not None and self.feeds_draft:
-            main_hiddens.append(x.mean(dim=2))  # the draft stack reads this layer's input, copies averaged
-        return self.sites(x, pre, lambda h: self.attn(h, start_pos, runtime, trace), image_mask, trace, start_pos)
+            x = self.engram(x, hash_ids, None if image_mask is None else ~image_mask)
+        resid_pre = site(self, "resid_pre")
+        if resid_pre:
+            resid_pre.exit(x)
+        return self.sites(x, pre, lambda h: self.attn(h, start_pos, runtime, trace), image_mask, None, start_pos)
 
     def sites(self, x: torch.Tensor, pre: torch.Tensor, attend, image_mask: Optional[torch.Tensor], trace,
               start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention site (`attend`: [b, s, dim] -> [b, s, dim]) and the FFN site, each between a
-        collapse and an expansion -> (x, the next block's pre)."""
+        collapse and an expansion -> (x, the next block's pre). `trace` and `start_pos` are unused
+        (observers subscribe to the named sites); the draft block still passes them."""
         residual = x
         attn_pre, post, comb = self.mixes(x, "attn")
         h = self.attn_norm(hc_pre(x, pre))  # [b, s, dim]
-        h = attend(h)
+        attn = site(self, "attn")
+        h = attn.around(attend, h) if attn else attend(h)
         x = hc_post(h, residual, post, comb)  # [b, s, hc, dim]
-        record_finite(trace, self.layer, "attention", start_pos, x)
+        resid_mid = site(self, "resid_mid")
+        if resid_mid:
+            resid_mid.exit(x)
 
         residual = x
         ffn_pre, post, comb = self.mixes(x, "ffn")
         h = self.ffn_norm(hc_pre(x, attn_pre))
-        h = self.ffn(h, image_mask, trace, start_pos)
+        h = self.ffn(h, image_mask)
         x = hc_post(h, residual, post, comb)
-        record_finite(trace, self.layer, "ffn", start_pos, x)
+        resid_post = site(self, "resid_post")
+        if resid_post:
+            resid_post.exit(x)
         return x, ffn_pre
 
     def reset_state(self) -> None:
@@ -374,7 +400,11 @@ class Embedding(nn.Module):
 
 
 class Head(nn.Module):
-    """The output projection, held in float32 (stored bf16) so the logits come out float32."""
+    """The output projection, held in float32 (stored bf16) so the logits come out float32. Its
+    site (`head`) spans the projection; the exit sees the logits."""
+
+    SITES = ("",)
+    named_sites = NO_SITES
 
     def __init__(self, vocab_size: int, dim: int, *, numerics: Numerics = Numerics()):
         super().__init__()
@@ -383,9 +413,15 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
         """x [b, s, dim] -> float32 [b, vocab] for the last position ([b, s, vocab] with all_positions)."""
+        own = site(self, "")
+        if own:
+            own.enter()
         if not all_positions:
             x = x[:, -1]
-        return f32_linear(x, self.weight, pad_f32_rows=self.pad_f32_rows)
+        logits = f32_linear(x, self.weight, pad_f32_rows=self.pad_f32_rows)
+        if own:
+            own.exit(logits)
+        return logits
 
 
 class Backbone(nn.Module):
@@ -394,7 +430,11 @@ class Backbone(nn.Module):
     Holds only dense parameters, named as in the checkpoint; routed experts and Engram tables are
     attached by `Model.attach`. `max_batch_size` and `max_seq_len` size the attention caches,
     `cache_format` says how they hold their values (`attention.QuantizedCache`); `numerics` reaches
-    every layer that reads it."""
+    every layer that reads it. `site_registry` holds the named sites of everything under it
+    (`hooks`); its own is `embed` (the embedding, image spans written)."""
+
+    SITES = ("embed",)
+    named_sites = NO_SITES
 
     def __init__(self, cfg, *, numerics: Numerics = Numerics(), max_batch_size: int = 1, max_seq_len: int = 4096,
                  cache_format: str = "packed"):
@@ -414,6 +454,7 @@ class Backbone(nn.Module):
                 setattr(self, name, param(torch.zeros(cfg.dim, dtype=activation_dtype(cfg))))
         self.feeds_draft = False  # collect main_hidden for a draft stack (Model.attach_draft)
         self.main_hidden: Optional[torch.Tensor] = None  # the last forward's, when feeds_draft
+        self.site_registry = name_sites(self)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start_pos: int, runtime: AttentionRuntime,
@@ -422,26 +463,39 @@ class Backbone(nn.Module):
         """input_ids [b, s] -> float32 logits [b, vocab] of the last position ([b, s, vocab] with
         all_positions). hash_ids [b, s, n_engram_layers, n_hash_cols] from the n-gram hasher;
         `images` (batch 1): the `vision.ImageInput`s whose spans this call holds, written over the
-        embedding (their `features` encoded here when not yet set)."""
+        embedding (their `features` encoded here when not yet set). A `ForwardTrace` subscribes its
+        recorders to the sites for this call; attention still takes `trace` itself."""
+        feed = _DraftFeed() if self.feeds_draft else None
+        observers = {} if feed is None else {f"layers.{b.layer}.resid_pre": feed for b in self.layers if b.feeds_draft}
+        if isinstance(trace, ForwardTrace):
+            observers.update(trace.observers(start_pos))
+        args = (input_ids, start_pos, runtime, hash_ids, image_mask, trace, all_positions, images)
+        if not observers:
+            logits = self._run(*args)
+        else:
+            with self.site_registry.hooks(observers, strict=False):
+                logits = self._run(*args)
+        # [b, s, dim * n_targets], the target layers in layer order: what the draft stack reads
+        self.main_hidden = torch.cat(feed.rows, dim=-1) if feed is not None and feed.rows else None
+        return logits
+
+    def _run(self, input_ids, start_pos, runtime, hash_ids, image_mask, trace, all_positions, images):
         bsz, seqlen = input_ids.shape
         h = self.embed(input_ids)  # [b, s, dim]
         if images:
             write_spans(h, [image if image.features is not None else replace(
                 image, features=self.encode_image(image)) for image in images],
                 {IMAGE_START: self.image_start, IMAGE_NEWLINE: self.image_newline, IMAGE_END: self.image_end})
-        record_finite(trace, None, "embedding", start_pos, h)
+        embed = site(self, "embed")
+        if embed:
+            embed.exit(h)
         h = h.unsqueeze(2).repeat(1, 1, self.hc_mult, 1)  # [b, s, hc, dim]: equal copies
         pre = identity_pre(bsz, seqlen, self.hc_mult, h.device)
-        main_hiddens = [] if self.feeds_draft else None
         for block in self.layers:
             ids = hash_ids[:, :, block.engram_index] if block.engram is not None and hash_ids is not None else None
-            h, pre = block(h, start_pos, pre, runtime, ids, image_mask, trace, main_hiddens)
-        # [b, s, dim * n_targets], the target layers in layer order: what the draft stack reads
-        self.main_hidden = torch.cat(main_hiddens, dim=-1) if main_hiddens else None
+            h, pre = block(h, start_pos, pre, runtime, ids, image_mask, trace)
         h = self.norm(hc_pre(h, pre))  # the last block's FFN pre is the final collapse
-        logits = self.head(h, all_positions)
-        record_finite(trace, None, "head", start_pos, logits)
-        return logits
+        return self.head(h, all_positions)
 
     def reset_state(self) -> None:
         for block in self.layers:
@@ -453,6 +507,16 @@ class Backbone(nn.Module):
         if not hasattr(self, "vision"):
             raise ValueError("this model has no vision tower (the config's vision_n_layers is 0)")
         return encode_image(self.vision, self.aligner, image)
+
+
+class _DraftFeed:
+    """Collects the draft stack's target layers' inputs during a forward, copies averaged."""
+
+    def __init__(self):
+        self.rows: list = []
+
+    def __call__(self, name: str, value: torch.Tensor, context: dict) -> None:
+        self.rows.append(value.mean(dim=2))  # [b, s, dim]
 
 
 # ---------------------------------------------------------------------- the runtime root
@@ -550,6 +614,22 @@ class Model:
         (`experts.counters`). The sequence itself is left as it is."""
         self.experts.clear()
         self.experts.counters.reset()
+
+    @property
+    def sites(self):
+        """The named sites of the forward (`hooks.Sites`: name -> Site, in forward order)."""
+        return self.backbone.site_registry
+
+    def hooks(self, observers):
+        """`with model.hooks({pattern: observer, ...}):` observers subscribed for the block."""
+        return self.backbone.site_registry.hooks(observers)
+
+    def run_with_hooks(self, input_ids, start_pos: int = 0, **kw):
+        """(logits, `hooks.ActivationCache` of the named sites' values) of one call; see
+        `hooks.run_with_hooks` for `names`, `observers` and `to_cpu`."""
+        from .hooks import run_with_hooks
+
+        return run_with_hooks(self, input_ids, start_pos, **kw)
 
     @_any_grad_mode
     def __call__(self, input_ids, start_pos: int = 0, *, trace=None, image_mask=None,

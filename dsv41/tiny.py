@@ -191,27 +191,16 @@ def write_tiny_checkpoint(out_dir, seed: int = 0, progress: bool | None = False,
 
 def _write_files(folder: Path, seed: int, progress: bool | None) -> None:
     """Every file of the checkpoint but the manifest, into the empty `folder`."""
-    from dsv41.config import write_config_pair
-    from dsv41.formats import save_safetensors
-    from dsv41.headers import write_index
-    from dsv41.inventory import expected_tensors, shard_names
-    from dsv41.tokenizer import build_tiny_tokenizer, tokenizer_config
+    import torch
+
+    from dsv41.synthetic import write_release_layout
+    from dsv41.tokenizer import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     cfg = tiny_config(tokenizer)
     problems = cfg.verify()
     if problems:
         raise RuntimeError(f"the tiny config does not verify: {'; '.join(problems)}")
-    specs = expected_tensors(cfg)
-    by_name = {s.name: s for s in specs}
-    shards = shard_names(cfg)
-    per_shard: dict[str, list] = {name: [] for name in shards}
-    for spec in specs:
-        per_shard[spec.shard].append(spec)
-
-    import torch
-    from tqdm import tqdm
-
     if progress is None:
         progress = sys.stderr.isatty()
     # Every tensor here is small, so intra-op threads cost more in hand-offs than they win, and on a
@@ -219,18 +208,10 @@ def _write_files(folder: Path, seed: int, progress: bool | None) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with tqdm(total=len(shards), desc="make-tiny", unit="shard", file=sys.stderr, disable=not progress) as bar:
-            for shard in shards:
-                save_safetensors(_shard_tensors(per_shard[shard], by_name, seed), str(folder / shard))
-                bar.update(1)
+        write_release_layout(str(folder), cfg, lambda specs, by_name: _shard_tensors(specs, by_name, seed),
+                             tokenizer=tokenizer, progress="make-tiny" if progress else None)
     finally:
         torch.set_num_threads(threads)
-
-    write_index(str(folder), specs)
-    write_config_pair(cfg, str(folder))
-    (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(cfg), indent=2) + "\n",
-                                                  encoding="utf-8")
 
 
 def _build_beside(target: Path, seed: int, progress: bool | None) -> Path:
@@ -336,7 +317,7 @@ def content_version() -> str:
     here = Path(__file__).resolve().parent
     h = hashlib.sha256(f"writer {WRITER_VERSION}".encode())
     for rel in ("config.py", "inventory.py", "headers.py", "engram.py", "tokenizer.py", "formats.py",
-                "kernels/codecs.py", "tiny.py", "data/corpus.txt"):
+                "kernels/codecs.py", "tiny.py", "synthetic.py", "data/corpus.txt"):
         path = here / rel
         h.update(rel.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"(absent)") + b"\0")
     for lib in ("torch", "numpy", "tokenizers", "safetensors"):

@@ -198,6 +198,15 @@ class ForwardTrace(Trace):
         self.engram.clear()
         self.finite.clear()
 
+    def observers(self, start_pos: int) -> dict:
+        """{site pattern: observer} that fill this trace's routing and Engram records (and, with
+        check_finite, its finite records) from one forward at `start_pos` (`hooks`)."""
+        recorder = _Recorder(self, start_pos)
+        patterns = ["layers.*.ffn", "layers.*.engram"]
+        if self.check_finite:
+            patterns += ["embed", "layers.*.resid_mid", "layers.*.resid_post", "head"]
+        return dict.fromkeys(patterns, recorder)
+
     def routing_by_layer(self) -> dict[int, dict[str, torch.Tensor]]:
         """Per layer: 'positions' [n], 'expert_ids' [b, n, k], 'weights' [b, n, k] over all calls;
         'image_mask' [b, n] (image-span tokens) and 'text_bias_ids' [b, n, k] (the text bias's choice,
@@ -216,6 +225,46 @@ class ForwardTrace(Trace):
     def engram_by_layer(self) -> dict[int, dict[str, torch.Tensor]]:
         """Per Engram layer: 'positions' [n], 'gate' [b, n, hc] over all calls."""
         return _by_layer(self.engram, ("gate",))
+
+
+# site (the last part of its name) -> the FiniteRecord site it is checked as
+_FINITE_SITES = {"embed": "embedding", "engram": "engram", "resid_mid": "attention", "resid_post": "ffn",
+                 "head": "head"}
+
+
+class _Recorder:
+    """A ForwardTrace's observer for one forward: routing at each MoE's site, gates at each
+    Engram's, and a finite check wherever it is subscribed among `_FINITE_SITES`."""
+
+    def __init__(self, trace: ForwardTrace, start_pos: int):
+        self.trace, self.start_pos = trace, start_pos
+
+    def __call__(self, name: str, value, context: dict) -> None:
+        parts = name.split(".")
+        layer = int(parts[1]) if parts[0] == "layers" else None
+        kind = parts[-1]
+        if kind == "ffn":
+            self.trace.routing.append(_routing_record(layer, self.start_pos, context))
+        elif kind == "engram":
+            self.trace.engram.append(EngramRecord(layer, self.start_pos, context["gate"].detach().cpu()))
+        if self.trace.check_finite and kind in _FINITE_SITES:
+            self.trace.finite.append(FiniteRecord(layer, _FINITE_SITES[kind], self.start_pos,
+                                                  bool(torch.isfinite(value).all())))
+
+
+def _routing_record(layer: int, start_pos: int, context: dict) -> RoutingRecord:
+    """One MoE call's record from its site's context (see `model.MoE`)."""
+    x, ids, weights, image_mask = context["x"], context["ids"], context["weights"], context["image_mask"]
+    lead = x.shape[:-1]  # [b, s]
+    fetched = getattr(context["experts"], "last_fetch", None)  # None: a stand-in without counts
+    images = image_mask is not None and bool(image_mask.any())
+    return RoutingRecord(
+        layer, start_pos, ids.reshape(*lead, -1).cpu(), weights.reshape(*lead, -1).detach().cpu(),
+        cache_hits=fetched.hits if fetched is not None else 0,
+        cache_misses=fetched.misses if fetched is not None else 0,
+        image_mask=image_mask.reshape(lead).cpu() if images else None,
+        # a second routing with the text bias, for the record only: the forward used the first
+        text_bias_ids=context["gate"](x.reshape(-1, x.shape[-1]))[1].reshape(*lead, -1).cpu() if images else None)
 
 
 def _by_layer(records, names) -> dict[int, dict[str, torch.Tensor]]:
@@ -450,7 +499,7 @@ _SCALARS = {
                       "candidates_from": _optional(_LAYER), "wrote_compressed": _flag},
     RoutingRecord: {"layer": _LAYER, "start_pos": _POSITION, "cache_hits": _COUNT, "cache_misses": _COUNT},
     EngramRecord: {"layer": _LAYER, "start_pos": _POSITION},
-    # the sites model.record_finite is called at
+    # the sites a ForwardTrace checks (its _FINITE_SITES)
     FiniteRecord: {"layer": _optional(_LAYER), "site": _one_of("embedding", "engram", "attention", "ffn", "head"),
                    "start_pos": _POSITION, "finite": _flag},
     StepRecord: {"position": _POSITION, "token": _whole(0, VALUE_BOUNDS["vocab_size"][1] - 1, "a token id"),

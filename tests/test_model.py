@@ -233,11 +233,12 @@ def test_engram_layer_adds_gated_value_and_respects_the_mask():
     init_random_(layer.wkv, 9)
     x = torch.randn(1, 3, cfg.hc_mult, cfg.dim, generator=gen).to(torch.bfloat16)
     ids = torch.randint(0, rows, (1, 3, cols), generator=gen)
-    from dsv41.trace import ForwardTrace
+    from dsv41.hooks import name_sites
 
-    trace = ForwardTrace()
-    out = layer(x, ids, trace=trace)
-    gate = trace.engram[0].gate  # [1, 3, hc]
+    gates = []  # the layer's site sees its gates in the context
+    with name_sites(layer).hooks({"": lambda name, value, context: gates.append(context["gate"])}):
+        out = layer(x, ids)
+    gate = gates[0]  # [1, 3, hc]
     assert gate.shape == (1, 3, cfg.hc_mult) and ((gate > 0) & (gate < 1)).all()
     mask = torch.tensor([[True, False, True]])
     masked = layer(x, ids, token_mask=mask)
