@@ -435,38 +435,9 @@ def policy_data(source, *, policies: Sequence[str] = POLICIES, capacities: Optio
     [policy][size], bytes_per_miss and geometry, lookups / decode_lookups / distinct per layer,
     tokens / decode_tokens, warmup (its source and calls, the ranking per layer), recorded (the run's
     own hits and misses per layer) and capacity."""
-    policies = [_check_policy(p) for p in policies]
-    if not policies:
-        raise ValueError("name at least one policy")
-    source = _loaded(source)
-    meta = _source_meta(source)
-    calls = routing_calls(source)
-    if not calls:
-        raise ValueError("the trace holds no routing records (no MoE layer ran)")
-    layers = list(calls)
-    seen = max((e for per in calls.values() for c in per for e in c.lookups), default=-1)
-    lowest = min((e for per in calls.values() for c in per for e in c.lookups), default=0)
-    n_experts = experts_per_layer(source, n_experts, calls=calls)
-    if lowest < 0:
-        raise ValueError(f"the trace routes to expert {lowest:,}; expert ids start at 0")
-    if seen >= n_experts:
-        raise ValueError(f"the trace routes to expert {seen}, beyond the {n_experts} experts per layer given")
-    sizes = sorted({int(c) for c in (capacities if capacities is not None else range(n_experts + 1))})
-    for c in sizes:
-        _check_capacity(c)
-    if capacity is None and isinstance(meta.get("expert_cache"), int):
-        capacity = meta["expert_cache"]
-
-    if isinstance(warmup, bool) or not isinstance(warmup, int):
-        warm_calls = routing_calls(_loaded(warmup))
-        warm_desc = {"source": "a second trace", "calls": {str(layer): len(warm_calls.get(layer, [])) for layer in layers}}
-    else:
-        if warmup < 1:
-            raise ValueError(f"the warm-up is the first N >= 1 calls of the trace, got {warmup}")
-        warm_calls = {layer: calls[layer][:warmup] for layer in layers}
-        warm_desc = {"source": f"the first {warmup} call{'s' if warmup > 1 else ''} of this trace",
-                     "calls": {str(layer): len(warm_calls[layer]) for layer in layers}}
-    rankings = {layer: static_ranking(warm_calls.get(layer, []), n_experts) for layer in layers}
+    policies, calls, layers, n_experts, sizes, capacity = _replay_inputs(source, policies, capacities, n_experts,
+                                                                         capacity)
+    rankings, warm_desc = _warmup_rankings(warmup, calls, layers, n_experts)
 
     flat = {layer: [e for c in calls[layer] for e in c.lookups] for layer in layers}
     is_decode = {layer: [c.decode for c in calls[layer] for _ in c.lookups] for layer in layers}
@@ -475,17 +446,7 @@ def policy_data(source, *, policies: Sequence[str] = POLICIES, capacities: Optio
     first = calls[layers[0]]
     tokens = sum(c.seqlen for c in first)
     decode_tokens = sum(c.seqlen for c in first if c.decode)
-
-    hits: dict[str, list[list[int]]] = {}
-    decode_hits: dict[str, list[list[int]]] = {}
-    for policy in policies:
-        hits[policy], decode_hits[policy] = [], []
-        for layer in layers:
-            depths = hit_depths(policy, flat[layer], rankings[layer])
-            all_row, dec_row = _hits_by_size(depths, sizes), _hits_by_size(
-                [d for d, dec in zip(depths, is_decode[layer]) if dec], sizes)
-            hits[policy].append(all_row)
-            decode_hits[policy].append(dec_row)
+    hits, decode_hits = _replayed_hits(policies, layers, flat, is_decode, rankings, sizes)
 
     bytes_per_miss = expert_bytes(cfg)
     total, total_decode = sum(lookups), sum(decode_lookups)
@@ -508,6 +469,71 @@ def policy_data(source, *, policies: Sequence[str] = POLICIES, capacities: Optio
         "recorded": {"hits": [sum(c.hits for c in calls[layer]) for layer in layers],
                      "misses": [sum(c.misses for c in calls[layer]) for layer in layers]},
     }
+    _add_disk_bytes(data, policies, bytes_per_miss, tokens, decode_tokens)
+    recorded = sum(data["recorded"]["hits"]) + sum(data["recorded"]["misses"])
+    data["recorded_hit_rate"] = sum(data["recorded"]["hits"]) / recorded if recorded else None
+    return data
+
+
+def _replay_inputs(source, policies, capacities, n_experts, capacity):
+    """`policy_data`'s arguments checked against the trace: (policies, calls per layer, layers,
+    experts per layer, ascending cache sizes, the size the run used)."""
+    policies = [_check_policy(p) for p in policies]
+    if not policies:
+        raise ValueError("name at least one policy")
+    source = _loaded(source)
+    meta = _source_meta(source)
+    calls = routing_calls(source)
+    if not calls:
+        raise ValueError("the trace holds no routing records (no MoE layer ran)")
+    layers = list(calls)
+    seen = max((e for per in calls.values() for c in per for e in c.lookups), default=-1)
+    lowest = min((e for per in calls.values() for c in per for e in c.lookups), default=0)
+    n_experts = experts_per_layer(source, n_experts, calls=calls)
+    if lowest < 0:
+        raise ValueError(f"the trace routes to expert {lowest:,}; expert ids start at 0")
+    if seen >= n_experts:
+        raise ValueError(f"the trace routes to expert {seen}, beyond the {n_experts} experts per layer given")
+    sizes = sorted({int(c) for c in (capacities if capacities is not None else range(n_experts + 1))})
+    for c in sizes:
+        _check_capacity(c)
+    if capacity is None and isinstance(meta.get("expert_cache"), int):
+        capacity = meta["expert_cache"]
+    return policies, calls, layers, n_experts, sizes, capacity
+
+
+def _warmup_rankings(warmup, calls, layers, n_experts):
+    """(the static policy's ranking per layer, a description of the calls it was ranked on)."""
+    if isinstance(warmup, bool) or not isinstance(warmup, int):
+        warm_calls = routing_calls(_loaded(warmup))
+        warm_desc = {"source": "a second trace", "calls": {str(layer): len(warm_calls.get(layer, [])) for layer in layers}}
+    else:
+        if warmup < 1:
+            raise ValueError(f"the warm-up is the first N >= 1 calls of the trace, got {warmup}")
+        warm_calls = {layer: calls[layer][:warmup] for layer in layers}
+        warm_desc = {"source": f"the first {warmup} call{'s' if warmup > 1 else ''} of this trace",
+                     "calls": {str(layer): len(warm_calls[layer]) for layer in layers}}
+    rankings = {layer: static_ranking(warm_calls.get(layer, []), n_experts) for layer in layers}
+    return rankings, warm_desc
+
+
+def _replayed_hits(policies, layers, flat, is_decode, rankings, sizes):
+    """(hits, decode hits) [policy][layer][size]: each layer's lookups replayed through each policy."""
+    hits: dict[str, list[list[int]]] = {}
+    decode_hits: dict[str, list[list[int]]] = {}
+    for policy in policies:
+        hits[policy], decode_hits[policy] = [], []
+        for layer in layers:
+            depths = hit_depths(policy, flat[layer], rankings[layer])
+            all_row, dec_row = _hits_by_size(depths, sizes), _hits_by_size(
+                [d for d, dec in zip(depths, is_decode[layer]) if dec], sizes)
+            hits[policy].append(all_row)
+            decode_hits[policy].append(dec_row)
+    return hits, decode_hits
+
+
+def _add_disk_bytes(data: dict, policies, bytes_per_miss: int, tokens: int, decode_tokens: int) -> None:
+    """The disk bytes (and MiB) per token and per decode token each policy and size would read."""
     data["disk_bytes_per_token"] = {p: [m * bytes_per_miss / tokens if tokens else None for m in data["misses"][p]]
                                     for p in policies}
     data["disk_bytes_per_decode_token"] = {
@@ -516,9 +542,6 @@ def policy_data(source, *, policies: Sequence[str] = POLICIES, capacities: Optio
     for unit in ("token", "decode_token"):
         data[f"disk_mib_per_{unit}"] = {p: [None if b is None else b / MIB for b in data[f"disk_bytes_per_{unit}"][p]]
                                         for p in policies}
-    recorded = sum(data["recorded"]["hits"]) + sum(data["recorded"]["misses"])
-    data["recorded_hit_rate"] = sum(data["recorded"]["hits"]) / recorded if recorded else None
-    return data
 
 
 def _hits_by_size(depths: Sequence[Optional[int]], sizes: Sequence[int]) -> list[int]:
@@ -569,7 +592,7 @@ def _int_list(text: str, what: str) -> list[int]:
     return values
 
 
-def cli_main(argv: list[str]) -> int:
+def _replay_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv41 replay", description=(
         "Replay a saved trace's routing (GenerationTrace.save) through expert-cache policies: hit rate and the "
         "disk bytes per token each policy and cache size (experts per layer) would read, a miss priced at one "
@@ -586,7 +609,49 @@ def cli_main(argv: list[str]) -> int:
                         help="routed experts per layer (default: the trace's, else its largest id + 1)")
     parser.add_argument("--config", metavar="PATH", help="price a miss on this config's geometry (default: the release)")
     parser.add_argument("--json", metavar="OUT", help="also write every size's numbers as JSON here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _replay_choices(args) -> tuple[list[int], list[str]]:
+    """(the cache sizes to print, the policies) from the command line; ValueError on a bad value."""
+    wanted = _int_list(args.capacity, "--capacity")
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    if not policies or any(p not in POLICIES for p in policies):
+        raise ValueError(f"--policy takes some of {','.join(POLICIES)}, got {args.policy!r}")
+    if args.warmup < 1:
+        raise ValueError(f"--warmup must be at least 1, got {args.warmup}")
+    if args.experts is not None and not 1 <= args.experts <= MAX_EXPERTS:
+        raise ValueError(f"--experts must be from 1 to {MAX_EXPERTS:,} (the most routed experts a config may "
+                         f"have), got {args.experts:,}")
+    return wanted, policies
+
+
+def _print_replay(trace_path: str, data: dict, policies: list[str], wanted: list[int]) -> None:
+    print(f"{trace_path}: {len(data['layers'])} MoE layers, {data['calls']} calls, {data['tokens']} tokens "
+          f"({data['decode_tokens']} decoded), {sum(data['lookups']):,} lookups of {data['n_experts']} experts per layer; "
+          f"a miss reads {data['bytes_per_miss']:,} bytes ({data['mib_per_miss']:.2f} MiB)")
+    header = f"{'policy':<8} {'capacity':>8} {'hit rate':>9} {'misses':>9} {'MiB/token':>10} {'MiB/decode token':>17}"
+    print(header)
+    print("-" * len(header))
+    for policy in policies:
+        for c in wanted:
+            row = at_capacity(data, policy, c)
+            print(f"{policy:<8} {c:>8} {_fmt(row['hit_rate'], '.4f'):>9} {row['misses']:>9,} "
+                  f"{_fmt(row['disk_mib_per_token'], ',.1f'):>10} {_fmt(row['disk_mib_per_decode_token'], ',.1f'):>17}")
+
+
+def _write_replay_json(path: str, data: dict, wanted: list[int]) -> None:
+    from .viz import to_jsonable
+
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(to_jsonable({**data, "requested_capacities": wanted}), f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def cli_main(argv: list[str]) -> int:
+    args = _replay_parser().parse_args(argv)
 
     def usage(message: str) -> int:
         print(f"dsv41 replay: {message} (see --help)", file=sys.stderr)
@@ -597,15 +662,7 @@ def cli_main(argv: list[str]) -> int:
         return 1
 
     try:
-        wanted = _int_list(args.capacity, "--capacity")
-        policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-        if not policies or any(p not in POLICIES for p in policies):
-            raise ValueError(f"--policy takes some of {','.join(POLICIES)}, got {args.policy!r}")
-        if args.warmup < 1:
-            raise ValueError(f"--warmup must be at least 1, got {args.warmup}")
-        if args.experts is not None and not 1 <= args.experts <= MAX_EXPERTS:
-            raise ValueError(f"--experts must be from 1 to {MAX_EXPERTS:,} (the most routed experts a config may "
-                             f"have), got {args.experts:,}")
+        wanted, policies = _replay_choices(args)
     except ValueError as exc:
         return usage(str(exc))
 
@@ -629,26 +686,10 @@ def cli_main(argv: list[str]) -> int:
     except MemoryError:
         return fail(f"{args.trace} is too large to replay in this machine's memory")
 
-    print(f"{args.trace}: {len(data['layers'])} MoE layers, {data['calls']} calls, {data['tokens']} tokens "
-          f"({data['decode_tokens']} decoded), {sum(data['lookups']):,} lookups of {data['n_experts']} experts per layer; "
-          f"a miss reads {data['bytes_per_miss']:,} bytes ({data['mib_per_miss']:.2f} MiB)")
-    header = f"{'policy':<8} {'capacity':>8} {'hit rate':>9} {'misses':>9} {'MiB/token':>10} {'MiB/decode token':>17}"
-    print(header)
-    print("-" * len(header))
-    for policy in policies:
-        for c in wanted:
-            row = at_capacity(data, policy, c)
-            print(f"{policy:<8} {c:>8} {_fmt(row['hit_rate'], '.4f'):>9} {row['misses']:>9,} "
-                  f"{_fmt(row['disk_mib_per_token'], ',.1f'):>10} {_fmt(row['disk_mib_per_decode_token'], ',.1f'):>17}")
+    _print_replay(args.trace, data, policies, wanted)
     if args.json:
-        from .viz import to_jsonable
-
         try:
-            directory = os.path.dirname(os.path.abspath(args.json))
-            os.makedirs(directory, exist_ok=True)
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(to_jsonable({**data, "requested_capacities": wanted}), f, indent=2, sort_keys=True)
-                f.write("\n")
+            _write_replay_json(args.json, data, wanted)
         except OSError as exc:
             return fail(f"cannot write {args.json}: {exc.strerror or exc}")
     return 0

@@ -23,7 +23,7 @@ LAYERS = [
     ["model", "sequence", "vision", "dspark", "distributed"],
     ["generate", "speculative", "conversation"],
     ["loader", "report"],
-    ["csa2_stats", "csa2_stack", "cache_policy", "viz", "bench", "notebooks", "lab", "cli", "__main__"],
+    ["csa2_stats", "csa2_stack", "cache_policy", "viz", "bench", "notebooks", "notebook_engine", "lab", "cli", "__main__"],
 ]
 # (importer, imported): the upward lookups the rule allows, each named in the document
 ALLOWED_UPWARD = {("model", "generate"), ("model", "conversation")}

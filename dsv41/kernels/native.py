@@ -136,23 +136,44 @@ class NativeKernels:
             return [(out, None, None) for out in outs]
 
         shapes = f"K={k} act_block={act_block}"
-        threads = torch.get_num_threads()
         dtype = torch.bfloat16 if bf16 else torch.float32
+        values, a_top, a_low = self._decoded_activations(a, a_scale, act_block, dtype, shapes)
+        tops = [self._scale_range(w_scale, shapes) for _, w_scale in weights]
+        out_t, first_rows = self._decoded_products(fp4, values, weights, tops, rows_per_scale, chunk_values,
+                                                   dtype, shapes)
+        return self._scaled_products(out_t, weights, tops, first_rows, a_top, a_low, rows_per_scale, span,
+                                     bf16, shapes)
+
+    def _decoded_activations(self, a, a_scale, act_block: int, dtype, shapes: str):
+        """The activations decoded to `dtype` values [M, K] (dsv41_activation) and each token's scale
+        exponent range [M], as `split_powers` takes it."""
+        m, k = a.shape
         values = self._workspace("activations", m, k, dtype)
         a_top, a_low = torch.empty(m, dtype=torch.int32), torch.empty(m, dtype=torch.int32)
         self._check(self._lib.dsv41_activation(a.data_ptr(), a_scale.data_ptr(), m, k, act_block, values.data_ptr(),
-                                                a_top.data_ptr(), a_low.data_ptr(), int(bf16)), shapes)
-        tops = []
-        for packed, w_scale in weights:
-            scale_rows, blocks = w_scale.shape
-            w_top, w_low = torch.empty(scale_rows, dtype=torch.int32), torch.empty(scale_rows, dtype=torch.int32)
-            self._check(self._lib.dsv41_scale_range(w_scale.data_ptr(), scale_rows, blocks, w_top.data_ptr(),
-                                                     w_low.data_ptr()), shapes)
-            tops.append((w_top, w_low))
+                                                a_top.data_ptr(), a_low.data_ptr(), int(dtype == torch.bfloat16)),
+                    shapes)
+        return values, a_top, a_low
 
+    def _scale_range(self, w_scale, shapes: str):
+        """The scale exponent range of each scale row of one weight (dsv41_scale_range), as
+        `split_powers` takes it."""
+        scale_rows, blocks = w_scale.shape
+        w_top, w_low = torch.empty(scale_rows, dtype=torch.int32), torch.empty(scale_rows, dtype=torch.int32)
+        self._check(self._lib.dsv41_scale_range(w_scale.data_ptr(), scale_rows, blocks, w_top.data_ptr(),
+                                                 w_low.data_ptr()), shapes)
+        return w_top, w_low
+
+    def _decoded_products(self, fp4: bool, values, weights: list, tops: list, rows_per_scale: int,
+                          chunk_values: int, dtype, shapes: str):
+        """(every weight's product before the powers of two, [sum N, M] (a transposed view for BF16),
+        the first row of each weight in it)."""
         # the weights' rows end to end, each chunk of rows one GEMM: BF16 into the columns of one
         # [M, sum N] result (written through its transpose); float32 into the rows of a [sum N, M]
         # one, a layout whose float32 GEMM gives the same bits at any thread count
+        m, k = values.shape
+        bf16 = dtype == torch.bfloat16
+        threads = torch.get_num_threads()
         first_rows = [0]
         for packed, _ in weights:
             first_rows.append(first_rows[-1] + packed.size(0))
@@ -171,7 +192,13 @@ class NativeKernels:
                                                         w_top.data_ptr(), rows_per_scale, into.data_ptr(), r0, r1,
                                                         k, threads, int(bf16)), shapes)
             torch.mm(buf[: c1 - c0], values.t(), out=out_t[c0:c1])
+        return out_t, first_rows
 
+    def _scaled_products(self, out_t, weights: list, tops: list, first_rows: list, a_top, a_low,
+                         rows_per_scale: int, span: int, bf16: bool, shapes: str) -> list:
+        """Each weight's (product [M, N] with the powers of two applied, token ok, row ok)."""
+        m, total = out_t.size(1), out_t.size(0)
+        threads = torch.get_num_threads()
         a_pow, token_ok = split_powers(a_top, a_low, span)
         results = []
         for (packed, _), (w_top, w_low), first in zip(weights, tops, first_rows):
