@@ -358,7 +358,7 @@ def _attach_draft(model: Model, stack, experts: ExpertCache, buckets: dict[str, 
 def engram_tables(ckpt: Checkpoint, cfg: Config, resident: bool, report: LoadReport) -> dict:
     """Each Engram layer's table: left in the mapped shard, or copied into RAM (`resident`)."""
     tables = {}
-    for layer in cfg.engram_layer_ids or ():
+    for layer in cfg.verified().engram_layer_ids:  # read_config verified it: () without Engram
         if not resident:
             tables[layer] = MappedEngramTable(ckpt, layer)
             continue

@@ -576,7 +576,7 @@ class ViT(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.rope_dim = cfg.vision_dim // cfg.vision_n_heads // 2
-        self.rope_theta = float(cfg.vision_rope_theta or 10000.0)
+        self.rope_theta = float(cfg.verified().vision_rope_theta)  # the field's default where the file is silent
         self.patch_embed = nn.Module()
         self.patch_embed.proj = DenseLinear(3 * cfg.vision_patch_size ** 2, cfg.vision_dim)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.vision_n_layers))
