@@ -163,22 +163,22 @@ def _generate(args) -> int:
     try:
         _check_generate_args(args, process)
         model = _generate_model(args, process)
-        ids = process.step(lambda: _prompt_ids(args, model), "preparing the prompt", (ImageError, ValueError))
+        prompt = process.step(lambda: _prompt(args, model), "preparing the prompt", (ImageError, ValueError))
         if process.ranks is not None:
             from . import distributed
 
             try:  # before the first exchange: a rank asked for something else would abort the exchange in gloo
-                distributed.agree_on_request(_expert_parallel_request(args, model, ids))
+                distributed.agree_on_request(_expert_parallel_request(args, model, prompt))
             except distributed.ExpertParallelError as exc:
                 raise process.fail(str(exc), exc.agreed) from None
         if not args.quiet:
-            print(f"prompt: {len(ids)} tokens; generating {args.max_new_tokens} "
+            print(f"prompt: {len(prompt)} tokens; generating {args.max_new_tokens} "
                   f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}, seed {args.seed}'})",
                   file=sys.stderr)
         generated: list[int] = []  # what Ctrl-C must not lose
 
         def run():
-            return generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            return generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             seed=args.seed, prefill_chunk=args.prefill_chunk, progress=not args.quiet,
                             speculative=args.speculative, draft_tokens=args.draft_tokens,
                             min_confidence=args.min_confidence,
@@ -206,17 +206,19 @@ def _generate(args) -> int:
 
 def _check_generate_args(args, process: _Process) -> None:
     """The arguments generate() and load() would refuse, refused before anything is loaded."""
-    from .generate import check_prompt, check_sampling
+    from .generate import check_prefill_chunk, check_prompt, check_sampling
 
     try:  # the same sentences a Python caller of generate() gets
         check_prompt(args.prompt)
         check_sampling(args.max_new_tokens, args.temperature, args.seed)
     except ValueError as exc:
         raise process.fail(f"{exc} (see --help)") from None
+    try:
+        check_prefill_chunk(args.prefill_chunk)
+    except ValueError as exc:
+        raise process.fail(f"{exc} (--prefill-chunk)") from None
     if args.expert_cache is not None and args.expert_cache < 0:
         raise process.fail(f"--expert-cache must be >= 0, got {args.expert_cache}")
-    if args.prefill_chunk is not None and args.prefill_chunk < 1:
-        raise process.fail(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     if args.max_seq_len is not None and args.max_seq_len <= 0:
         raise process.fail(f"--max-seq-len must be > 0, got {args.max_seq_len}")
 
@@ -225,13 +227,17 @@ def _generate_model(args, process: _Process):
     """The loader's own steps, in its order: the group (with --expert-parallel), the expert
     devices, the checkpoint path; then the header audit and `load`, on every rank at once."""
     from .errors import Dsv41Error
-    from .loader import LoadError, checkpoint_path, expert_placement, load, start_expert_parallel
+    from .loader import CacheOptions, LoadError, Placement, checkpoint_path, expert_placement, load, start_expert_parallel
     from .numerics import Numerics
     from .stores import DEFAULT_EXPERT_CACHE
 
     numerics = Numerics.named(args.numerics).with_options(fix_stale_index_keys=args.fix_stale_index_keys or None)
     devices = [d.strip() for d in args.expert_device.split(",")]  # one device or a comma-separated list
     devices = devices if len(devices) > 1 else devices[0]
+    caches = CacheOptions(max_seq_len=args.max_seq_len)
+    placement = Placement(expert_device=devices, expert_parallel=args.expert_parallel,
+                          expert_cache=DEFAULT_EXPERT_CACHE if args.expert_cache is None else args.expert_cache,
+                          resident_engram=args.resident_engram)
     try:
         if args.expert_parallel:
             process.ranks = start_expert_parallel()
@@ -245,26 +251,21 @@ def _generate_model(args, process: _Process):
         problem = _audit_problem(path)
         if problem:
             raise LoadError(problem)
-        return load(path, numerics=numerics, expert_device=devices, resident_engram=args.resident_engram,
-                    expert_cache=DEFAULT_EXPERT_CACHE if args.expert_cache is None else args.expert_cache,
-                    quiet=args.quiet, max_seq_len=args.max_seq_len, threads=args.threads,
-                    expert_parallel=args.expert_parallel)
+        return load(path, numerics=numerics, caches=caches, placement=placement, threads=args.threads,
+                    quiet=args.quiet)
 
     return process.step(audited_load, "loading", (LoadError,))
 
 
-def _prompt_ids(args, model):
-    """The prompt's ids (a `vision.Prompt` with --image), every image read and checked; whether
-    the new tokens fit the caches is generate()'s check."""
-    from .vision import check_placeholders
+def _prompt(args, model):
+    """The prompt as generation will run it (`generate.as_prompt`: every image read and checked),
+    refused here, before any exchange, when it and the new tokens do not fit."""
+    from .generate import as_prompt, check_length
 
-    ids = model.prepare(args.prompt, args.image) if args.image else model.encode(args.prompt)
-    if not args.image:
-        check_placeholders(model.cfg, ids, 0)  # a placeholder without --image would be read as text
-    if len(ids) > model.cfg.max_seq_len:  # no --max-seq-len can help this one
-        raise ValueError(f"the prompt is {len(ids)} tokens, longer than the model's {model.cfg.max_seq_len}-token "
-                         f"maximum")
-    return ids
+    prompt = as_prompt(model, args.prompt, args.image)
+    check_length(len(prompt), args.max_new_tokens, model.max_seq_len, model_limit=model.cfg.max_seq_len,
+                 hint=" (raise --max-seq-len)")
+    return prompt
 
 
 def _print_generation(args, model, result) -> None:
@@ -287,21 +288,21 @@ def _print_generation(args, model, result) -> None:
               + ", ".join("-" if a is None else f"{a:.0%}" for a in s.acceptance_by_position()), file=sys.stderr)
 
 
-def _expert_parallel_request(args, model, ids) -> dict:
-    """What every rank of `generate --expert-parallel` must agree on: the prompt and the options that
-    change what is computed (a sampling seed only when sampling, the draft's options only with
-    --speculative), each as a short text; not the devices, threads or cache sizes."""
+def _expert_parallel_request(args, model, prompt) -> dict:
+    """What every rank of `generate --expert-parallel` must agree on: the prompt (a `vision.Prompt`)
+    and the options that change what is computed (a sampling seed only when sampling, the draft's
+    options only with --speculative), each as a short text; not the devices, threads or cache sizes."""
     import dataclasses
 
     from .distributed import fingerprint
 
-    images = getattr(ids, "images", ())
-    prompt = fingerprint(list(getattr(ids, "ids", ids)), list(getattr(ids, "token_types", ())),
-                         *(part for image in images for part in (image.start, image.patches)))
+    images = prompt.images
+    digest = fingerprint(list(prompt.ids), list(prompt.token_types) if images else [],
+                      *(part for image in images for part in (image.start, image.patches)))
     config = [(f.name, getattr(model.cfg, f.name)) for f in dataclasses.fields(model.cfg) if f.compare]
     request = {"--checkpoint": f"config {fingerprint(config)}", "--numerics": args.numerics,
                "--fix-stale-index-keys": str(args.fix_stale_index_keys),
-               "--prompt": f"{len(ids)} tokens{f' with {len(images)} images' if images else ''}, {prompt}",
+               "--prompt": f"{len(prompt)} tokens{f' with {len(images)} images' if images else ''}, {digest}",
                "--max-new-tokens": str(args.max_new_tokens), "--temperature": repr(args.temperature),
                "--prefill-chunk": str(args.prefill_chunk), "--speculative": str(args.speculative)}
     if args.temperature > 0:

@@ -24,9 +24,10 @@ from typing import Any
 from dsv41.errors import Dsv41Error
 
 from dsv41.config_json import (  # noqa: F401  (MAX_CONFIG_*: importable from here as before)
-    MAX_CONFIG_DEPTH, MAX_CONFIG_INT_DIGITS, _LongInteger, assign, brief, freeze, is_finite, is_int, leaf_paths,
-    lookup, number_text, parse_int, shape_problem, shown, thaw,
+    MAX_CONFIG_DEPTH, MAX_CONFIG_INT_DIGITS, assign, freeze, is_finite, is_int, leaf_paths,
+    lookup, parse_int, shape_problem, shown, thaw,
 )
+from dsv41.text import LongInteger, brief, number_text
 from dsv41.config_fields import (  # noqa: F401  (the schema's names, importable from here as before)
     T, V, Q, Field, FIELDS, FLAT_ALIASES, NESTED_ONLY, VALUE_BOUNDS, LIST_BOUNDS, FLOAT_LIMITS, MAX_LAYERS,
     MIN_IMAGE_SPAN, MAX_INT64, MAX_LIST_ENTRIES, MAX_FP8_BLOCK, MAX_INVENTORY_TENSORS, MAX_ENGRAM_COLUMNS,
@@ -110,7 +111,7 @@ class Config:
         _check_types(values, source)
         block = dict(fmt).get((Q, "weight_block_size"), [32, 32])
         if not (isinstance(block, list) and len(block) == 2 and all(is_int(b) for b in block)):
-            raise ConfigError(f"{source or 'config'}: field {Q}.weight_block_size is {brief(block)}, "
+            raise ConfigError(f"{source or 'config'}: field {Q}.weight_block_size is {brief(block, as_json=True)}, "
                               "expected a list of two integers")
         unknown = tuple(sorted(".".join(map(str, p)) for p in leaf_paths(data) if p not in seen))
         return cls(**values, layout="nested", source=source, nested_format=tuple(fmt), unknown_keys=unknown)
@@ -279,7 +280,7 @@ class Config:
         fmt = dict(self.nested_format)
         block = fmt.get((Q, "weight_block_size"), [32, 32])
         if not _block_ok(block):
-            problems.append(f"quantization_config.weight_block_size {brief(block)} is not two integers in "
+            problems.append(f"quantization_config.weight_block_size {brief(block, as_json=True)} is not two integers in "
                             f"[1, {MAX_FP8_BLOCK:,}]")
         if problems:
             return problems  # the joint bounds below multiply these
@@ -508,7 +509,7 @@ def load_config(path: str) -> Config:
         raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a UTF-8 text file") from None
-    except _LongInteger as exc:
+    except LongInteger as exc:
         raise ConfigError(f"{path}: holds an integer of {exc.digits:,} digits; no config value needs more "
                           f"than {MAX_CONFIG_INT_DIGITS}, so the file is damaged") from None
     except RecursionError:
@@ -596,7 +597,7 @@ def _check_types(values: dict, source: str | None) -> None:
     for name, value in values.items():
         if not _type_ok(value, _ANNOTATIONS[name]):
             expected = _ANNOTATIONS[name].replace(" | None", "").replace("tuple[", "list of ").replace(", ...]", "")
-            raise ConfigError(f"{source or 'config'}: field {name} is {brief(value)}, expected {expected}")
+            raise ConfigError(f"{source or 'config'}: field {name} is {brief(value, as_json=True)}, expected {expected}")
 
 
 # ---------------------------------------------------------------------- CLI

@@ -1,6 +1,6 @@
 """Reading config JSON safely and walking its nesting: the guards a damaged file meets (nesting
 past MAX_CONFIG_DEPTH, integers of thousands of digits, keys that are not strings, lone surrogates),
-the short forms values take in messages, and the lookups between the nested and the flat layout.
+and the lookups between the nested and the flat layout.
 
 Standard library only, like the schema it serves (`config_fields`, `config`).
 """
@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+
+from dsv41.text import bounded_ints
+
 
 def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -21,31 +24,6 @@ def is_finite(value) -> bool:
         return False
 
 
-def number_text(value) -> str:
-    """A number for a message: huge integers by their size (str() refuses past 4,300 digits)."""
-    if is_int(value) and value.bit_length() > 64:
-        return f"an integer of about {int(value.bit_length() * 0.30103) + 1:,} digits"
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    return f"{value:,}" if is_int(value) and abs(value) >= 10_000 else repr(value)
-
-
-def brief(value, limit: int = 60) -> str:
-    """A JSON value for a message, kept short and never recursive."""
-    if isinstance(value, (list, tuple)):
-        if len(value) <= 8 and not any(isinstance(v, (list, tuple, dict)) for v in value):
-            return "[" + ", ".join(brief(v, 24) for v in value) + "]"
-        return f"a list of {len(value):,} items"
-    if isinstance(value, dict):
-        return f"an object of {len(value):,} keys" if value else "{}"
-    if isinstance(value, bool) or value is None:
-        return json.dumps(value)
-    if isinstance(value, (int, float)):
-        return number_text(value)
-    text = json.dumps(value) if isinstance(value, str) else repr(value)
-    return text if len(text) <= limit else text[:limit - 4] + " ..."
-
-
 # A config nests three levels (text_config.rope_scaling.factor); anything past this is damage, and
 # the readers below recurse over the nesting.
 MAX_CONFIG_DEPTH = 32
@@ -54,17 +32,8 @@ MAX_CONFIG_DEPTH = 32
 MAX_CONFIG_INT_DIGITS = 40
 
 
-class _LongInteger(ValueError):
-    def __init__(self, digits: int):
-        super().__init__(digits)
-        self.digits = digits
-
-
-def parse_int(text: str) -> int:
-    digits = len(text) - text.startswith("-")
-    if digits > MAX_CONFIG_INT_DIGITS:
-        raise _LongInteger(digits)
-    return int(text)
+# json.loads' parse_int hook for config files (LongInteger past the limit)
+parse_int = bounded_ints(MAX_CONFIG_INT_DIGITS)
 
 
 def shape_problem(data) -> str | None:

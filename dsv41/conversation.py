@@ -26,7 +26,6 @@ second turn's first reply position; 1.08 for a thinking prompt run as two calls 
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
@@ -170,36 +169,25 @@ def _base64(text, what: str) -> bytes:
 
 
 def _with_images(model, ids: list[int], records: list[dict]) -> vision.Prompt:
-    """The prompt ids with each image placeholder turned into its image's span, every image read
-    before anything runs. An image that cannot be read is one sentence naming it; for a path, the
-    same sentence whether the file is missing, a folder, not an image or damaged, so that a message
-    cannot probe which local paths exist."""
+    """The prompt ids with each image placeholder turned into its image's span (`vision.prepare`),
+    every image read before anything runs. An image that cannot be read is one sentence naming it;
+    for a path, the same sentence whether the file is missing, a folder, not an image or damaged,
+    so that a message cannot probe which local paths exist."""
     cfg = model.cfg
     if not cfg.vision_n_layers:
         raise chat_format.ChatFormatError("the conversation holds images, but this model's config has no vision "
                                           "tower (vision_n_layers is 0)")
-    spans = []
-    for number, record in enumerate(records, 1):
-        source = image_source(record)
-        try:  # one image at a time, so that a failure names its image
-            spans.append(vision.prepare(cfg, [cfg.image_token_id], [source]))
-        except vision.ImageError as exc:
-            if isinstance(source, str):
-                raise chat_format.ChatFormatError(f"image {number} of the conversation ({source[:80]!r}) cannot be "
-                                                  f"read as an image file") from None
-            raise chat_format.ChatFormatError(f"image {number} of the conversation cannot be used: {exc}") from None
-    out_ids, types, images = [], [], []
-    pending = iter(spans)
-    for token in ids:
-        if token != cfg.image_token_id:
-            out_ids.append(token)
-            types.append(vision.TEXT)
-            continue
-        span = next(pending)
-        images += [dataclasses.replace(image, start=image.start + len(out_ids)) for image in span.images]
-        out_ids += span.ids
-        types += span.token_types
-    return vision.Prompt(out_ids, types, tuple(images))
+    sources = [image_source(record) for record in records]
+    try:
+        return vision.prepare(cfg, ids, sources)
+    except vision.ImageError as exc:
+        if exc.number is None:  # not one image's fault (the placeholders and the images disagree)
+            raise chat_format.ChatFormatError(str(exc)) from None
+        source = sources[exc.number - 1]
+        if isinstance(source, str):
+            raise chat_format.ChatFormatError(f"image {exc.number} of the conversation ({source[:80]!r}) cannot be "
+                                              f"read as an image file") from None
+        raise chat_format.ChatFormatError(f"image {exc.number} of the conversation cannot be used: {exc}") from None
 
 
 def _resume(model, snapshot, ids: list[int]) -> None:

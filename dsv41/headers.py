@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 
 from dsv41.inventory import DTYPE_SIZES
 from dsv41.errors import Dsv41Error
-from dsv41.text import brief, is_unicode
+from dsv41.text import LongInteger, bounded_ints, brief, is_unicode
 
 # The safetensors library refuses headers above 100 MB; anything larger is not a header.
 MAX_HEADER_BYTES = 100_000_000
@@ -109,7 +109,7 @@ def read_header(path: str) -> ShardHeader:
     except json.JSONDecodeError as exc:
         raise HeaderError(f"{path}: the header is not valid JSON ({exc.msg} at byte {exc.pos}); "
                           "the file is damaged or not a safetensors file") from None
-    except _LongInteger as exc:
+    except LongInteger as exc:
         raise HeaderError(f"{path}: the header holds an integer of {exc.digits:,} digits, beyond the 64-bit "
                           "offsets and shapes of a safetensors header; the file is damaged or not a shard") from None
     except RecursionError:
@@ -161,17 +161,7 @@ MAX_OFFSET = (1 << 64) - 1
 _MAX_INT_DIGITS = 20  # len(str(MAX_OFFSET)); json would otherwise convert up to 4,300 digits (or any, unlimited)
 
 
-class _LongInteger(ValueError):
-    def __init__(self, digits: int):
-        super().__init__(digits)
-        self.digits = digits
-
-
-def _header_int(text: str) -> int:
-    digits = len(text) - text.startswith("-")
-    if digits > _MAX_INT_DIGITS:
-        raise _LongInteger(digits)
-    return int(text)
+_header_int = bounded_ints(_MAX_INT_DIGITS)  # json.loads' parse_int hook (LongInteger past it)
 
 
 def _fits(shape: list[int], itemsize: int) -> bool:

@@ -21,11 +21,13 @@ the bytes `report.predict_retained_bytes` derives from the inventory alone.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import os
 import sys
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -53,29 +55,65 @@ DEFAULT_MAX_SEQ_LEN = 4096
 MAX_BATCH_SIZE = 64
 
 
-def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
-         expert_cache: int = DEFAULT_EXPERT_CACHE, expert_device="cpu", expert_parallel: bool = False,
-         resident_engram: bool = False, max_seq_len: Optional[int] = None, max_batch_size: int = 1,
-         threads="auto", undo_calls: int = 64, cache_format: str = "packed", dspark: bool = True,
-         quiet: bool = False) -> Model:
+@dataclass(frozen=True)
+class CacheOptions:
+    """What the attention caches are sized for and hold: `max_seq_len` positions (None:
+    min(config, DEFAULT_MAX_SEQ_LEN)) of `max_batch_size` rows, `cache_format` "packed" (the stored
+    FP8 / FP4 formats with their scales) or "bf16" (the reference runtime's BF16 buffers; the
+    logits are the same bit for bit), and `undo_calls`, how many calls `Model.rollback` can undo."""
+
+    max_seq_len: Optional[int] = None
+    max_batch_size: int = 1
+    undo_calls: int = 64
+    cache_format: str = "packed"
+
+    def check(self) -> None:
+        """LoadError for a value no config can make right (max_seq_len is checked against the config)."""
+        try:
+            check_cache_format(self.cache_format)
+        except ValueError as exc:
+            raise LoadError(str(exc)) from None
+        if not _whole(self.max_batch_size) or not 1 <= self.max_batch_size <= MAX_BATCH_SIZE:
+            raise LoadError(f"max_batch_size must lie in [1, {MAX_BATCH_SIZE}], got {self.max_batch_size}")
+        if not _whole(self.undo_calls) or self.undo_calls < 0:
+            raise LoadError(f"undo_calls must be a whole number >= 0, got {brief(self.undo_calls)}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the two families that never enter memory at load time live: the routed experts
+    (`expert_device`: "cpu", "cuda", "cuda:1" or a list of CUDA devices, experts spread round-robin;
+    `expert_cache`: packed experts kept per layer; `expert_parallel`: this process is one rank of a
+    torch.distributed group and holds only its share) and the Engram tables (`resident_engram`:
+    copied into RAM instead of gathered from the mapped shards)."""
+
+    expert_device: Any = "cpu"
+    expert_cache: int = DEFAULT_EXPERT_CACHE
+    expert_parallel: bool = False
+    resident_engram: bool = False
+
+
+# the short form: each group's fields are load() keywords of the same name
+_GROUPS = {"caches": CacheOptions, "placement": Placement}
+
+
+def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None, caches: Optional[CacheOptions] = None,
+         placement: Optional[Placement] = None, threads="auto", dspark: bool = True, quiet: bool = False,
+         **options) -> Model:
     """Load a checkpoint directory (default: the embedded one) -> `model.Model`, its `report` the
     LoadReport.
 
     numerics: a `Numerics`, the only arithmetic option (default `Numerics.reference()`, the
     released runtime's arithmetic; `Numerics.parity()` for a prefill that equals token-by-token
     decoding until a top-k cuts; `Numerics(pad_f32_rows=True)` and the like for one field).
-    Where experts and Engram rows live: expert_cache: packed experts kept per layer;
-    expert_device: where routed experts are held and computed, "cpu" (default), "cuda", "cuda:1"
-    or a list of CUDA devices (experts spread round-robin); without a usable GPU one line on
-    stderr says so and the CPU's fused path runs them; expert_parallel: this process is one rank
-    of a torch.distributed group (joined, or started from torchrun's environment) and holds and
-    computes only the routed experts e with e % world_size == rank (`dsv41.distributed`; a plain
-    "cuda" expert_device then means the rank's own GPU), the logits equal one process's bit for
-    bit; resident_engram: copy the Engram tables into RAM instead of gathering from the shards.
-    The caches: max_seq_len (default min(config, 4096)) and max_batch_size size the attention
-    caches; undo_calls: how many calls `Model.rollback` can undo; cache_format: "packed"
-    (default: the stored FP8 / FP4 formats with their scales) or "bf16" (the reference runtime's
-    BF16 buffers), bit-identical logits either way (`Model.cache_bytes()`).
+    caches: a `CacheOptions` (max_seq_len, max_batch_size, undo_calls, cache_format); placement: a
+    `Placement` (expert_device, expert_cache, expert_parallel, resident_engram). Each field is also
+    a keyword of its own, the short form (`load(path, max_seq_len=8192, expert_device="cuda")`);
+    the keywords build the groups, and one option given both ways is a LoadError. Under
+    expert_parallel the group is joined, or started from torchrun's environment, the rank computes
+    the routed experts e with e % world_size == rank (`dsv41.distributed`; a plain "cuda"
+    expert_device then means the rank's own GPU) and the logits equal one process's bit for bit;
+    without a usable GPU one line on stderr says so and the CPU's fused path runs the experts.
     threads: torch's intra-op threads for the whole process, which the native expert kernel uses
     too: "auto" (default, `threads.auto_threads`), a whole number, or None to leave torch as it is
     (the report's summary says which). dspark: build the DSpark draft stack (`Model.draft`,
@@ -86,23 +124,26 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
     `distributed.ExpertParallelError` when the expert-parallel group cannot start."""
     began = time.perf_counter()
     numerics = _checked_numerics(numerics)
-    _check_options(threads, cache_format, max_batch_size, undo_calls)
-    ranks = start_expert_parallel() if expert_parallel else None
-    devices = expert_placement(expert_device, ranks)  # prints the one fallback line when CUDA is absent
+    caches, placement = grouped_options(options, caches=caches, placement=placement)
+    _check_threads(threads)
+    caches.check()
+    ranks = start_expert_parallel() if placement.expert_parallel else None
+    devices = expert_placement(placement.expert_device, ranks)  # prints the one fallback line when CUDA is absent
     path = checkpoint_path(path, progress=not quiet, ranks=ranks)
     cfg = read_config(path)
-    max_seq_len = cache_length(max_seq_len, cfg)  # before any cache is sized
+    max_seq_len = cache_length(caches.max_seq_len, cfg)  # before any cache is sized
     ckpt = Checkpoint(path)
     buckets = check_tensors(cfg, ckpt)
-    experts = _expert_cache(ckpt, expert_cache, devices, cfg)
+    experts = _expert_cache(ckpt, placement.expert_cache, devices, cfg)
     tokenizer, tok_meta = load_tokenizer(path, cfg)
     hasher = _hasher(cfg, tokenizer, path)
     n_threads, threads_choice = apply_threads(threads, cfg)  # once the checkpoint checks out; before the fill
     report = LoadReport(checkpoint=ckpt.path, threads=n_threads, threads_choice=threads_choice)
-    sizing = dict(numerics=numerics, max_batch_size=max_batch_size, max_seq_len=max_seq_len, cache_format=cache_format)
+    sizing = dict(numerics=numerics, max_batch_size=caches.max_batch_size, max_seq_len=max_seq_len,
+                  cache_format=caches.cache_format)
     with torch.no_grad():
         model = Model(cfg, **sizing, tokenizer=tokenizer, tokenizer_meta=tok_meta, hasher=hasher,
-                      undo_calls=undo_calls)
+                      undo_calls=caches.undo_calls)
         read = fill_parameters(model.backbone, ckpt, report, quiet)
         stack = None
         if dspark and cfg.n_mtp_layers and cfg.dspark_block_size:
@@ -110,7 +151,7 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
             read |= draft_read
     if stack is not None:
         _attach_draft(model, stack, experts, buckets)
-    tables = engram_tables(ckpt, cfg, resident_engram, report)
+    tables = engram_tables(ckpt, cfg, placement.resident_engram, report)
     store, routed = (experts, None) if ranks is None else _expert_parallel(experts, ranks, buckets, ckpt, report)
     model.attach(store, tables, routed)
     _measure(report, model, stack, settle_buckets(buckets, read), read, began)
@@ -118,6 +159,28 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
     if not quiet:
         print(report.summary(), file=sys.stderr)
     return model
+
+
+def grouped_options(options: dict, **groups) -> tuple[CacheOptions, Placement]:
+    """(caches, placement) from load()'s group arguments and its short-form keywords `options`,
+    each keyword put into the group whose field it names. TypeError for a keyword no group has (as
+    Python's own for a misspelt one), LoadError for a group of the wrong type or an option given
+    both in its group and as a keyword."""
+    built = []
+    for name, kind in _GROUPS.items():
+        group, fields = groups[name], [f.name for f in dataclasses.fields(kind)]
+        given = {key: options.pop(key) for key in fields if key in options}
+        if group is None:
+            group = kind(**given)
+        elif not isinstance(group, kind):
+            raise LoadError(f"{name} must be a {kind.__name__}(...), got {brief(group)}")
+        elif given:
+            raise LoadError(f"{', '.join(given)} given both in {name}= and as a keyword; pass "
+                            f"{'it' if len(given) == 1 else 'them'} once")
+        built.append(group)
+    if options:
+        raise TypeError(f"load() got an unexpected keyword argument {next(iter(options))!r}")
+    return built[0], built[1]
 
 
 # ---------------------------------------------------------------------- the steps, in order
@@ -130,17 +193,12 @@ def _checked_numerics(numerics) -> Numerics:
     return numerics
 
 
-def _check_options(threads, cache_format: str, max_batch_size: int, undo_calls: int) -> None:
-    """The arguments that need no checkpoint, checked before anything is read."""
+def _check_threads(threads) -> None:
+    """The threads argument, checked before anything is read."""
     try:
         check_threads(threads)
-        check_cache_format(cache_format)
     except ValueError as exc:
         raise LoadError(str(exc)) from None
-    if not _whole(max_batch_size) or not 1 <= max_batch_size <= MAX_BATCH_SIZE:
-        raise LoadError(f"max_batch_size must lie in [1, {MAX_BATCH_SIZE}], got {max_batch_size}")
-    if not _whole(undo_calls) or undo_calls < 0:
-        raise LoadError(f"undo_calls must be a whole number >= 0, got {brief(undo_calls)}")
 
 
 def _whole(x) -> bool:
@@ -358,7 +416,7 @@ def _attach_draft(model: Model, stack, experts: ExpertCache, buckets: dict[str, 
 def engram_tables(ckpt: Checkpoint, cfg: Config, resident: bool, report: LoadReport) -> dict:
     """Each Engram layer's table: left in the mapped shard, or copied into RAM (`resident`)."""
     tables = {}
-    for layer in cfg.engram_layer_ids or ():
+    for layer in cfg.verified().engram_layer_ids:  # read_config verified it: () without Engram
         if not resident:
             tables[layer] = MappedEngramTable(ckpt, layer)
             continue

@@ -114,6 +114,6 @@ def tokenizer_config(config=None) -> dict:
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(config.max_position_embeddings or config.max_seq_len),
+        "model_max_length": int(config.max_seq_len),  # max_position_embeddings, else the YaRN length
         "tokenizer_class": "PreTrainedTokenizerFast",
     }

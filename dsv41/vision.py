@@ -60,7 +60,13 @@ REDUCING_GAP = 2
 
 
 class ImageError(Dsv41Error, ValueError):
-    """An image that cannot be used; the message is one sentence naming the input."""
+    """An image that cannot be used; the message is one sentence naming the input. Raised by
+    `prepare` for one of its images, `number` says which (1 for the first; None otherwise), so a
+    caller can name it in its own words."""
+
+    def __init__(self, message: str, number: Optional[int] = None):
+        super().__init__(message)
+        self.number = number
 
 
 # ---------------------------------------------------------------------- the plan
@@ -451,7 +457,8 @@ def check_placeholders(cfg, ids: Sequence[int], count: int) -> None:
 def prepare(cfg, ids: Sequence[int], images: Sequence = (), *, insert_at: int = 0) -> Prompt:
     """Token ids with image placeholders -> a Prompt: each `image_token_id` in `ids` becomes the
     span of the next image. Without any placeholder the images go first (at `insert_at`, after a
-    BOS); any other count that differs from the number of images is an error."""
+    BOS); any other count that differs from the number of images is an error. An image that cannot
+    be read or planned is an ImageError whose `number` says which."""
     ids = [int(i) for i in ids]
     images = image_sources(images)
     marker = cfg.image_token_id
@@ -461,9 +468,12 @@ def prepare(cfg, ids: Sequence[int], images: Sequence = (), *, insert_at: int = 
         ids = ids[:insert_at] + [marker] * len(images) + ids[insert_at:]
     check_placeholders(cfg, ids, len(images))
     loaded = []
-    for source in images:  # every image read before any is used
-        image, size = read_image(source, cfg)
-        loaded.append(patchify(image, cfg, source_size=size))
+    for number, source in enumerate(images, 1):  # every image read before any is used
+        try:
+            image, size = read_image(source, cfg)
+            loaded.append(patchify(image, cfg, source_size=size))
+        except ImageError as exc:
+            raise ImageError(str(exc), number) from None
     out_ids, types, inputs = [], [], []
     pending = iter(loaded)
     for token in ids:
@@ -566,7 +576,7 @@ class ViT(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.rope_dim = cfg.vision_dim // cfg.vision_n_heads // 2
-        self.rope_theta = float(cfg.vision_rope_theta or 10000.0)
+        self.rope_theta = float(cfg.verified().vision_rope_theta)  # the field's default where the file is silent
         self.patch_embed = nn.Module()
         self.patch_embed.proj = DenseLinear(3 * cfg.vision_patch_size ** 2, cfg.vision_dim)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.vision_n_layers))

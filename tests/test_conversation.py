@@ -160,6 +160,22 @@ def test_images_go_through_the_vision_path(model, tmp_path):
     assert result.prompt_ids.count(model.cfg.image_token_id) > 1
 
 
+def test_an_unreadable_image_is_named_by_its_number(model, tmp_path):
+    from PIL import Image
+
+    good, bad = tmp_path / "red.png", tmp_path / "broken.png"
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(good)
+    bad.write_bytes(b"not an image")
+    content = [{"type": "text", "text": "compare"}, {"type": "image_url", "image_url": {"url": str(good)}},
+               {"type": "image_url", "image_url": {"url": str(bad)}}]
+    with pytest.raises(chat_format.ChatFormatError, match=r"^image 2 of the conversation \('.*broken.png'\) cannot be "
+                                                          r"read as an image file$"):
+        chat(model, [{"role": "user", "content": content}], max_new_tokens=1)
+    inline = dict(content[2], image_url={"url": "data:image/png;base64,QUJD"})
+    with pytest.raises(chat_format.ChatFormatError, match="^image 2 of the conversation cannot be used: .*not an image"):
+        chat(model, [{"role": "user", "content": content[:2] + [inline]}], max_new_tokens=1)
+
+
 def test_image_records_become_what_the_vision_path_reads():
     assert image_source({"type": "image", "url": "file:///x/a.png"}) == "/x/a.png"
     assert image_source({"type": "image", "url": "a.png"}) == "a.png"

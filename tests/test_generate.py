@@ -285,6 +285,13 @@ def test_max_seq_len_must_be_positive(tiny_checkpoint, capsys):
     assert code == 1 and out == "" and err.count("\n") == 1 and "--max-seq-len must be > 0" in err
 
 
+def test_cli_names_the_flag_when_the_new_tokens_do_not_fit(tiny_checkpoint, capsys):
+    code, out, err = _run(capsys, "--checkpoint", tiny_checkpoint, "--prompt", "The cat sat on the mat",
+                          "--max-seq-len", "4", "--max-new-tokens", "8", "--quiet")
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert "more than max_seq_len 4" in err and "(raise --max-seq-len)" in err
+
+
 def _with_nan(tiny_checkpoint, tmp_path, name: str):
     """A copy of the tiny checkpoint whose tensor `name` holds one NaN (first element)."""
     import safetensors.torch as st
@@ -356,7 +363,7 @@ def test_cli_prefill_chunk_gives_the_same_text(tiny_checkpoint, capsys):
     assert cli_main(args + ["--prefill-chunk", "3"]) == 0
     assert capsys.readouterr().out == whole
     code, out, err = _run(capsys, *args, "--prefill-chunk", "0")
-    assert code == 1 and out == "" and "--prefill-chunk must be >= 1" in err
+    assert code == 1 and out == "" and "prefill_chunk must be a whole number >= 1" in err and "--prefill-chunk" in err
 
 
 def test_every_prompt_form_is_made_one_prompt_on_entry(model):

@@ -287,6 +287,12 @@ def test_prepare_without_a_marker_puts_images_first_and_counts_must_match(model)
         model.prepare(f"{MARK}{MARK}", [im])
     no_images = model.prepare("plain text")
     assert no_images.ids == model.encode("plain text") and no_images.images == ()
+    with pytest.raises(ImageError, match="not an image file") as info:  # the failing image is named by its number
+        model.prepare(f"{MARK}{MARK}", [im, b"not an image"])
+    assert info.value.number == 2
+    with pytest.raises(ImageError) as info:  # not one image's fault
+        model.prepare(f"{MARK}", [im, im])
+    assert info.value.number is None
 
 
 def test_prompt_slices_keep_overlapping_images(model):
