@@ -126,12 +126,19 @@ def test_a_missing_config_names_generates_own_option(tiny_checkpoint, tmp_path, 
         assert "--config" not in err and "--checkpoint-dir" not in err, err
 
 
+def _ctrl_c_as_in_a_terminal():
+    # a test run started in the background (`pytest &`) ignores SIGINT, and so would the command:
+    # Python turns SIGINT into KeyboardInterrupt only when it starts with the default action
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_mid_decode_prints_the_text_so_far_and_one_line(tiny_checkpoint):
     """Ctrl-C while decoding printed a traceback and lost the generated text."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "dsv41", "generate", "--checkpoint", tiny_checkpoint,
                              "--prompt", "Once upon", "--max-new-tokens", "3000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=_ctrl_c_as_in_a_terminal)
     try:
         for line in proc.stderr:  # the decode starts after this line
             if line.startswith("prompt:"):
