@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import Attention, AttentionRuntime, CacheBytes, cache_bytes, check_cache_format
+from .hooks import name_sites
 from .layers import init_random_
 from .numerics import Numerics
-from .trace import Trace
 
 
 class AttentionStack(nn.Module):
@@ -25,6 +25,10 @@ class AttentionStack(nn.Module):
     reference's arithmetic by default), and so does `cache_format` ("packed" by default, or
     "bf16"; `cache_bytes()` measures what it allocates). Built under `torch.device("meta")` a stack
     of any size allocates nothing and still reports its `cache_bytes()`.
+
+    Its layers' sites are named as in a model (`layers.N.attn`, `layers.N.attn.indexer`, ...), so a
+    trace or an activation cache subscribes to a stack as to a model: `with
+    trace.recording(stack.sites):` or `with stack.hooks({pattern: observer}):`.
     """
 
     def __init__(self, cfg, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
@@ -38,6 +42,11 @@ class AttentionStack(nn.Module):
                                     for i in range(cfg.n_layers))
         if seed is not None:
             init_random_(self, seed)
+        self.sites = name_sites(self, {f"layers.{i}": f"layers.{i}.attn" for i in range(cfg.n_layers)})
+
+    def hooks(self, observers, strict: bool = True):
+        """`with stack.hooks({pattern: observer, ...}):` observers subscribed for the block."""
+        return self.sites.hooks(observers, strict)
 
     def cache_bytes(self) -> CacheBytes:
         return cache_bytes(self.layers)
@@ -49,14 +58,14 @@ class AttentionStack(nn.Module):
         self.runtime.reset()
 
     @torch.inference_mode()  # the caches take in-place writes whichever grad mode made them
-    def forward(self, x: torch.Tensor, start_pos: int, trace: Optional[Trace] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
         h = x
         for layer in self.layers:
             normed = F.rms_norm(h.float(), (h.size(-1),), eps=self.cfg.norm_eps).to(h.dtype)
-            h = h + layer(normed, start_pos, self.runtime, trace)
+            h = h + layer(normed, start_pos, self.runtime)
         return h
 
     @torch.inference_mode()  # the caches take in-place writes whichever grad mode made them
-    def forward_each(self, x: torch.Tensor, start_pos: int, trace: Optional[Trace] = None) -> torch.Tensor:
+    def forward_each(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
         """[n_layers, b, s, dim]: every layer's output on the same input x."""
-        return torch.stack([layer(x, start_pos, self.runtime, trace) for layer in self.layers])
+        return torch.stack([layer(x, start_pos, self.runtime) for layer in self.layers])

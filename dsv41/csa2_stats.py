@@ -53,6 +53,7 @@ from .attention import (  # noqa: F401 (the byte model's names, re-exported for 
     select_candidate_blocks,
 )
 from .csa2_stack import AttentionStack
+from .hooks import sites_of
 from .kernels import fp4_act_quant
 from .layers import apply_rotary_emb
 from .numerics import WINDOW_LAYOUTS, Numerics
@@ -219,25 +220,27 @@ def compressor_trace(layer: Attention, x: torch.Tensor, prefill: int) -> Compres
     probe = copy.deepcopy(layer)  # same weights: recomputes the pre-RoPE latents and keys
     probe.reset_state()
     layer.reset_state()
-    runtime, trace = AttentionRuntime(), Trace()
+    runtime, wrote = AttentionRuntime(), []  # per call: whether the compressor completed a group
     out = CompressorTrace(layer=layer.layer, ratio=ratio, n_tokens=n, prefill=prefill)
     emitted_by: dict[int, tuple[int, int]] = {}
     calls = [(0, prefill)] + [(p, 1) for p in range(prefill, n)]
-    for k, (start, length) in enumerate(calls):
-        before = layer.compress_kv_cache.read(1)[0].clone()  # decoded: the values a reader gets
-        layer(x[:, start : start + length], start, runtime, trace)
-        changed = (layer.compress_kv_cache.read(1)[0] != before).any(-1).nonzero().flatten().tolist()
-        end = start + length
-        held = list(range(end - end % ratio, end)) if ratio > 1 else []
-        held_ok = True
-        if held:  # the tail holds exactly the un-pooled projections of those tokens
-            kv = layer.compressor.wkv(x[:, held].float())[0]
-            held_ok = torch.allclose(layer.compressor.kv_state[0, [p % ratio for p in held]], kv, rtol=1e-5, atol=1e-6)
-        out.calls.append({"call": k, "start_pos": start, "tokens": length, "emitted_groups": changed,
-                          "wrote_compressed": trace.attention[-1].wrote_compressed, "held": held,
-                          "held_state_matches": held_ok})
-        for g in changed:
-            emitted_by[g] = (k, end - 1)
+    with sites_of(layer).hooks({"*compressor": lambda name, latent, context: wrote.append(latent is not None)}):
+        for k, (start, length) in enumerate(calls):
+            before = layer.compress_kv_cache.read(1)[0].clone()  # decoded: the values a reader gets
+            layer(x[:, start : start + length], start, runtime)
+            changed = (layer.compress_kv_cache.read(1)[0] != before).any(-1).nonzero().flatten().tolist()
+            end = start + length
+            held = list(range(end - end % ratio, end)) if ratio > 1 else []
+            held_ok = True
+            if held:  # the tail holds exactly the un-pooled projections of those tokens
+                kv = layer.compressor.wkv(x[:, held].float())[0]
+                held_ok = torch.allclose(layer.compressor.kv_state[0, [p % ratio for p in held]], kv,
+                                         rtol=1e-5, atol=1e-6)
+            out.calls.append({"call": k, "start_pos": start, "tokens": length, "emitted_groups": changed,
+                              "wrote_compressed": wrote[-1], "held": held,
+                              "held_state_matches": held_ok})
+            for g in changed:
+                emitted_by[g] = (k, end - 1)
 
     n_groups = n // ratio
     latents = probe.compressor(x[:, : n_groups * ratio], 0)  # [1, groups, head_dim], pre-RoPE
@@ -315,9 +318,11 @@ def _both_orders(stack: AttentionStack, x: torch.Tensor):
     tp, td = Trace(keep_index_scores=True), Trace(keep_index_scores=True)
     with torch.no_grad():
         stack.reset_state()
-        pre = stack.forward_each(x, 0, tp)  # [layers, b, s, dim]
+        with tp.recording(stack.sites):
+            pre = stack.forward_each(x, 0)  # [layers, b, s, dim]
         stack.reset_state()
-        dec = torch.cat([stack.forward_each(x[:, p : p + 1], p, td) for p in range(x.size(1))], dim=2)
+        with td.recording(stack.sites):
+            dec = torch.cat([stack.forward_each(x[:, p : p + 1], p) for p in range(x.size(1))], dim=2)
         stack.reset_state()
     return pre, dec, tp, td
 

@@ -32,7 +32,7 @@ from torch import nn
 from .attention import Attention, LayerRows
 from .kernels import sparse_attn
 from .layers import Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype
-from .model import Block, Embedding, Head, hc_pre, identity_pre
+from .model import Block, Embedding, Head, hc_pre, identity_pre, runtime_config
 from .numerics import Numerics
 from .sampling import gumbel_max, probabilities
 
@@ -140,7 +140,7 @@ class DraftLayer(Block):
 
     def forward(self, x: torch.Tensor, start_pos: int, pre: torch.Tensor, main_x: torch.Tensor):
         # drafts are text: no VL routing bias
-        return self.sites(x, pre, lambda h: self.attn.block(h, start_pos, main_x), None, None, start_pos)
+        return self.sites(x, pre, lambda h: self.attn.block(h, start_pos, main_x), None)
 
 
 class DraftStack(nn.Module):
@@ -150,7 +150,8 @@ class DraftStack(nn.Module):
     def __init__(self, cfg, embed: Embedding, head: Head, *, numerics: Numerics = Numerics(),
                  max_batch_size: int = 1, max_seq_len: int = 4096, cache_format: str = "packed"):
         super().__init__()
-        if not cfg.n_mtp_layers or not cfg.dspark_block_size or not cfg.dspark_target_layer_ids:
+        cfg = runtime_config(cfg)
+        if cfg.n_mtp_layers == 0 or cfg.dspark_block_size == 0 or not cfg.dspark_target_layer_ids:
             raise ValueError("this config has no DSpark draft stack (n_mtp_layers, dspark_block_size and "
                              "dspark_target_layer_ids must all be set)")
         self.cfg, self.block_size, self.noise_token_id = cfg, cfg.dspark_block_size, cfg.dspark_noise_token_id

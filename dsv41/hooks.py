@@ -12,7 +12,8 @@ An observer is a callable `fn(name, value, context)` called at a site's exit, or
 returns a handle whose `remove()` ends it; `with sites.hooks({pattern: observer, ...})` keeps them
 for a block. A pattern is a site name or an fnmatch pattern (`layers.*.ffn.routed`).
 `ActivationCache` records the values of the sites it is subscribed to, what
-`Model.run_with_hooks` returns beside the logits.
+`Model.run_with_hooks` returns beside the logits. `sites_of(module)` is the registry of one part
+(an attention layer of a stack, say), under the names its model or stack gave it.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class _Handle:
 
 
 class Sites(dict):
-    """The registry of one model's sites: name -> Site, in forward order."""
+    """The registry of one model's sites: name -> Site, in module order (a module's own sites
+    before its children's)."""
 
     def matching(self, pattern: str, strict: bool = True) -> list[Site]:
         """The sites `pattern` names; none is an error unless not `strict` (a pattern for a kind
@@ -122,21 +124,40 @@ class _NoSites(dict):
 NO_SITES = _NoSites()
 
 
-def name_sites(root) -> Sites:
+def name_sites(root, renamed: Optional[Mapping[str, str]] = None) -> Sites:
     """Give every module under `root` whose class lists `SITES` its named sites and return the
     registry. A local name "" is the module's own path (`head`); others are appended
-    (`layers.3.ffn` + "routed")."""
+    (`layers.3.ffn` + "routed"). `renamed` {module path: site path} names a module and everything
+    under it after another path (an attention stack's `layers.3` as a model's `layers.3.attn`)."""
     registry = Sites()
     for path, module in root.named_modules():
-        local_names = getattr(type(module), "SITES", ())
+        local_names = getattr(module, "SITES", ())  # a class's, or one instance's own
         if not local_names:
             continue
+        path = _renamed(path, renamed or {})
         own = {}
         for local in local_names:
             name = ".".join(p for p in (path, local) if p)
             own[local] = registry[name] = Site(name)
         module.named_sites = own
     return registry
+
+
+def _renamed(path: str, renamed: Mapping[str, str]) -> str:
+    for old, new in renamed.items():
+        if path == old or path.startswith(old + "."):
+            return new + path[len(old):]
+    return path
+
+
+def sites_of(module) -> Sites:
+    """The sites under `module` as a registry: those it already has (named by the model or stack
+    it belongs to, under those names), else named now from `module` as the root."""
+    found = Sites()
+    for _, part in module.named_modules():
+        for named in getattr(part, "named_sites", NO_SITES).values():
+            found[named.name] = named
+    return found if found else name_sites(module)
 
 
 def site(module, local: str) -> Optional[Site]:

@@ -1,6 +1,6 @@
-"""The model: `Model` is where a forward starts; below it the backbone of blocks (mixture of
-experts, hyper-connections, the Engram consumer, CSA2 attention from the `attention` package) and
-the head. What a forward overwrote, rollback and snapshots are `sequence.py`'s.
+"""The model: `Model` is where a forward starts; below it the backbone of blocks (the mixture of
+experts from `moe.py`, hyper-connections, the Engram consumer, CSA2 attention from the `attention`
+package) and the head. What a forward overwrote, rollback and snapshots are `sequence.py`'s.
 
 `Model(cfg, tokenizer=..., hasher=...)` holds the backbone, the attention runtime, the n-gram
 hasher and the sequence position; `model(ids, start_pos)` runs a forward, `encode` / `decode` turn
@@ -26,8 +26,10 @@ and are read a row at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Optional, Sequence
 
@@ -38,46 +40,20 @@ from torch import nn
 from . import sequence
 from .attention import Attention, AttentionRuntime, CacheBytes, cache_bytes, check_cache_format
 from .formats import dequantize_engram_rows
+from .hooks import NO_SITES, name_sites, site
 from .kernels import hc_split_sinkhorn
-from .kernels.experts import PackedExpert, clamped_swiglu, routed_experts
-from .layers import F32_ROW_PAD, Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype, param
+from .kernels.experts import PackedExpert, clamped_swiglu  # noqa: F401 (their import path)
+from .layers import Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype, param
+from .moe import ROUTE_SUM_EPS, Gate, MoE, RoutedExperts, SharedExpert, expert_scores, route  # noqa: F401 (their import path)
 from .numerics import Numerics
 from .stores import DictExpertStore, EngramTable, ExpertStore, FetchedExperts, TensorEngramTable  # noqa: F401 (their import path)
 from .token_ids import as_token_ids
-from .trace import ForwardTrace
-from .hooks import NO_SITES, name_sites, site
+from .trace import Trace
 from .vision import IMAGE_END, IMAGE_NEWLINE, IMAGE_START, Aligner, Prompt, ViT, encode_image, write_spans
 from .vision import prepare as prepare_prompt
 
-# Added to the top-k routing weight sum before dividing; a training constant, not norm_eps.
-ROUTE_SUM_EPS = 1e-20
 # Floor on |dot| before the Engram gate's signed square root.
 ENGRAM_GATE_FLOOR = 1e-6
-
-
-# ---------------------------------------------------------------------- routing
-def expert_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
-    """Router logits -> affinities. The release uses sqrtsoftplus: sqrt(softplus(logit))."""
-    if score_func == "sqrtsoftplus":
-        return F.softplus(logits).sqrt()
-    if score_func == "sigmoid":
-        return logits.sigmoid()
-    if score_func == "softmax":
-        return logits.softmax(dim=-1)
-    raise ValueError(f"unknown score_func {score_func!r}")
-
-
-def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, norm_topk_prob: bool,
-          route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores [n, E] float32 -> (weights [n, k] float32, expert ids [n, k] int64).
-
-    The bias only chooses which experts run; the weights are the unbiased scores of the chosen
-    ones, normalized to sum to one (norm_topk_prob, k > 1) and then scaled by route_scale."""
-    ids = (scores + bias).topk(topk, dim=-1).indices
-    weights = scores.gather(-1, ids)
-    if norm_topk_prob and topk > 1:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + ROUTE_SUM_EPS)
-    return weights * route_scale, ids
 
 
 # The caches are written in place by calls, rollbacks and restores. Running each of those verbs
@@ -90,134 +66,16 @@ def _whole(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-class RoutedExperts:
-    """The routed half of one MoE layer: y = sum_k weight_k * expert_{id_k}(x), float32.
-
-    The one interface a faster implementation replaces: `forward(x [n, dim], expert_ids [n, k],
-    weights [n, k]) -> float32 [n, dim]`. The selected experts are fetched once (ascending id) and
-    run through the fused packed-FP4 path (`kernels.experts.routed_experts`: Triton where the
-    store placed an expert on CUDA, the fused CPU kernels otherwise): tokens quantized to FP8
-    once, each expert once on all of its tokens, never a float32 or bf16 copy of a whole weight
-    matrix. It equals the op layer's reference
-    `fp4_gemm` path up to the order of float32 additions. `last_fetch` holds the most recent
-    call's `FetchedExperts` (its cache hits and misses). `batch_invariant`: a token's output does
-    not depend on how many tokens an expert sees (see `kernels.experts`)."""
-
-    def __init__(self, layer: int, store: ExpertStore, swiglu_limit: float, *, batch_invariant: bool = False):
-        self.layer, self.store, self.swiglu_limit = layer, store, swiglu_limit
-        self.batch_invariant = batch_invariant
-        self.last_fetch: Optional[FetchedExperts] = None
-
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        selected = torch.unique(expert_ids).tolist()  # sorted ascending
-        fetched = self.store.fetch(self.layer, selected)
-        self.last_fetch = fetched if isinstance(fetched, FetchedExperts) else FetchedExperts(fetched)
-        return routed_experts(x, expert_ids, weights.float(), dict(zip(selected, fetched)), self.swiglu_limit,
-                              batch_invariant=self.batch_invariant)
-
-    __call__ = forward
+def runtime_config(cfg):
+    """`cfg` as the forward's modules read it: every value of its verified view
+    (`Config.verified()`: the defaults applied where the file is silent, ConfigError when a field a
+    model needs is unset), kept in a Config so that its derived facts (`layer_mode`, `moe_shape`)
+    stay at hand. The modules below read fields as given, without defending against None."""
+    verified = cfg.verified()
+    return cfg.replace(**{f.name: getattr(verified, f.name) for f in dataclasses.fields(verified)})
 
 
 # ---------------------------------------------------------------------- modules
-class Gate(nn.Module):
-    """The router `ffn.gate`: bf16 weight [E, dim], float32 selection bias [E], and (with a vision
-    tower) `bias_vl` [E], the selection bias of image-span tokens. Text never applies bias_vl."""
-
-    def __init__(self, cfg, n_experts: int, topk: int, dtype=torch.bfloat16, *, numerics: Numerics = Numerics()):
-        super().__init__()
-        self.topk, self.score_func = topk, cfg.score_func
-        self.pad_f32_rows = numerics.pad_f32_rows
-        self.norm_topk_prob = True if cfg.norm_topk_prob is None else bool(cfg.norm_topk_prob)
-        self.route_scale = float(cfg.route_scale)
-        self.weight = param(torch.zeros(n_experts, cfg.dim, dtype=dtype))
-        self.bias = param(torch.zeros(n_experts, dtype=torch.float32))
-        self.bias_vl = param(torch.zeros(n_experts, dtype=torch.float32)) if cfg.vision_n_layers else None
-
-    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None):
-        """x [n, dim] -> (weights [n, k] float32, ids [n, k]); image_mask [n] bool selects bias_vl."""
-        logits = f32_linear(x, self.weight, pad_f32_rows=self.pad_f32_rows)  # [n, E]
-        if self.pad_f32_rows:
-            # softplus is vectorized 32 values at a time and rounds a shorter tail another way (seen
-            # with AVX-512), so a lone decode row's scores could differ from the same row's in a
-            # prefill: padded rows give every call the same tail
-            pad = -logits.size(0) % F32_ROW_PAD
-            scores = expert_scores(F.pad(logits, (0, 0, 0, pad)), self.score_func)[: logits.size(0)]
-        else:
-            scores = expert_scores(logits, self.score_func)
-        bias = self.bias
-        if image_mask is not None and self.bias_vl is not None:
-            bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias)
-        return route(scores, bias, self.topk, self.norm_topk_prob, self.route_scale)
-
-
-class SharedExpert(nn.Module):
-    """The always-on expert `ffn.shared_experts`: FP8 w1 (gate) / w3 (up) / w2 (down)."""
-
-    def __init__(self, dim: int, inter_dim: int, swiglu_limit: float, dtype=torch.float8_e4m3fn):
-        super().__init__()
-        self.w1 = Linear(dim, inter_dim, dtype)
-        self.w2 = Linear(inter_dim, dim, dtype)
-        self.w3 = Linear(dim, inter_dim, dtype)
-        self.swiglu_limit = swiglu_limit
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = clamped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit)
-        return self.w2(h.to(x.dtype))
-
-
-class MoE(nn.Module):
-    """Routed experts (top-k of E, through `experts`) plus the shared expert, summed in float32.
-
-    Sites (`hooks`): `gate` ((weights, ids) as routed), `routed` and `shared` (around each half,
-    their float32 outputs), and the layer's own (`layers.N.ffn`: its output, with the routing in
-    the context: ids, weights, the input, the image mask, the gate and the experts)."""
-
-    SITES = ("", "gate", "routed", "shared")
-    named_sites = NO_SITES
-
-    def __init__(self, cfg, layer: int, *, numerics: Numerics = Numerics()):
-        super().__init__()
-        n_experts, topk = cfg.moe_shape(layer)
-        self.layer, self.dim, self.numerics = layer, cfg.dim, numerics
-        self.swiglu_limit = float(cfg.swiglu_limit or 0.0)
-        self.gate = Gate(cfg, n_experts, topk, numerics=numerics)
-        self.shared_experts = SharedExpert(cfg.dim, cfg.moe_inter_dim, self.swiglu_limit, linear_dtype(cfg))
-        self.experts: Optional[RoutedExperts] = None  # see attach_store (not a parameter)
-        self.shared_forward = None  # see attach_store: None runs shared_experts
-
-    def attach_store(self, store: ExpertStore, routed=None, shared=None) -> None:
-        """Read this layer's routed experts from `store`. Under pad_f32_rows they run
-        batch-invariant: the padding's purpose, one arithmetic for any row count, extends to them.
-        `routed` builds the routed half instead of `RoutedExperts`, with its constructor's
-        arguments (the expert-parallel group's `distributed.ExpertParallelExperts`); `shared`, a
-        function [n, dim] -> [n, dim], computes the shared expert instead of `shared_experts` (a
-        benchmark's other form of it)."""
-        self.experts = (routed or RoutedExperts)(self.layer, store, self.swiglu_limit,
-                                                 batch_invariant=self.numerics.pad_f32_rows)
-        self.shared_forward = shared
-
-    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.experts is None:
-            raise RuntimeError(f"layer {self.layer}: no routed experts attached (load the model with dsv41.load)")
-        shape = x.shape
-        flat = x.reshape(-1, self.dim)  # [n, dim]
-        weights, ids = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
-        gate_site = site(self, "gate")
-        if gate_site:
-            gate_site.exit((weights, ids))
-        routed, shared = site(self, "routed"), site(self, "shared")
-        y = routed.around(self.experts.forward, flat, ids, weights) if routed else \
-            self.experts.forward(flat, ids, weights)  # [n, dim] float32
-        shared_forward = self.shared_forward or self.shared_experts
-        y = y + (shared.around(shared_forward, flat) if shared else shared_forward(flat))
-        out = y.to(x.dtype).reshape(shape)
-        own = site(self, "")
-        if own:
-            own.exit(out, {"ids": ids, "weights": weights, "x": x, "image_mask": image_mask, "gate": self.gate,
-                           "experts": self.experts})
-        return out
-
-
 class Engram(nn.Module):
     """Adds an n-gram lookup into the residual stream, gated per hyper-connection copy.
 
@@ -307,10 +165,10 @@ class Block(nn.Module):
     collapse and expansion. Parameter names are the checkpoint's (`layers.N.` + name).
 
     Sites: `resid_pre` (the stream [b, s, hc, dim] after Engram: what the attention site reads and
-    a draft stack is fed), `attn` (around attention, its output [b, s, dim]), `resid_mid` (after
-    the attention site's expansion) and `resid_post` (after the FFN site's)."""
+    a draft stack is fed), `resid_mid` (after the attention site's expansion) and `resid_post`
+    (after the FFN site's); attention's own are `layers.N.attn` and below (`attention.Attention`)."""
 
-    SITES = ("resid_pre", "attn", "resid_mid", "resid_post")
+    SITES = ("resid_pre", "resid_mid", "resid_post")
     named_sites = NO_SITES
 
     attention_type = Attention  # a draft stage's block attends another way (dspark.DraftAttention)
@@ -326,7 +184,7 @@ class Block(nn.Module):
         self.attn = self.attention_type(cfg, layer, numerics=numerics, max_batch_size=max_batch_size,
                                         max_seq_len=max_seq_len, cache_format=cache_format)
         self.ffn = MoE(cfg, layer, numerics=numerics)
-        engram_layers = tuple(cfg.engram_layer_ids or ())
+        engram_layers = cfg.engram_layer_ids
         self.engram = None
         if layer in engram_layers:
             self.engram = Engram(cfg, layer, (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads)
@@ -345,10 +203,9 @@ class Block(nn.Module):
                         pad_f32_rows=self.pad_f32_rows)
 
     def forward(self, x: torch.Tensor, start_pos: int, pre: torch.Tensor, runtime: AttentionRuntime,
-                hash_ids: Optional[torch.Tensor] = None, image_mask: Optional[torch.Tensor] = None,
-                trace=None) -> tuple[torch.Tensor, torch.Tensor]:
+                hash_ids: Optional[torch.Tensor] = None,
+                image_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, s, hc, dim], pre [b, s, hc] (from the previous block) -> (x, the next block's pre).
-        `trace` reaches attention only (the block's own observers subscribe to its sites).
 
         hash_ids [b, s, n_hash_cols] for an Engram layer; image_mask [b, s] True inside image spans
         (their routing uses bias_vl and they get no Engram update)."""
@@ -359,18 +216,16 @@ class Block(nn.Module):
         resid_pre = site(self, "resid_pre")
         if resid_pre:
             resid_pre.exit(x)
-        return self.sites(x, pre, lambda h: self.attn(h, start_pos, runtime, trace), image_mask, None, start_pos)
+        return self.sites(x, pre, lambda h: self.attn(h, start_pos, runtime), image_mask)
 
-    def sites(self, x: torch.Tensor, pre: torch.Tensor, attend, image_mask: Optional[torch.Tensor], trace,
-              start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def sites(self, x: torch.Tensor, pre: torch.Tensor, attend,
+              image_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention site (`attend`: [b, s, dim] -> [b, s, dim]) and the FFN site, each between a
-        collapse and an expansion -> (x, the next block's pre). `trace` and `start_pos` are unused
-        (observers subscribe to the named sites); the draft block still passes them."""
+        collapse and an expansion -> (x, the next block's pre)."""
         residual = x
         attn_pre, post, comb = self.mixes(x, "attn")
         h = self.attn_norm(hc_pre(x, pre))  # [b, s, dim]
-        attn = site(self, "attn")
-        h = attn.around(attend, h) if attn else attend(h)
+        h = attend(h)
         x = hc_post(h, residual, post, comb)  # [b, s, hc, dim]
         resid_mid = site(self, "resid_mid")
         if resid_mid:
@@ -459,17 +314,15 @@ class Backbone(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start_pos: int, runtime: AttentionRuntime,
                 hash_ids: Optional[torch.Tensor] = None, image_mask: Optional[torch.Tensor] = None,
-                trace=None, all_positions: bool = False, images=()) -> torch.Tensor:
+                all_positions: bool = False, images=()) -> torch.Tensor:
         """input_ids [b, s] -> float32 logits [b, vocab] of the last position ([b, s, vocab] with
         all_positions). hash_ids [b, s, n_engram_layers, n_hash_cols] from the n-gram hasher;
         `images` (batch 1): the `vision.ImageInput`s whose spans this call holds, written over the
-        embedding (their `features` encoded here when not yet set). A `ForwardTrace` subscribes its
-        recorders to the sites for this call; attention still takes `trace` itself."""
+        embedding (their `features` encoded here when not yet set). With a draft stack attached, the
+        target layers' `resid_pre` sites feed `main_hidden`."""
         feed = _DraftFeed() if self.feeds_draft else None
         observers = {} if feed is None else {f"layers.{b.layer}.resid_pre": feed for b in self.layers if b.feeds_draft}
-        if isinstance(trace, ForwardTrace):
-            observers.update(trace.observers(start_pos))
-        args = (input_ids, start_pos, runtime, hash_ids, image_mask, trace, all_positions, images)
+        args = (input_ids, start_pos, runtime, hash_ids, image_mask, all_positions, images)
         if not observers:
             logits = self._run(*args)
         else:
@@ -479,7 +332,7 @@ class Backbone(nn.Module):
         self.main_hidden = torch.cat(feed.rows, dim=-1) if feed is not None and feed.rows else None
         return logits
 
-    def _run(self, input_ids, start_pos, runtime, hash_ids, image_mask, trace, all_positions, images):
+    def _run(self, input_ids, start_pos, runtime, hash_ids, image_mask, all_positions, images):
         bsz, seqlen = input_ids.shape
         h = self.embed(input_ids)  # [b, s, dim]
         if images:
@@ -493,7 +346,7 @@ class Backbone(nn.Module):
         pre = identity_pre(bsz, seqlen, self.hc_mult, h.device)
         for block in self.layers:
             ids = hash_ids[:, :, block.engram_index] if block.engram is not None and hash_ids is not None else None
-            h, pre = block(h, start_pos, pre, runtime, ids, image_mask, trace)
+            h, pre = block(h, start_pos, pre, runtime, ids, image_mask)
         h = self.norm(hc_pre(h, pre))  # the last block's FFN pre is the final collapse
         return self.head(h, all_positions)
 
@@ -536,8 +389,8 @@ class Model:
     def __init__(self, cfg, *, numerics: Numerics = Numerics(), max_batch_size: int = 1, max_seq_len: int = 4096,
                  tokenizer=None, tokenizer_meta: Optional[dict] = None, hasher=None, undo_calls: int = 64,
                  cache_format: str = "packed"):
-        self.cfg, self.numerics = cfg, numerics
-        self.backbone = Backbone(cfg, numerics=numerics, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+        self.cfg, self.numerics = cfg, numerics  # the config as loaded; the modules read runtime_config(cfg)
+        self.backbone = Backbone(runtime_config(cfg), numerics=numerics, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                  cache_format=cache_format)
         self.runtime = AttentionRuntime()
         self.hasher = hasher
@@ -563,7 +416,7 @@ class Model:
         """Run a DSpark draft stack beside the backbone: its target layers hand their main hidden
         state over on every forward, and `draft` proposes from it."""
         self.draft_stack = stack
-        targets = set(self.cfg.dspark_target_layer_ids or ())
+        targets = set(self.backbone.cfg.dspark_target_layer_ids)
         for block in self.backbone.layers:
             block.feeds_draft = block.layer in targets
         self.backbone.feeds_draft = True
@@ -617,7 +470,7 @@ class Model:
 
     @property
     def sites(self):
-        """The named sites of the forward (`hooks.Sites`: name -> Site, in forward order)."""
+        """The named sites of the forward (`hooks.Sites`: name -> Site, in module order)."""
         return self.backbone.site_registry
 
     def hooks(self, observers):
@@ -658,6 +511,9 @@ class Model:
                              + (f" and this sequence has {self.token_ids.size(0)}" if start_pos else ""))
         if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        if trace is not None and not isinstance(trace, Trace):
+            raise TypeError(f"trace must be a dsv41.trace.Trace (a ForwardTrace records the whole forward), "
+                            f"got {type(trace).__name__}")
         if start_pos == 0:
             self.reset()
             self.token_ids = torch.zeros(bsz, 0, dtype=torch.long)
@@ -670,8 +526,10 @@ class Model:
             counters = getattr(self.experts, "counters", None)  # a store without counters counts nothing
             if counters is not None:
                 counters.begin_step(start_pos, seqlen)
-            logits = self.backbone(ids, start_pos, self.runtime, hash_ids, image_mask, trace, all_positions,
-                                   images=prompt.images if prompt is not None else ())
+            # a trace is one more set of observers, subscribed for this call
+            with trace.recording(self.sites, start_pos) if trace is not None else nullcontext():
+                logits = self.backbone(ids, start_pos, self.runtime, hash_ids, image_mask, all_positions,
+                                       images=prompt.images if prompt is not None else ())
             if self.draft_stack is not None:
                 self.draft_stack.feed(self.backbone.main_hidden, start_pos)
         except BaseException:

@@ -49,9 +49,11 @@ def _both_orders(stack, x, method="forward"):
     axis = 1 if method == "forward" else 2
     tp, td = Trace(keep_index_scores=True), Trace(keep_index_scores=True)
     stack.reset_state()
-    pre = run(x, 0, tp)
+    with tp.recording(stack.sites):
+        pre = run(x, 0)
     stack.reset_state()
-    dec = torch.cat([run(x[:, p : p + 1], p, td) for p in range(x.size(1))], dim=axis)
+    with td.recording(stack.sites):
+        dec = torch.cat([run(x[:, p : p + 1], p) for p in range(x.size(1))], dim=axis)
     return pre, dec, tp, td
 
 
@@ -272,11 +274,12 @@ def test_index_rows_handed_to_sparse_attn(monkeypatch, layout):
     def run(cache_format):
         stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=8, numerics=numerics, cache_format=cache_format)
         calls, trace = _sparse_attn_calls(monkeypatch), Trace()
-        for n_pre in prefills:
-            stack.reset_state()
-            stack(x[:, :n_pre], 0, trace)
-            for p in range(n_pre, x.size(1)):
-                stack(x[:, p : p + 1], p, trace)
+        with trace.recording(stack.sites):
+            for n_pre in prefills:
+                stack.reset_state()
+                stack(x[:, :n_pre], 0)
+                for p in range(n_pre, x.size(1)):
+                    stack(x[:, p : p + 1], p)
         return calls, trace
 
     # packed storage hands sparse_attn only the selected compressed rows, renumbered: every column
@@ -461,7 +464,8 @@ def test_calls_out_of_order_fail_with_a_sentence():
 def test_trace_records_the_kth_and_next_index_scores_per_query():
     stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=5, numerics=Numerics(fix_stale_index_keys=True))
     trace = Trace(keep_index_scores=True)
-    stack.forward_each(_x(30, seed=17), 0, trace)
+    with trace.recording(stack.sites):
+        stack.forward_each(_x(30, seed=17), 0)
     k = TINY.index_topk
     n_truncated = n_ties = 0
     for rec in trace.attention:
@@ -497,8 +501,9 @@ def test_trace_records_the_kth_and_next_index_scores_per_query():
 def test_reindex_ranks_inside_the_candidate_pool():
     stack = AttentionStack(TINY, max_seq_len=MAX_SEQ, seed=6, numerics=Numerics(fix_stale_index_keys=True))
     trace, x = Trace(), _x(30, seed=18)
-    for p in range(30):  # decode rows hold reachable positions only, so every pick is reachable
-        stack.forward_each(x[:, p : p + 1], p, trace)
+    with trace.recording(stack.sites):
+        for p in range(30):  # decode rows hold reachable positions only, so every pick is reachable
+            stack.forward_each(x[:, p : p + 1], p)
     by = trace.attention_by_layer()
     pool = by[TINY.candidate_source_layer]["candidate_blocks"][0].repeat_interleave(TINY.candidate_block_size, -1)
     assert torch.equal(by[6]["candidate_blocks"], by[TINY.candidate_source_layer]["candidate_blocks"])

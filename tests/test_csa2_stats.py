@@ -219,7 +219,8 @@ def test_divergence_every_difference_a_tie_and_parity_untruncated():
 def test_untruncated_positions_end_where_the_trace_records_the_first_cut():
     stack = AttentionStack(TINY, max_seq_len=28, seed=0)
     trace = Trace()
-    stack.forward_each(_x(28, seed=20), 0, trace)
+    with trace.recording(stack.sites):
+        stack.forward_each(_x(28, seed=20), 0)
     cuts = [~torch.isnan(getattr(r, name)[0]) for r in trace.attention
             for name in ("kth_score", "candidate_kth_score") if getattr(r, name) is not None]
     first = int(torch.stack(cuts).any(0).nonzero()[0])

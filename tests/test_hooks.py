@@ -115,3 +115,47 @@ def test_the_draft_stack_is_fed_through_the_sites(model):
 def test_an_empty_registry_refuses_an_unknown_site():
     with pytest.raises(KeyError):
         Sites().subscribe("head", print)
+
+
+def test_attention_names_its_parts_where_the_layer_has_them(model):
+    cfg, names = model.cfg, set(model.sites)
+    for layer in range(cfg.n_layers):
+        mode, ratio = cfg.layer_mode(layer), cfg.compress_ratios[layer]
+        assert f"layers.{layer}.attn" in names
+        assert (f"layers.{layer}.attn.topk" in names) == bool(ratio)
+        assert (f"layers.{layer}.attn.compressor" in names) == (mode == "full")
+        assert (f"layers.{layer}.attn.indexer" in names) == (mode in ("full", "reindex"))
+
+
+def test_an_attention_stack_is_traced_through_sites_named_as_a_models(model):
+    from dsv41 import csa2_stats
+    from dsv41.trace import Trace
+
+    stack = csa2_stats.attention_stack(model, max_seq_len=16)
+    assert {n for n in stack.sites} == {n for n in model.sites if ".attn" in n}
+    x = csa2_stats.embed(model, model.encode("The capital of France is"))
+    plain = stack.forward_each(x, 0)
+    stack.reset_state()
+    trace = Trace(keep_outputs=True)
+    with trace.recording(stack.sites):
+        traced = stack.forward_each(x, 0)
+    assert torch.equal(plain, traced)  # recording changes no arithmetic
+    assert [r.layer for r in trace.attention] == list(range(model.cfg.n_layers))
+    assert all(torch.equal(r.output, traced[r.layer]) for r in trace.attention)
+    assert all(not site.observers for site in stack.sites.values())
+
+
+def test_a_call_refuses_a_trace_that_is_not_one(model):
+    with pytest.raises(TypeError, match="Trace"):
+        model([1, 2], 0, trace=True)
+
+
+def test_the_modules_read_the_verified_view():
+    from dsv41.config import TINY
+    from dsv41.model import runtime_config
+
+    silent = TINY.replace(engram_num_embeddings=(1009,) * 6, engram_compressed_vocab_size=1000,
+                          swiglu_limit=None, norm_topk_prob=None, candidate_source_layer=None)
+    runtime = runtime_config(silent)
+    assert (runtime.swiglu_limit, runtime.norm_topk_prob, runtime.candidate_source_layer) == (0.0, True, -1)
+    assert runtime.layer_mode(2) == silent.layer_mode(2)  # still a Config: its derived facts at hand

@@ -340,7 +340,7 @@ def test_a_callers_default_dtype_changes_nothing(model, tiny_checkpoint):
 
 @pytest.mark.parametrize("pad", [False, True])
 def test_numerics_options_reach_every_float32_projection_and_the_runtime(tiny_checkpoint, monkeypatch, pad):
-    from dsv41 import layers, model as model_module
+    from dsv41 import layers, model as model_module, moe as moe_module
 
     m = load(tiny_checkpoint, quiet=True, numerics=Numerics(window_layout="uniform" if pad else "reference",
                                                             pad_f32_rows=pad))
@@ -354,6 +354,7 @@ def test_numerics_options_reach_every_float32_projection_and_the_runtime(tiny_ch
 
     monkeypatch.setattr(layers, "f32_linear", recording)
     monkeypatch.setattr(model_module, "f32_linear", recording)
+    monkeypatch.setattr(moe_module, "f32_linear", recording)  # the router's
     m(m.encode("Every float32 projection."), 0)
     cfg = m.cfg
     # per forward: the ratio > 1 compressors' wkv and wgate, each layer's router and its two

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..hooks import NO_SITES, site
 from ..layers import Linear, RMSNorm, activation_dtype
 from ..numerics import Numerics
 from .caches import TAIL_DTYPE
@@ -21,8 +22,12 @@ class Compressor(nn.Module):
     waits in kv_state / score_state for the next call; a call of several tokens at a later
     position completes it first, so any split of a sequence into calls pools the same groups. Ratio 1 has no group to pool: no gate, a
     plain BF16 projection. Above ratio 1 the projections and pooling run in float32 (the weights
-    are held in float32, as the reference runtime promotes them).
+    are held in float32, as the reference runtime promotes them). Its site (`layers.N.attn.compressor`)
+    sees what each call returns: the latents, or None.
     """
+
+    SITES = ("",)
+    named_sites = NO_SITES
 
     def __init__(self, cfg, layer: int, max_batch_size: int = 1, *, numerics: Numerics = Numerics()):
         super().__init__()
@@ -84,6 +89,13 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, start_pos: int) -> Optional[torch.Tensor]:
         """x [b, s, dim] -> latents [b, n_completed, head_dim] in x.dtype, or None."""
+        latent = self._pool(x, start_pos)
+        own = site(self, "")
+        if own:
+            own.exit(latent)
+        return latent
+
+    def _pool(self, x: torch.Tensor, start_pos: int) -> Optional[torch.Tensor]:
         bsz, seqlen, _ = x.shape
         ratio = self.ratio
         if ratio == 1:

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..hooks import NO_SITES, site
 from ..kernels import fp4_act_quant
 from ..layers import Linear, RMSNorm, activation_dtype, apply_rotary_emb, linear_dtype
 from ..numerics import TIE_BREAKS, Numerics
-from ..trace import AttentionRecord
 from .caches import INDEX_FP4_BLOCK, INDEX_KEY_ENCODING, QuantizedCache
 from .runtime import AttentionRuntime
 
@@ -61,18 +61,6 @@ def select_candidate_blocks(logits: torch.Tensor, compress_lens: torch.Tensor | 
     return keep.repeat_interleave(block_size, dim=-1)[..., :width]
 
 
-def _cut_scores(scores: torch.Tensor, reachable: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """k-th and (k+1)-th largest of `scores` [b, s, T] (unreachable entries -inf), float32 [b, s];
-    NaN where the query reaches no more than k entries (`reachable` [s])."""
-    b, s, width = scores.shape
-    nan = scores.new_full((b, s), float("nan"), dtype=torch.float32)
-    if width <= k:
-        return nan, nan.clone()
-    top = scores.float().topk(k + 1, dim=-1).values  # sorted, descending
-    truncated = (reachable > k).view(1, s)
-    return (torch.where(truncated, top[..., k - 1], nan), torch.where(truncated, top[..., k], nan))
-
-
 # ---------------------------------------------------------------------------------- indexer
 class Indexer(nn.Module):
     """Scores every reachable compressed position for each query and keeps the `index_topk` best.
@@ -83,7 +71,14 @@ class Indexer(nn.Module):
     and FP4-quantized. The candidate source publishes its block mask; later index sources score
     only inside it. The key cache `k_cache` holds FP4 E2M1 with one E8M0 scale per 32 (packed, the
     default) or the same values in BF16 (`cache_format="bf16"`).
+
+    Its site (`layers.N.attn.indexer`) sees each call's selection with, in the context, the scores
+    it was cut from ("score", None on a call that reaches no compressed position yet), "reachable",
+    the candidate "mask" it scored inside, whose keys and mask were read and the indexer itself.
     """
+
+    SITES = ("",)
+    named_sites = NO_SITES
 
     def __init__(self, cfg, layer: int, max_batch_size: int = 1, max_seq_len: int = 4096, *,
                  numerics: Numerics = Numerics(), cache_format: str = "packed"):
@@ -91,7 +86,7 @@ class Indexer(nn.Module):
         self.layer, self.numerics = layer, numerics
         self.ratio = cfg.compress_ratios[layer]
         self.owns_k = layer in cfg.kv_source_layers
-        cand = cfg.candidate_source_layer if cfg.candidate_source_layer is not None else -1
+        cand = cfg.candidate_source_layer  # -1: none
         self.is_candidate_source = layer == cand
         self.uses_candidates = 0 <= cand < layer
         self.candidate_topk_blocks = cfg.candidate_topk_blocks
@@ -118,12 +113,11 @@ class Indexer(nn.Module):
         pass
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, latent: Optional[torch.Tensor], start_pos: int,
-                freqs_cis: torch.Tensor, runtime: AttentionRuntime,
-                record: Optional[AttentionRecord] = None, keep_scores: bool = False) -> torch.Tensor:
+                freqs_cis: torch.Tensor, runtime: AttentionRuntime) -> torch.Tensor:
         """Compressed positions [b, s, min(index_topk, T)] per query, sorted, -1 where unreachable
         (T = (start_pos + s) // ratio). `latent` is this layer's pre-RoPE compressor output.
         Publishes keys and candidate blocks to `runtime` as the layer's role says; the
-        arithmetic is `write_keys`, `scores` and `select`, the trace filling `_record`."""
+        arithmetic is `write_keys`, `scores` and `select`."""
         bsz, seqlen, _ = x.shape
         if self.owns_k:
             if latent is not None:
@@ -154,9 +148,24 @@ class Indexer(nn.Module):
             mask = None
 
         selected = self.select(score, lens)
-        if record is not None:
-            self._record(record, score, reachable, mask, runtime, keep_scores)
+        own = site(self, "")
+        if own:
+            own.exit(selected, {"score": score, "reachable": reachable, "mask": mask, "indexer": self,
+                                "index_keys_from": runtime.index_k_from, "candidates_from": runtime.candidates_from})
         return selected
+
+    def unreachable(self, bsz: int, seqlen: int, device) -> torch.Tensor:
+        """The selection [b, s, 0] of a call none of whose queries reaches a compressed position
+        yet: nothing is scored or published."""
+        selected = torch.full((bsz, seqlen, 0), -1, dtype=torch.long, device=device)
+        own = site(self, "")
+        if own:
+            own.exit(selected, {"score": None})
+        return selected
+
+    def block_scores(self, score: torch.Tensor, reachable: torch.Tensor) -> torch.Tensor:
+        """The candidate source's block scores [b, s, n_blocks] of its index scores, before any mask."""
+        return candidate_block_scores(score, reachable.unsqueeze(-1), self.candidate_block_size)
 
     def write_keys(self, latent: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor) -> None:
         """Index keys of the groups this call completed (latent [b, groups, head_dim], pre-RoPE)
@@ -199,21 +208,3 @@ class Indexer(nn.Module):
         # A -inf pick at a reachable position is kept, as in the reference: where the candidate
         # pool holds fewer than index_topk positions, the remainder are positions outside it.
         return torch.where(idx < lens, idx, -1)
-
-    def _record(self, record: AttentionRecord, score, reachable, mask, runtime: AttentionRuntime,
-                keep_scores: bool) -> None:
-        """What a trace keeps of this call: the cut scores (and the block cut's, at the candidate
-        source), whose keys were scored, the candidate blocks, optionally every score."""
-        record.index_keys_from = runtime.index_k_from
-        record.kth_score, record.next_score = (t.cpu() for t in _cut_scores(score, reachable, self.index_topk))
-        if keep_scores:
-            record.index_scores = score.float().cpu()
-        if self.is_candidate_source:
-            # the block scores are taken before any candidate mask (this layer makes the mask)
-            block_scores = candidate_block_scores(score, reachable.unsqueeze(-1), self.candidate_block_size)
-            reach_blocks = -(-reachable // self.candidate_block_size)
-            record.candidate_kth_score, record.candidate_next_score = (
-                t.cpu() for t in _cut_scores(block_scores, reach_blocks, self.candidate_topk_blocks))
-        if mask is not None:
-            record.candidate_blocks = mask[..., :: self.candidate_block_size].cpu()
-            record.candidates_from = runtime.candidates_from

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..hooks import NO_SITES, site
 from ..kernels import sparse_attn
 from ..layers import Linear, RMSNorm, activation_dtype, apply_rotary_emb, linear_dtype, precompute_freqs_cis
 from ..numerics import WINDOW_LAYOUTS, Numerics
-from ..trace import AttentionRecord, Trace
 from .caches import (
     CACHE_PARTS,
     COMPRESSED_ENCODING,
@@ -77,12 +76,20 @@ class Attention(nn.Module):
     `cache_format` how the caches hold their values (`QuantizedCache`): "packed" (default, the
     stored formats) or "bf16" (the reference runtime's BF16 buffers); the outputs are the same bit
     for bit.
+
+    Sites (`hooks`): the layer's own (`layers.N.attn`: entered when a call starts, its exit sees the
+    output [b, s, dim] with the call's layer, mode, ratio and start_pos in the context) and `topk`
+    (ratio > 0: the compressed positions each query attends to, -1 padded to index_topk, and the
+    index source they came from, "selected_by"); the compressor's and the indexer's own.
     """
+
+    SITES = ("", "topk")
+    named_sites = NO_SITES
 
     def __init__(self, cfg, layer: int, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
                  max_seq_len: int = 4096, cache_format: str = "packed"):
         super().__init__()
-        n_total = cfg.n_layers + (cfg.n_mtp_layers or 0)
+        n_total = cfg.n_layers + cfg.n_mtp_layers
         if not 0 <= layer < n_total:
             raise ValueError(f"layer {layer} is outside the config's {n_total} layers")
         self.layer, self.numerics = layer, numerics
@@ -100,6 +107,8 @@ class Attention(nn.Module):
         if self.mode != "reuse" and self.ratio == 0:
             raise ValueError(f"layer {layer} is a {self.mode} layer with compress ratio 0")
         act, lin = activation_dtype(cfg), linear_dtype(cfg)
+        if not self.ratio:
+            self.SITES = ("",)  # a pure window layer selects no compressed positions
 
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32), requires_grad=False)
         self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, dtype=lin)
@@ -232,39 +241,36 @@ class Attention(nn.Module):
         self.attn_sink.copy_(torch.randn(self.n_heads, generator=gen) * 0.5)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, start_pos: int, runtime: AttentionRuntime,
-                trace: Optional[Trace] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start_pos: int, runtime: AttentionRuntime) -> torch.Tensor:
         """x [b, s, dim] -> [b, s, dim]: any number of tokens at start_pos (0 starts a sequence; a
         later call continues it: one token is a decode step, several a chunk, causal inside it).
-        Reads and writes `runtime`; appends an AttentionRecord to `trace` if given."""
+        Reads and writes `runtime`."""
         bsz, seqlen, _ = x.shape
         if start_pos + seqlen > self.max_seq_len or bsz > self.max_batch_size:
             raise ValueError(f"layer {self.layer}: batch {bsz} x positions up to {start_pos + seqlen} exceed the "
                              f"caches ({self.max_batch_size} x {self.max_seq_len}); build with larger limits")
-        record = None
-        if trace is not None:
-            record = AttentionRecord(layer=self.layer, mode=self.mode, compress_ratio=self.ratio,
-                                     start_pos=start_pos, seqlen=seqlen)
+        own = site(self, "")
+        if own:
+            own.enter()
         freqs = self.freqs_cis[start_pos : start_pos + seqlen]
         qr, q = self.queries(x, freqs)
 
         kv, idxs = self._window(x, freqs, start_pos)  # [b, n_kv, head_dim], [b, s, w]
         if self.ratio:
-            cache, selected = self._compressed(x, qr, start_pos, runtime, record, trace)
+            cache, selected = self._compressed(x, qr, start_pos, runtime)
+            topk = site(self, "topk")
+            if topk:  # one width in every call
+                topk.exit(self._pad_topk(selected), {"selected_by": runtime.topk_from})
             compress_kv, rows = self._compressed_rows(cache, bsz, (start_pos + seqlen) // self.ratio, selected)
             # the selections index the compressed rows appended after the window rows
             idxs = torch.cat([idxs, torch.where(rows >= 0, rows + kv.size(1), -1)], dim=-1)
             kv = torch.cat([kv, compress_kv], dim=1)
-            if record is not None:
-                record.selected = self._pad_topk(selected).cpu()  # one width in every trace
-                record.reachable = (torch.arange(start_pos, start_pos + seqlen) + 1) // self.ratio
 
         o = sparse_attn(q, kv, self.attn_sink, idxs, self.softmax_scale)  # [b, s, heads, head_dim]
         out = self.project_out(o, freqs)
-        if record is not None:
-            if trace.keep_outputs:
-                record.output = out.detach().cpu()
-            trace.attention.append(record)
+        if own:
+            own.exit(out, {"layer": self.layer, "mode": self.mode, "compress_ratio": self.ratio,
+                           "start_pos": start_pos})
         return out
 
     def queries(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,7 +343,7 @@ class Attention(nn.Module):
         rows = torch.searchsorted(picked, selected.long().clamp_min(0)).to(selected.dtype)
         return cache.gather(bsz, picked), torch.where(selected >= 0, rows, -1)
 
-    def _compressed(self, x, qr, start_pos, runtime: AttentionRuntime, record, trace):
+    def _compressed(self, x, qr, start_pos, runtime: AttentionRuntime):
         """The shared compressed-KV cache and each query's selected compressed positions, -1 where
         unreachable: [b, s, min(index_topk, T)] as the reference has them, or -1 padded to
         [b, s, index_topk] under the uniform layout. Full layers compress and publish first; the
@@ -349,18 +355,12 @@ class Attention(nn.Module):
         if self.mode == "full":
             latent = self.compressor(x, start_pos)
             runtime.compress_kv, runtime.compress_kv_from = self.compress_kv_cache, self.layer
-            if record is not None:
-                record.wrote_compressed = latent is not None
 
         if self.indexer is not None:
             if width == 0:
-                selected = torch.full((bsz, seqlen, 0), -1, dtype=torch.long, device=x.device)
-                if record is not None:  # nothing reachable yet, so nothing truncated
-                    record.kth_score = torch.full((bsz, seqlen), float("nan"))
-                    record.next_score = record.kth_score.clone()
+                selected = self.indexer.unreachable(bsz, seqlen, x.device)
             else:
-                keep = trace is not None and trace.keep_index_scores
-                selected = self.indexer(x, qr, latent, start_pos, self.freqs_cis, runtime, record, keep)
+                selected = self.indexer(x, qr, latent, start_pos, self.freqs_cis, runtime)
             selected = selected.int()
             if self.numerics.window_layout == "uniform":  # one width for prefill and decode (see window_rows)
                 selected = self._pad_topk(selected)
@@ -370,8 +370,6 @@ class Attention(nn.Module):
                 raise RuntimeError(f"layer {self.layer} reuses an index source's top-k, but none ran for this call; "
                                    f"run the layers in order")
             selected = runtime.topk
-        if record is not None:
-            record.selected_by = runtime.topk_from
 
         if latent is not None:
             first = start_pos // ratio

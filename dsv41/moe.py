@@ -1,0 +1,173 @@
+"""The mixture-of-experts sublayer a block holds (`layers.N.ffn`): the router (`Gate`, `route`),
+the routed half computed from the store's packed experts (`RoutedExperts`) and the shared expert,
+summed in float32 (`MoE`). The model's own forward and the rest of a block are `model.py`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .hooks import NO_SITES, site
+from .kernels.experts import clamped_swiglu, routed_experts
+from .layers import F32_ROW_PAD, Linear, f32_linear, linear_dtype, param
+from .numerics import Numerics
+from .stores import ExpertStore, FetchedExperts
+
+# Added to the top-k routing weight sum before dividing; a training constant, not norm_eps.
+ROUTE_SUM_EPS = 1e-20
+
+
+# ---------------------------------------------------------------------- routing
+def expert_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Router logits -> affinities. The release uses sqrtsoftplus: sqrt(softplus(logit))."""
+    if score_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if score_func == "sigmoid":
+        return logits.sigmoid()
+    if score_func == "softmax":
+        return logits.softmax(dim=-1)
+    raise ValueError(f"unknown score_func {score_func!r}")
+
+
+def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, norm_topk_prob: bool,
+          route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [n, E] float32 -> (weights [n, k] float32, expert ids [n, k] int64).
+
+    The bias only chooses which experts run; the weights are the unbiased scores of the chosen
+    ones, normalized to sum to one (norm_topk_prob, k > 1) and then scaled by route_scale."""
+    ids = (scores + bias).topk(topk, dim=-1).indices
+    weights = scores.gather(-1, ids)
+    if norm_topk_prob and topk > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + ROUTE_SUM_EPS)
+    return weights * route_scale, ids
+
+
+class RoutedExperts:
+    """The routed half of one MoE layer: y = sum_k weight_k * expert_{id_k}(x), float32.
+
+    The one interface a faster implementation replaces: `forward(x [n, dim], expert_ids [n, k],
+    weights [n, k]) -> float32 [n, dim]`. The selected experts are fetched once (ascending id) and
+    run through the fused packed-FP4 path (`kernels.experts.routed_experts`: Triton where the
+    store placed an expert on CUDA, the fused CPU kernels otherwise): tokens quantized to FP8
+    once, each expert once on all of its tokens, never a float32 or bf16 copy of a whole weight
+    matrix. It equals the op layer's reference
+    `fp4_gemm` path up to the order of float32 additions. `last_fetch` holds the most recent
+    call's `FetchedExperts` (its cache hits and misses). `batch_invariant`: a token's output does
+    not depend on how many tokens an expert sees (see `kernels.experts`)."""
+
+    def __init__(self, layer: int, store: ExpertStore, swiglu_limit: float, *, batch_invariant: bool = False):
+        self.layer, self.store, self.swiglu_limit = layer, store, swiglu_limit
+        self.batch_invariant = batch_invariant
+        self.last_fetch: Optional[FetchedExperts] = None
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        selected = torch.unique(expert_ids).tolist()  # sorted ascending
+        fetched = self.store.fetch(self.layer, selected)
+        self.last_fetch = fetched if isinstance(fetched, FetchedExperts) else FetchedExperts(fetched)
+        return routed_experts(x, expert_ids, weights.float(), dict(zip(selected, fetched)), self.swiglu_limit,
+                              batch_invariant=self.batch_invariant)
+
+    __call__ = forward
+
+
+class Gate(nn.Module):
+    """The router `ffn.gate`: bf16 weight [E, dim], float32 selection bias [E], and (with a vision
+    tower) `bias_vl` [E], the selection bias of image-span tokens. Text never applies bias_vl."""
+
+    def __init__(self, cfg, n_experts: int, topk: int, dtype=torch.bfloat16, *, numerics: Numerics = Numerics()):
+        super().__init__()
+        self.topk, self.score_func = topk, cfg.score_func
+        self.pad_f32_rows = numerics.pad_f32_rows
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.route_scale = float(cfg.route_scale)
+        self.weight = param(torch.zeros(n_experts, cfg.dim, dtype=dtype))
+        self.bias = param(torch.zeros(n_experts, dtype=torch.float32))
+        self.bias_vl = param(torch.zeros(n_experts, dtype=torch.float32)) if cfg.vision_n_layers else None
+
+    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None):
+        """x [n, dim] -> (weights [n, k] float32, ids [n, k]); image_mask [n] bool selects bias_vl."""
+        logits = f32_linear(x, self.weight, pad_f32_rows=self.pad_f32_rows)  # [n, E]
+        if self.pad_f32_rows:
+            # softplus is vectorized 32 values at a time and rounds a shorter tail another way (seen
+            # with AVX-512), so a lone decode row's scores could differ from the same row's in a
+            # prefill: padded rows give every call the same tail
+            pad = -logits.size(0) % F32_ROW_PAD
+            scores = expert_scores(F.pad(logits, (0, 0, 0, pad)), self.score_func)[: logits.size(0)]
+        else:
+            scores = expert_scores(logits, self.score_func)
+        bias = self.bias
+        if image_mask is not None and self.bias_vl is not None:
+            bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias)
+        return route(scores, bias, self.topk, self.norm_topk_prob, self.route_scale)
+
+
+class SharedExpert(nn.Module):
+    """The always-on expert `ffn.shared_experts`: FP8 w1 (gate) / w3 (up) / w2 (down)."""
+
+    def __init__(self, dim: int, inter_dim: int, swiglu_limit: float, dtype=torch.float8_e4m3fn):
+        super().__init__()
+        self.w1 = Linear(dim, inter_dim, dtype)
+        self.w2 = Linear(inter_dim, dim, dtype)
+        self.w3 = Linear(dim, inter_dim, dtype)
+        self.swiglu_limit = swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = clamped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit)
+        return self.w2(h.to(x.dtype))
+
+
+class MoE(nn.Module):
+    """Routed experts (top-k of E, through `experts`) plus the shared expert, summed in float32.
+
+    Sites (`hooks`): `gate` ((weights, ids) as routed), `routed` and `shared` (around each half,
+    their float32 outputs), and the layer's own (`layers.N.ffn`: its output, with the routing in
+    the context: ids, weights, the input, the image mask, the gate and the experts)."""
+
+    SITES = ("", "gate", "routed", "shared")
+    named_sites = NO_SITES
+
+    def __init__(self, cfg, layer: int, *, numerics: Numerics = Numerics()):
+        super().__init__()
+        n_experts, topk = cfg.moe_shape(layer)
+        self.layer, self.dim, self.numerics = layer, cfg.dim, numerics
+        self.swiglu_limit = float(cfg.swiglu_limit)
+        self.gate = Gate(cfg, n_experts, topk, numerics=numerics)
+        self.shared_experts = SharedExpert(cfg.dim, cfg.moe_inter_dim, self.swiglu_limit, linear_dtype(cfg))
+        self.experts: Optional[RoutedExperts] = None  # see attach_store (not a parameter)
+        self.shared_forward = None  # see attach_store: None runs shared_experts
+
+    def attach_store(self, store: ExpertStore, routed=None, shared=None) -> None:
+        """Read this layer's routed experts from `store`. Under pad_f32_rows they run
+        batch-invariant: the padding's purpose, one arithmetic for any row count, extends to them.
+        `routed` builds the routed half instead of `RoutedExperts`, with its constructor's
+        arguments (the expert-parallel group's `distributed.ExpertParallelExperts`); `shared`, a
+        function [n, dim] -> [n, dim], computes the shared expert instead of `shared_experts` (a
+        benchmark's other form of it)."""
+        self.experts = (routed or RoutedExperts)(self.layer, store, self.swiglu_limit,
+                                                 batch_invariant=self.numerics.pad_f32_rows)
+        self.shared_forward = shared
+
+    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.experts is None:
+            raise RuntimeError(f"layer {self.layer}: no routed experts attached (load the model with dsv41.load)")
+        shape = x.shape
+        flat = x.reshape(-1, self.dim)  # [n, dim]
+        weights, ids = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
+        gate_site = site(self, "gate")
+        if gate_site:
+            gate_site.exit((weights, ids))
+        routed, shared = site(self, "routed"), site(self, "shared")
+        y = routed.around(self.experts.forward, flat, ids, weights) if routed else \
+            self.experts.forward(flat, ids, weights)  # [n, dim] float32
+        shared_forward = self.shared_forward or self.shared_experts
+        y = y + (shared.around(shared_forward, flat) if shared else shared_forward(flat))
+        out = y.to(x.dtype).reshape(shape)
+        own = site(self, "")
+        if own:
+            own.exit(out, {"ids": ids, "weights": weights, "x": x, "image_mask": image_mask, "gate": self.gate,
+                           "experts": self.experts})
+        return out
