@@ -476,7 +476,7 @@ def combine_pairs(expert_ids: torch.Tensor, pair_rows: torch.Tensor) -> torch.Te
 
 
 class ExpertParallelExperts:
-    """`model.RoutedExperts`' interface (`forward(x [n, dim], expert_ids [n, k], weights [n, k]) ->
+    """`moe.RoutedExperts`' interface (`forward(x [n, dim], expert_ids [n, k], weights [n, k]) ->
     float32 [n, dim]`, `last_fetch`) over a group of ranks: this rank fetches and computes only the
     experts it owns (`store` holds only those), then the pairs are exchanged and added in the single
     process's order (see the module docstring). Every rank must call it with the same routing."""

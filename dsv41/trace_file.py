@@ -23,6 +23,7 @@ import torch
 
 from .config import MAX_LAYERS, VALUE_BOUNDS
 from .errors import Dsv41Error
+from .text import LongInteger, bounded_ints
 from .trace import AttentionRecord, EngramRecord, FiniteRecord, ForwardTrace, GenerationTrace, RoutingRecord, StepRecord
 
 # ---------------------------------------------------------------------- trace files
@@ -125,10 +126,6 @@ class _NotATrace(Exception):
 
 class _Damage(Exception):
     """What is wrong in a file that claims to be a trace."""
-
-
-class _LongInteger(Exception):
-    pass
 
 
 def _shown(value) -> str:
@@ -384,22 +381,17 @@ def _read_manifest(archive: zipfile.ZipFile, info: zipfile.ZipInfo):
                       "manifest may take")
     raw = _read_array(archive, header, "its manifest").tobytes()
     try:
-        return json.loads(raw.decode("utf-8"), parse_int=_manifest_int)
+        return json.loads(raw.decode("utf-8"), parse_int=bounded_ints(MAX_MANIFEST_INT_DIGITS))
     except UnicodeDecodeError:
         raise _Damage("its manifest is not UTF-8 text") from None
     except json.JSONDecodeError as exc:
         raise _Damage(f"its manifest is not valid JSON ({exc.msg} at byte {exc.pos:,})") from None
-    except _LongInteger as exc:
+    except LongInteger as exc:
         raise _Damage(f"its manifest holds an integer of {exc.args[0]:,} digits, past any 64-bit value") from None
     except RecursionError:
         raise _Damage(f"its manifest nests too deep to read (a trace's manifest nests six levels)") from None
 
 
-def _manifest_int(text: str) -> int:
-    digits = len(text) - text.startswith("-")
-    if digits > MAX_MANIFEST_INT_DIGITS:
-        raise _LongInteger(digits)
-    return int(text)
 
 
 def _too_deep(value) -> bool:

@@ -1,6 +1,6 @@
 """Routed experts computed straight from packed FP4, every selected expert of a layer in one call.
 
-A decode step's expert call, from `model.RoutedExperts.forward`:
+A decode step's expert call, from `moe.RoutedExperts.forward`:
 
     routed_experts   quantize the tokens to FP8 once, group them by expert, add the experts'
                      outputs into a float32 sum
