@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from dsv41 import bench, loader
+from dsv41 import bench
 from dsv41 import threads as threads_module
 from dsv41.cli import main
 from dsv41.config import RELEASED, TINY
@@ -91,8 +91,7 @@ def test_generate_threads_flag(tiny_checkpoint, capsys, monkeypatch):
 
 
 def test_bench_threads_reports_both_settings_and_their_ratio(tiny_checkpoint, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(loader, "all_cores", lambda: 2)  # two settings even on a one-core runner (bench's import)
-    monkeypatch.setattr(threads_module, "all_cores", lambda: 2)
+    monkeypatch.setattr(threads_module, "all_cores", lambda: 2)  # two settings even on a one-core runner
     torch.set_num_threads(2)
     out = tmp_path / "threads.json"
     assert main(["bench", "threads", "--checkpoint", tiny_checkpoint, "--tokens", "2", "--repeats", "3",

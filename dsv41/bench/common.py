@@ -152,7 +152,7 @@ def on_synthetic_checkpoint(args, prefix: str, write: Callable[[str], str], run:
     import shutil
     import tempfile
 
-    from dsv41.loader import LoadError
+    from dsv41.checkpoint import LoadError
 
     temporary = None
     path = args.checkpoint

@@ -369,7 +369,7 @@ def bench_experts_parallel(tokens: list[int], *, n_experts: int, dim: int, inter
 
     from dsv41 import distributed
     from dsv41.kernels.experts import expert_ffn, routed_experts
-    from dsv41.model import DictExpertStore
+    from dsv41.stores import DictExpertStore
 
     if n_experts < TOPK:
         raise ValueError(f"--experts must be at least {TOPK} (the routing width), got {n_experts}")

@@ -65,7 +65,7 @@ def main(args) -> int:
     import tempfile
 
     from dsv41.bench.decode import write_decode_checkpoint
-    from dsv41.loader import LoadError
+    from dsv41.checkpoint import LoadError
 
     try:
         chunks = token_list(args.chunks)

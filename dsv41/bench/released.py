@@ -296,7 +296,7 @@ def _released_targets(cell: dict) -> dict:
 
 
 def main(args) -> int:
-    from dsv41.loader import all_cores
+    from dsv41.threads import all_cores
     from dsv41.synthetic import random_fill, write_release_layout
 
     if args.repeats < 1 or args.copy_mib < 1 or (args.threads is not None and args.threads < 1):

@@ -1,6 +1,6 @@
 """`dsv41 bench threads`: decode tokens/s on the embedded checkpoint (or --checkpoint) at one torch
 thread and at every core, the two taking turns within one run, with the ratio and what
-`dsv41.load(threads="auto")` picks for that checkpoint (`loader.auto_threads`)."""
+`dsv41.load(threads="auto")` picks for that checkpoint (`threads.auto_threads`)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def bench_threads(checkpoint: str, *, decode_tokens: int, repeats: int, prompt: 
     would decide a best-of); torch's thread count is put back afterwards."""
     import dsv41
     from dsv41.kernels import native
-    from dsv41.loader import all_cores, auto_threads
+    from dsv41.threads import all_cores, auto_threads
 
     before = torch.get_num_threads()
     cores = all_cores()
@@ -99,7 +99,7 @@ def add_parser(sub) -> None:
 
 def main(args) -> int:
     from dsv41.cachedir import CacheError
-    from dsv41.loader import LoadError
+    from dsv41.checkpoint import LoadError
 
     if args.tokens < 1 or args.repeats < 1:
         print("dsv41 bench: --tokens and --repeats must be at least 1", file=sys.stderr)
