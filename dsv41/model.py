@@ -130,15 +130,16 @@ def engram_gate(x: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, eps: f
 
 # ---------------------------------------------------------------------- hyper-connections
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
-             iters: int, hc_eps: float, norm_eps: float, *, pad_f32_rows: bool):
+             iters: int, hc_eps: float, norm_eps: float, *, pad_f32_rows: bool, split=hc_split_sinkhorn):
     """x [b, s, hc, dim] -> float32 (pre [b, s, hc], post [b, s, hc], comb [b, s, hc, hc]).
 
     One projection of the whole flattened stream, RMS-normalized with one statistic per token
-    (pad_f32_rows: see layers.f32_linear)."""
+    (pad_f32_rows: see layers.f32_linear). `split`: hc_split_sinkhorn or a compiled form of it
+    (training's)."""
     flat = x.flatten(2).float()  # [b, s, hc * dim]
     rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     mixes = f32_linear(flat, fn, pad_f32_rows=pad_f32_rows) * rstd  # [b, s, (2 + hc) * hc]
-    return hc_split_sinkhorn(mixes, scale, base, hc_mult, iters, hc_eps)
+    return split(mixes, scale, base, hc_mult, iters, hc_eps)
 
 
 def hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

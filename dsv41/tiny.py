@@ -118,6 +118,12 @@ def _values(seed: int, name: str, shape: tuple[int, ...]):
 
 def _shard_tensors(specs, by_name, seed: int) -> dict:
     """name -> stored torch tensor for one shard's specs, quantized as the specs say."""
+    return stored_tensors(specs, by_name, lambda name, shape: _values(seed, name, shape))
+
+
+def stored_tensors(specs, by_name, values) -> dict:
+    """name -> stored torch tensor for one shard's specs: `values(name, logical shape)` (float32)
+    quantized as the specs say."""
     from dsv41 import formats
 
     import torch
@@ -132,13 +138,13 @@ def _shard_tensors(specs, by_name, seed: int) -> dict:
             if not spec.name.endswith(".weight") or scale_spec is None:
                 raise RuntimeError(f"{spec.name}: quantized tensor without a {scale_name} beside it")
             if spec.dtype == "I8":
-                fp4.append((spec, scale_name, _values(seed, spec.name, (spec.shape[0], spec.shape[1] * 2))))
+                fp4.append((spec, scale_name, values(spec.name, (spec.shape[0], spec.shape[1] * 2))))
             else:
                 block = formats.infer_fp8_block(spec.shape, scale_spec.shape)
-                weight, scale = formats.quantize_fp8_blocks(_values(seed, spec.name, spec.shape), block)
+                weight, scale = formats.quantize_fp8_blocks(values(spec.name, spec.shape), block)
                 out[spec.name], out[scale_name] = weight, scale
         else:
-            out[spec.name] = _values(seed, spec.name, spec.shape).to(formats.torch_dtype(spec.dtype))
+            out[spec.name] = values(spec.name, spec.shape).to(formats.torch_dtype(spec.dtype))
     if fp4:
         # FP4 groups of 32 are independent, so a shard's experts quantize in one call: [groups, 32]
         groups = torch.cat([values.reshape(-1, formats.FP4_BLOCK) for _, _, values in fp4])

@@ -50,8 +50,9 @@ def corpus_text() -> str:
     return resources.files("dsv41").joinpath("data", "corpus.txt").read_text(encoding="utf-8")
 
 
-def build_tiny_tokenizer(config=None):
-    """A `tokenizers.Tokenizer` laid out for `config` (default: the TINY preset).
+def build_tiny_tokenizer(config=None, texts=None):
+    """A `tokenizers.Tokenizer` laid out for `config` (default: the TINY preset), its merges learned
+    from `texts` (an iterable of strings; default: the lines of `data/corpus.txt`).
 
     Ids: bos/eos/pad at the config's ids (0, 1, 2), then the 256 byte symbols and the learned
     merges, then reserved fillers so that the noise and image tokens land exactly on
@@ -85,7 +86,7 @@ def build_tiny_tokenizer(config=None):
         special_tokens=[BOS_TOKEN, EOS_TOKEN, PAD_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(corpus_text().splitlines(keepends=True), trainer=trainer)
+    tok.train_from_iterator(corpus_text().splitlines(keepends=True) if texts is None else texts, trainer=trainer)
 
     # Every id from the end of the learned vocabulary up to vocab_size is a special token: the two
     # named ones at their ids, the chat markers after them, reserved fillers elsewhere. Added tokens

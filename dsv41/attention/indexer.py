@@ -199,12 +199,17 @@ class Indexer(nn.Module):
         return score, reachable
 
     def select(self, score: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """The top `index_topk` positions of score [b, s, T], sorted, -1 past a query's reach."""
-        k_sel = min(self.index_topk, score.size(-1))
-        if self.numerics.tie_break == "topk":
-            idx = score.topk(k_sel, dim=-1, sorted=False).indices.sort(dim=-1).values
-        else:
-            idx = top_k(score, k_sel, self.numerics.tie_break)[1].sort(dim=-1).values
-        # A -inf pick at a reachable position is kept, as in the reference: where the candidate
-        # pool holds fewer than index_topk positions, the remainder are positions outside it.
-        return torch.where(idx < lens, idx, -1)
+        return select_positions(score, lens, self.index_topk, self.numerics.tie_break)
+
+
+def select_positions(score: torch.Tensor, lens: torch.Tensor, index_topk: int, tie_break: str = "topk") -> torch.Tensor:
+    """The top `index_topk` positions of score [b, s, T], sorted, -1 past a query's reach (lens
+    [s, 1]: reachable counts); `tie_break` as in `top_k`."""
+    k_sel = min(index_topk, score.size(-1))
+    if tie_break == "topk":
+        idx = score.topk(k_sel, dim=-1, sorted=False).indices.sort(dim=-1).values
+    else:
+        idx = top_k(score, k_sel, tie_break)[1].sort(dim=-1).values
+    # A -inf pick at a reachable position is kept, as in the reference: where the candidate
+    # pool holds fewer than index_topk positions, the remainder are positions outside it.
+    return torch.where(idx < lens, idx, -1)

@@ -1,0 +1,55 @@
+"""The trained miniature written in the release format: both configs, the index, the shards with
+FP8 block-scaled dense weights, FP4 E2M1 experts and E8M0 scales (`tiny.stored_tensors`, the
+random checkpoint's own writer), the tokenizer, and `dsv41-miniature.json`: the corpus, the seed,
+the steps, the losses and the training seconds, with each file's size and sha256."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+MANIFEST_NAME = "dsv41-miniature.json"
+MANIFEST_FORMAT = "dsv41-miniature-checkpoint"
+
+
+def write_miniature(folder: str, cfg, tokenizer, params: dict, facts: dict) -> str:
+    """Write the checkpoint of `params` (name -> float32, logical shapes) into `folder`, built
+    beside it and renamed into place; returns the folder."""
+    from ..cachedir import file_sha256
+    from ..synthetic import write_release_layout
+    from ..tiny import stored_tensors
+
+    folder = os.path.realpath(folder)
+    parent = os.path.dirname(folder)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".miniature.", suffix=".partial", dir=parent)
+    try:
+        write_release_layout(tmp, cfg, lambda specs, by_name: stored_tensors(
+            specs, by_name, lambda name, shape: params[name].detach().float().reshape(shape)), tokenizer=tokenizer)
+        files = {}
+        for root, _, names in os.walk(tmp):
+            for name in sorted(names):
+                path = os.path.join(root, name)
+                rel = os.path.relpath(path, tmp).replace(os.sep, "/")
+                files[rel] = {"size": os.path.getsize(path), "sha256": file_sha256(path)}
+        manifest = {"format": MANIFEST_FORMAT, **facts, "files": dict(sorted(files.items()))}
+        with open(os.path.join(tmp, MANIFEST_NAME), "w", encoding="utf-8") as f:
+            f.write(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        if os.path.isdir(folder):
+            shutil.rmtree(folder)
+        os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def read_manifest(folder: str) -> dict | None:
+    try:
+        with open(os.path.join(folder, MANIFEST_NAME), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT else None

@@ -1,0 +1,84 @@
+"""The training twin against the inference forward, and the pieces of `dsv41 train`."""
+
+import pytest
+import torch
+
+import dsv41
+from dsv41.train.twin import Twin, masked_attention
+
+
+@pytest.fixture(scope="module")
+def twin(tiny_checkpoint):
+    return Twin.from_checkpoint(tiny_checkpoint)
+
+
+def _ids(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 990, (1, n), generator=gen)
+    ids[0, 0] = 0
+    return ids
+
+
+def test_twin_logits_equal_the_loaded_checkpoint(tiny_checkpoint, twin, native_level):
+    """On the release checkpoint's own weights the twin's quantization-aware forward gives the
+    inference forward's logits bit for bit, at every position of a prefill long enough for every
+    layer mode, the compressor, the indexer's top-k and the candidate blocks to select."""
+    model = dsv41.load(tiny_checkpoint, quiet=True)
+    ids = _ids(160)
+    with torch.inference_mode():
+        expected = model(ids, all_positions=True)
+    model.hasher.reset()
+    with torch.no_grad():
+        got = twin.forward(ids, model.hasher(ids), qat=True).logits
+    assert torch.equal(got, expected.float()), f"max |diff| {(got - expected).abs().max().item():.3g}"
+
+
+def test_the_fast_twin_is_the_exact_one_up_to_float32_order(tiny_checkpoint):
+    model = dsv41.load(tiny_checkpoint, quiet=True)
+    exact, fast = Twin.from_checkpoint(tiny_checkpoint), Twin.from_checkpoint(tiny_checkpoint)
+    fast = Twin(fast.cfg, fast.params, exact=False)
+    ids = _ids(96, seed=1)
+    model.hasher.reset()
+    hashes = model.hasher(ids)
+    with torch.no_grad():
+        a, b = exact.forward(ids, hashes, qat=True).logits, fast.forward(ids, hashes, qat=True).logits
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
+    assert (a - b).abs().mean() < 0.05 * a.abs().mean()
+
+
+def test_masked_attention_is_sparse_attention():
+    from dsv41.kernels import sparse_attn
+
+    gen = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(2, 5, 3, 16, generator=gen), torch.randn(2, 9, 16, generator=gen)
+    # distinct rows per query, as the window and the top-k give them, some absent (-1)
+    idxs = torch.stack([torch.randperm(9, generator=gen)[:4] for _ in range(10)]).view(2, 5, 4).int()
+    idxs[0, 1, 2:] = -1
+    sink = torch.randn(3, generator=gen)
+    a = sparse_attn(q, kv, sink, idxs, 0.25).float()
+    b = masked_attention(q, kv, sink, idxs, 0.25)
+    assert torch.allclose(a, b, atol=1e-2, rtol=1e-2)  # sparse_attn returns bf16
+
+
+def test_twin_trains_through_every_mechanism(tiny_checkpoint, twin):
+    """One backward reaches the hyper-connection mixes (through Sinkhorn), the Engram table and
+    gates, every expert that routed a token, the compressor and, through their own KL loss only,
+    the indexers."""
+    t = Twin(twin.cfg, {k: v.clone().requires_grad_(True) for k, v in twin.params.items()}, exact=False)
+    model = dsv41.load(tiny_checkpoint, quiet=True)
+    ids = _ids(64, seed=2)
+    model.hasher.reset()
+    out = t.forward(ids, model.hasher(ids), qat=True)
+    loss = torch.nn.functional.cross_entropy(out.logits[0, :-1], ids[0, 1:])
+    loss.backward(retain_graph=True)
+    grads = {k: v.grad for k, v in t.params.items()}
+    for name in ("layers.0.hc_attn_fn", "layers.0.hc_attn_base", "layers.1.engram.embed.weight",
+                 "layers.2.engram.q_weight", "layers.2.attn.compressor.wgate.weight", "layers.4.attn.wq_b.weight",
+                 "layers.7.ffn.shared_experts.w2.weight", "head.weight"):
+        assert grads[name] is not None and grads[name].abs().sum() > 0, name
+    assert grads["layers.2.attn.indexer.wq_b.weight"] is None  # the LM loss does not reach the indexer
+    used = out.expert_load[3].nonzero().flatten().tolist()
+    assert all(grads[f"layers.3.ffn.experts.{e}.w1.weight"].abs().sum() > 0 for e in used)
+    sum(out.index_kl.values()).backward()
+    assert sorted(out.index_kl) == [2, 4, 6]
+    assert t.params["layers.6.attn.indexer.wq_b.weight"].grad.abs().sum() > 0
