@@ -11,7 +11,8 @@ from typing import Optional
 COMMANDS = {
     "config": ("dsv41.config", "cli_main", "read a config (either released layout), print its shape and verify it"),
     "audit": ("dsv41.audit", "cli_main", "header-only audit of a checkpoint directory (never reads a payload)"),
-    "make-tiny": ("dsv41.tiny", "cli_main", "write the embedded tiny checkpoint in the exact release format"),
+    "make-tiny": ("dsv41.tiny", "cli_main", "write the random tiny checkpoint in the exact release format"),
+    "train": ("dsv41.train.cli", "cli_main", "train the miniature V4.1 on the standard library, resumable, and write it in the release format"),
     "make-headers": ("dsv41.headers", "cli_main", "synthesize the released checkpoint's 48 shard headers (no payload)"),
     "engram": ("dsv41.engram", "cli_main", "Engram layout, multipliers and hash ids for a config (and tokenizer)"),
     "generate": ("dsv41.cli", "generate_main", "generate text from a checkpoint (default: the embedded tiny one)"),

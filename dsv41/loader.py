@@ -37,6 +37,7 @@ from .config import Config, ConfigError, load_config
 from .formats import DTYPE_NAMES, dequantize
 from .inventory import expected_tensors, is_vision_name
 from .kernels.experts import expert_devices
+from .miniature import describe as describe_embedded
 from .model import Model
 from .numerics import Numerics
 from .report import (  # noqa: F401 (LOADED, ENGRAM, ON_DISK, the predictions: importable from here as before)
@@ -138,7 +139,8 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None, cac
     tokenizer, tok_meta = load_tokenizer(path, cfg)
     hasher = _hasher(cfg, tokenizer, path)
     n_threads, threads_choice = apply_threads(threads, cfg)  # once the checkpoint checks out; before the fill
-    report = LoadReport(checkpoint=ckpt.path, threads=n_threads, threads_choice=threads_choice)
+    report = LoadReport(checkpoint=ckpt.path, threads=n_threads, threads_choice=threads_choice,
+                        embedded=describe_embedded(path))
     sizing = dict(numerics=numerics, max_batch_size=caches.max_batch_size, max_seq_len=max_seq_len,
                   cache_format=caches.cache_format)
     with torch.no_grad():
@@ -236,21 +238,22 @@ def expert_placement(expert_device, ranks=None, *, option: str = "expert_device"
 
 
 def checkpoint_path(path: Optional[str], *, progress: bool = True, ranks=None) -> str:
-    """`path`, or the embedded default checkpoint (built into the cache folder on first use; under
+    """`path`, or the embedded default checkpoint (`miniature.embedded_checkpoint`: the packaged
+    trained miniature, else the random tiny one, built into the cache folder on first use; under
     expert parallelism rank 0 builds it once and the other ranks then find it). LoadError when
     the cache folder cannot hold it."""
     if path is not None:
         return path
     from .cachedir import CacheError
-    from .tiny import default_checkpoint
+    from .miniature import MiniatureError, embedded_checkpoint
 
     try:
         if ranks is None:
-            return default_checkpoint(progress=progress)
+            return embedded_checkpoint(progress=progress)
         from . import distributed
 
-        return distributed.main_first(lambda: default_checkpoint(progress=progress and ranks.is_main))
-    except CacheError as exc:
+        return distributed.main_first(lambda: embedded_checkpoint(progress=progress and ranks.is_main))
+    except (CacheError, MiniatureError) as exc:
         raise LoadError(str(exc)) from None
 
 

@@ -113,6 +113,7 @@ class LoadReport:
     seconds: float = 0.0
     threads: Optional[int] = None  # torch's intra-op threads after the load
     threads_choice: str = ""  # why: "auto: ...", "threads=N" or "left alone (threads=None)"
+    embedded: str = ""  # which embedded checkpoint this is (`miniature.describe`), "" for any other
     # expert_parallel=True: this rank of world_size, and the routed experts it holds (e % world_size
     # == rank; tensors and their bytes on disk, read on demand) out of all of them
     rank: Optional[int] = None
@@ -156,6 +157,8 @@ class LoadReport:
                  f"predicted {self.predicted_bytes_retained:,}; caches {self.state_bytes:,} bytes",
                  f"  {len(self.dequantized)} conversions at load: "
                  + _conversion_summary(self.dequantized)]
+        if self.embedded:
+            lines.insert(1, f"  {self.embedded}")
         if self.threads is not None:
             lines.append(f"  torch threads: {self.threads} ({self.threads_choice})")
         for bucket, n in self.counts().items():

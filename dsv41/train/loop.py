@@ -228,7 +228,9 @@ class Trainer:
         ratios = []
         for layer, load in loads.items():
             load = load.float()
-            bias = self.twin.params[f"layers.{layer}.ffn.gate.bias"]
+            n_layers = self.cfg.n_layers
+            prefix = f"layers.{layer}." if layer < n_layers else f"mtp.{layer - n_layers}."
+            bias = self.twin.params[prefix + "ffn.gate.bias"]
             bias += self.settings.balance_rate * torch.sign(load.mean() - load)
             ratios.append((load.max() / load.mean()).item())
         return sum(ratios) / max(1, len(ratios))

@@ -10,8 +10,7 @@ import os
 import shutil
 import tempfile
 
-MANIFEST_NAME = "dsv41-miniature.json"
-MANIFEST_FORMAT = "dsv41-miniature-checkpoint"
+from ..miniature import MANIFEST_FORMAT, MANIFEST_NAME
 
 
 def write_miniature(folder: str, cfg, tokenizer, params: dict, facts: dict) -> str:
@@ -45,11 +44,3 @@ def write_miniature(folder: str, cfg, tokenizer, params: dict, facts: dict) -> s
         raise
     return folder
 
-
-def read_manifest(folder: str) -> dict | None:
-    try:
-        with open(os.path.join(folder, MANIFEST_NAME), encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT else None

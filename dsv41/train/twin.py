@@ -105,11 +105,12 @@ def masked_attention(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor,
 
 def rotate(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
     """`layers.apply_rotary_emb` without writing in place: x [b, s, (h,) d], its last rope_dim
-    channels rotated as interleaved pairs by freqs [s, rope_dim / 2]."""
+    channels rotated as interleaved pairs by freqs [s, rope_dim / 2] (or [b, s, rope_dim / 2])."""
     head, tail = x[..., :-rope_dim], x[..., -rope_dim:]
     pairs = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)).contiguous())
     rot = freqs.conj() if inverse else freqs
-    rot = rot.view(1, x.size(1), *([1] * (x.dim() - 3)), rope_dim // 2)
+    rows = rot.size(0) if rot.dim() == 3 else 1  # freqs [b, s, rope_dim / 2]: each row its own positions
+    rot = rot.view(rows, x.size(1), *([1] * (x.dim() - 3)), rope_dim // 2)
     return bf16(torch.cat([head.float(), torch.view_as_real(pairs * rot).flatten(-2)], dim=-1))
 
 

@@ -1,0 +1,164 @@
+"""`dsv41 train`: train the miniature, then measure it and write it in the release format.
+
+After the last step: held-out bits per byte of the master weights and of the release rounding (the
+checkpoint as `dsv41.load` reads it: the twin's exact mode), of the random initialization, and of
+gzip -9 / zstd -19 on the same text; the loss curve as PNG, SVG and a JSON sidecar; the checkpoint
+with its manifest in OUT/checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from ..errors import Dsv41Error
+
+
+def finish(trainer, *, progress: bool, windows: int | None = None) -> dict:
+    """Measure the trained state and write OUT/checkpoint; returns the facts (also in the manifest)."""
+    import os
+
+    import torch
+
+    from .data import compressor_bits_per_byte, write_json
+    from .release import write_miniature
+    from .twin import Twin
+
+    state, settings = trainer.state, trainer.settings
+    say = (lambda m: print(f"dsv41 train: {m}", file=sys.stderr)) if progress else (lambda m: None)
+    say("measuring the held-out loss (master weights, release rounding, random initialization)")
+    exact = Twin(trainer.cfg, state.params, exact=True)
+    master = trainer.held_out_loss(qat=False, limit=windows)
+    release = trainer.held_out_loss(exact, qat=True, limit=windows)
+    random_twin = Twin(trainer.cfg, Twin.initialized(trainer.cfg, settings.seed).params, exact=False)
+    random = trainer.held_out_loss(random_twin, qat=False, limit=windows)
+    compressors = compressor_bits_per_byte(trainer.streams.held_out_text)
+    draft_log = [r for r in state.log if r["phase"] == "draft"]
+    facts = {
+        "corpus": trainer.corpus.manifest(),
+        "seed": settings.seed,
+        "settings": {k: getattr(settings, k) for k in settings.__dataclass_fields__},
+        "steps": state.step,
+        "training_seconds": round(state.seconds, 1),
+        "tokens_seen": settings.batch * settings.seq_len * min(state.step, settings.backbone_steps),
+        "held_out": {"master_weights": master, "release_format": release, "random_initialization": random,
+                     "compressors_bits_per_byte": compressors},
+        "final_train_loss": sum(r["loss"] for r in state.log[settings.backbone_steps - 20 : settings.backbone_steps])
+        / 20 if state.step >= settings.backbone_steps >= 20 else None,
+        "draft_agreement_by_row": ([sum(r["agreement_by_row"][i] for r in draft_log[-20:]) / len(draft_log[-20:])
+                                    for i in range(len(draft_log[-1]["agreement_by_row"]))] if draft_log else None),
+        "parameters": {"total": sum(v.numel() for v in state.params.values()),
+                       "draft": sum(v.numel() for k, v in state.params.items() if k.startswith("mtp."))},
+        "torch": torch.__version__,
+    }
+    write_loss_curve(os.path.join(trainer.folder, "loss_curve"), state, facts)
+    out = write_miniature(os.path.join(trainer.folder, "checkpoint"), trainer.cfg, trainer.tokenizer,
+                          state.params, facts)
+    write_json(os.path.join(trainer.folder, "facts.json"), facts)
+    say(f"wrote {out}")
+    return facts
+
+
+def write_loss_curve(stem: str, state, facts: dict) -> None:
+    """The per-step training loss (and its 25-step mean), the held-out evaluations and the
+    compressors' bits per byte, as stem.png / .svg / .json."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .data import write_json
+
+    backbone = [r for r in state.log if r["phase"] != "draft"]
+    steps = [r["step"] for r in backbone]
+    loss = [r["loss"] for r in backbone]
+    window = 25
+    smooth = [sum(loss[max(0, i - window + 1) : i + 1]) / (i - max(0, i - window + 1) + 1) for i in range(len(loss))]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(steps, loss, lw=0.5, alpha=0.4, label="train loss (nats/token)")
+    left.plot(steps, smooth, lw=1.5, label=f"{window}-step mean")
+    qat_from = next((r["step"] for r in backbone if r["phase"] == "qat"), None)
+    if qat_from is not None:
+        left.axvline(qat_from, color="grey", ls=":", label="quantization-aware from here")
+    left.set_xlabel("step")
+    left.set_ylabel("nats / token")
+    left.legend()
+    evals = state.evals
+    right.plot([e["step"] for e in evals], [e["bits_per_byte"] for e in evals], "o-", label="held-out (periodic subset)")
+    for name, value in facts["held_out"]["compressors_bits_per_byte"].items():
+        if value is not None:
+            right.axhline(value, ls="--", lw=1, label=f"{name}: {value:.3f}")
+    right.axhline(facts["held_out"]["release_format"]["bits_per_byte"], color="k", lw=1,
+                  label=f"release format, all held-out: {facts['held_out']['release_format']['bits_per_byte']:.3f}")
+    right.set_xlabel("step")
+    right.set_ylabel("bits / byte")
+    right.legend(fontsize=8)
+    fig.suptitle("dsv41 train: the miniature on the Python standard library")
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=110, metadata={"Software": None})
+    fig.savefig(stem + ".svg", metadata={"Date": None, "Creator": None})
+    plt.close(fig)
+    write_json(stem + ".json", {"steps": steps, "loss": loss, "evals": evals, "held_out": facts["held_out"]})
+
+
+def cli_main(argv: list[str]) -> int:
+    from .loop import TrainSettings
+
+    defaults = TrainSettings()
+    parser = argparse.ArgumentParser(prog="dsv41 train", description=(
+        "Train the miniature V4.1 from scratch on the running Python's standard library (2 cores, no GPU, "
+        "about 45 minutes at the default steps), then write it in the release format to OUT/checkpoint."))
+    parser.add_argument("--out", default="outputs/train", help="work folder: state, tokenizer, figures, checkpoint (default outputs/train)")
+    parser.add_argument("--resume", action="store_true", help="go on from OUT's last checkpoint")
+    parser.add_argument("--steps", type=int, default=defaults.backbone_steps, help=f"backbone steps (default {defaults.backbone_steps})")
+    parser.add_argument("--draft-steps", type=int, default=defaults.draft_steps, help=f"DSpark draft steps after them (default {defaults.draft_steps})")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--batch", type=int, default=defaults.batch)
+    parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    parser.add_argument("--held-out-windows", type=int, default=None, metavar="N",
+                        help="measure the final held-out loss on the first N windows only (default: all of them)")
+    parser.add_argument("--no-compile", action="store_true", help="run the Sinkhorn split eagerly (no torch.compile)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: every CPU)")
+    args = parser.parse_args(argv)
+    for name in ("steps", "batch", "seq_len"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be a positive integer")
+    if args.held_out_windows is not None and args.held_out_windows < 1:
+        parser.error("--held-out-windows must be a positive integer")
+    if args.draft_steps < 0 or args.seed < 0:
+        parser.error("--draft-steps and --seed must not be negative")
+    if args.seq_len < 16 or args.seq_len > 4096:
+        parser.error("--seq-len must lie in [16, 4096]")
+    import torch
+
+    from .loop import Trainer, TrainError
+
+    if args.threads:
+        from ..threads import check_threads
+
+        check_threads(args.threads)
+        torch.set_num_threads(args.threads)
+    settings = TrainSettings(backbone_steps=args.steps, draft_steps=args.draft_steps, seed=args.seed,
+                             batch=args.batch, seq_len=args.seq_len,
+                             eval_every=max(1, min(TrainSettings.eval_every, args.steps)))
+    started = time.perf_counter()
+    try:
+        trainer = Trainer(args.out, settings, resume=args.resume, compile=not args.no_compile, progress=None)
+        trainer.run()
+        facts = finish(trainer, progress=True, windows=args.held_out_windows)
+    except KeyboardInterrupt:
+        print(f"dsv41 train: interrupted; `dsv41 train --out {args.out} --resume` goes on from the last checkpoint",
+              file=sys.stderr)
+        return 130
+    except (TrainError, Dsv41Error) as exc:
+        print(f"dsv41 train: {exc}", file=sys.stderr)
+        return 1
+    held = facts["held_out"]
+    print(f"{args.out}/checkpoint: {facts['steps']} steps in {facts['training_seconds'] / 60:.1f} min of training "
+          f"({(time.perf_counter() - started) / 60:.1f} min this run); held-out bits/byte: "
+          f"{held['release_format']['bits_per_byte']:.3f} release format, {held['master_weights']['bits_per_byte']:.3f} "
+          f"before quantization, {held['random_initialization']['bits_per_byte']:.3f} random; "
+          + ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} not measured (no zstd)"
+                      for k, v in held["compressors_bits_per_byte"].items()))
+    return 0
