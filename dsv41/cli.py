@@ -15,8 +15,8 @@ COMMANDS = {
     "train": ("dsv41.train.cli", "cli_main", "train the miniature V4.1 on the standard library, resumable, and write it in the release format"),
     "make-headers": ("dsv41.headers", "cli_main", "synthesize the released checkpoint's 48 shard headers (no payload)"),
     "engram": ("dsv41.engram", "cli_main", "Engram layout, multipliers and hash ids for a config (and tokenizer)"),
-    "generate": ("dsv41.cli", "generate_main", "generate text from a checkpoint (default: the embedded tiny one)"),
-    "chat": ("dsv41.cli", "chat_main", "chat with a checkpoint on the terminal, one message per line (default: the embedded tiny one)"),
+    "generate": ("dsv41.cli", "generate_main", "generate text from a checkpoint (default: the embedded miniature)"),
+    "chat": ("dsv41.cli", "chat_main", "chat with a checkpoint on the terminal, one message per line (default: the embedded miniature)"),
     "notebooks": ("dsv41.notebooks", "cli_main", "execute every notebook with papermill into a new outputs/run-NNN (figures, sidecars, summary)"),
     "replay": ("dsv41.cache_policy", "cli_main", "replay a saved trace's routing through expert-cache policies (LRU, LFU, static, Belady): hit rates and disk bytes per token"),
     "bench": ("dsv41.bench", "cli_main", "benchmarks as ratios measured in one run: experts (fused vs expanded, vs "
@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------------- dsv41 generate
 def generate_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dsv41 generate", description=(
-        "Generate from a checkpoint (default: the embedded tiny one, random-weighted, so its text is not "
-        "meaningful). The generated text goes to stdout; the load report, timings and errors to stderr."))
-    parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded tiny one)")
+        "Generate from a checkpoint (default: the embedded miniature, trained on the Python standard library, "
+        "so it continues Python code and prose about Python). The generated text goes to stdout; the load report, timings and errors to stderr."))
+    parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded miniature)")
     parser.add_argument("--prompt", required=True, help="prompt text")
     parser.add_argument("--image", action="append", default=[], metavar="PATH",
                         help="an image to read (repeatable, in order): each takes the place of the next image "
@@ -317,11 +317,11 @@ def _expert_parallel_request(args, model, prompt) -> dict:
 # ---------------------------------------------------------------------- dsv41 chat
 def chat_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dsv41 chat", description=(
-        "Chat with a checkpoint in the V4.1 chat format (default: the embedded tiny one, random-weighted, so its "
-        "replies are noise). One message per line; /reset forgets the conversation, /save FILE writes it as "
+        "Chat with a checkpoint in the V4.1 chat format (default: the embedded miniature, which learned Python "
+        "source, not conversation, so its replies read like code). One message per line; /reset forgets the conversation, /save FILE writes it as "
         "JSON (never over an existing file; /save! FILE replaces one), Ctrl-D quits. Each turn continues from "
         "the positions the previous one left in the caches."))
-    parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded tiny one)")
+    parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded miniature)")
     parser.add_argument("--thinking", action="store_true", help="the model reasons before it answers (shown dimmed)")
     parser.add_argument("--reasoning-effort", default=None, metavar="N|low|high|max",
                         help="with --thinking: 1-100, or low (50), high (75, the default), max (100)")

@@ -505,9 +505,9 @@ def cli_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dsv41 notebooks", description=(
         "Execute every numbered notebook (NN_*.ipynb) with papermill into a new run folder "
         "(outputs/run-NNN, never overwritten): executed notebooks, figures, JSON sidecars and "
-        "summary.json. Defaults run on the embedded tiny checkpoint. SIGINT or SIGTERM stops the run "
+        "summary.json. Defaults run on the embedded miniature. SIGINT or SIGTERM stops the run "
         "and still writes summary.json (status interrupted); the exit code is then 130 or 143."))
-    parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded tiny checkpoint)")
+    parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded miniature)")
     parser.add_argument("--out", metavar="DIR", help="run folder to create (must not exist or be empty); default outputs/run-NNN")
     parser.add_argument("--outputs-root", metavar="DIR", default="outputs", help="where run-NNN folders go (default: ./outputs)")
     parser.add_argument("--notebooks", metavar="DIR", help="notebooks folder (default: the repository's notebooks/)")

@@ -116,6 +116,8 @@ def cli_main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--batch", type=int, default=defaults.batch)
     parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    parser.add_argument("--stop-at", type=int, default=None, metavar="STEP",
+                        help="stop after STEP steps with a checkpoint, to go on later with --resume")
     parser.add_argument("--held-out-windows", type=int, default=None, metavar="N",
                         help="measure the final held-out loss on the first N windows only (default: all of them)")
     parser.add_argument("--no-compile", action="store_true", help="run the Sinkhorn split eagerly (no torch.compile)")
@@ -126,6 +128,8 @@ def cli_main(argv: list[str]) -> int:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer")
     if args.held_out_windows is not None and args.held_out_windows < 1:
         parser.error("--held-out-windows must be a positive integer")
+    if args.stop_at is not None and args.stop_at < 1:
+        parser.error("--stop-at must be a positive integer")
     if args.draft_steps < 0 or args.seed < 0:
         parser.error("--draft-steps and --seed must not be negative")
     if args.seq_len < 16 or args.seq_len > 4096:
@@ -145,7 +149,11 @@ def cli_main(argv: list[str]) -> int:
     started = time.perf_counter()
     try:
         trainer = Trainer(args.out, settings, resume=args.resume, compile=not args.no_compile, progress=None)
-        trainer.run()
+        trainer.run(stop_at=args.stop_at)
+        if trainer.state.step < settings.steps:
+            print(f"dsv41 train: stopped at step {trainer.state.step} of {settings.steps}; "
+                  f"`dsv41 train --out {args.out} --resume` goes on", file=sys.stderr)
+            return 0
         facts = finish(trainer, progress=True, windows=args.held_out_windows)
     except KeyboardInterrupt:
         print(f"dsv41 train: interrupted; `dsv41 train --out {args.out} --resume` goes on from the last checkpoint",

@@ -218,7 +218,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
         opt.step()
         spread = self.balance(out.expert_load)
-        return {"step": step, "phase": s.phase(step), "loss": lm.item(), "index_kl": float(kl), "lr": lr,
+        return {"step": step, "phase": s.phase(step), "loss": lm.item(), "index_kl": float(kl.detach()) if torch.is_tensor(kl) else float(kl), "lr": lr,
                 "grad_norm": float(grad_norm), "load_spread": spread}
 
     @torch.no_grad()
@@ -236,7 +236,8 @@ class Trainer:
         return sum(ratios) / max(1, len(ratios))
 
     # ------------------------------------------------------------------ the run
-    def run(self) -> TrainState:
+    def run(self, stop_at: int | None = None) -> TrainState:
+        """Train up to the last step (or `stop_at`), with a checkpoint at the end."""
         from tqdm import tqdm
 
 
@@ -248,7 +249,8 @@ class Trainer:
         tokens_per_step = s.batch * s.seq_len
         last_save = time.perf_counter()
         try:
-            while state.step < s.steps:
+            end = s.steps if stop_at is None else min(s.steps, stop_at)
+            while state.step < end:
                 step, phase = state.step, s.phase(state.step)
                 started = time.perf_counter()
                 if phase == "draft":
@@ -278,7 +280,7 @@ class Trainer:
                 if state.step == s.backbone_steps:
                     opt = None  # the draft phase builds its own
                     state.optimizer = None
-                if state.step % s.checkpoint_every == 0 or state.step == s.steps \
+                if state.step % s.checkpoint_every == 0 or state.step == end \
                         or time.perf_counter() - last_save > 300:
                     if opt is not None:
                         state.optimizer = {"phase": "draft" if phase == "draft" else "backbone", "state": opt.state_dict()}

@@ -8,8 +8,12 @@ rotate in place, none of which autograd can run through. What the twin shares wi
 piece of arithmetic that is a pure function (`model.hc_mixes` / `hc_pre` / `hc_post` /
 `engram_gate`, `moe.expert_scores` / `route`, `attention.window_rows`, the candidate blocks and
 `select_positions`, `kernels.sparse_attn`, `clamped_swiglu`, the cache encodings' quantizers), so
-one definition holds for both; `tests/test_train.py` holds the twin's logits to the loaded
-release checkpoint's on the same weights.
+one definition holds for both. Its exact mode (`exact=True`, with `qat=True`) runs the quantized
+linears through the op layer's own `linear` on the stored bytes and every bf16 product in bf16, so
+its logits equal the loaded release checkpoint's bit for bit (`tests/test_train.py`, at every
+native kernel level); it is for evaluation, not gradients. The fast mode trains: float32 products,
+batched hyper-connection sums, a masked dense form of the sparse attention, rounded where
+inference rounds (bf16 between sublayers) with straight-through gradients.
 
 Quantization: the caches' grids (FP8 window rows, FP4 compressed rows and index keys, FP4 index
 queries) are always applied, as inference applies them, with a straight-through gradient. With
