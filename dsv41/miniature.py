@@ -15,6 +15,7 @@ import os
 from importlib import resources
 
 from .cachedir import file_sha256
+from .errors import Dsv41Error
 
 MANIFEST_NAME = "dsv41-miniature.json"
 MANIFEST_FORMAT = "dsv41-miniature-checkpoint"
@@ -22,7 +23,7 @@ MANIFEST_FORMAT = "dsv41-miniature-checkpoint"
 _VERIFIED: set[str] = set()
 
 
-class MiniatureError(RuntimeError):
+class MiniatureError(Dsv41Error, RuntimeError):
     pass
 
 

@@ -40,21 +40,40 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def parity(tiny_checkpoint):
-    """The embedded checkpoint under Numerics.parity(), one per test module."""
+# The parity and reference fixtures run their tests on both checkpoints in the release format
+# that the package knows: the random tiny one and the trained miniature (its routing, indexer
+# selections and draft proposals are not noise, so ties and acceptances fall elsewhere).
+CHECKPOINTS = ("tiny", "miniature")
+
+
+@pytest.fixture(scope="module", params=CHECKPOINTS)
+def parity(request):
+    """A checkpoint under Numerics.parity(), one per test module and checkpoint."""
     import dsv41
     from dsv41.numerics import Numerics
 
-    return dsv41.load(tiny_checkpoint, quiet=True, numerics=Numerics.parity())
+    return dsv41.load(request.getfixturevalue(f"{request.param}_checkpoint"), quiet=True, numerics=Numerics.parity())
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_checkpoint):
-    """The embedded checkpoint under the reference's arithmetic (the default), one per test module."""
+@pytest.fixture(scope="module", params=CHECKPOINTS)
+def reference(request):
+    """A checkpoint under the reference's arithmetic (the default), one per test module and checkpoint."""
     import dsv41
 
-    return dsv41.load(tiny_checkpoint, quiet=True)
+    return dsv41.load(request.getfixturevalue(f"{request.param}_checkpoint"), quiet=True)
+
+
+@pytest.fixture(scope="session")
+def miniature_checkpoint() -> str:
+    """The trained miniature the package ships (`dsv41/data/miniature`), checked against its manifest."""
+    from dsv41.miniature import check_files, packaged_folder, read_manifest
+
+    folder = packaged_folder()
+    manifest = read_manifest(folder)
+    if manifest is None:
+        pytest.skip("this checkout's package holds no trained miniature (dsv41/data/miniature)")
+    check_files(folder, manifest)
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -125,12 +125,12 @@ def test_prefill_and_decode_agree_until_the_first_cut(smoke_run):
 
 
 @pytest.mark.slow
-def test_executed_notebook_keeps_its_figures_and_says_the_text_is_not_meaningful(smoke_run):
+def test_executed_notebook_keeps_its_figures_and_names_the_embedded_model(smoke_run):
     nb = nbformat.read(str(smoke_run / "05_generation.ipynb"), as_version=4)
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 4  # three views and the timings
-    assert any("not meaningful" in c.source for c in nb.cells if c.cell_type == "markdown")
+    assert any("trained miniature" in c.source for c in nb.cells if c.cell_type == "markdown")
 
 
 @pytest.mark.slow
