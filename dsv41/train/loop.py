@@ -34,8 +34,8 @@ class TrainError(Dsv41Error):
 
 @dataclass(frozen=True)
 class TrainSettings:
-    backbone_steps: int = 1200
-    draft_steps: int = 300
+    backbone_steps: int = 1500
+    draft_steps: int = 200
     batch: int = 8
     seq_len: int = 256
     lr: float = 3e-3

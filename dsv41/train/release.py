@@ -36,6 +36,7 @@ def write_miniature(folder: str, cfg, tokenizer, params: dict, facts: dict) -> s
         manifest = {"format": MANIFEST_FORMAT, **facts, "files": dict(sorted(files.items()))}
         with open(os.path.join(tmp, MANIFEST_NAME), "w", encoding="utf-8") as f:
             f.write(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep the packaged folder from other users
         if os.path.isdir(folder):
             shutil.rmtree(folder)
         os.rename(tmp, folder)
