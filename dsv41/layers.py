@@ -109,7 +109,8 @@ class Linear(nn.Module):
 # 4 rows, as a decode step's one, rounds differently from a call of more), so a token's output can
 # depend on how many tokens were projected with it, and a prefill differs from the same tokens
 # decoded one at a time by float32 rounding (~1e-7 relative). The released runtime does not pad.
-# pad_f32_rows=True pads the row count to a multiple of 8 so every call takes the same kernel: an
+# and on AVX-512 Xeons a call of 16 rows or more rounds differently from one of 8 (K >= 256).
+# pad_f32_rows=True runs every call as GEMMs of exactly 8 rows, so every row takes the same kernel: an
 # opt-in for bit parity between prefill and decode, not the reference's arithmetic. Only the
 # float32 paths need it (the compressor's pooling projections, the router, the hyper-connection
 # mixes, the head); the bf16 and quantized paths measure row-count invariant here.
@@ -118,15 +119,19 @@ F32_ROW_PAD = 8
 
 def f32_linear(x: torch.Tensor, weight: torch.Tensor, *, pad_f32_rows: bool) -> torch.Tensor:
     """float32 x [..., K] @ weight [N, K]^T (both taken to float32). pad_f32_rows (`Numerics`):
-    pad the row count to a multiple of F32_ROW_PAD, so a row's result does not depend on how many
-    rows share the call (off: the reference's plain GEMM)."""
+    every GEMM gets exactly F32_ROW_PAD rows (the last block zero-padded), so a row's result does
+    not depend on how many rows share the call (off: the reference's plain GEMM)."""
     if not pad_f32_rows:
         return F.linear(x.float(), weight.float())
     rows = x.float().reshape(-1, x.size(-1))  # [M, K]
     pad = -rows.size(0) % F32_ROW_PAD
     if pad:
         rows = F.pad(rows, (0, 0, 0, pad))
-    out = F.linear(rows, weight.float())[: rows.size(0) - pad]  # [M, N]
+    w = weight.float()
+    # Padding alone is not enough: BLAS may pick another kernel (another K blocking) for 16 rows
+    # than for 8 (seen on AVX-512 Xeons), so each block of 8 rows is its own GEMM.
+    out = torch.cat([F.linear(rows[i : i + F32_ROW_PAD], w) for i in range(0, rows.size(0), F32_ROW_PAD)])
+    out = out[: rows.size(0) - pad]  # [M, N]
     return out.reshape(*x.shape[:-1], weight.size(0))
 
 

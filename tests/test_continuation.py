@@ -97,7 +97,9 @@ def test_the_reference_arithmetic_parts_by_the_amount_reported(reference, capsys
         print(f"\nreference numerics, chunks 5+11+32 vs one-shot: max |dlogit| {delta.max():.3g}, "
               f"first parting at position {int(torch.nonzero(delta)[0]) if delta.any() else None}")
     assert torch.isfinite(delta).all()
-    assert torch.equal(delta[:5], torch.zeros(5))  # the first chunk is a prefill of its own
+    # the first chunk is a prefill of its own (not of the 48 tokens: BLAS rounds a 5-row GEMM
+    # differently from a 48-row one on some CPUs, so its rows need not equal one-shot's)
+    assert torch.equal(chunked[:5], reference(torch.tensor([ids[:5]]), 0, all_positions=True)[0])
     # one chunk is exactly the one-shot prefill, one token per call exactly decoding
     assert torch.equal(_in_chunks(reference, ids, [48]), one_shot)
 

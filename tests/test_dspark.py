@@ -21,7 +21,7 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def f(x):\n    retur
 
 
 # ---------------------------------------------------------------------- loading
-def test_every_mtp_tensor_is_accounted_for(reference, tiny_checkpoint):
+def test_every_mtp_tensor_is_accounted_for(reference):
     report = reference.report
     mtp = [n for n in report.tensors if n.startswith("mtp.")]
     assert mtp and all(report.tensors[n] in ("loaded", ROUTED) for n in mtp)
@@ -29,7 +29,7 @@ def test_every_mtp_tensor_is_accounted_for(reference, tiny_checkpoint):
     params = {n for n, _ in reference.draft_stack.named_parameters()}
     assert params <= {n for n in mtp if report.tensors[n] == "loaded"}
     assert report.draft_bytes_retained == report.predicted_draft_bytes > 0  # measured = derived from the inventory
-    off = dsv41.load(tiny_checkpoint, quiet=True, dspark=False)
+    off = dsv41.load(reference.report.checkpoint, quiet=True, dspark=False)
     assert off.draft_stack is None and off.report.draft_bytes_retained == 0
     assert all(off.report.tensors[n] == MTP for n in mtp)
     with pytest.raises(ValueError, match="no draft stack"):
@@ -45,8 +45,8 @@ def test_the_stack_reads_the_configured_layers(reference):
     assert hidden.shape == (1, len(reference.encode("Once upon a time")), cfg.dim * len(feeding))
 
 
-def test_draft_with_the_stack_off_changes_no_logit(reference, tiny_checkpoint):
-    off = dsv41.load(tiny_checkpoint, quiet=True, dspark=False)
+def test_draft_with_the_stack_off_changes_no_logit(reference):
+    off = dsv41.load(reference.report.checkpoint, quiet=True, dspark=False)
     ids = reference.encode(PROMPTS[-1])
     assert torch.equal(reference(ids, 0), off(ids, 0))
     assert torch.equal(reference([7], len(ids)), off([7], len(ids)))
@@ -264,10 +264,10 @@ def test_cutting_the_last_call_short_equals_running_the_kept_part(tiny_checkpoin
     assert cut.rollback(2, rerun=False) is True
 
 
-def test_the_command_decodes_speculatively(tiny_checkpoint, capsys, parity):
+def test_the_command_decodes_speculatively(capsys, parity):
     from dsv41.cli import generate_main
 
-    argv = ["--checkpoint", tiny_checkpoint, "--prompt", "Once upon a time", "--max-new-tokens", "9",
+    argv = ["--checkpoint", parity.report.checkpoint, "--prompt", "Once upon a time", "--max-new-tokens", "9",
             "--numerics", "parity"]
     assert generate_main(argv + ["--quiet"]) == 0
     plain = capsys.readouterr().out
