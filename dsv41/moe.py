@@ -88,17 +88,20 @@ class Gate(nn.Module):
         self.bias = param(torch.zeros(n_experts, dtype=torch.float32))
         self.bias_vl = param(torch.zeros(n_experts, dtype=torch.float32)) if cfg.vision_n_layers else None
 
-    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None):
-        """x [n, dim] -> (weights [n, k] float32, ids [n, k]); image_mask [n] bool selects bias_vl."""
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, dim] -> the unbiased affinities [n, E] float32 the routing chooses from."""
         logits = f32_linear(x, self.weight, pad_f32_rows=self.pad_f32_rows)  # [n, E]
         if self.pad_f32_rows:
             # softplus is vectorized 32 values at a time and rounds a shorter tail another way (seen
             # with AVX-512), so a lone decode row's scores could differ from the same row's in a
             # prefill: padded rows give every call the same tail
             pad = -logits.size(0) % F32_ROW_PAD
-            scores = expert_scores(F.pad(logits, (0, 0, 0, pad)), self.score_func)[: logits.size(0)]
-        else:
-            scores = expert_scores(logits, self.score_func)
+            return expert_scores(F.pad(logits, (0, 0, 0, pad)), self.score_func)[: logits.size(0)]
+        return expert_scores(logits, self.score_func)
+
+    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None):
+        """x [n, dim] -> (weights [n, k] float32, ids [n, k]); image_mask [n] bool selects bias_vl."""
+        scores = self.scores(x)
         bias = self.bias
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias)

@@ -88,7 +88,7 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 # The numbered notebooks in the groups the tests run them in: one smoke run per group, shared by
 # that group's tests on one test worker. Every kernel runs on one torch thread, as in the browser
 # test's JupyterLab: two threads on two shared cores run the tiny model several times slower.
-NOTEBOOK_GROUPS = ("01,02", "03,04", "05", "06", "07")
+NOTEBOOK_GROUPS = ("01,02", "03,04", "05", "06", "07", "08")
 SMOKE_THREADS = 1
 
 
@@ -111,15 +111,16 @@ BROWSER_EXPORTS: dict = {}
 
 
 def run_notebooks_smoke(tmp_path_factory, checkpoint, only: str, threads: int | None = SMOKE_THREADS, *,
-                        fresh: bool = False):
+                        fresh: bool = False, parameters: dict | None = None):
     """Execute notebooks `only` ("01,02") in smoke mode on `checkpoint` into a fresh run folder and
     fail the calling fixture, naming the failing cells, unless all of them ran clean. Returns the
-    run folder and its summary. `threads` pins the kernels' torch threads (OMP_NUM_THREADS). The
-    session's first run of the same notebooks is reused unless `fresh` (a second, independent run)."""
-    key = (only, threads, str(checkpoint))
+    run folder and its summary. `threads` pins the kernels' torch threads (OMP_NUM_THREADS);
+    `parameters` {name: text} go in as `-p NAME VALUE` beside smoke. The session's first run of
+    the same notebooks is reused unless `fresh` (a second, independent run)."""
+    key = (only, threads, str(checkpoint), tuple(sorted((parameters or {}).items())))
     if not fresh and key in _SMOKE_RUNS:
         return _SMOKE_RUNS[key]
-    run_and_summary = _run_smoke(tmp_path_factory, checkpoint, only, threads)
+    run_and_summary = _run_smoke(tmp_path_factory, checkpoint, only, threads, parameters or {})
     _SMOKE_RUNS.setdefault(key, run_and_summary)
     return run_and_summary
 
@@ -138,7 +139,7 @@ def second_run_exports(tmp_path_factory, checkpoint, only: str) -> dict:
     return exports
 
 
-def _run_smoke(tmp_path_factory, checkpoint, only: str, threads):
+def _run_smoke(tmp_path_factory, checkpoint, only: str, threads, parameters: dict):
     import json
 
     from dsv41.cli import main as dsv41_main
@@ -148,7 +149,7 @@ def _run_smoke(tmp_path_factory, checkpoint, only: str, threads):
         if threads is not None:
             mp.setenv("OMP_NUM_THREADS", str(threads))
         code = dsv41_main(["notebooks", "--only", only, "--out", str(run), "--checkpoint", str(checkpoint),
-                           "-p", "smoke", "true"])
+                           "-p", "smoke", "true", *[v for kv in parameters.items() for v in ("-p", *kv)]])
     summary = json.loads((run / "summary.json").read_text())
     failures = [f"{n['name']} cell {n['failed_cell']}: {n['error']}" for n in summary["notebooks"] if n["status"] != "ok"]
     assert code == 0 and not failures, failures

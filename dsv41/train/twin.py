@@ -161,6 +161,9 @@ class TwinOutput:
     expert_load: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> routed tokens per expert [E]
     main_hidden: Optional[torch.Tensor] = None  # [b, s, dim * n_targets]
     selected: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> compressed positions [b, s, k]
+    # index source layer -> what its heads attend to among the compressed positions, heads
+    # averaged [b, s, T] (the indexer's distillation target); filled when forward(keep_targets=True)
+    attention_target: Optional[dict[int, torch.Tensor]] = None
 
 
 @dataclass
@@ -246,13 +249,13 @@ class Twin:
     # ------------------------------------------------------------------ forward
     def forward(self, ids: torch.Tensor, hash_ids: Optional[torch.Tensor], *, qat: bool = False,
                 index_loss: bool = True, want_main_hidden: bool = False,
-                weights: Optional[dict] = None) -> TwinOutput:
+                weights: Optional[dict] = None, keep_targets: bool = False) -> TwinOutput:
         """ids int64 [b, s] from position 0; hash_ids [b, s, n_engram_layers, n_hash_cols] (the
-        model's n-gram hasher) -> TwinOutput."""
+        model's n-gram hasher) -> TwinOutput (with keep_targets, its attention_target too)."""
         c = self.cfg
         W = weights if weights is not None else self.weights(qat)
         bsz, seqlen = ids.shape
-        out = TwinOutput(logits=None)
+        out = TwinOutput(logits=None, attention_target={} if keep_targets else None)
         h = bf16(W["embed.weight"][ids])  # [b, s, dim], read as stored (bf16)
         h = h.unsqueeze(2).expand(bsz, seqlen, c.hc_mult, c.dim)  # [b, s, hc, dim]
         pre = identity_pre(bsz, seqlen, c.hc_mult, h.device)
@@ -409,12 +412,15 @@ class Twin:
                 s16 = s16.masked_fill(~shared.candidates, -torch.inf)
             selected = select_positions(s16, lens, c.index_topk).int()
 
-        if index_loss and width:
-            score = (torch.einsum("bshd,btd->bsht", qi, keys).relu() * mix.unsqueeze(-1)).sum(dim=2)  # [b, s, T]
+        if (index_loss or out.attention_target is not None) and width:
             with torch.no_grad():  # what the layer's heads attend to among the compressed positions
                 logits = torch.einsum("bshd,btd->bsht", q.detach(), shared.compress_kv.detach()) * c.head_dim ** -0.5
                 target = logits.masked_fill(unreachable.unsqueeze(1), -torch.inf).softmax(dim=-1).nan_to_num(0.0)
                 target = target.mean(dim=2)  # [b, s, T]
+            if out.attention_target is not None:
+                out.attention_target[layer] = target
+        if index_loss and width:
+            score = (torch.einsum("bshd,btd->bsht", qi, keys).relu() * mix.unsqueeze(-1)).sum(dim=2)  # [b, s, T]
             log_q = score.masked_fill(unreachable, -1e9).log_softmax(dim=-1)
             rows = reachable > 0
             kl = (target * (target.clamp_min(1e-12).log() - log_q)).sum(-1)  # [b, s]

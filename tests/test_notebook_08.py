@@ -1,0 +1,85 @@
+"""Notebook 08 (what the miniature learned) executed in smoke mode on the packaged miniature against
+the random tiny checkpoint, with assertions on the numbers its sidecars carry."""
+
+import pytest
+
+from dsv41.config import load_config
+
+from conftest import notebook_group, run_notebooks_smoke, sidecar
+
+pytestmark = notebook_group("08")
+
+FIGURES = ("routing", "engram", "indexer", "dspark", "cache", "ties")
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory, miniature_checkpoint, tiny_checkpoint):
+    run, summary = run_notebooks_smoke(tmp_path_factory, miniature_checkpoint, "08",
+                                       parameters={"comparison": str(tiny_checkpoint)})
+    outputs = sorted(summary["notebooks"][0]["outputs"])
+    assert outputs == sorted([f"08_{stem}.{ext}" for stem in FIGURES for ext in ("json", "png", "svg")]
+                             + ["08_learned_facts.json"])
+    return run
+
+
+def test_the_pair_is_trained_against_random(smoke_run, miniature_checkpoint, tiny_checkpoint):
+    facts = sidecar(smoke_run, "08_learned_facts")
+    assert facts["smoke"] is True and facts["trained_vs_random"] is True
+    assert facts["checkpoint"] == str(miniature_checkpoint) and facts["comparison"] == str(tiny_checkpoint)
+    assert facts["corpus"]["held_out"]["files"] > 0
+
+
+def test_markdown_names_the_embedded_model(smoke_run):
+    import nbformat
+
+    nb = nbformat.read(str(smoke_run / "08_learned.ipynb"), as_version=4)
+    text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    assert "trained by `dsv41 train`" in text and "random tiny checkpoint" in text
+    # the numbers are stated by code reading the sidecars, so they show as outputs
+    shown = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "text/markdown" in o.get("data", {})]
+    assert len(shown) == len(FIGURES)
+
+
+def test_routing_sidecar(smoke_run, miniature_checkpoint):
+    cfg = load_config(str(miniature_checkpoint))
+    routing = sidecar(smoke_run, "08_routing")
+    for name in ("trained", "random"):
+        r = routing[name]
+        assert r["layers"] == list(range(cfg.n_layers)) and r["n_experts"] == cfg.n_routed_experts
+        assert len(r["class_share"]) == cfg.n_layers and all(len(m) == len(r["classes"]) for m in r["class_share"])
+        assert all(0 < v <= 1 for v in r["affinity_spread"])
+    # the trained router prefers some experts more sharply than the random one, in most layers
+    below = sum(a < b for a, b in zip(routing["trained"]["affinity_spread"], routing["random"]["affinity_spread"]))
+    assert below > cfg.n_layers // 2
+
+
+def test_indexer_recall_beats_chance(smoke_run, miniature_checkpoint):
+    cfg = load_config(str(miniature_checkpoint))
+    ix = sidecar(smoke_run, "08_indexer")
+    t = ix["trained"]
+    assert t["k"] == cfg.index_topk and t["layers"] == [l for l in range(cfg.n_layers)
+                                                         if cfg.layer_mode(l) in ("full", "reindex")]
+    assert all(0 < c < 1 for c in t["chance"])
+    assert all(r > c for r, c in zip(t["recall"], t["chance"]))
+
+
+def test_speculation_equals_greedy_and_counts_add_up(smoke_run):
+    d = sidecar(smoke_run, "08_dspark")
+    facts = sidecar(smoke_run, "08_learned_facts")
+    for name in ("trained", "random"):
+        s = d[name]
+        assert s["equal_to_plain"] and all(s["equal_to_plain"])
+        assert s["tokens"] == facts["n_prompts"] * (facts["new_tokens"] - 1)
+        assert s["tokens_per_forward"] == pytest.approx(s["tokens"] / s["target_forwards"])
+        assert all(a <= j for a, j in zip(s["accepted_by_position"], s["judged_by_position"]))
+        assert sum(b["count"] for b in s["calibration"]) == sum(s["judged_by_position"])
+
+
+def test_cache_and_engram_sidecars(smoke_run):
+    c, e = sidecar(smoke_run, "08_cache"), sidecar(smoke_run, "08_engram")
+    for name in ("trained", "random"):
+        rates = c[name]["hit_rate"]
+        for p in rates:
+            assert all(h <= b + 1e-12 for h, b in zip(rates[p], rates["belady"])), p
+        assert all(a <= b + 1e-12 for a, b in zip(rates["lru"], rates["lru"][1:]))
+        assert all(sum(b["n"]) == e[name]["tokens"] for b in e[name]["bins"].values())
