@@ -135,6 +135,30 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, *, pad_f32_rows: bool) -> 
     return out.reshape(*x.shape[:-1], weight.size(0))
 
 
+# Elementwise transcendental ops (sigmoid, softplus, exp) run SIMD over the body of a buffer and a
+# scalar loop over its tail (what is left after the last pair of vectors), and the two can round
+# one value differently; a one-token decode call's few values are all tail. With pad_f32_rows
+# such an op runs over rows padded until the buffer is a whole number of VECTOR_BODY values, so
+# every value takes the SIMD body whatever the call's row count.
+VECTOR_BODY = 64  # float32 values; two AVX-512 vectors are 32
+
+
+def rowwise(fn, x: torch.Tensor, *, pad_f32_rows: bool):
+    """fn(x) for an fn that treats each row of x [..., W] on its own (returning one tensor or a
+    tuple, each [..., *]), with the rows padded as VECTOR_BODY says when pad_f32_rows is set."""
+    if not pad_f32_rows:
+        return fn(x)
+    rows = x.reshape(-1, x.size(-1))  # [M, W]
+    n = rows.size(0)
+    pad = -n % (VECTOR_BODY // math.gcd(VECTOR_BODY, rows.size(1)))
+    out = fn(F.pad(rows, (0, 0, 0, pad)) if pad else rows)
+
+    def unpad(t: torch.Tensor) -> torch.Tensor:
+        return t[:n].reshape(*x.shape[:-1], *t.shape[1:])
+
+    return tuple(unpad(t) for t in out) if isinstance(out, tuple) else unpad(out)
+
+
 # ---------------------------------------------------------------------------------- weights
 def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float [N, K] -> (float8_e4m3fn [N, K], E8M0 [ceil(N/32), ceil(K/32)]): the checkpoint's layout."""

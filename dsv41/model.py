@@ -43,7 +43,7 @@ from .formats import dequantize_engram_rows
 from .hooks import NO_SITES, name_sites, site
 from .kernels import hc_split_sinkhorn
 from .kernels.experts import PackedExpert, clamped_swiglu  # noqa: F401 (their import path)
-from .layers import Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype, param
+from .layers import Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype, param, rowwise
 from .moe import ROUTE_SUM_EPS, Gate, MoE, RoutedExperts, SharedExpert, expert_scores, route  # noqa: F401 (their import path)
 from .numerics import Numerics
 from .stores import DictExpertStore, EngramTable, ExpertStore, FetchedExperts, TensorEngramTable  # noqa: F401 (their import path)
@@ -97,6 +97,7 @@ class Engram(nn.Module):
         self.q_weight = param(torch.ones(cfg.hc_mult, cfg.dim, dtype=act))
         self.k_weight = param(torch.ones(cfg.hc_mult, cfg.dim, dtype=act))
         self.table: Optional[EngramTable] = None  # attached by the loader (not a parameter)
+        self.pad_f32_rows = False  # the block's Numerics.pad_f32_rows, set by the block
 
     def forward(self, x: torch.Tensor, hash_ids: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [b, s, hc, dim]; hash_ids [b, s, n_hash_cols]; token_mask [b, s] (False: no update)."""
@@ -110,7 +111,8 @@ class Engram(nn.Module):
         kv = self.wkv(emb.flatten(-2))  # [b, s, (hc + 1) * dim] bf16
         key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc_mult, self.dim))  # [b, s, hc, dim]
-        gate = engram_gate(x, key, self.q_weight.float() * self.k_weight.float(), self.eps)  # [b, s, hc]
+        gate = engram_gate(x, key, self.q_weight.float() * self.k_weight.float(), self.eps,
+                           pad_f32_rows=self.pad_f32_rows)  # [b, s, hc]
         if token_mask is not None:
             gate = gate.masked_fill(~token_mask.unsqueeze(-1), 0)
         out = (x.float() + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(x.dtype)
@@ -119,13 +121,16 @@ class Engram(nn.Module):
         return out
 
 
-def engram_gate(x: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x, key [b, s, hc, dim], weight [hc, dim] -> gate [b, s, hc] float32."""
+def engram_gate(x: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                pad_f32_rows: bool = False) -> torch.Tensor:
+    """x, key [b, s, hc, dim], weight [hc, dim] -> gate [b, s, hc] float32 (pad_f32_rows: the
+    sigmoid over a token's hc values as layers.rowwise runs it)."""
     h = x.float()
     dim = h.size(-1)
     rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)  # [b, s, hc]
     dot = (h * weight * key).sum(-1) * rstd * dim ** -0.5
-    return torch.sigmoid(torch.copysign(dot.abs().clamp_min(ENGRAM_GATE_FLOOR).sqrt(), dot))
+    return rowwise(torch.sigmoid, torch.copysign(dot.abs().clamp_min(ENGRAM_GATE_FLOOR).sqrt(), dot),
+                   pad_f32_rows=pad_f32_rows)
 
 
 # ---------------------------------------------------------------------- hyper-connections
@@ -139,7 +144,8 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     flat = x.flatten(2).float()  # [b, s, hc * dim]
     rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     mixes = f32_linear(flat, fn, pad_f32_rows=pad_f32_rows) * rstd  # [b, s, (2 + hc) * hc]
-    return split(mixes, scale, base, hc_mult, iters, hc_eps)
+    # the split's sigmoids and exps see a token's few values (see layers.rowwise)
+    return rowwise(lambda rows: split(rows, scale, base, hc_mult, iters, hc_eps), mixes, pad_f32_rows=pad_f32_rows)
 
 
 def hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -189,6 +195,7 @@ class Block(nn.Module):
         self.engram = None
         if layer in engram_layers:
             self.engram = Engram(cfg, layer, (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads)
+            self.engram.pad_f32_rows = self.pad_f32_rows
             self.engram_index = engram_layers.index(layer)  # its column block in the hash ids
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=act)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=act)

@@ -13,7 +13,7 @@ from torch import nn
 
 from .hooks import NO_SITES, site
 from .kernels.experts import clamped_swiglu, routed_experts
-from .layers import F32_ROW_PAD, Linear, f32_linear, linear_dtype, param
+from .layers import Linear, f32_linear, linear_dtype, param, rowwise
 from .numerics import Numerics
 from .stores import ExpertStore, FetchedExperts
 
@@ -91,13 +91,7 @@ class Gate(nn.Module):
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, dim] -> the unbiased affinities [n, E] float32 the routing chooses from."""
         logits = f32_linear(x, self.weight, pad_f32_rows=self.pad_f32_rows)  # [n, E]
-        if self.pad_f32_rows:
-            # softplus is vectorized 32 values at a time and rounds a shorter tail another way (seen
-            # with AVX-512), so a lone decode row's scores could differ from the same row's in a
-            # prefill: padded rows give every call the same tail
-            pad = -logits.size(0) % F32_ROW_PAD
-            return expert_scores(F.pad(logits, (0, 0, 0, pad)), self.score_func)[: logits.size(0)]
-        return expert_scores(logits, self.score_func)
+        return rowwise(lambda rows: expert_scores(rows, self.score_func), logits, pad_f32_rows=self.pad_f32_rows)
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None):
         """x [n, dim] -> (weights [n, k] float32, ids [n, k]); image_mask [n] bool selects bias_vl."""

@@ -342,17 +342,20 @@ def test_max_seq_len_beyond_the_config_is_refused_before_any_cache_is_sized(tiny
     assert code == 1 and out == "" and err.count("\n") == 1 and "max_position_embeddings" in err
 
 
-def test_a_cache_that_is_a_file_is_one_sentence_from_load_and_generate(tmp_path, monkeypatch, capsys):
+def test_a_cache_that_is_a_file_is_one_sentence_where_the_cache_is_needed(tmp_path, monkeypatch, capsys,
+                                                                          miniature_checkpoint):
     from dsv41 import tiny
-    from dsv41.loader import LoadError
+    from dsv41.cachedir import CacheError
 
     (tmp_path / "file").write_text("x")
     monkeypatch.setenv("DSV41_CACHE", str(tmp_path / "file"))
     monkeypatch.setattr(tiny, "_VERIFIED", set(), raising=False)
-    with pytest.raises(LoadError, match="DSV41_CACHE"):
-        load(quiet=True)
-    code, out, err = _run(capsys, "--prompt", "x", "--quiet")
-    assert code == 1 and out == "" and err.count("\n") == 1 and "DSV41_CACHE" in err
+    with pytest.raises(CacheError, match="DSV41_CACHE") as caught:
+        tiny.default_checkpoint()
+    assert "\n" not in str(caught.value)
+    # the embedded miniature is read where the package holds it: generating needs no cache folder
+    code, out, err = _run(capsys, "--prompt", "x", "--quiet", "--max-new-tokens", "2")
+    assert code == 0 and out.strip()
 
 
 def test_cli_prefill_chunk_gives_the_same_text(tiny_checkpoint, capsys):
