@@ -136,3 +136,28 @@ def test_a_prefill_reads_each_expert_once(tiny_checkpoint, plain):
     step = model.experts.counters.steps[0]
     assert step["bytes"] == len(set(prefill)) * model.experts.slot_bytes
     assert len(set(prefill)) < tokens * plain.cfg.n_activated_experts * plain.cfg.n_layers  # not once per token
+
+
+# ---------------------------------------------------------------------- bench stream
+def test_bench_stream_runs_end_to_end_on_a_tiny_geometry(tmp_path, capsys):
+    from dsv41.bench.cli import cli_main
+
+    out = tmp_path / "stream.json"
+    argv = ["stream", "--dir", str(tmp_path / "ck"), "--small", "--experts", "16", "--memory", "2GiB", "--tokens", "3",
+            "--prompt", "3", "--disk-probe-mib", "8", "--recorded-tokens", "4", "--io-threads", "2", "--json", str(out)]
+    assert cli_main(argv) == 0
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]
+    assert run["bytes_read_per_token"] == run["misses"] * run["budget"]["slot_bytes"] / run["decode_tokens"]
+    assert run["prefill_bytes_read"] == run["prefill_distinct_experts"] * run["budget"]["slot_bytes"]
+    for key in ("disk_bytes_per_s_before", "disk_bytes_per_s_after", "in_flight_read_fraction",
+                "fraction_of_disk_floor", "peak_rss_bytes", "seconds_per_token"):
+        assert run[key] is not None and run[key] > 0, key
+    assert isinstance(run["in_flight_measurement_error"], bool) and isinstance(run["floor_measurement_error"], bool)
+    for label in ("uniform (random weights)", "recorded (miniature routing, same fraction held)"):
+        rates = run["policies"][label]
+        assert rates["belady"]["hits"] >= max(rates["lru"]["hits"], rates["decay"]["hits"])
+    assert set(run["prediction"]) == {"this machine", "NVMe workstation", "note"}
+    printed = capsys.readouterr().out
+    assert "uniform (random weights)" in printed and "recorded (miniature routing" in printed
+    assert cli_main(argv) == 0 and "reusing the checkpoint" in capsys.readouterr().out
