@@ -17,13 +17,16 @@ cache size have done" on any machine:
                              static is its fixed ranking;
 - `policy_data(source)`      hit rate vs capacity per policy, overall and per layer, and the disk
                              bytes per token at each capacity (what `widgets.policy` plots);
+- `pool_hit_rates(steps, capacity)`  one pool shared by every layer through LRU, decay (the
+                             running `SlotCache`'s own `eviction.Residency`) and Belady;
 - `expert_bytes(cfg)`        the stored bytes of one routed expert, from the tensor inventory: what
                              one miss reads (18,800,640 bytes, 17.93 MiB, on the release);
 - `cli_main(argv)`           `dsv41 replay TRACE --capacity 4,8,16,32 [--policy ...] [--json OUT]`.
 
 The policies, all starting cold and reading an expert on every miss:
 
-- lru: evict the least recently used (what `ExpertCache` does: its counters are reproduced exactly);
+- lru: evict the least recently used (what `ExpertCache` does: its counters are reproduced exactly;
+  the rule is `eviction.LruRule`, the running `SlotCache`'s too);
 - lfu: evict the least frequently looked-up so far (counts kept across evictions), the least
   recent among equals;
 - static: a fixed top-N per layer, ranked by how many tokens chose each expert in a warm-up (the
@@ -40,10 +43,10 @@ import json
 import math
 import os
 import sys
-from collections import OrderedDict
 from typing import Iterable, NamedTuple, Optional, Sequence
 
 from .config import VALUE_BOUNDS
+from .eviction import LruRule, replay_calls
 
 POLICIES = ("lru", "lfu", "static", "belady")
 # the most routed experts a layer of any config may have: what a replay sizes its per-expert tables by
@@ -209,17 +212,18 @@ def lru_replay(lookups: Iterable[int], capacity: int) -> list[bool]:
     moves the item to most recent, a miss inserts it and evicts the least recent beyond capacity;
     capacity 0 keeps nothing, as the loader's ExpertCache (the same rule as `widgets.cache`)."""
     _check_capacity(capacity)
-    window: OrderedDict = OrderedDict()
-    out = []
-    for item in lookups:
-        hit = item in window
+    rule, held, out = LruRule(), set(), []
+    for t, item in enumerate(lookups):
+        hit = item in held
         out.append(hit)
-        if hit:
-            window.move_to_end(item)
-        elif capacity:
-            window[item] = None
-            while len(window) > capacity:
-                window.popitem(last=False)
+        if not hit and capacity:
+            if len(held) >= capacity:
+                victim = rule.victim(held, ())  # every key the rule knows is held here
+                held.discard(victim)
+                rule.forget(victim)
+            held.add(item)
+        if hit or capacity:
+            rule.used(item, t)
     return out
 
 
@@ -398,6 +402,44 @@ def replay_counts(calls: Sequence[Sequence[int]], capacity: int, policy: str = "
         part = hits[k:k + len(call)]
         k += len(call)
         out.append([sum(part), len(part) - sum(part)])
+    return out
+
+
+def pool_steps(source, expert_map=None) -> list[list[list[tuple]]]:
+    """Per forward call of a trace (or its routing records), per MoE layer in fetch order, the
+    (layer, expert) keys it looked up (distinct ids ascending); a call starts where a layer comes
+    again. `expert_map(layer, expert) -> (layer, expert)` renames keys (a miniature's routing
+    spread over a larger layer), the lookups then taken distinct again."""
+    steps, last = [], None
+    for rec in _routing_records(source):
+        if last is None or rec.layer <= last:
+            steps.append([])
+        last = rec.layer
+        ids = call_lookups(rec.expert_ids)
+        keys = [(rec.layer, e) for e in ids] if expert_map is None else sorted({expert_map(rec.layer, e) for e in ids})
+        steps[-1].append(keys)
+    return steps
+
+
+def pool_hit_rates(steps: Sequence[Sequence[Sequence[tuple]]], capacity: int, policies: Sequence[str] = ("lru", "decay", "belady"),
+                   half_life: Optional[float] = None) -> dict:
+    """One pool of `capacity` experts shared by every layer, as `stores.SlotCache` keeps it:
+    `steps` per forward call, per layer in fetch order, the (layer, expert) keys it looks up
+    (`pool_steps`); one tick per forward call. lru and decay run through `eviction.Residency` (the running cache's own bookkeeping),
+    belady over the same keys; per policy {"hits", "misses", "hit_rate"}."""
+    from .eviction import DEFAULT_HALF_LIFE
+
+    out = {}
+    for policy in policies:
+        if policy == "belady":
+            flat = [key for step in steps for layer in step for key in layer]
+            hits = sum(belady_replay(flat, capacity))
+            total = len(flat)
+        else:
+            counts = replay_calls(((t + 1, layer) for t, step in enumerate(steps) for layer in step), capacity, policy,
+                                  half_life or DEFAULT_HALF_LIFE)
+            hits, total = sum(c[0] for c in counts), sum(c[0] + c[1] for c in counts)
+        out[policy] = {"hits": hits, "misses": total - hits, "hit_rate": hits / total if total else None}
     return out
 
 

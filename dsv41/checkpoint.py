@@ -160,6 +160,11 @@ class Checkpoint:
                     raise LoadError(f"{index}: tensor {name} is listed in {file}, but that shard does not hold it")
         self._open: dict[str, object] = {}
         self._maps: dict[str, np.memmap] = {}
+        self.one_handle = False  # True: a read from another shard first closes the open ones
+
+    def release(self) -> None:
+        """Close every shard handle `read` opened (their mapped pages stop counting as resident)."""
+        self._open.clear()
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -184,6 +189,8 @@ class Checkpoint:
         try:
             handle = self._open.get(shard)
             if handle is None:
+                if self.one_handle:
+                    self.release()
                 handle = self._open[shard] = safe_open(shard, framework="pt")
             return handle.get_tensor(name)
         except (SafetensorError, OSError) as exc:  # e.g. the file changed on disk after its header was checked

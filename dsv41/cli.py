@@ -65,6 +65,7 @@ def generate_main(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default) is greedy")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (temperature > 0)")
     parser.add_argument("--expert-cache", type=int, default=None, metavar="N", help="packed experts kept per layer")
+    _memory_args(parser)
     parser.add_argument("--resident-engram", action="store_true", help="copy the Engram tables into RAM first")
     parser.add_argument("--expert-device", default="cpu", metavar="DEV",
                         help="where routed experts run: cpu (default), cuda, cuda:1 or a comma-separated list; "
@@ -238,7 +239,8 @@ def _generate_model(args, process: _Process):
     caches = CacheOptions(max_seq_len=args.max_seq_len)
     placement = Placement(expert_device=devices, expert_parallel=args.expert_parallel,
                           expert_cache=DEFAULT_EXPERT_CACHE if args.expert_cache is None else args.expert_cache,
-                          resident_engram=args.resident_engram)
+                          resident_engram=args.resident_engram, memory=args.memory,
+                          expert_policy=args.expert_policy)
     try:
         if args.expert_parallel:
             process.ranks = start_expert_parallel()
@@ -277,9 +279,12 @@ def _print_generation(args, model, result) -> None:
     rate = f", {t['tokens_per_s']:.2f} tokens/s decoding" if t["tokens_per_s"] else ""
     hits = sum(model.experts.counters.hits.values())
     misses = sum(model.experts.counters.misses.values())
+    read = model.experts.counters.bytes_read
+    steps = max(1, len(model.experts.counters.steps))
+    disk = f", {read / 1e6 / steps:.2f} MB read per call from disk" if read else ""
     vision = f"vision tower {t['vision_s']:.2f} s, " if t.get("vision_s") else ""
     print(f"{len(result.ids)} tokens ({result.finish_reason}); {vision}prefill {t['prefill_s']:.2f} s, decode "
-          f"{t['decode_s']:.2f} s{rate}; expert cache {hits} hits / {misses} misses", file=sys.stderr)
+          f"{t['decode_s']:.2f} s{rate}; expert cache {hits} hits / {misses} misses{disk}", file=sys.stderr)
     if result.speculation is not None:
         s = result.speculation
         per_forward = f"{s.tokens_per_forward:.2f}" if s.tokens_per_forward else "-"
@@ -334,6 +339,7 @@ def chat_main(argv: list[str]) -> int:
                              "maximum, at most 4096)")
     parser.add_argument("--speculative", action="store_true",
                         help="decode each reply with the DSpark draft stack (see dsv41 generate --help)")
+    _memory_args(parser)
     parser.add_argument("--quiet", action="store_true", help="no load report or per-turn token counts on stderr")
     args = parser.parse_args(argv)
 
@@ -389,9 +395,23 @@ def _chat_model(args, fail):
         problem = _audit_problem(path)
         if problem:
             raise LoadError(problem)
-        return load(path, quiet=args.quiet, max_seq_len=args.max_seq_len)
+        return load(path, quiet=args.quiet, max_seq_len=args.max_seq_len, memory=args.memory,
+                    expert_policy=args.expert_policy)
     except LoadError as exc:
         return fail(str(exc))
+
+
+def _memory_args(parser) -> None:
+    """--memory and --expert-policy, as generate, chat and the benches take them."""
+    from .argtypes import memory_size
+    from .eviction import DEFAULT_POLICY, EXPERT_POLICIES
+
+    parser.add_argument("--memory", type=memory_size, default=None, metavar="SIZE",
+                        help="a memory budget (e.g. 16GiB): what the dense part, the caches and the process leave "
+                             "holds routed experts read from disk (replaces --expert-cache; the load report says "
+                             "how it was spent)")
+    parser.add_argument("--expert-policy", choices=EXPERT_POLICIES, default=DEFAULT_POLICY,
+                        help=f"which expert gives up its slot under --memory (default {DEFAULT_POLICY})")
 
 
 def _threads_arg(text: str):

@@ -40,11 +40,14 @@ from .kernels.experts import expert_devices
 from .miniature import describe as describe_embedded
 from .model import Model
 from .numerics import Numerics
+from .budget import BudgetError, plan_budget  # noqa: F401 (BudgetError: importable from here)
+from .eviction import DEFAULT_POLICY, EXPERT_POLICIES
 from .report import (  # noqa: F401 (LOADED, ENGRAM, ON_DISK, the predictions: importable from here as before)
     ENGRAM, LOADED, MTP, ON_DISK, ROUTED, UNEXPECTED, LoadReport, disposition, predict_draft_bytes,
     predict_retained_bytes, runtime_dtype, settle_buckets, unique_bytes)
 from .stores import (  # noqa: F401 (CacheCounters: importable from here as before)
-    DEFAULT_EXPERT_CACHE, CacheCounters, ExpertCache, MappedEngramTable, OwnedExpertStore, ResidentEngramTable)
+    DEFAULT_EXPERT_CACHE, CacheCounters, ExpertCache, MappedEngramTable, OwnedExpertStore, ResidentEngramTable,
+    SlotCache)
 from .text import brief, json_kind, named
 from .threads import (  # noqa: F401 (all_cores, auto_threads, machine_cores: importable from here as before)
     AUTO_THREADS_MIN_WEIGHTS, all_cores, apply_threads, auto_threads, check_threads, machine_cores)
@@ -86,12 +89,18 @@ class Placement:
     (`expert_device`: "cpu", "cuda", "cuda:1" or a list of CUDA devices, experts spread round-robin;
     `expert_cache`: packed experts kept per layer; `expert_parallel`: this process is one rank of a
     torch.distributed group and holds only its share) and the Engram tables (`resident_engram`:
-    copied into RAM instead of gathered from the mapped shards)."""
+    copied into RAM instead of gathered from the mapped shards). `memory` (bytes, or a size such as
+    "16GiB") replaces the count with a budget: `budget.plan_budget` gives what the dense part, the
+    caches, the draft stack and the process leave to a `stores.SlotCache` of whole expert slots,
+    read from disk with positioned reads and freed by `expert_policy` ("lru" or "decay",
+    `eviction`); host memory only."""
 
     expert_device: Any = "cpu"
     expert_cache: int = DEFAULT_EXPERT_CACHE
     expert_parallel: bool = False
     resident_engram: bool = False
+    memory: Any = None
+    expert_policy: str = DEFAULT_POLICY
 
 
 # the short form: each group's fields are load() keywords of the same name
@@ -135,22 +144,33 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None, cac
     max_seq_len = cache_length(caches.max_seq_len, cfg)  # before any cache is sized
     ckpt = Checkpoint(path)
     buckets = check_tensors(cfg, ckpt)
-    experts = _expert_cache(ckpt, placement.expert_cache, devices, cfg)
+    budget = None
+    if placement.memory is None:
+        experts = _expert_cache(ckpt, placement.expert_cache, devices, cfg)
+    else:
+        budget, experts = _slot_cache(ckpt, placement, devices, cfg, caches, max_seq_len, dspark)
     tokenizer, tok_meta = load_tokenizer(path, cfg)
     hasher = _hasher(cfg, tokenizer, path)
     n_threads, threads_choice = apply_threads(threads, cfg)  # once the checkpoint checks out; before the fill
     report = LoadReport(checkpoint=ckpt.path, threads=n_threads, threads_choice=threads_choice,
                         embedded=describe_embedded(path))
+    if budget is not None:
+        report.budget = (f"{budget.line()}; expert policy {experts.policy}, misses read with {experts.reader} "
+                         f"on {experts._io._max_workers} threads, {experts.page_cache}")
+        report.budget_plan = budget.as_dict()
     sizing = dict(numerics=numerics, max_batch_size=caches.max_batch_size, max_seq_len=max_seq_len,
                   cache_format=caches.cache_format)
     with torch.no_grad():
         model = Model(cfg, **sizing, tokenizer=tokenizer, tokenizer_meta=tok_meta, hasher=hasher,
                       undo_calls=caches.undo_calls)
+        ckpt.one_handle = budget is not None  # under a budget, one shard's pages mapped at a time
         read = fill_parameters(model.backbone, ckpt, report, quiet)
         stack = None
         if dspark and cfg.n_mtp_layers and cfg.dspark_block_size:
             stack, draft_read = _draft_stack(model, ckpt, report, quiet, sizing)
             read |= draft_read
+        if budget is not None:
+            ckpt.release()  # the dense part is copied out: no mapping keeps its pages resident
     if stack is not None:
         _attach_draft(model, stack, experts, buckets)
     tables = engram_tables(ckpt, cfg, placement.resident_engram, report)
@@ -286,6 +306,19 @@ def _expert_cache(ckpt: Checkpoint, capacity: int, devices, cfg: Config) -> Expe
         return ExpertCache(ckpt, capacity, devices, n_layers=cfg.n_layers)
     except (TypeError, ValueError) as exc:
         raise LoadError(str(exc)) from None
+
+
+def _slot_cache(ckpt: Checkpoint, placement: Placement, devices, cfg: Config, caches: CacheOptions,
+                max_seq_len: int, dspark: bool):
+    """(the budget plan, the SlotCache it sizes) for `placement.memory`."""
+    if any(d.type != "cpu" for d in devices):
+        raise LoadError("memory= sizes a host-memory expert cache; use expert_device='cpu' with it, or "
+                        "expert_cache=N for experts on a GPU")
+    if placement.expert_policy not in EXPERT_POLICIES:
+        raise LoadError(f"expert_policy must be one of {', '.join(EXPERT_POLICIES)}, got {brief(placement.expert_policy)}")
+    plan = plan_budget(cfg, placement.memory, max_seq_len=max_seq_len, max_batch_size=caches.max_batch_size,
+                       dspark=dspark, cache_format=caches.cache_format)
+    return plan, SlotCache(ckpt, plan.slots, policy=placement.expert_policy, n_layers=cfg.n_layers)
 
 
 def _hasher(cfg: Config, tokenizer, path: str):

@@ -56,7 +56,7 @@ class RoutedExperts:
     once, each expert once on all of its tokens, never a float32 or bf16 copy of a whole weight
     matrix. It equals the op layer's reference
     `fp4_gemm` path up to the order of float32 additions. `last_fetch` holds the most recent
-    call's `FetchedExperts` (its cache hits and misses). `batch_invariant`: a token's output does
+    call's `FetchedExperts` (its cache hits and misses; from a store with `stream`, the counts only). `batch_invariant`: a token's output does
     not depend on how many tokens an expert sees (see `kernels.experts`)."""
 
     def __init__(self, layer: int, store: ExpertStore, swiglu_limit: float, *, batch_invariant: bool = False):
@@ -65,7 +65,13 @@ class RoutedExperts:
         self.last_fetch: Optional[FetchedExperts] = None
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        selected = torch.unique(expert_ids).tolist()  # sorted ascending
+        selected = torch.unique(expert_ids).tolist()  # sorted ascending: each expert fetched once per call
+        stream = getattr(self.store, "stream", None)
+        if stream is not None:  # a store that reads while the experts it holds are computed (`SlotCache`)
+            y = routed_experts(x, expert_ids, weights.float(), None, self.swiglu_limit,
+                               batch_invariant=self.batch_invariant, batches=stream(self.layer, selected))
+            self.last_fetch = FetchedExperts((), *self.store.last_counts)
+            return y
         fetched = self.store.fetch(self.layer, selected)
         self.last_fetch = fetched if isinstance(fetched, FetchedExperts) else FetchedExperts(fetched)
         return routed_experts(x, expert_ids, weights.float(), dict(zip(selected, fetched)), self.swiglu_limit,

@@ -122,6 +122,8 @@ class LoadReport:
     routed_tensors_total: int = 0
     routed_bytes_held: int = 0
     routed_bytes_total: int = 0
+    budget: str = ""  # load(memory=...): how the budget was spent (`budget.BudgetPlan.line`)
+    budget_plan: Optional[dict] = None
 
     def count_routed_share(self, ranks, buckets: dict[str, str], nbytes) -> None:
         """Under expert parallelism: this rank and the backbone's routed expert tensors it holds
@@ -172,6 +174,8 @@ class LoadReport:
             lines.append(f"  DSpark draft stack: {self.draft_bytes_retained:,} bytes of dense parameters "
                          f"(predicted {self.predicted_draft_bytes:,}; its routed experts read on demand like the "
                          f"backbone's)")
+        if self.budget:
+            lines.append(f"  {self.budget}")
         if self.rank is not None:
             lines.append(f"  expert parallel: rank {self.rank} of {self.world_size} holds the routed experts e % "
                          f"{self.world_size} == {self.rank}: {self.routed_tensors_held} of "

@@ -6,6 +6,10 @@ packed experts in the order asked with the call's cache hits and misses) and an 
 
 - `ExpertCache`: experts read from the checkpoint on demand and kept packed (FP4 bytes and E8M0
   scales, never expanded) in a bounded LRU window per layer, counted in its `CacheCounters`;
+- `SlotCache`: the memory-budget form (`load(memory=...)`): one preallocated pool of expert-sized
+  byte slots shared by every layer, misses read with positioned reads straight into their slots by
+  a few threads at once (the pages dropped from the page cache after), the slots freed by an
+  `eviction` rule; `stream` hands a call its hits first, so they are computed while the misses read;
 - `DictExpertStore`: experts already in memory (tests, benchmarks);
 - `OwnedExpertStore`: one rank's share under expert parallelism, refusing any other expert;
 - `MappedEngramTable`: rows gathered from the mapped shard on each forward;
@@ -14,13 +18,18 @@ packed experts in the order asked with the call's cache hits and misses) and an 
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import Iterator, Optional, Protocol, Sequence
 
 import torch
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, LoadError
+from .eviction import DEFAULT_HALF_LIFE, DEFAULT_POLICY, Residency
 from .kernels.experts import PackedExpert, device_for
 
 # Default number of packed experts a layer keeps between forwards.
@@ -60,9 +69,15 @@ class CacheCounters:
     hits: dict[int, int] = field(default_factory=dict)
     misses: dict[int, int] = field(default_factory=dict)
     steps: list[dict] = field(default_factory=list)  # {'start_pos', 'seqlen', 'layers': {layer: [hits, misses]}}
+    bytes_read: int = 0  # what the misses read from disk (a SlotCache counts it; per step under 'bytes')
 
     def begin_step(self, start_pos: int, seqlen: int) -> None:
         self.steps.append({"start_pos": start_pos, "seqlen": seqlen, "layers": {}})
+
+    def add_bytes(self, nbytes: int) -> None:
+        self.bytes_read += nbytes
+        if self.steps:
+            self.steps[-1]["bytes"] = self.steps[-1].get("bytes", 0) + nbytes
 
     def count(self, layer: int, hit: bool) -> None:
         bucket = self.hits if hit else self.misses
@@ -78,6 +93,7 @@ class CacheCounters:
         self.hits.clear()
         self.misses.clear()
         self.steps.clear()
+        self.bytes_read = 0
 
 
 class ExpertCache:
@@ -148,6 +164,255 @@ class ExpertCache:
         self._lru.clear()
 
 
+# Misses are read in pieces of at most this many bytes, so even one expert keeps several reads in
+# flight (the NVMe queue fills from a handful of threads).
+READ_PIECE = 4 << 20
+DEFAULT_IO_THREADS = 8
+READERS = ("preadv", "pread")
+
+
+@dataclass
+class StreamStats:
+    """What the misses cost: bytes read, pieces read, seconds some read was in flight (per call from
+    the first submit to the last completion) and seconds the forward waited on them."""
+
+    bytes_read: int = 0
+    reads: int = 0
+    read_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(bytes_read=self.bytes_read, reads=self.reads, read_seconds=self.read_seconds,
+                    wait_seconds=self.wait_seconds)
+
+
+class _Layout(list):
+    """One expert's six tensors in its shard: [(shard, file offset, nbytes, dtype, shape)] in
+    PackedExpert order, and the byte ranges to read ([(shard, file offset, nbytes, slot offset)],
+    adjacent tensors joined)."""
+
+    def __init__(self, parts):
+        super().__init__(parts)
+        self.ranges, at = [], 0
+        for shard, offset, nbytes, _, _ in parts:
+            last = self.ranges[-1] if self.ranges else None
+            if last is not None and last[0] == shard and last[1] + last[2] == offset:
+                self.ranges[-1] = (shard, last[1], last[2] + nbytes, last[3])
+            else:
+                self.ranges.append((shard, offset, nbytes, at))
+            at += nbytes
+        self.nbytes = at
+
+
+class SlotCache:
+    """Routed experts in a fixed pool of `slots` byte slots, each one packed expert's size, shared by
+    every layer (`load(memory=...)` sizes it from the budget; `budget.plan_budget`).
+
+    A miss is read with positioned reads (`os.preadv`, or `os.pread` and a copy: `reader`) straight
+    from its shard into its slot, in pieces of READ_PIECE bytes on `io_threads` threads, all the
+    misses of a call at once; after each piece the range is dropped from the page cache
+    (`posix_fadvise(DONTNEED)`, `drop_pages`: "auto" where the system has it, False to keep the
+    pages; `page_cache` says which happened), so the slot is the only copy. Which slot a miss takes
+    is `eviction.Residency`'s choice under `policy` ("lru" or "decay", `half_life` in tokens). The
+    experts handed out are views of the slots (FP4 bytes as float4_e2m1fn_x2, scales as E8M0): the
+    arithmetic is the same as `ExpertCache`'s. Counts go to `counters` (hits, misses, bytes per
+    step) and the read timing to `stats`. Host memory only."""
+
+    def __init__(self, checkpoint: Checkpoint, slots: int, *, policy: str = DEFAULT_POLICY,
+                 half_life: float = DEFAULT_HALF_LIFE, n_layers: Optional[int] = None, io_threads: int = DEFAULT_IO_THREADS,
+                 reader: str = "preadv", drop_pages="auto"):
+        if reader not in READERS:
+            raise ValueError(f"reader must be one of {', '.join(READERS)}, got {reader!r}")
+        if reader == "preadv" and not hasattr(os, "preadv"):
+            reader = "pread"
+        self.checkpoint, self.n_layers = checkpoint, n_layers
+        self.residency = Residency(int(slots), policy, half_life)
+        self.capacity = self.slots = int(slots)
+        self.policy, self.half_life, self.reader = policy, half_life, reader
+        self.devices = [torch.device("cpu")]
+        self.device = self.devices[0]
+        self.counters = CacheCounters()
+        self.stats = StreamStats()
+        can_drop = hasattr(os, "posix_fadvise")
+        self.drop_pages = can_drop if drop_pages == "auto" else bool(drop_pages) and can_drop
+        self.page_cache = ("each read range dropped from the page cache (posix_fadvise DONTNEED)" if self.drop_pages
+                           else "page cache left as the system keeps it (no posix_fadvise here, or asked not to)")
+        self._layouts: dict = {}
+        self.slot_bytes = self._layout(0, 0).nbytes
+        self._pool = torch.empty(self.slots, self.slot_bytes, dtype=torch.uint8)  # pages fault in as slots fill
+        self._pool_np = self._pool.numpy()
+        self._views: dict = {}  # slot -> (key, PackedExpert)
+        self._fds: dict = {}
+        self._io = ThreadPoolExecutor(max_workers=max(1, int(io_threads)), thread_name_prefix="dsv41-read")
+        self._lock = threading.Lock()
+        self._step, self._tick = None, 0
+        self.last_counts, self._overflow = (0, 0), False
+
+    # -- layout and reads
+    def _layout(self, layer: int, expert: int) -> _Layout:
+        key = (layer, expert)
+        got = self._layouts.get(key)
+        if got is None:
+            stage = layer - self.n_layers if self.n_layers is not None and layer >= self.n_layers else None
+            prefix = f"layers.{layer}.ffn.experts.{expert}." if stage is None else f"mtp.{stage}.ffn.experts.{expert}."
+            parts = []
+            for w in ("w1", "w2", "w3"):
+                for leaf, dtype in (("weight", torch.float4_e2m1fn_x2), ("scale", torch.float8_e8m0fnu)):
+                    name = prefix + w + "." + leaf
+                    if name not in self.checkpoint:
+                        raise LoadError(f"{self.checkpoint.path}: no tensor {name} for the expert cache to read")
+                    shard, entry, start = self.checkpoint.entries[name]
+                    parts.append((shard, start + entry.begin, entry.nbytes, dtype, entry.shape))
+            got = self._layouts[key] = _Layout(parts)
+            if self._layouts and len(self._layouts) > 1 and got.nbytes != self.slot_bytes:
+                raise LoadError(f"{self.checkpoint.path}: expert {expert} of layer {layer} holds {got.nbytes:,} bytes, "
+                                f"not the {self.slot_bytes:,} of a slot; one pool needs experts of one size")
+        return got
+
+    def _fd(self, shard: str) -> int:
+        fd = self._fds.get(shard)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(shard)
+                if fd is None:
+                    fd = self._fds[shard] = os.open(shard, os.O_RDONLY)
+        return fd
+
+    def _read_piece(self, shard: str, offset: int, slot: int, at: int, nbytes: int) -> float:
+        """Read bytes [offset, offset + nbytes) of `shard` into slot `slot` at byte `at`; returns when it ended."""
+        fd, view = self._fd(shard), memoryview(self._pool_np[slot, at:at + nbytes])
+        got = 0
+        while got < nbytes:
+            if self.reader == "preadv":
+                n = os.preadv(fd, [view[got:]], offset + got)
+            else:
+                data = os.pread(fd, nbytes - got, offset + got)
+                n = len(data)
+                view[got:got + n] = data
+            if n == 0:
+                raise LoadError(f"{shard}: ended at byte {offset + got:,} inside a routed expert; the shard is "
+                                "truncated, download it again")
+            got += n
+        if self.drop_pages:
+            try:
+                os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                self.drop_pages = False
+                self.page_cache = "page cache left as the system keeps it (posix_fadvise refused here)"
+        return time.perf_counter()
+
+    def _submit(self, misses) -> tuple:
+        """Start reading every (key, slot) of `misses`: (futures, when the first was submitted, bytes)."""
+        futures, began, total = [], time.perf_counter(), 0
+        for (layer, expert), slot in misses:
+            self._views.pop(slot, None)
+            for shard, offset, nbytes, at in self._layout(layer, expert).ranges:
+                for piece in range(0, nbytes, READ_PIECE):
+                    size = min(READ_PIECE, nbytes - piece)
+                    futures.append(self._io.submit(self._read_piece, shard, offset + piece, slot, at + piece, size))
+                    total += size
+        return futures, began, total
+
+    def _wait(self, pending) -> None:
+        futures, began, total = pending
+        if not futures:
+            return
+        waited = time.perf_counter()
+        ended = max(f.result() for f in futures)  # a failed read raises here
+        now = time.perf_counter()
+        self.stats.wait_seconds += now - waited
+        self.stats.read_seconds += ended - began
+        self.stats.bytes_read += total
+        self.stats.reads += len(futures)
+        self.counters.add_bytes(total)
+
+    def _expert(self, key, slot: int) -> PackedExpert:
+        held = self._views.get(slot)
+        if held is not None and held[0] == key:
+            return held[1]
+        row, parts, at = self._pool[slot], [], 0
+        for _, _, nbytes, dtype, shape in self._layout(*key):
+            parts.append(row[at:at + nbytes].view(dtype).view(shape))  # the slot's bytes, as stored
+            at += nbytes
+        packed = PackedExpert(*parts)
+        self._views[slot] = (key, packed)
+        return packed
+
+    # -- the store
+    def stream(self, layer: int, expert_ids: Sequence[int]) -> Iterator[dict]:
+        """The packed experts `expert_ids` of `layer` in batches {id: PackedExpert}: first those held
+        (their misses already reading), then the misses. A batch stays valid until the next is asked
+        for, so the caller computes each before it takes the next. Counts go to `counters`."""
+        step = self.counters.steps[-1] if self.counters.steps else None
+        if step is not self._step:  # a new forward call: one tick of the decay clock
+            self._step, self._tick = step, self._tick + 1
+        plan = self.residency.plan([(layer, int(e)) for e in expert_ids], self._tick)
+        hits = {key[1]: self._expert(key, slot) for key, slot in plan.hits}
+        for key, _ in plan.hits:
+            self.counters.count(layer, True)
+        for key, _ in plan.misses:
+            self.counters.count(layer, False)
+        self.last_counts, self._overflow = (len(plan.hits), len(plan.misses)), bool(plan.chunk)
+        if not plan.chunk:
+            pending = self._submit(plan.misses)
+            if hits:
+                yield hits
+            self._wait(pending)
+            if plan.misses:
+                yield {key[1]: self._expert(key, slot) for key, slot in plan.misses}
+            return
+        if hits:  # an overflow call: its hits may give up their slots once computed
+            yield hits
+        chunks = [plan.misses[i:i + plan.chunk] for i in range(0, len(plan.misses), plan.chunk)]
+        pending = self._submit(chunks[0])
+        for i, chunk in enumerate(chunks):
+            self._wait(pending)
+            if plan.buffers == 2 and i + 1 < len(chunks):
+                pending = self._submit(chunks[i + 1])  # read the next chunk while this one is computed
+            yield {key[1]: self._expert(key, slot) for key, slot in chunk}
+            if plan.buffers == 1 and i + 1 < len(chunks):
+                pending = self._submit(chunks[i + 1])
+
+    def fetch(self, layer: int, expert_ids: Sequence[int]) -> FetchedExperts:
+        """The packed experts `expert_ids` of `layer`, in the order asked (views of the slots, valid
+        until the next fetch; a call larger than the pool gets copies)."""
+        got: dict = {}
+        for batch in self.stream(layer, expert_ids):
+            if self._overflow:  # a later batch reuses earlier batches' slots
+                batch = {e: PackedExpert(*(t.clone() for t in p)) for e, p in batch.items()}
+            got.update(batch)
+        hits, misses = self.last_counts
+        return FetchedExperts([got[int(e)] for e in expert_ids], hits=hits, misses=misses)
+
+    def cached(self, layer: int) -> list[int]:
+        """Expert ids of `layer` the pool holds now, ascending."""
+        return sorted(e for (lay, e) in self.residency.slot_of if lay == layer)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.residency.slot_of) * self.slot_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    def clear(self) -> None:
+        self.residency.clear()
+        self._views.clear()
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the descriptors go with the process
+            pass
+
+
 class OwnedExpertStore:
     """A store that refuses any expert this rank does not own: the one place the ownership rule
     is enforced, so a routing mistake is an error instead of a silent read of another rank's share.
@@ -164,8 +429,8 @@ class OwnedExpertStore:
         return self.store.fetch(layer, expert_ids)
 
     def __getattr__(self, name):  # counters, clear, cached, nbytes: the wrapped cache's
-        if name == "store":  # not set yet (a copy being built): no recursion through the lookup below
-            raise AttributeError(name)
+        if name in ("store", "stream"):  # store: not set yet (a copy being built), no recursion through the
+            raise AttributeError(name)  # lookup below; stream: every read goes through fetch's ownership check
         return getattr(self.store, name)
 
 

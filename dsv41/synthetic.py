@@ -20,11 +20,14 @@ from typing import Callable
 Fill = Callable[[list, dict], dict]
 
 
-def write_release_layout(folder: str, cfg, fill: Fill, *, tokenizer=None, progress: str | None = None) -> None:
+def write_release_layout(folder: str, cfg, fill: Fill, *, tokenizer=None, progress: str | None = None,
+                         streamed: bool = False) -> None:
     """Every file of a checkpoint of `cfg` but a manifest, into `folder` (created if missing):
     each shard from `fill`, the index, the nested and flat configs, tokenizer.json and
     tokenizer_config.json (`tokenizer`: the tiny one for `cfg` unless given). `progress`: the label
-    of a tqdm bar over the shards on stderr (None: no bar)."""
+    of a tqdm bar over the shards on stderr (None: no bar). `streamed`: each shard's routed experts
+    are drawn and written one tensor at a time (`write_streamed_shard`), so a layer of 384 released
+    experts (7.2 GB) never sits in memory at once; the other tensors come from `fill` as before."""
     from tqdm import tqdm
 
     from dsv41.config import write_config_pair
@@ -42,7 +45,10 @@ def write_release_layout(folder: str, cfg, fill: Fill, *, tokenizer=None, progre
         per_shard[spec.shard].append(spec)
     with tqdm(total=len(shards), desc=progress or "", unit="shard", file=sys.stderr, disable=not progress) as bar:
         for shard in shards:
-            save_safetensors(fill(per_shard[shard], by_name), os.path.join(folder, shard))
+            if streamed:
+                write_streamed_shard(os.path.join(folder, shard), per_shard[shard], by_name, fill)
+            else:
+                save_safetensors(fill(per_shard[shard], by_name), os.path.join(folder, shard))
             bar.update(1)
     write_index(folder, specs)
     write_config_pair(cfg, folder)
@@ -51,6 +57,33 @@ def write_release_layout(folder: str, cfg, fill: Fill, *, tokenizer=None, progre
         f.write(tokenizer.to_str(pretty=True))
     with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         f.write(json.dumps(tokenizer_config(cfg), indent=2) + "\n")
+
+
+def write_streamed_shard(path: str, specs: list, by_name: dict, fill: Fill, seed: int = 0) -> None:
+    """One shard written tensor by tensor: the header first (`headers.encode_header`), then each
+    payload in its order; routed experts as random FP4 bytes with E8M0 scales drawn as they are
+    written, everything else from `fill`."""
+    import torch
+
+    from dsv41.headers import encode_header
+
+    routed = {s.name for s in specs if ".ffn.experts." in s.name}
+    dense = fill([s for s in specs if s.name not in routed], by_name)
+    header, entries = encode_header([(s.name, s.dtype, s.shape) for s in specs])
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "wb") as f:
+        f.write(header)
+        for e in entries:
+            if e.name in dense:
+                t = dense.pop(e.name).contiguous()
+            elif e.dtype == "I8":
+                t = torch.randint(-128, 128, e.shape, dtype=torch.int8, generator=g)
+            else:  # an expert's E8M0 scales, in the range random_fill draws them from
+                t = torch.randint(121, 125, e.shape, dtype=torch.uint8, generator=g)
+            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    from dsv41.formats import current_umask
+
+    os.chmod(path, 0o666 & ~current_umask())
 
 
 # ---------------------------------------------------------------------- the fast fill

@@ -203,10 +203,12 @@ def test_bench_decode_released_reports_phases_against_their_floor(tmp_path, caps
     cfg = bench.released_decode_config(2, 8, small=True)
     expert_bytes = 3 * (cfg.moe_inter_dim * cfg.dim // 2 + cfg.moe_inter_dim * cfg.dim // 32)
     for cell in report["settings"].values():
-        bw = cell["copy_bandwidth_bytes_per_s"]
+        bw = cell["read_bandwidth_bytes_per_s"]  # the floors' bandwidth: a GEMV only reads
+        assert cell["copy_bandwidth_bytes_per_s"] > 0
         assert set(cell["phases"]) == set(bench.RELEASED_PHASES)
         for name, c in [*cell["phases"].items(), ("token", cell["token"])]:
             assert math.isclose(c["floor_seconds"], c["bytes"] / bw, rel_tol=1e-12), name
+            assert c["measurement_error"] == (c["fraction_of_floor"] > 1), name
             assert math.isclose(c["fraction_of_floor"], c["floor_seconds"] / c["seconds"], rel_tol=1e-12), name
         assert all(cell["phases"][p]["seconds"] > 0 for p in bench.RELEASED_PHASES[:-1])  # every phase was timed
         assert math.isclose(sum(c["seconds"] for c in cell["phases"].values()), cell["token"]["seconds"], rel_tol=1e-9)
@@ -233,6 +235,10 @@ def test_released_decode_targets_leave_out_the_latency_bound_phase():
     assert met["latency_bound_phases"] == ["other"]
     assert not bench._released_targets(cell(0.49))["met"]
     assert not bench._released_targets(cell(0.9, shared_expert=0.29))["met"]
+    errored = cell(0.6)
+    errored["phases"]["head"]["measurement_error"] = True  # above 100% of its floor: not a result
+    judged = bench._released_targets(errored)
+    assert judged["measurement_errors"] == ["head"] and not judged["met"]
 
 
 def test_released_decode_config_is_the_released_geometry_on_few_layers():

@@ -46,6 +46,21 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 3) -> float:
     return nbytes / best_time(lambda: dst.copy_(src), repeats, budget_s=10.0)
 
 
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Bytes per second of only reading one buffer far larger than the caches: a float32 sum over
+    it on torch's threads, the kernel nearest to what a GEMV does with its weight (a copy also
+    writes, so its source rate understates what reading alone reaches)."""
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    buf.sum()  # fault the pages in first
+    return buf.numel() * 4 / best_time(lambda: buf.sum(), repeats, budget_s=10.0)
+
+
+def measurement_error(fraction) -> bool:
+    """A fraction of a bandwidth floor above 100% is a measurement error (the floor's bandwidth
+    was measured too low, or the bytes counted too many), not a result."""
+    return fraction is not None and fraction > 1.0
+
+
 def rss_bytes() -> dict:
     """Resident memory now and at its peak (Linux /proc; ru_maxrss elsewhere)."""
     out = {"rss_bytes": None, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

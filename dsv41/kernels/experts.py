@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -115,9 +115,9 @@ class PackedExpert(NamedTuple):
 
 
 # ---------------------------------------------------------------------- experts
-def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
+def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: Optional[Experts],
                    swiglu_limit: float = 0.0, *, cpu_kernel: str = "auto", batch_invariant: bool = False,
-                   product: Optional[Callable] = None) -> torch.Tensor:
+                   product: Optional[Callable] = None, batches: Optional[Iterable] = None) -> torch.Tensor:
     """y = sum_k weights[:, k] * expert_{expert_ids[:, k]}(x), float32 [n, dim] on x's device.
 
     Call contract (the same for `routed_experts_reference`): x [n, dim] activations (bf16 in the
@@ -129,6 +129,10 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
     kernels on the CPU. Tokens are quantized to FP8 once, grouped by expert with one sort, and
     each selected expert runs once on all of its tokens, in ascending id order, added into a
     float32 sum as the reference does. Weights are read packed, never expanded as a whole.
+    `batches` instead of `experts`: dicts {id: expert} that together hold every id, as a store
+    hands them out while it is still reading the rest (`stores.SlotCache.stream`); each batch is
+    computed before the next is asked for, and the sum is added in ascending id order all the
+    same, so the result equals one call with every expert at once.
     `cpu_kernel` ("auto", "native" or "torch") and `batch_invariant`: see the module docstring.
     `product(a, a_s, w, s, dtype)`, for tests, replaces every GEMM (one call per product)."""
     _check_routing(x, expert_ids, weights)
@@ -141,14 +145,15 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending within one
     ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
     flat_weights = weights.reshape(-1).float()  # [n*k]
-    groups, token_rows = [], []
-    for e, pairs in zip(ids.tolist(), torch.split(order, counts.tolist())):
-        rows = pairs // k  # [c] token indices
-        groups.append((a[rows], a_s[rows], experts[e], flat_weights[pairs].unsqueeze(1)))  # weights [c, 1]
-        token_rows.append(rows)
-    outs = _run_experts(groups, x.dtype, swiglu_limit, cpu_kernel, batch_invariant, product)
-    for rows, out in zip(token_rows, outs):
-        y.index_add_(0, rows, out.to(y.device, torch.float32))  # ascending expert id, as the reference adds
+    pairs_of = dict(zip(ids.tolist(), torch.split(order, counts.tolist())))  # ascending id
+    outs = {}
+    for source in ([experts] if batches is None else batches):
+        wanted = list(pairs_of) if batches is None else sorted(e for e in source if e in pairs_of)
+        groups = [(a[pairs_of[e] // k], a_s[pairs_of[e] // k], source[e], flat_weights[pairs_of[e]].unsqueeze(1))
+                  for e in wanted]  # per expert its tokens' rows [c] and routing weights [c, 1]
+        outs.update(zip(wanted, _run_experts(groups, x.dtype, swiglu_limit, cpu_kernel, batch_invariant, product)))
+    for e, pairs in pairs_of.items():
+        y.index_add_(0, pairs // k, outs[e].to(y.device, torch.float32))  # ascending expert id, as the reference adds
     return y
 
 

@@ -1,0 +1,329 @@
+"""`dsv41 bench stream`: routed experts streamed from disk under a memory budget, measured.
+
+Writes once into `--dir` (reused when its marker says it is complete) a synthetic checkpoint with
+the released dimensions and all 384 routed experts on a few layers (`released.released_decode_config`,
+random FP4 bytes from `synthetic.random_fill`). Each measured run then empties the page cache for
+those files (`posix_fadvise(DONTNEED)` over every shard), measures the disk's read bandwidth right
+there (parallel positioned reads of a layer shard's experts, dropped again after), loads the model
+under `--memory` (`stores.SlotCache`), decodes, and reports in one run: the disk bandwidth before
+and after, bytes read and seconds per token, the in-flight read fraction (bytes read / (seconds
+some read was in flight x disk bandwidth); above 100% is a measurement error), the fraction of
+the disk floor for the whole token, hit rates by policy on this run's routing ("uniform (random
+weights)") and on a recorded trace's ("recorded (miniature routing)": the embedded trained
+miniature's routing over a held-out text, replayed at the same fraction of experts held), each
+beside Belady's bound, the peak resident memory against the budget, and the 40-layer prediction
+for this machine and for a stated workstation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from .common import folder_bytes, measurement_error, read_bandwidth, reset_peak_rss, rss_bytes, write_report
+
+MARKER = "bench-stream.json"
+GIB = 1 << 30
+# A workstation the 40-layer prediction is also made for (stated, not measured).
+WORKSTATION = {"name": "NVMe workstation", "disk_bytes_per_s": 7e9, "memory_bytes_per_s": 70e9,
+               "memory": "116GiB", "ram": "128 GB",
+               "note": "PCIe 4 NVMe at 7 GB/s, DDR5-5600 dual channel (~70 GB/s sustained), 128 GB RAM"}
+# The held-out text the recorded routing comes from: not in the miniature's training corpus (the
+# standard library's sources and pydoc topics); plain English prose about this project's subject.
+HELD_OUT = ("A small machine can run a very large mixture of experts when most of the experts stay on "
+            "disk. Each token asks for a handful of them in every layer, and the ones it asks for are "
+            "read into memory, used once, and kept only while there is room for them. Whether the next "
+            "token asks for the same ones decides how much has to be read again.")
+
+
+# ---------------------------------------------------------------------- the checkpoint, once
+def stream_config(layers: int, experts: int, small: bool):
+    from .released import released_decode_config
+
+    return released_decode_config(layers, experts, small=small)
+
+
+def ensure_checkpoint(folder: str, cfg, log: Callable[[str], None] = print) -> dict:
+    """The synthetic all-experts checkpoint in `folder`: written unless its marker names this very
+    config. Returns the marker's content."""
+    from dsv41.synthetic import random_fill, write_release_layout
+
+    marker = os.path.join(folder, MARKER)
+    want = {"config": json.loads(json.dumps(cfg.as_nested_dict(), default=str)), "complete": True}
+    if os.path.isfile(marker):
+        with open(marker, encoding="utf-8") as f:
+            got = json.load(f)
+        if got.get("config") == want["config"] and got.get("complete"):
+            log(f"reusing the checkpoint in {folder} ({got['bytes'] / GIB:.2f} GiB)")
+            return got
+    if os.path.isdir(folder) and os.listdir(folder) and not os.path.isfile(marker):
+        raise ValueError(f"{folder} holds files but no {MARKER}; name an empty or missing folder (or one this bench wrote)")
+    began = time.perf_counter()
+    write_release_layout(folder, cfg, random_fill(), progress="writing", streamed=True)
+    want["bytes"] = folder_bytes(folder)
+    want["write_seconds"] = time.perf_counter() - began
+    with open(marker, "w", encoding="utf-8") as f:
+        json.dump(want, f)
+    log(f"wrote {want['bytes'] / GIB:.2f} GiB to {folder} in {want['write_seconds']:.0f} s")
+    return want
+
+
+# ---------------------------------------------------------------------- the disk
+def shards(folder: str) -> list[str]:
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+
+
+def drop_page_cache(paths) -> str:
+    """Ask the kernel to drop every cached page of `paths`; says what happened."""
+    if not hasattr(os, "posix_fadvise"):
+        return "not dropped: this system has no posix_fadvise"
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "dropped (posix_fadvise DONTNEED over every shard)"
+
+
+def disk_bandwidth(path: str, nbytes: int, threads: int, piece: int = 4 << 20, offset: int = 0) -> float:
+    """Bytes per second of `threads` threads reading `nbytes` of `path` from `offset` by positioned
+    reads of `piece` bytes, the range dropped from the page cache before and after."""
+    size = os.path.getsize(path)
+    nbytes = max(piece, min(nbytes, size - offset))
+    fd = os.open(path, os.O_RDONLY)
+    bufs = [bytearray(piece) for _ in range(threads)]
+    try:
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+
+        def read(i):
+            view, total = memoryview(bufs[i % threads]), 0
+            for at in range(offset + i * piece, offset + nbytes, threads * piece):
+                total += os.preadv(fd, [view[:min(piece, offset + nbytes - at)]], at)
+            return total
+
+        began = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            total = sum(pool.map(read, range(threads)))
+        seconds = time.perf_counter() - began
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return total / seconds
+
+
+# ---------------------------------------------------------------------- the recorded routing
+def recorded_steps(tokens: int, log: Callable[[str], None] = print):
+    """(steps for `cache_policy.pool_hit_rates`, the keys there are): the embedded trained
+    miniature's routing over the held-out text and `tokens` generated after it."""
+    import dsv41
+    from dsv41.cache_policy import pool_steps
+
+    model = dsv41.load(quiet=True, threads=None)
+    result = model.generate(HELD_OUT, max_new_tokens=tokens, trace=True, stop_at_eos=False)
+    steps = pool_steps(result)
+    log(f"recorded routing: {model.report.embedded or model.report.checkpoint}; {len(steps)} calls")
+    return steps, model.cfg.n_layers * model.cfg.n_routed_experts
+
+
+# ---------------------------------------------------------------------- one run
+def measure(folder: str, cfg, *, memory, policy: str, prompt_tokens: int, decode_tokens: int, io_threads: int,
+            disk_probe: int, recorded, log: Callable[[str], None] = print) -> dict:
+    """One measured run: page cache emptied, disk bandwidth, load under `memory`, prefill, decode."""
+    import dsv41
+    from dsv41.budget import plan_budget
+    from dsv41.cache_policy import pool_hit_rates, pool_steps
+    from dsv41.generate import decode_n, prefill
+    from dsv41.trace import ForwardTrace
+
+    files = shards(folder)
+    page_cache = drop_page_cache(files)
+    probe = max(files, key=os.path.getsize)  # a layer shard: nearly all of it experts
+    disk_before = disk_bandwidth(probe, disk_probe, io_threads, offset=os.path.getsize(probe) // 2)
+    peak_reset = reset_peak_rss()
+    model = dsv41.load(folder, quiet=True, threads=None, memory=memory, expert_policy=policy,
+                       max_seq_len=prompt_tokens + decode_tokens + 8)
+    cache = model.experts
+    cache._io._max_workers = io_threads
+    plan = model.report.budget_plan
+    g = torch.Generator().manual_seed(0)
+    ids = [cfg.bos_token_id] + torch.randint(3, cfg.vocab_size, (prompt_tokens - 1,), generator=g).tolist()
+    trace = ForwardTrace()
+    began = time.perf_counter()
+    logits = prefill(model, ids, trace=trace)
+    prefill_s = time.perf_counter() - began
+    prefill_bytes = cache.counters.bytes_read
+    before = cache.stats.as_dict()
+    hits0, misses0 = sum(cache.counters.hits.values()), sum(cache.counters.misses.values())
+    began = time.perf_counter()
+    decode_n(model, int(logits[0].argmax()), decode_tokens, trace=trace)
+    decode_s = time.perf_counter() - began
+    after = cache.stats.as_dict()
+    hits = sum(cache.counters.hits.values()) - hits0
+    misses = sum(cache.counters.misses.values()) - misses0
+    memory_end = rss_bytes()
+    disk_after = disk_bandwidth(probe, disk_probe, io_threads, offset=os.path.getsize(probe) // 4)
+    disk = min(disk_before, disk_after)
+    read_bytes = after["bytes_read"] - before["bytes_read"]
+    read_s = after["read_seconds"] - before["read_seconds"]
+    wait_s = after["wait_seconds"] - before["wait_seconds"]
+    per_token_bytes, per_token_s = read_bytes / decode_tokens, decode_s / decode_tokens
+    in_flight = read_bytes / (read_s * disk) if read_s > 0 else None
+    floor = per_token_bytes / disk / per_token_s if per_token_s > 0 else None
+    slots = cache.slots
+    steps = pool_steps(trace)
+    uniform = pool_hit_rates(steps, slots, ("lru", "decay", "belady"))
+    rec_steps, rec_keys = recorded
+    rec_slots = min(rec_keys, max(1, round(slots * rec_keys / (cfg.n_layers * cfg.n_routed_experts))))
+    recorded_rates = pool_hit_rates(rec_steps, rec_slots, ("lru", "decay", "belady"))
+    report = {
+        "memory": plan["memory"], "budget": plan, "policy": policy, "page_cache": page_cache,
+        "slot_cache_page_cache": cache.page_cache, "io_threads": io_threads,
+        "disk_bytes_per_s_before": disk_before, "disk_bytes_per_s_after": disk_after, "disk_bytes_per_s": disk,
+        "prefill_tokens": prompt_tokens, "prefill_s": prefill_s, "prefill_bytes_read": prefill_bytes,
+        "prefill_distinct_experts": len({k for layer in steps[0] for k in layer}),
+        "decode_tokens": decode_tokens, "decode_s": decode_s, "seconds_per_token": per_token_s,
+        "tokens_per_s": 1 / per_token_s, "bytes_read_per_token": per_token_bytes,
+        "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else None,
+        "read_seconds": read_s, "wait_seconds": wait_s, "wait_fraction_of_token": wait_s / decode_s,
+        "in_flight_read_fraction": in_flight, "in_flight_measurement_error": measurement_error(in_flight),
+        "fraction_of_disk_floor": floor, "floor_measurement_error": measurement_error(floor),
+        "policies": {"uniform (random weights)": {"slots": slots, **uniform},
+                     "recorded (miniature routing, same fraction held)": {"slots": rec_slots,
+                                                                           "keys": rec_keys, **recorded_rates}},
+        "peak_rss_bytes": memory_end["peak_rss_bytes"], "peak_rss_since_load": peak_reset,
+        "peak_rss_over_budget": memory_end["peak_rss_bytes"] / plan["memory"],
+        "compute_seconds_per_token": (decode_s - wait_s) / decode_tokens,
+    }
+    report["prediction"] = predict_40(report, cfg, model)
+    cache.close()
+    return report
+
+
+def predict_40(run: dict, cfg, model) -> dict:
+    """Seconds per token of the 40-layer released model from this run: per layer the compute
+    measured here (the token's time without waiting on reads, less the head, per layer) and the
+    misses a budget of that size leaves (uniform routing: slots / experts held), read at the disk's
+    bandwidth, for this machine (a budget of nine tenths of its RAM) and the stated workstation; overlapped (the larger of the two) and serial (their sum). A prediction."""
+    from dsv41.budget import plan_budget
+    from dsv41.config import RELEASED
+
+    out = {}
+    expert = run["budget"]["slot_bytes"]
+    compute_layer = run["compute_seconds_per_token"] / cfg.n_layers  # the head and embedding spread over layers
+    read_bw = read_bandwidth(256 << 20)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    here = int(ram * 0.9)  # this machine's RAM less a tenth for the system
+    for name, disk, mem_bw, memory in (("this machine", run["disk_bytes_per_s"], read_bw, here),
+                                       (WORKSTATION["name"], WORKSTATION["disk_bytes_per_s"],
+                                        WORKSTATION["memory_bytes_per_s"], WORKSTATION["memory"])):
+        try:
+            plan = plan_budget(RELEASED, memory, max_seq_len=4096)
+            slots = plan.slots
+        except ValueError:
+            out[name] = {"memory": memory, "note": "below the released model's minimum budget "
+                                                   f"({plan_budget(RELEASED, 1 << 50, max_seq_len=4096).minimum / GIB:.2f} GiB)"}
+            continue
+        held = min(1.0, slots / (RELEASED.n_layers * RELEASED.n_routed_experts))
+        miss_bytes = RELEASED.n_layers * RELEASED.n_activated_experts * expert * (1 - held)
+        compute = RELEASED.n_layers * compute_layer * (read_bw / mem_bw)
+        read = miss_bytes / disk
+        out[name] = {"memory": plan.memory, "slots": slots, "uniform_hit_rate": held, "bytes_read_per_token": miss_bytes,
+                     "read_seconds": read, "compute_seconds": compute, "seconds_per_token_overlapped": max(read, compute),
+                     "seconds_per_token_serial": read + compute, "disk_bytes_per_s": disk, "memory_bytes_per_s": mem_bw}
+    out["note"] = ("a prediction from this run's measured compute per layer (scaled by memory bandwidth) and the "
+                   "uniform-routing miss rate of the released model's budget, not a measurement")
+    return out
+
+
+def _log_run(i: int, r: dict, log: Callable[[str], None]) -> None:
+    gb = 1e9
+    flag = lambda x, err: "-" if x is None else f"{x:.0%}" + (" (measurement error)" if err else "")
+    log(f"run {i}: disk {r['disk_bytes_per_s_before'] / gb:.2f} GB/s before, {r['disk_bytes_per_s_after'] / gb:.2f} after; "
+        f"{r['seconds_per_token']:.2f} s/token, {r['bytes_read_per_token'] / 1e6:.1f} MB read/token, hit rate "
+        f"{r['hit_rate']:.1%}; reads in flight at {flag(r['in_flight_read_fraction'], r['in_flight_measurement_error'])} "
+        f"of the disk; token at {flag(r['fraction_of_disk_floor'], r['floor_measurement_error'])} of its disk floor; "
+        f"waited on reads {r['wait_fraction_of_token']:.0%} of the time; peak RSS "
+        f"{r['peak_rss_bytes'] / GIB:.2f} GiB of {r['memory'] / GIB:.2f} GiB ({r['peak_rss_over_budget']:.0%})")
+    log(f"  prefill {r['prefill_tokens']} tokens: {r['prefill_bytes_read'] / gb:.2f} GB read for "
+        f"{r['prefill_distinct_experts']} distinct experts in {r['prefill_s']:.1f} s")
+    for label, p in r["policies"].items():
+        log(f"  {label} at {p['slots']} slots: " + ", ".join(
+            f"{name} {p[name]['hit_rate']:.1%}" for name in ("lru", "decay", "belady") if p[name]["hit_rate"] is not None))
+    for name, p in r["prediction"].items():
+        if isinstance(p, dict) and "seconds_per_token_overlapped" not in p:
+            log(f"  40 layers, {name}: {p['memory'] / GIB:.1f} GiB is {p['note']}")
+        elif isinstance(p, dict):
+            log(f"  40 layers, {name} ({p['memory'] / GIB:.0f} GiB, {p['slots']} slots): "
+                f"{p['seconds_per_token_overlapped']:.2f}-{p['seconds_per_token_serial']:.2f} s/token, "
+                f"{p['bytes_read_per_token'] / gb:.2f} GB read/token (a prediction)")
+
+
+def bench_stream(folder: str, *, layers: int = 2, experts: int = 384, memory="12GiB", policy: str = "decay",
+                 prompt_tokens: int = 4, decode_tokens: int = 8, runs: int = 1, io_threads: int = 8,
+                 disk_probe: int = 2 * GIB, small: bool = False, recorded_tokens: int = 96,
+                 log: Callable[[str], None] = print) -> dict:
+    cfg = stream_config(layers, experts, small)
+    marker = ensure_checkpoint(folder, cfg, log)
+    recorded = recorded_steps(recorded_tokens, log)
+    report = {"command": "bench stream", "dir": folder, "checkpoint_bytes": marker["bytes"], "n_layers": cfg.n_layers,
+              "n_experts": cfg.n_routed_experts, "topk": cfg.n_activated_experts, "dim": cfg.dim,
+              "threads": torch.get_num_threads(), "workstation": WORKSTATION,
+              "note": "wall times on a possibly shared machine; each run's ratios are measured within it", "runs": []}
+    for i in range(runs):
+        r = measure(folder, cfg, memory=memory, policy=policy, prompt_tokens=prompt_tokens,
+                    decode_tokens=decode_tokens, io_threads=io_threads, disk_probe=disk_probe, recorded=recorded, log=log)
+        report["runs"].append(r)
+        _log_run(i + 1, r, log)
+    return report
+
+
+# ---------------------------------------------------------------------- the subcommand
+def add_parser(sub) -> None:
+    import argparse
+
+    from dsv41.argtypes import memory_size
+    from dsv41.eviction import DEFAULT_POLICY, EXPERT_POLICIES
+
+    st = sub.add_parser("stream", help="routed experts streamed from disk under a memory budget: disk bandwidth, "
+                                       "bytes and seconds per token, hit rates by policy, peak memory")
+    st.add_argument("--dir", required=True, metavar="FOLDER", help="where the synthetic all-experts checkpoint is "
+                    "written once and reused")
+    st.add_argument("--memory", type=memory_size, default=12 * GIB, metavar="SIZE", help="the budget (default 12GiB)")
+    st.add_argument("--expert-policy", choices=EXPERT_POLICIES, default=DEFAULT_POLICY)
+    st.add_argument("--layers", type=int, default=2, help="backbone layers (default 2; 7.2 GB of experts each)")
+    st.add_argument("--experts", type=int, default=384, help=argparse.SUPPRESS)
+    st.add_argument("--tokens", type=int, default=8, help="tokens to decode per run (default 8)")
+    st.add_argument("--prompt", type=int, default=4, help="prompt length (default 4)")
+    st.add_argument("--runs", type=int, default=1, help="measured runs, each from an emptied page cache (default 1)")
+    st.add_argument("--io-threads", type=int, default=8, help="reads in flight (default 8)")
+    st.add_argument("--disk-probe-mib", type=int, default=2048, help="bytes the disk bandwidth is measured on")
+    st.add_argument("--recorded-tokens", type=int, default=96, help=argparse.SUPPRESS)
+    st.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # tiny dims, for tests
+    st.add_argument("--json", metavar="OUT", help="also write the report as JSON here")
+
+
+def main(args) -> int:
+    if min(args.tokens, args.runs, args.io_threads, args.disk_probe_mib) < 1 or args.prompt < 2:
+        print("dsv41 bench: --tokens, --runs, --io-threads, --disk-probe-mib must be at least 1, --prompt at least 2",
+              file=sys.stderr)
+        return 2
+    from dsv41.checkpoint import LoadError
+
+    try:
+        report = bench_stream(args.dir, layers=args.layers, experts=args.experts, memory=args.memory,
+                              policy=args.expert_policy, prompt_tokens=args.prompt, decode_tokens=args.tokens,
+                              runs=args.runs, io_threads=args.io_threads, disk_probe=args.disk_probe_mib << 20,
+                              small=args.small, recorded_tokens=args.recorded_tokens)
+    except (LoadError, ValueError) as exc:
+        print(f"dsv41 bench: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        write_report(args.json, report)
+    return 0

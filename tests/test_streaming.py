@@ -1,0 +1,163 @@
+"""Routed experts under a memory budget: the budget's arithmetic, the slot cache's positioned reads
+(bit-identical experts and logits), the eviction rules shared with the policy lab, one read per
+expert per call, and `dsv41 bench stream` end to end on a tiny geometry."""
+
+import json
+import os
+
+import pytest
+import torch
+
+import dsv41
+from dsv41.argtypes import byte_size
+from dsv41.budget import BudgetError, plan_budget, routed_expert_bytes
+from dsv41.cache_policy import pool_hit_rates, pool_steps
+from dsv41.checkpoint import Checkpoint
+from dsv41.eviction import Residency, replay_calls
+from dsv41.stores import ExpertCache, SlotCache
+
+PROMPT = "the slot cache reads experts from disk while the others are computed"
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_checkpoint):
+    return dsv41.load(tiny_checkpoint, quiet=True, threads=1)
+
+
+def _memory_for(cfg, slots: int, max_seq_len: int) -> int:
+    """The budget that leaves exactly `slots` expert slots."""
+    plan = plan_budget(cfg, 1 << 40, max_seq_len=max_seq_len)
+    return plan.memory - plan.slots * plan.slot_bytes + slots * plan.slot_bytes
+
+
+def _budgeted(path, cfg, slots, max_seq_len=64, **kw):
+    return dsv41.load(path, quiet=True, threads=1, max_seq_len=max_seq_len,
+                      memory=_memory_for(cfg, slots, max_seq_len), **kw)
+
+
+# ---------------------------------------------------------------------- the budget
+def test_memory_sizes_read_binary_and_decimal_units():
+    assert byte_size("16GiB") == 16 << 30 and byte_size("12GB") == 12 * 10 ** 9 and byte_size("512 MiB") == 512 << 20
+    for bad in ("16G", "-1GiB", "many", "", "nanGiB"):
+        with pytest.raises(ValueError, match="memory size"):
+            byte_size(bad)
+
+
+def test_the_budget_gives_what_is_left_to_whole_expert_slots(plain):
+    cfg = plain.cfg
+    plan = plan_budget(cfg, "4GiB", max_seq_len=64)
+    fixed = plan.dense + plan.kv + plan.draft + plan.baseline
+    assert plan.slot_bytes == routed_expert_bytes(cfg) == ExpertCache(plain.checkpoint, 1).fetch(0, [0])[0].nbytes
+    assert plan.slots == (4 * 2 ** 30 - fixed) // plan.slot_bytes
+    assert plan.minimum == fixed + cfg.n_activated_experts * plan.slot_bytes
+    assert "expert slots" in plan.line() and plan.as_dict()["slots"] == plan.slots
+
+
+def test_a_budget_below_the_minimum_names_it(plain):
+    plan = plan_budget(plain.cfg, "4GiB", max_seq_len=64)
+    with pytest.raises(BudgetError, match=f"give at least {plan.minimum / 2**30:.2f} GiB"):
+        plan_budget(plain.cfg, plan.minimum - 1, max_seq_len=64)
+
+
+def test_the_load_report_says_how_the_budget_was_spent(tiny_checkpoint, plain):
+    model = _budgeted(tiny_checkpoint, plain.cfg, 12)
+    assert isinstance(model.experts, SlotCache) and model.experts.slots == 12
+    assert "12 expert slots" in model.report.budget and "policy decay" in model.report.budget
+    assert model.report.budget in model.report.summary()
+
+
+# ---------------------------------------------------------------------- the slot cache
+@pytest.mark.parametrize("reader, drop", [("preadv", "auto"), ("pread", False)])
+def test_slot_reads_are_the_stored_bytes(plain, reader, drop):
+    ckpt = Checkpoint(plain.checkpoint.path)
+    old = ExpertCache(ckpt, capacity=0)
+    cache = SlotCache(ckpt, 3, reader=reader, drop_pages=drop, n_layers=plain.cfg.n_layers, policy="lru")
+    assert cache.reader == reader and cache.drop_pages == (drop == "auto" and hasattr(os, "posix_fadvise"))
+    assert ("dropped" in cache.page_cache) == cache.drop_pages
+    for layer, ids in ((0, [1, 5, 9]), (1, [0, 2]), (0, [7, 9])):
+        got = cache.fetch(layer, ids)
+        for e, packed in zip(ids, got):
+            for a, b in zip(packed, old.fetch(layer, [e])[0]):
+                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert cache.counters.bytes_read == cache.stats.bytes_read == 6 * cache.slot_bytes  # 3 + 2 + 1 misses
+    assert [got.hits, got.misses] == [1, 1]  # expert 9 of layer 0 was still held
+    cache.close()
+
+
+@pytest.mark.parametrize("slots", [5, 40])
+def test_logits_are_identical_with_the_slot_cache(tiny_checkpoint, plain, slots):
+    """5 slots: every long call overflows the pool and reads in chunks; 40: hits and misses overlap."""
+    model = _budgeted(tiny_checkpoint, plain.cfg, slots, max_seq_len=plain.max_seq_len)
+    ids = plain.encode(PROMPT)
+    for m in (plain, model):
+        m.reset()
+    assert torch.equal(plain.prefill(ids), model.prefill(ids))
+    a = plain.decode_n(7, 6)
+    b = model.decode_n(7, 6)
+    assert a == b
+    assert model.experts.counters.bytes_read == sum(model.experts.counters.misses.values()) * model.experts.slot_bytes
+
+
+# ---------------------------------------------------------------------- the policies
+def test_decay_keeps_a_frequent_expert_that_lru_evicts():
+    calls = [(t, [key]) for t, key in enumerate("AAAABCA", start=1)]
+    lru = replay_calls(calls, 2, "lru")
+    decay = replay_calls(calls, 2, "decay", half_life=64)
+    assert [h for h, _ in lru] == [0, 1, 1, 1, 0, 0, 0]  # C evicts A, the least recent
+    assert [h for h, _ in decay] == [0, 1, 1, 1, 0, 0, 1]  # C evicts B, the least used
+
+
+def test_a_call_never_evicts_what_it_still_needs():
+    pool = Residency(4, "lru")
+    pool.plan([1, 2, 3], 1)
+    plan = pool.plan([1, 4, 5], 2)  # 1 is a hit; 4 and 5 must not take 1's slot
+    assert {s for _, s in plan.misses}.isdisjoint({s for _, s in plan.hits})
+    plan = pool.plan(list(range(10, 20)), 3)  # more than the pool: read in chunks of 2
+    assert plan.chunk == 2 and len({s for _, s in plan.misses}) == 4
+
+
+@pytest.mark.parametrize("policy", ["lru", "decay"])
+def test_the_lab_replays_the_running_cache_exactly(tiny_checkpoint, plain, policy):
+    model = _budgeted(tiny_checkpoint, plain.cfg, 20, max_seq_len=plain.max_seq_len, expert_policy=policy)
+    result = model.generate(PROMPT, max_new_tokens=12, trace=True)
+    counters = model.experts.counters
+    replayed = pool_hit_rates(pool_steps(result), 20, policies=(policy, "belady"))
+    assert replayed[policy]["hits"] == sum(counters.hits.values())
+    assert replayed[policy]["misses"] == sum(counters.misses.values())
+    assert replayed["belady"]["hits"] >= replayed[policy]["hits"]
+
+
+# ---------------------------------------------------------------------- one read per expert per call
+def test_a_prefill_reads_each_expert_once(tiny_checkpoint, plain):
+    model = _budgeted(tiny_checkpoint, plain.cfg, 1000, max_seq_len=plain.max_seq_len)
+    result = model.generate(PROMPT, max_new_tokens=1, trace=True)
+    prefill = [key for layer in pool_steps(result)[0] for key in layer]
+    tokens = len(model.encode(PROMPT))
+    step = model.experts.counters.steps[0]
+    assert step["bytes"] == len(set(prefill)) * model.experts.slot_bytes
+    assert len(set(prefill)) < tokens * plain.cfg.n_activated_experts * plain.cfg.n_layers  # not once per token
+
+
+# ---------------------------------------------------------------------- bench stream
+def test_bench_stream_runs_end_to_end_on_a_tiny_geometry(tmp_path, capsys):
+    from dsv41.bench.cli import cli_main
+
+    out = tmp_path / "stream.json"
+    argv = ["stream", "--dir", str(tmp_path / "ck"), "--small", "--experts", "16", "--memory", "2GiB", "--tokens", "3",
+            "--prompt", "3", "--disk-probe-mib", "8", "--recorded-tokens", "4", "--io-threads", "2", "--json", str(out)]
+    assert cli_main(argv) == 0
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]
+    assert run["bytes_read_per_token"] == run["misses"] * run["budget"]["slot_bytes"] / run["decode_tokens"]
+    assert run["prefill_bytes_read"] == run["prefill_distinct_experts"] * run["budget"]["slot_bytes"]
+    for key in ("disk_bytes_per_s_before", "disk_bytes_per_s_after", "in_flight_read_fraction",
+                "fraction_of_disk_floor", "peak_rss_bytes", "seconds_per_token"):
+        assert run[key] is not None and run[key] > 0, key
+    assert isinstance(run["in_flight_measurement_error"], bool) and isinstance(run["floor_measurement_error"], bool)
+    for label in ("uniform (random weights)", "recorded (miniature routing, same fraction held)"):
+        rates = run["policies"][label]
+        assert rates["belady"]["hits"] >= max(rates["lru"]["hits"], rates["decay"]["hits"])
+    assert set(run["prediction"]) == {"this machine", "NVMe workstation", "note"}
+    printed = capsys.readouterr().out
+    assert "uniform (random weights)" in printed and "recorded (miniature routing" in printed
+    assert cli_main(argv) == 0 and "reusing the checkpoint" in capsys.readouterr().out
