@@ -25,7 +25,8 @@ def smoke_run(tmp_path_factory, miniature_checkpoint, tiny_checkpoint):
 def test_the_pair_is_trained_against_random(smoke_run, miniature_checkpoint, tiny_checkpoint):
     facts = sidecar(smoke_run, "08_learned_facts")
     assert facts["smoke"] is True and facts["trained_vs_random"] is True
-    assert facts["checkpoint"] == str(miniature_checkpoint) and facts["comparison"] == str(tiny_checkpoint)
+    assert facts["checkpoint"] == str(miniature_checkpoint)
+    assert facts["comparison"].startswith("the random tiny checkpoint")  # named, not a machine-specific path
     assert facts["corpus"]["held_out"]["files"] > 0
 
 
