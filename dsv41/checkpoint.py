@@ -198,6 +198,19 @@ class Checkpoint:
             raise LoadError(f"{shard}: tensor {name} cannot be read ({why}); the shard is damaged or changed "
                             "on disk, download it again") from None
 
+    def read_slab(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of a tensor through a handle opened for this read alone and closed
+        after it, so the pages it mapped stop counting as resident once the copy is made."""
+        from safetensors import SafetensorError, safe_open
+
+        shard = self.entries[name][0]
+        try:
+            return safe_open(shard, framework="pt").get_slice(name)[start:stop]
+        except (SafetensorError, OSError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise LoadError(f"{shard}: tensor {name} cannot be read ({why}); the shard is damaged or changed "
+                            "on disk, download it again") from None
+
     def rows(self, name: str, ids: np.ndarray) -> torch.Tensor:
         """Rows `ids` (any shape, int) of a 2-D tensor -> [*ids.shape, cols], read through a memory
         map: only the pages holding those rows are touched."""

@@ -34,7 +34,7 @@ import torch
 from .attention import check_cache_format
 from .checkpoint import Checkpoint, LoadError, read_json
 from .config import Config, ConfigError, load_config
-from .formats import DTYPE_NAMES, dequantize
+from .formats import DTYPE_NAMES, SAFETENSORS_DTYPES, dequantize
 from .inventory import expected_tensors, is_vision_name
 from .kernels.experts import expert_devices
 from .miniature import describe as describe_embedded
@@ -156,7 +156,7 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None, cac
                         embedded=describe_embedded(path))
     if budget is not None:
         report.budget = (f"{budget.line()}; expert policy {experts.policy}, misses read with {experts.reader} "
-                         f"on {experts._io._max_workers} threads, {experts.page_cache}")
+                         f"on {experts.io_threads} threads, {experts.page_cache}")
         report.budget_plan = budget.as_dict()
     sizing = dict(numerics=numerics, max_batch_size=caches.max_batch_size, max_seq_len=max_seq_len,
                   cache_format=caches.cache_format)
@@ -403,6 +403,14 @@ def fill_parameters(backbone, ckpt: Checkpoint, report: LoadReport, quiet: bool)
     for name, param in params.items():
         if name not in ckpt:
             raise LoadError(f"{ckpt.path}: the model needs tensor {name}, which the checkpoint does not hold")
+        if ckpt.one_handle and _copy_in_slabs(ckpt, name, param):
+            read.add(name)
+            report.bytes_read += ckpt.nbytes(name)
+            report.parameters_filled += 1
+            if ckpt.dtype(name) != DTYPE_NAMES[param.dtype]:
+                report.dequantized.append((name, ckpt.dtype(name), DTYPE_NAMES[param.dtype]))
+            bar.update(1)
+            continue
         stored = ckpt.read(name)
         read.add(name)
         report.bytes_read += ckpt.nbytes(name)
@@ -429,6 +437,25 @@ def fill_parameters(backbone, ckpt: Checkpoint, report: LoadReport, quiet: bool)
         bar.update(1)
     bar.close()
     return read
+
+
+# Under a memory budget a tensor larger than this is copied into its parameter a slab of rows at a
+# time, each slab through a handle of its own: the embedding and the FP32 head never exist twice.
+SLAB_BYTES = 128 << 20
+
+
+def _copy_in_slabs(ckpt: Checkpoint, name: str, param) -> bool:
+    """Fill `param` from tensor `name` slab by slab when it is large, 2-D, of the same shape and
+    either the same dtype or a floating promotion (bf16 -> float32); False leaves it to the plain path."""
+    stored = SAFETENSORS_DTYPES.get(ckpt.dtype(name))
+    promotion = stored in (torch.bfloat16, torch.float16) and param.dtype == torch.float32
+    if (ckpt.nbytes(name) <= SLAB_BYTES or len(ckpt.shape(name)) != 2 or tuple(ckpt.shape(name)) != tuple(param.shape)
+            or not (stored == param.dtype or promotion)):
+        return False
+    rows = max(1, SLAB_BYTES // max(1, ckpt.nbytes(name) // param.shape[0]))
+    for r0 in range(0, param.shape[0], rows):
+        param[r0:r0 + rows].copy_(ckpt.read_slab(name, r0, min(param.shape[0], r0 + rows)))  # exact: same or wider
+    return True
 
 
 def _draft_stack(model: Model, ckpt: Checkpoint, report: LoadReport, quiet: bool, sizing: dict):

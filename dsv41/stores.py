@@ -243,10 +243,17 @@ class SlotCache:
         self._pool_np = self._pool.numpy()
         self._views: dict = {}  # slot -> (key, PackedExpert)
         self._fds: dict = {}
-        self._io = ThreadPoolExecutor(max_workers=max(1, int(io_threads)), thread_name_prefix="dsv41-read")
+        self.io_threads = max(1, int(io_threads))
+        self._io = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="dsv41-read")
         self._lock = threading.Lock()
         self._step, self._tick = None, 0
         self.last_counts, self._overflow = (0, 0), False
+
+    def set_io_threads(self, n: int) -> None:
+        """Read with `n` threads from now on (the reads in flight at once)."""
+        self._io.shutdown(wait=True)
+        self.io_threads = max(1, int(n))
+        self._io = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="dsv41-read")
 
     # -- layout and reads
     def _layout(self, layer: int, expert: int) -> _Layout:

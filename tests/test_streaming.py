@@ -161,3 +161,15 @@ def test_bench_stream_runs_end_to_end_on_a_tiny_geometry(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "uniform (random weights)" in printed and "recorded (miniature routing" in printed
     assert cli_main(argv) == 0 and "reusing the checkpoint" in capsys.readouterr().out
+
+
+def test_large_tensors_are_filled_in_slabs_with_the_same_values(tiny_checkpoint, plain, monkeypatch):
+    from dsv41 import loader
+
+    monkeypatch.setattr(loader, "SLAB_BYTES", 4096)  # every large-enough tensor of the tiny checkpoint goes by slabs
+    model = _budgeted(tiny_checkpoint, plain.cfg, 40, max_seq_len=plain.max_seq_len)
+    for (name, a), (_, b) in zip(plain.backbone.named_parameters(), model.backbone.named_parameters()):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                                                  b.view(torch.uint8) if b.element_size() == 1 else b), name
+    assert model.report.parameters_filled == plain.report.parameters_filled
+    assert len(model.report.dequantized) == len(plain.report.dequantized)
