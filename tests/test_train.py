@@ -111,7 +111,19 @@ def test_dsv41_train_smoke_run_learns_resumes_and_writes_a_loadable_checkpoint(t
     b = torch.load(halves / "state.pt", weights_only=False)["params"]
     assert all(torch.equal(a[k], b[k]) for k in a), "a resumed run takes the same steps"
 
+    # the draft phase goes on from the written checkpoint: its manifest's backbone facts carried
     ckpt = str(whole / "checkpoint")
+    more = tmp_path / "more"
+    longer = [a if a != "2" or common[i - 1] != "--draft-steps" else "4" for i, a in enumerate(common)]
+    assert cli_main(["--out", str(more), "--draft-from", ckpt, *common]) == 1  # 2 draft steps are done already
+    assert cli_main(["--out", str(more), "--draft-from", ckpt, *longer]) == 0
+    went_on = json.loads((more / "facts.json").read_text())
+    assert went_on["steps"] == 54 and went_on["draft_continued_from"]["steps"] == 52
+    assert went_on["final_train_loss"] == facts["final_train_loss"] and went_on["tokens_seen"] == facts["tokens_seen"]
+    assert went_on["training_seconds"] > facts["training_seconds"]
+    log = torch.load(more / "state.pt", weights_only=False)["log"]
+    assert [r["step"] for r in log] == [52, 53] and all(r["phase"] == "draft" for r in log)
+
     model = dsv41.load(ckpt, quiet=True)
     assert "the embedded miniature" in model.report.embedded
     ids = _ids(40, seed=3)

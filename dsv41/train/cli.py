@@ -44,20 +44,32 @@ def finish(trainer, *, progress: bool, windows: int | None = None) -> dict:
         "tokens_seen": settings.batch * settings.seq_len * min(state.step, settings.backbone_steps),
         "held_out": {"master_weights": master, "release_format": release, "random_initialization": random,
                      "compressors_bits_per_byte": compressors},
-        "final_train_loss": sum(r["loss"] for r in state.log[settings.backbone_steps - 20 : settings.backbone_steps])
-        / 20 if state.step >= settings.backbone_steps >= 20 else None,
+        "final_train_loss": final_backbone_loss(state, settings, trainer.continued_from),
         "draft_agreement_by_row": ([sum(r["agreement_by_row"][i] for r in draft_log[-20:]) / len(draft_log[-20:])
                                     for i in range(len(draft_log[-1]["agreement_by_row"]))] if draft_log else None),
         "parameters": {"total": sum(v.numel() for v in state.params.values()),
                        "draft": sum(v.numel() for k, v in state.params.items() if k.startswith("mtp."))},
         "torch": torch.__version__,
     }
+    if trainer.continued_from is not None:
+        # the backbone steps ran in the source's run: its tokens, and the draft phase went on here
+        facts["tokens_seen"] = trainer.continued_from["tokens_seen"]
+        facts["draft_continued_from"] = trainer.continued_from
     write_loss_curve(os.path.join(trainer.folder, "loss_curve"), state, facts)
     out = write_miniature(os.path.join(trainer.folder, "checkpoint"), trainer.cfg, trainer.tokenizer,
                           state.params, facts)
     write_json(os.path.join(trainer.folder, "facts.json"), facts)
     say(f"wrote {out}")
     return facts
+
+
+def final_backbone_loss(state, settings, continued_from: dict | None):
+    """Mean training loss of the backbone's last 20 steps: from this run's log, or from the source
+    a --draft-from run continued (whose backbone steps it did not run)."""
+    last = [r["loss"] for r in state.log if settings.backbone_steps - 20 <= r["step"] < settings.backbone_steps]
+    if len(last) == 20:
+        return sum(last) / 20
+    return continued_from.get("final_train_loss") if continued_from else None
 
 
 def write_loss_curve(stem: str, state, facts: dict) -> None:
@@ -117,6 +129,9 @@ def cli_main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--batch", type=int, default=defaults.batch)
     parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    parser.add_argument("--draft-from", default=None, metavar="CHECKPOINT",
+                        help="go on with the draft phase of a miniature checkpoint (OUT/checkpoint of a finished run, or "
+                             "the packaged one), its backbone frozen as released, up to --draft-steps draft steps in all")
     parser.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                         help="stop after STEP steps with a checkpoint, to go on later with --resume")
     parser.add_argument("--held-out-windows", type=int, default=None, metavar="N",
@@ -149,7 +164,8 @@ def cli_main(argv: list[str]) -> int:
                              eval_every=max(1, min(TrainSettings.eval_every, args.steps)))
     started = time.perf_counter()
     try:
-        trainer = Trainer(args.out, settings, resume=args.resume, compile=not args.no_compile, progress=None)
+        trainer = Trainer(args.out, settings, resume=args.resume, compile=not args.no_compile, progress=None,
+                          draft_from=args.draft_from)
         trainer.run(stop_at=args.stop_at)
         if trainer.state.step < settings.steps:
             print(f"dsv41 train: stopped at step {trainer.state.step} of {settings.steps}; "

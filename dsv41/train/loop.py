@@ -11,8 +11,10 @@ token streams; the result is written in the release format by `release.write_min
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from .twin import Twin
 
 STATE_NAME = "state.pt"
 TOKENIZER_NAME = "tokenizer.json"
+CONTINUED_NAME = "continued_from.json"  # a --draft-from run: what it carries from its source
 
 
 class TrainError(Dsv41Error):
@@ -87,6 +90,29 @@ class TrainState:
                    saved["log"], saved["evals"], saved["seconds"])
 
 
+def continued_from(path: str, settings: TrainSettings) -> dict:
+    """What a run that goes on with the draft phase of the miniature checkpoint at `path` carries
+    from its manifest (steps, seconds, the backbone's last training loss), checked against
+    `settings`; TrainError in one sentence when it cannot."""
+    from ..cachedir import file_sha256
+    from ..miniature import MANIFEST_NAME, read_manifest
+
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise TrainError(f"{path} is not a miniature checkpoint (no dsv41-miniature.json); --draft-from takes "
+                         f"what dsv41 train wrote (OUT/checkpoint) or the packaged one")
+    before = manifest.get("settings", {})
+    for name in ("backbone_steps", "seed", "batch", "seq_len"):
+        if before.get(name) != getattr(settings, name):
+            raise TrainError(f"{path} was trained with {name} {before.get(name)}; continue its draft phase with "
+                             f"the same (--steps, --seed, --batch, --seq-len)")
+    done = int(manifest["steps"]) - settings.backbone_steps
+    if settings.draft_steps <= done:
+        raise TrainError(f"{path} has had {done} draft steps already; --draft-steps counts them all, so ask for more")
+    return {"manifest_sha256": file_sha256(os.path.join(path, MANIFEST_NAME)), "steps": int(manifest["steps"]), "training_seconds": float(manifest.get("training_seconds", 0.0)),
+            "final_train_loss": manifest.get("final_train_loss"), "tokens_seen": manifest.get("tokens_seen")}
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int, floor: float) -> float:
     """Linear warm-up, then cosine down to floor * peak at `total`."""
     if step < warmup:
@@ -113,7 +139,7 @@ class Trainer:
     """One work folder's run: the corpus, tokenizer and streams, the twin and its state."""
 
     def __init__(self, folder: str, settings: TrainSettings, *, resume: bool, compile: bool = True,
-                 progress: bool | None = None):
+                 progress: bool | None = None, draft_from: str | None = None):
         from ..engram import NgramHasher
         from ..tiny import tiny_config
         from ..tokenizer import build_tiny_tokenizer
@@ -127,6 +153,13 @@ class Trainer:
                              f"with it, or give another --out")
         if resume and not os.path.exists(state_path):
             raise TrainError(f"{folder}: nothing to resume (no {STATE_NAME}); start without --resume")
+        if draft_from is not None:
+            if resume:
+                raise TrainError("--draft-from starts a run; go on with it later with --resume alone")
+            source = continued_from(draft_from, settings)
+            shutil.copyfile(os.path.join(draft_from, TOKENIZER_NAME), os.path.join(folder, TOKENIZER_NAME))
+            with open(os.path.join(folder, CONTINUED_NAME), "w", encoding="utf-8") as f:
+                json.dump(source, f, indent=1, sort_keys=True)
         self.corpus = load_corpus()
         tok_path = os.path.join(folder, TOKENIZER_NAME)
         if os.path.exists(tok_path):
@@ -149,8 +182,17 @@ class Trainer:
             # the step counts may grow on resume (train longer); everything else is the run's own
             self.state.settings = dataclasses.replace(self.state.settings, backbone_steps=settings.backbone_steps,
                                                       draft_steps=settings.draft_steps)
+        elif draft_from is not None:
+            # the backbone as released, decoded: the draft phase freezes it on its storage grid again
+            self.state = TrainState(settings, Twin.from_checkpoint(draft_from).params, step=source["steps"],
+                                    seconds=source["training_seconds"])
         else:
             self.state = TrainState(settings, Twin.initialized(self.cfg, settings.seed).params)
+        continued = os.path.join(folder, CONTINUED_NAME)
+        self.continued_from = None
+        if os.path.exists(continued):
+            with open(continued, encoding="utf-8") as f:
+                self.continued_from = json.load(f)
         self.settings = self.state.settings
         self.twin = Twin(self.cfg, self.state.params, exact=False, split=compiled_sinkhorn(compile))
         self.progress = sys.stderr.isatty() if progress is None else progress
