@@ -108,8 +108,8 @@ class Linear(nn.Module):
 # CPU BLAS picks its float32 GEMM kernel by row count (this torch build's MKL: a call of fewer than
 # 4 rows, as a decode step's one, rounds differently from a call of more), so a token's output can
 # depend on how many tokens were projected with it, and a prefill differs from the same tokens
-# decoded one at a time by float32 rounding (~1e-7 relative). The released runtime does not pad.
-# and on AVX-512 Xeons a call of 16 rows or more rounds differently from one of 8 (K >= 256).
+# decoded one at a time by float32 rounding (~1e-7 relative); on AVX-512 Xeons a call of 16 rows
+# or more also rounds differently from one of 8 (K >= 256). The released runtime does not pad.
 # pad_f32_rows=True runs every call as GEMMs of exactly 8 rows, so every row takes the same kernel: an
 # opt-in for bit parity between prefill and decode, not the reference's arithmetic. Only the
 # float32 paths need it (the compressor's pooling projections, the router, the hyper-connection

@@ -170,3 +170,19 @@ def test_linear_dtype_follows_the_config():
     import dataclasses
     assert layers.linear_dtype(TINY) == torch.float8_e4m3fn
     assert layers.linear_dtype(dataclasses.replace(TINY, dtype="bf16")) == torch.bfloat16
+
+
+def test_parity_float32_products_and_elementwise_ops_do_not_depend_on_the_row_count():
+    # a row alone (a decode step) against the same row among many (a prefill): equal bit for bit
+    from dsv41.layers import f32_linear, rowwise
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(100, 512, generator=gen)
+    x = torch.randn(37, 512, generator=gen)
+    together = f32_linear(x, w, pad_f32_rows=True)
+    alone = torch.cat([f32_linear(x[i : i + 1], w, pad_f32_rows=True) for i in range(len(x))])
+    assert torch.equal(together, alone)
+    z = torch.randn(37, 4, generator=gen) * 4
+    together = rowwise(torch.sigmoid, z, pad_f32_rows=True)
+    alone = torch.cat([rowwise(torch.sigmoid, z[i : i + 1], pad_f32_rows=True) for i in range(len(z))])
+    assert torch.equal(together, alone)
