@@ -152,22 +152,53 @@ def _bin_label(lo: int, hi: Optional[int]) -> str:
 
 
 # ---------------------------------------------------------------------- a: routing
-class _Affinities:
-    """Observer of the MoE sites: per layer, the spread of each token's router affinities."""
+class _Router:
+    """Observer of the MoE sites: per layer and token, the spread of its router affinities and the
+    standard deviation of its router logits over the experts."""
 
     def __init__(self):
-        self.by_layer: dict[int, list[np.ndarray]] = {}
+        self.spread: dict[int, list[np.ndarray]] = {}
+        self.logit_std: dict[int, list[np.ndarray]] = {}
 
     def __call__(self, name: str, value, context: dict) -> None:
         x = context["x"]
-        scores = context["gate"].scores(x.reshape(-1, x.shape[-1]))  # [n, E], the unbiased affinities
-        self.by_layer.setdefault(int(name.split(".")[1]), []).append(spread(scores.double().numpy()))
+        gate, layer = context["gate"], int(name.split(".")[1])
+        logits = gate.logits(x.reshape(-1, x.shape[-1]))  # [n, E]
+        scores = gate.scores(x.reshape(-1, x.shape[-1]))  # [n, E], the unbiased affinities
+        self.spread.setdefault(layer, []).append(spread(scores.double().numpy()))
+        self.logit_std.setdefault(layer, []).append(logits.double().std(dim=-1).numpy())
+
+
+def expected_affinity_spread(sigmas: Sequence[float], n_experts: int, score_func: str, samples: int = 4096,
+                             seed: int = 0) -> list[float]:
+    """The affinity spread a router would show whose logits over the `n_experts` were independent
+    normal draws of standard deviation sigma, through the score function `score_func`: a curve to read
+    the measured spread against its logit scale (fixed seed, `samples` tokens per sigma)."""
+    from .moe import expert_scores
+
+    unit = torch.randn(samples, n_experts, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return [float(spread(expert_scores(unit * float(s), score_func).numpy()).mean()) for s in sigmas]
+
+
+def spread_given_token(ids: Sequence[int], chosen: np.ndarray, n_experts: int, min_count: int) -> tuple[Optional[float], int]:
+    """Mean over the token ids seen at least `min_count` times of the spread of the experts that id
+    chose (its positions pooled), with how many ids counted (None and 0 when none is that frequent).
+    `chosen` [positions, k]. A router that sends every occurrence of an id to the same k experts
+    gives log k / log E."""
+    ids = np.asarray(ids)
+    values, counts = np.unique(ids, return_counts=True)
+    frequent = values[counts >= min_count]
+    per_id = [float(spread(np.bincount(chosen[ids == i].reshape(-1), minlength=n_experts))) for i in frequent]
+    return (float(np.mean(per_id)) if per_id else None), len(per_id)
 
 
 def routing_study(model, texts: Sequence[str], tokens: int) -> dict:
     """Per MoE layer, over each text's first `tokens` prompt ids run as one prefill:
     affinity_spread (mean over tokens of the entropy of its normalized router affinities / log E:
-    how sharply a token prefers some experts), load_spread (entropy of the experts' load over one
+    how sharply a token prefers some experts), logit_std (mean over tokens of its router logits'
+    standard deviation over the experts: the scale the spread follows, `expected_affinity_spread`),
+    token_spread (`spread_given_token` with MIN_CLASS_TOKENS, its floor log k / log E as
+    token_spread_floor), load_spread (entropy of the experts' load over one
     text / log E, notebook 05's balance measure, averaged over texts), class_share [class][expert]
     (the fraction of a class's tokens that chose the expert; a row sums to top-k),
     mutual_information_bits (between a token's class and each expert it chose), max_class_share
@@ -177,21 +208,25 @@ def routing_study(model, texts: Sequence[str], tokens: int) -> dict:
     n_experts, top_k = cfg.n_routed_experts, cfg.n_activated_experts
     joint: dict[int, np.ndarray] = {}
     load_spread: dict[int, list[float]] = {}
-    affinities = _Affinities()
+    router = _Router()
+    chosen_by_layer: dict[int, list[np.ndarray]] = {}
+    all_ids: list[int] = []
     class_tokens = np.zeros(len(TOKEN_CLASSES), dtype=np.int64)
     for text in texts:
         ids = prompt_ids(model, text, tokens)
         classes = token_classes(model, ids)
         trace = ForwardTrace()
         model.reset()
-        with model.sites.hooks({"layers.*.ffn": affinities}):
+        with model.sites.hooks({"layers.*.ffn": router}):
             model(torch.tensor([ids]), 0, trace=trace)
         model.reset()
+        all_ids += ids
         for c in classes:
             if c is not None:
                 class_tokens[c] += 1
         for layer, rec in trace.routing_by_layer().items():
             chosen = rec["expert_ids"][0].numpy()  # [s, k]
+            chosen_by_layer.setdefault(layer, []).append(chosen)
             table = joint.setdefault(layer, np.zeros((len(TOKEN_CLASSES), n_experts), dtype=np.int64))
             for c, row in zip(classes, chosen):
                 if c is not None:
@@ -199,6 +234,8 @@ def routing_study(model, texts: Sequence[str], tokens: int) -> dict:
             load = np.bincount(chosen.reshape(-1), minlength=n_experts)
             load_spread.setdefault(layer, []).append(float(spread(load)))
     layers = sorted(joint)
+    given = {layer: spread_given_token(all_ids, np.concatenate(chosen_by_layer[layer]), n_experts, MIN_CLASS_TOKENS)
+             for layer in layers}
     share = {layer: joint[layer] / np.maximum(class_tokens[:, None], 1) for layer in layers}
     counted = class_tokens >= MIN_CLASS_TOKENS  # a class of a few tokens would show a share of 1 by chance
     best = {layer: np.unravel_index(int(np.where(counted[:, None], share[layer], -1).argmax()), share[layer].shape)
@@ -206,7 +243,10 @@ def routing_study(model, texts: Sequence[str], tokens: int) -> dict:
     return {
         "layers": layers, "n_experts": n_experts, "top_k": top_k, "texts": len(texts), "tokens": tokens,
         "classes": list(TOKEN_CLASSES), "class_tokens": class_tokens.tolist(),
-        "affinity_spread": [float(np.concatenate(affinities.by_layer[layer]).mean()) for layer in layers],
+        "affinity_spread": [float(np.concatenate(router.spread[layer]).mean()) for layer in layers],
+        "logit_std": [float(np.concatenate(router.logit_std[layer]).mean()) for layer in layers],
+        "token_spread": [given[layer][0] for layer in layers], "token_spread_ids": [given[layer][1] for layer in layers],
+        "token_spread_floor": math.log(top_k) / math.log(n_experts),
         "load_spread": [float(np.mean(load_spread[layer])) for layer in layers],
         "class_share": [share[layer].tolist() for layer in layers],
         "mutual_information_bits": [mutual_information(joint[layer]) for layer in layers],

@@ -94,10 +94,13 @@ class Gate(nn.Module):
         self.bias = param(torch.zeros(n_experts, dtype=torch.float32))
         self.bias_vl = param(torch.zeros(n_experts, dtype=torch.float32)) if cfg.vision_n_layers else None
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, dim] -> the router logits [n, E] float32, before the score function."""
+        return f32_linear(x, self.weight, pad_f32_rows=self.pad_f32_rows)
+
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, dim] -> the unbiased affinities [n, E] float32 the routing chooses from."""
-        logits = f32_linear(x, self.weight, pad_f32_rows=self.pad_f32_rows)  # [n, E]
-        return rowwise(lambda rows: expert_scores(rows, self.score_func), logits, pad_f32_rows=self.pad_f32_rows)
+        return rowwise(lambda rows: expert_scores(rows, self.score_func), self.logits(x), pad_f32_rows=self.pad_f32_rows)
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None):
         """x [n, dim] -> (weights [n, k] float32, ids [n, k]); image_mask [n] bool selects bias_vl."""

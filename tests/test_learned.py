@@ -64,3 +64,21 @@ def test_held_out_texts_come_from_the_held_out_split():
     assert len(texts) == 3 and all(len(t) == 400 for t in texts)
     assert all(any(t in doc for doc in corpus.held_out.values()) for t in texts)
     assert learned.held_out_texts(3, chars=400, corpus=corpus) == texts
+
+
+def test_expected_affinity_spread_falls_from_one_as_the_logits_spread():
+    curve = learned.expected_affinity_spread([0.0, 0.5, 1.0, 2.0, 4.0, 8.0], 16, "sqrtsoftplus", samples=2048)
+    assert curve[0] == pytest.approx(1.0)  # equal logits: equal affinities
+    assert all(a > b for a, b in zip(curve, curve[1:]))
+    # the same draws through softmax are sharper than through sqrtsoftplus at every scale past zero
+    soft = learned.expected_affinity_spread([1.0, 2.0, 4.0], 16, "softmax", samples=2048)
+    assert all(s < q for s, q in zip(soft, curve[2:5]))
+
+
+def test_spread_given_token():
+    ids = [5, 5, 5, 7, 7, 9]
+    chosen = np.array([[0, 1], [0, 1], [0, 1], [2, 3], [0, 1], [3, 2]])  # id 5 always (0, 1); id 7 two pairs
+    value, counted = learned.spread_given_token(ids, chosen, 4, min_count=2)
+    assert counted == 2
+    assert value == pytest.approx((0.5 + 1.0) / 2)  # log 2 / log 4 for id 5, uniform over 4 for id 7
+    assert learned.spread_given_token(ids, chosen, 4, min_count=4) == (None, 0)

@@ -9,7 +9,7 @@ from conftest import notebook_group, run_notebooks_smoke, sidecar
 
 pytestmark = notebook_group("08")
 
-FIGURES = ("routing", "engram", "indexer", "dspark", "cache", "ties")
+FIGURES = ("routing", "router_scale", "engram", "indexer", "dspark", "cache", "ties")
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,19 @@ def test_routing_sidecar(smoke_run, miniature_checkpoint):
     # the trained router prefers some experts more sharply than the random one, in most layers
     below = sum(a < b for a, b in zip(routing["trained"]["affinity_spread"], routing["random"]["affinity_spread"]))
     assert below > cfg.n_layers // 2
+
+
+def test_router_scale_sidecar(smoke_run):
+    scale = sidecar(smoke_run, "08_router_scale")
+    curve = scale["expected_affinity_spread"]
+    assert scale["sigmas"][0] == 0 and curve[0] == pytest.approx(1.0)
+    assert all(a > b for a, b in zip(curve, curve[1:]))
+    assert scale["sigmas"][0] < scale["sigma_for_0.9"] < scale["sigmas"][-1]
+    routing = sidecar(smoke_run, "08_routing")
+    t, n = routing["trained"], routing["random"]
+    assert len(t["logit_std"]) == len(t["layers"]) and min(t["logit_std"]) > 0
+    assert sum(t["logit_std"]) > sum(n["logit_std"])  # training widened the router logits
+    assert all(v is None or t["token_spread_floor"] - 1e-12 <= v <= 1 for v in t["token_spread"] + n["token_spread"])
 
 
 def test_indexer_recall_beats_chance(smoke_run, miniature_checkpoint):
