@@ -164,7 +164,7 @@ class _Router:
         x = context["x"]
         gate, layer = context["gate"], int(name.split(".")[1])
         logits = gate.logits(x.reshape(-1, x.shape[-1]))  # [n, E]
-        scores = gate.scores(x.reshape(-1, x.shape[-1]))  # [n, E], the unbiased affinities
+        scores = gate.affinities(logits)  # [n, E], the unbiased affinities the routing chose from
         self.spread.setdefault(layer, []).append(spread(scores.double().numpy()))
         self.logit_std.setdefault(layer, []).append(logits.double().std(dim=-1).numpy())
 

@@ -98,9 +98,13 @@ class Gate(nn.Module):
         """x [n, dim] -> the router logits [n, E] float32, before the score function."""
         return f32_linear(x, self.weight, pad_f32_rows=self.pad_f32_rows)
 
+    def affinities(self, logits: torch.Tensor) -> torch.Tensor:
+        """Router logits [n, E] -> the unbiased affinities [n, E] float32, through the score function."""
+        return rowwise(lambda rows: expert_scores(rows, self.score_func), logits, pad_f32_rows=self.pad_f32_rows)
+
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, dim] -> the unbiased affinities [n, E] float32 the routing chooses from."""
-        return rowwise(lambda rows: expert_scores(rows, self.score_func), self.logits(x), pad_f32_rows=self.pad_f32_rows)
+        return self.affinities(self.logits(x))
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None):
         """x [n, dim] -> (weights [n, k] float32, ids [n, k]); image_mask [n] bool selects bias_vl."""
