@@ -2,9 +2,10 @@
 
 `Checkpoint(path)` parses every shard's header (never a payload), refuses shards whose tensors do
 not tile their data area (the check `headers.tiling_problems` runs for the audit too), a tensor
-stored twice and an index that lists a tensor elsewhere; then `read(name)` copies one tensor out
-and `rows(name, ids)` gathers rows of a 2-D tensor through a memory map. Every problem is a
-`LoadError`: one sentence naming the file (and the tensor), with the fix.
+stored twice and an index that lists a tensor elsewhere; then `read(name)` reads one tensor and
+`rows(name, ids)` gathers rows of a 2-D tensor, both with positioned reads into buffers of their
+own (no shard is ever mapped). Every problem is a `LoadError`: one sentence naming the file (and
+the tensor), with the fix.
 
 The JSON the checkpoint carries (the index, tokenizer_config.json) is read by `read_json`, which
 turns every way a damaged file can fail (unreadable, not UTF-8, not JSON, nested too deep, an
@@ -26,6 +27,9 @@ from .formats import SAFETENSORS_DTYPES
 from .headers import INDEX_NAME, HeaderError, read_header, tiling_problems
 from .inventory import DTYPE_SIZES
 from .text import brief, is_unicode, json_kind, named
+
+# the most one read() asks of the kernel: Linux moves at most 0x7ffff000 bytes per call
+_MAX_READ = 1 << 30
 
 
 class LoadError(Dsv41Error, ValueError):
@@ -114,12 +118,12 @@ def _tiling_error(shard: str, header) -> Optional[str]:
     return f"{shard}: {header.data_size - position:,} trailing bytes {after} belong to no tensor; {fix}"
 
 
-# ---------------------------------------------------------------------- the mapped checkpoint
+# ---------------------------------------------------------------------- the checkpoint on disk
 class Checkpoint:
-    """The shards of a checkpoint directory, headers parsed, payloads mapped and read by name.
+    """The shards of a checkpoint directory, headers parsed, payloads read by name.
 
-    `read(name)` copies one whole tensor out of the mapping; `rows(name, ids)` gathers rows of a 2-D
-    tensor without touching the others. Nothing is read until asked for."""
+    `read(name)` reads one whole tensor; `rows(name, ids)` gathers rows of a 2-D tensor without
+    touching the others. Nothing is read until asked for."""
 
     def __init__(self, path: str):
         self.path = os.path.abspath(path)
@@ -138,6 +142,7 @@ class Checkpoint:
         if not files:
             raise LoadError(f"{self.path}: no .safetensors shards and no {INDEX_NAME}")
         self.entries = {}  # name -> (shard path, HeaderEntry, data start)
+        self._sizes: dict[str, int] = {}  # shard path -> its size in bytes when its header was checked
         for file in files:
             shard = os.path.join(self.path, file)
             if not os.path.isfile(shard):
@@ -153,18 +158,65 @@ class Checkpoint:
                                     f"and {file}; a tensor must live in one shard only, so remove the stray copy "
                                     "(or download the checkpoint again)")
                 self.entries[name] = (shard, entry, header.data_start)
+            self._sizes[shard] = header.data_start + header.data_size
         if weight_map is not None:
             for name, file in weight_map.items():
                 got = self.entries.get(name)
                 if got is None or os.path.basename(got[0]) != file:
                     raise LoadError(f"{index}: tensor {name} is listed in {file}, but that shard does not hold it")
-        self._open: dict[str, object] = {}
-        self._maps: dict[str, np.memmap] = {}
+        self._fds: dict[str, int] = {}
         self.one_handle = False  # True: a read from another shard first closes the open ones
 
+    # Every payload byte is read with positioned reads (os.preadv) straight into its final buffer.
+    # A mapping of a whole shard is never made: a private mapping is charged in full against the
+    # memory the kernel will commit (the released Engram shards are 94.56 GiB each), and a shard
+    # truncated under a mapping kills the process with SIGBUS where a read returns short.
+    def _fd(self, shard: str, name: str) -> int:
+        fd = self._fds.get(shard)
+        if fd is None:
+            if self.one_handle:
+                self.release()
+            try:
+                fd = os.open(shard, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                size = os.fstat(fd).st_size
+            except OSError as exc:
+                raise self._damage(shard, name, exc) from None
+            if size != self._sizes[shard]:
+                os.close(fd)
+                raise self._damage(shard, name, ValueError(f"the file holds {size:,} bytes, {self._sizes[shard]:,} "
+                                                           "when its header was checked"))
+            self._fds[shard] = fd
+        return fd
+
+    def _damage(self, shard: str, name: str, exc: BaseException) -> LoadError:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return LoadError(f"{shard}: tensor {name} cannot be read ({why}); the shard is damaged or changed on disk, "
+                         "download it again")
+
+    def _pread_into(self, shard: str, name: str, buffer: np.ndarray, offset: int) -> None:
+        """Fill the uint8 array `buffer` from byte `offset` of `shard`; a short read is a LoadError."""
+        fd, view, done = self._fd(shard, name), memoryview(buffer).cast("B"), 0
+        try:
+            while done < len(view):
+                got = os.preadv(fd, [view[done:done + _MAX_READ]], offset + done)
+                if got == 0:
+                    raise EOFError(f"the file ends {len(view) - done:,} bytes short of where its header says "
+                                   "the tensor ends")
+                done += got
+        except (OSError, EOFError) as exc:
+            raise self._damage(shard, name, exc) from None
+
     def release(self) -> None:
-        """Close every shard handle `read` opened (their mapped pages stop counting as resident)."""
-        self._open.clear()
+        """Close every shard file `read` opened."""
+        fds, self._fds = getattr(self, "_fds", {}), {}
+        for fd in fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __del__(self):
+        self.release()
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -182,51 +234,41 @@ class Checkpoint:
         return self.entries[name][1].nbytes
 
     def read(self, name: str) -> torch.Tensor:
-        """One tensor, copied out of the mapping (packed FP4 comes back as int8, as stored)."""
-        from safetensors import SafetensorError, safe_open
-
-        shard = self.entries[name][0]
-        try:
-            handle = self._open.get(shard)
-            if handle is None:
-                if self.one_handle:
-                    self.release()
-                handle = self._open[shard] = safe_open(shard, framework="pt")
-            return handle.get_tensor(name)
-        except (SafetensorError, OSError) as exc:  # e.g. the file changed on disk after its header was checked
-            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise LoadError(f"{shard}: tensor {name} cannot be read ({why}); the shard is damaged or changed "
-                            "on disk, download it again") from None
+        """One whole tensor, read into a buffer of its own (packed FP4 comes back as int8, as stored)."""
+        entry = self.entries[name][1]
+        return self.read_slab(name, 0, entry.shape[0]) if entry.shape else self._read_bytes(name, 0, entry.nbytes, ())
 
     def read_slab(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of a tensor through a handle opened for this read alone and closed
-        after it, so the pages it mapped stop counting as resident once the copy is made."""
-        from safetensors import SafetensorError, safe_open
+        """Rows [start, stop) of a tensor (its first dimension), read into a buffer of their own."""
+        entry = self.entries[name][1]
+        rows = entry.shape[0]
+        if not 0 <= start <= stop <= rows:
+            raise IndexError(f"{name}: rows [{start}, {stop}) are outside [0, {rows})")
+        row_bytes = math.prod(entry.shape[1:]) * DTYPE_SIZES[entry.dtype]
+        return self._read_bytes(name, start * row_bytes, (stop - start) * row_bytes, (stop - start, *entry.shape[1:]))
 
-        shard = self.entries[name][0]
-        try:
-            return safe_open(shard, framework="pt").get_slice(name)[start:stop]
-        except (SafetensorError, OSError) as exc:
-            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise LoadError(f"{shard}: tensor {name} cannot be read ({why}); the shard is damaged or changed "
-                            "on disk, download it again") from None
+    def _read_bytes(self, name: str, begin: int, nbytes: int, shape: tuple[int, ...]) -> torch.Tensor:
+        shard, entry, data_start = self.entries[name]
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            self._pread_into(shard, name, out.numpy(), data_start + entry.begin + begin)
+        return out.view(SAFETENSORS_DTYPES[entry.dtype]).reshape(shape)
 
     def rows(self, name: str, ids: np.ndarray) -> torch.Tensor:
-        """Rows `ids` (any shape, int) of a 2-D tensor -> [*ids.shape, cols], read through a memory
-        map: only the pages holding those rows are touched."""
+        """Rows `ids` (any shape, int) of a 2-D tensor -> [*ids.shape, cols]: each distinct row is
+        read once (runs of neighbouring rows in one read), nothing else of the tensor is touched."""
         shard, entry, start = self.entries[name]
-        table = self._maps.get(name)
-        if table is None:
-            row_bytes = math.prod(entry.shape[1:]) * DTYPE_SIZES[entry.dtype]
-            try:
-                table = np.memmap(shard, dtype=np.uint8, mode="r", offset=start + entry.begin,
-                                  shape=(entry.shape[0], row_bytes))
-            except (OSError, ValueError) as exc:  # the file shrank or vanished after its header was checked
-                raise LoadError(f"{shard}: tensor {name} cannot be mapped ({exc}); the shard is damaged or "
-                                "changed on disk, download it again") from None
-            self._maps[name] = table
+        row_bytes = math.prod(entry.shape[1:]) * DTYPE_SIZES[entry.dtype]
         flat = np.asarray(ids, dtype=np.int64).reshape(-1)
         if flat.size and (flat.min() < 0 or flat.max() >= entry.shape[0]):
             raise IndexError(f"{name}: row ids must lie in [0, {entry.shape[0]}), got {flat.min()}..{flat.max()}")
-        out = torch.from_numpy(np.ascontiguousarray(table[flat]))  # [n, row_bytes] uint8
+        distinct, where = np.unique(flat, return_inverse=True)
+        table = np.empty((distinct.size, row_bytes), dtype=np.uint8)  # [distinct rows, row bytes]
+        # runs of consecutive row ids: run k covers distinct[breaks[k]:breaks[k + 1]]
+        breaks = np.flatnonzero(np.diff(distinct) != 1) + 1
+        bounds = np.concatenate(([0], breaks, [distinct.size])).tolist()
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            if hi > lo:
+                self._pread_into(shard, name, table[lo:hi], start + entry.begin + int(distinct[lo]) * row_bytes)
+        out = torch.from_numpy(table[where.reshape(-1)])  # [n, row_bytes] uint8
         return out.view(SAFETENSORS_DTYPES[entry.dtype]).reshape(*np.shape(ids), *entry.shape[1:])
