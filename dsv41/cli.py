@@ -194,6 +194,12 @@ def _generate(args) -> int:
                 print(f"dsv41 generate: interrupted after {len(generated)} of {args.max_new_tokens} tokens "
                       f"(the text so far is above)", file=sys.stderr)
             return 130
+        except _Failed:  # e.g. a shard changed on disk mid-run: the error is said, the text so far kept
+            if generated and (process.ranks is None or process.ranks.is_main):
+                print(model.decode(generated), flush=True)
+                print(f"dsv41 generate: stopped after {len(generated)} of {args.max_new_tokens} tokens "
+                      f"(the text so far is above)", file=sys.stderr)
+            raise
         finally:
             if process.ranks is not None:
                 from . import distributed
