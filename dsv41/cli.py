@@ -14,6 +14,7 @@ COMMANDS = {
     "make-tiny": ("dsv41.tiny", "cli_main", "write the random tiny checkpoint in the exact release format"),
     "train": ("dsv41.train.cli", "cli_main", "train the miniature V4.1 on the standard library, resumable, and write it in the release format"),
     "make-headers": ("dsv41.headers", "cli_main", "synthesize the released checkpoint's 48 shard headers (no payload)"),
+    "make-synthetic": ("dsv41.released_synthetic", "cli_main", "write the whole released geometry (475 GiB apparent) in about 11 GiB: random dense weights, experts and Engram as holes"),
     "engram": ("dsv41.engram", "cli_main", "Engram layout, multipliers and hash ids for a config (and tokenizer)"),
     "generate": ("dsv41.cli", "generate_main", "generate text from a checkpoint (default: the embedded miniature)"),
     "chat": ("dsv41.cli", "chat_main", "chat with a checkpoint on the terminal, one message per line (default: the embedded miniature)"),

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from . import decode, experts, prefill, stream, threads, vision
+from . import decode, experts, prefill, stream, threads, vision, whole
 
 # subcommand -> its module (each has add_parser(sub) and main(args))
 SUBCOMMANDS = {"experts": experts, "decode": decode, "prefill": prefill, "vision": vision, "threads": threads,
-               "stream": stream}
+               "stream": stream, "whole": whole}
 
 
 def cli_main(argv: list[str]) -> int:
