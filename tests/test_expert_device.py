@@ -3,11 +3,13 @@
 the model's routed path against the reference `fp4_gemm` experts."""
 
 import math
+import time
 
 import pytest
 import torch
 
 from dsv41.cli import generate_main as cli_main
+from dsv41.cli import main as cli_main_all
 from dsv41.kernels import experts as kernel_experts, triton_experts
 from dsv41.kernels.experts import routed_experts_reference
 from dsv41.loader import load
@@ -148,3 +150,68 @@ def test_dense_linear_runs_fused_and_equals_the_reference(dtype):
         assert ((got.float() - ref.float()).abs() <= ref.float().abs() * 2.0**-7 + 1e-30).all()
         # a token's output does not depend on the tokens sharing the call
         assert torch.equal(lin(x[:, :1]), got[:, :1])
+
+
+# ---------------------------------------------------------------------- the GPU bench's clocks and targets
+def test_profiled_seconds_sums_the_events_it_names():
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+
+    from dsv41.bench.experts import profiled_seconds
+
+    a = torch.randn(96, 96)
+
+    def three_products():
+        for _ in range(3):
+            a @ a
+
+    began = time.perf_counter()
+    seconds = profiled_seconds(three_products, [ProfilerActivity.CPU], DeviceType.CPU, "aten::mm", lambda: None)
+    assert 0 < seconds <= time.perf_counter() - began
+    with pytest.raises(LookupError, match="no .* event named no_such_kernel .*aten::mm"):
+        profiled_seconds(three_products, [ProfilerActivity.CPU], DeviceType.CPU, "no_such_kernel", lambda: None)
+
+
+def test_on_the_cpu_the_bench_clocks_are_the_wall_clock():
+    from dsv41.bench.experts import device_seconds, kernel_seconds
+
+    cpu = torch.device("cpu")
+    seconds, method = kernel_seconds(lambda: time.sleep(0.01), cpu, 2, "_fp4_gemv_kernel")
+    assert method == "wall clock (CPU)" and seconds >= 0.01 and device_seconds(lambda: None, cpu, 2) >= 0
+
+
+@pytest.mark.skipif(triton_experts.triton is None, reason="Triton is not installed")
+def test_the_bench_names_the_triton_kernels_the_profiler_reports():
+    from dsv41.bench.experts import GEMM_KERNEL, GEMV_KERNEL
+
+    for name in (GEMV_KERNEL, GEMM_KERNEL):
+        assert getattr(triton_experts, name).fn.__name__ == name  # the name a GPU profiler shows for its launches
+
+
+def test_gpu_targets_are_judged_from_the_measured_fractions():
+    from dsv41.bench.experts import GPU_GEMM_TARGET, GPU_GEMM_TOKENS, GPU_GEMV_TARGET, _gpu_targets
+
+    lines = []
+    report = {"shapes": [{"tokens": 1, "gemv_fraction_of_memory_bandwidth": GPU_GEMV_TARGET, "gemv_method": "m"},
+                         {"tokens": 16}],
+              "gemm": {"tokens": GPU_GEMM_TOKENS, "fraction_of_bf16_matmul": GPU_GEMM_TARGET * 0.99, "fp4_method": "m"}}
+    gemv, gemm = _gpu_targets(report, lines.append)
+    assert (gemv["what"], gemv["met"], gemm["what"], gemm["met"]) == ("decode GEMVs", True, "expert GEMMs", False)
+    assert gemm["measured"] == report["gemm"]["fraction_of_bf16_matmul"] and len(lines) == 2
+    assert "NOT met" in lines[1] and lines[0].endswith(": met")
+    report["gemm"]["tokens"] = GPU_GEMM_TOKENS // 2  # another token count is measured, not judged
+    assert [t["what"] for t in _gpu_targets(report, lines.append)] == ["decode GEMVs"]
+
+
+def test_bench_interpret_mode_is_refused_in_one_sentence_where_it_cannot_run(monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = ["bench", "experts", "--interpret", "--tokens", "1", "--experts", "6", "--dims", "64,32"]
+    assert cli_main_all(args) == 2
+    err = capsys.readouterr().err
+    want = "TRITON_INTERPRET=1" if triton_experts.triton is not None else "needs Triton installed"
+    assert err.count("\n") == 1 and want in err
+    assert cli_main_all([*args, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "drop --device cuda" in err
+    assert cli_main_all([*args, "--gemm-tokens", "-1"]) == 2
+    assert "--gemm-tokens must be 0 or more" in capsys.readouterr().err
