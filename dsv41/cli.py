@@ -331,8 +331,9 @@ def chat_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dsv41 chat", description=(
         "Chat with a checkpoint in the V4.1 chat format (default: the embedded miniature, which learned Python "
         "source, not conversation, so its replies read like code). One message per line; /reset forgets the conversation, /save FILE writes it as "
-        "JSON (never over an existing file; /save! FILE replaces one), Ctrl-D quits. Each turn continues from "
-        "the positions the previous one left in the caches."))
+        "JSON (never over an existing file; /save! FILE replaces one), Ctrl-D quits. Each reply is printed as text, "
+        "its line breaks kept (piped, it follows 'assistant: '). Each turn continues from the positions the "
+        "previous one left in the caches."))
     parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded miniature)")
     parser.add_argument("--thinking", action="store_true", help="the model reasons before it answers (shown dimmed)")
     parser.add_argument("--reasoning-effort", default=None, metavar="N|low|high|max",
@@ -346,7 +347,8 @@ def chat_main(argv: list[str]) -> int:
                              "maximum, at most 4096)")
     parser.add_argument("--speculative", action="store_true",
                         help="decode each reply with the DSpark draft stack (see dsv41 generate --help)")
-    _memory_args(parser)
+    _memory_args(parser, otherwise="without it each layer keeps a fixed number of its most recently used "
+                                   "experts")
     parser.add_argument("--quiet", action="store_true", help="no load report or per-turn token counts on stderr")
     args = parser.parse_args(argv)
 
@@ -408,15 +410,16 @@ def _chat_model(args, fail):
         return fail(str(exc))
 
 
-def _memory_args(parser) -> None:
-    """--memory and --expert-policy, as generate, chat and the benches take them."""
+def _memory_args(parser, otherwise: str = "replaces --expert-cache") -> None:
+    """--memory and --expert-policy, as generate, chat and the benches take them; `otherwise`: what
+    the command does without a budget, for the help (chat has no --expert-cache to replace)."""
     from .argtypes import memory_size
     from .eviction import DEFAULT_POLICY, EXPERT_POLICIES
 
     parser.add_argument("--memory", type=memory_size, default=None, metavar="SIZE",
-                        help="a memory budget (e.g. 16GiB): what the dense part, the caches and the process leave "
-                             "holds routed experts read from disk (replaces --expert-cache; the load report says "
-                             "how it was spent)")
+                        help="a memory budget (e.g. 16GiB), at most this machine's memory: what the dense part, "
+                             f"the caches and the process leave holds routed experts read from disk ({otherwise}; "
+                             "the load report says how it was spent)")
     parser.add_argument("--expert-policy", choices=EXPERT_POLICIES, default=DEFAULT_POLICY,
                         help=f"which expert gives up its slot under --memory (default {DEFAULT_POLICY})")
 

@@ -285,8 +285,9 @@ HELP = ("/reset forgets the conversation, /save FILE writes it as JSON (/save! F
 def run_terminal(model, stdin=None, stdout=None, *, system: Optional[str] = None, thinking: bool = False,
                  reasoning_effort=None, tools=None, max_new_tokens: int = 256, temperature: float = 0.0,
                  seed: int = 0, status=None, speculative: bool = False) -> int:
-    """Chat on a terminal: one message per line; replies on `stdout` (reasoning dimmed, tool calls as
-    JSON, on a terminal; plain prefixed lines otherwise); `/reset`, `/save FILE`, Ctrl-D (end of
+    """Chat on a terminal: one message per line; replies on `stdout` as text, line breaks kept
+    (reasoning dimmed, tool calls as JSON; piped, each reply after `assistant: `, its reasoning after
+    `thinking: `, each call on a `tool call: ` line); `/reset`, `/save FILE`, Ctrl-D (end of
     input) quits. On a terminal, line editing and history come from readline. `status`: where a
     line per turn with token counts and reuse goes (None: stderr; False: nowhere). A line that is
     not UTF-8 is refused with one line and the session goes on. Returns the exit code."""
@@ -405,13 +406,14 @@ def _command(text: str, conversation: Conversation, stdout) -> None:
 
 def _show(result: ChatResult, stdout, interactive: bool) -> None:
     reply = result.reply
+    # piped or typed, a reply is text as written: its line breaks are line breaks (code stays code)
     if reply.reasoning:
         if interactive:
             print(_dim(_printable(reply.reasoning), True), file=stdout)
         else:
-            print("thinking: " + _printable(reply.reasoning, one_line=True), file=stdout)
+            print("thinking: " + _printable(reply.reasoning), file=stdout)
     if reply.content or not reply.tool_calls:
-        print(("" if interactive else "assistant: ") + _printable(reply.content, one_line=not interactive), file=stdout)
+        print(("" if interactive else "assistant: ") + _printable(reply.content), file=stdout)
     for call in reply.tool_calls:
         print("tool call: " + json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False),
               file=stdout)
@@ -424,12 +426,12 @@ def _dim(text: str, on: bool) -> str:
     return f"\x1b[2m{text}\x1b[0m" if on else text
 
 
-def _printable(text: str, one_line: bool = False) -> str:
-    """Control characters as escapes (a random-weighted model's text is full of them); with
-    `one_line`, line breaks too, so a piped reply stays one line."""
+def _printable(text: str) -> str:
+    """Control characters other than line breaks and tabs as escapes (a random-weighted model's text
+    is full of them, and an escape sequence would drive the terminal)."""
     out = []
     for ch in text:
-        if ch == "\n" and not one_line or ch == "\t" or ch.isprintable():
+        if ch in "\n\t" or ch.isprintable():
             out.append(ch)
         else:
             out.append(ch.encode("unicode_escape").decode("ascii"))

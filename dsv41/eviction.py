@@ -119,7 +119,10 @@ class Residency:
         self.capacity, self.policy = capacity, policy
         self.rule = make_rule(policy, half_life)
         self.slot_of: dict = {}  # key -> slot
-        self._free = list(range(capacity - 1, -1, -1))  # popped from the end: slot 0 first
+        # The free slots are those never used yet, [_unused, capacity), handed out in order: a slot
+        # is only freed by its eviction, which gives it straight to the key that evicted it. A
+        # counter, not a list, so a pool of millions of slots (a large budget) costs nothing here.
+        self._unused = 0
 
     def plan(self, keys: Sequence[Hashable], tick: int) -> CallPlan:
         out = CallPlan()
@@ -145,8 +148,9 @@ class Residency:
         return out
 
     def _take(self, busy) -> int:
-        if self._free:
-            return self._free.pop()
+        if self._unused < self.capacity:
+            self._unused += 1
+            return self._unused - 1
         victim = self.rule.victim(self.slot_of, busy)
         if victim is None:  # cannot happen with the chunking above; a plain message if it does
             raise PolicyError("every slot holds an expert this call still needs")
@@ -155,7 +159,7 @@ class Residency:
 
     def clear(self) -> None:
         self.slot_of.clear()
-        self._free = list(range(self.capacity - 1, -1, -1))
+        self._unused = 0
         self.rule = make_rule(self.policy, getattr(self.rule, "half_life", DEFAULT_HALF_LIFE))
 
 

@@ -40,7 +40,8 @@ from .kernels.experts import expert_devices
 from .miniature import describe as describe_embedded
 from .model import Model
 from .numerics import Numerics
-from .budget import BudgetError, plan_budget  # noqa: F401 (BudgetError: importable from here)
+from .budget import (  # noqa: F401 (BudgetError: importable from here)
+    BudgetError, budget_bytes, check_machine, plan_budget)
 from .eviction import DEFAULT_POLICY, EXPERT_POLICIES
 from .report import (  # noqa: F401 (LOADED, ENGRAM, ON_DISK, the predictions: importable from here as before)
     ENGRAM, LOADED, MTP, ON_DISK, ROUTED, UNEXPECTED, LoadReport, disposition, predict_draft_bytes,
@@ -90,10 +91,10 @@ class Placement:
     `expert_cache`: packed experts kept per layer; `expert_parallel`: this process is one rank of a
     torch.distributed group and holds only its share) and the Engram tables (`resident_engram`:
     copied into RAM instead of gathered from the mapped shards). `memory` (bytes, or a size such as
-    "16GiB") replaces the count with a budget: `budget.plan_budget` gives what the dense part, the
-    caches, the draft stack and the process leave to a `stores.SlotCache` of whole expert slots,
-    read from disk with positioned reads and freed by `expert_policy` ("lru" or "decay",
-    `eviction`); host memory only."""
+    "16GiB", at most the machine's memory) replaces the count with a budget: `budget.plan_budget`
+    gives what the dense part, the caches, the draft stack and the process leave to a
+    `stores.SlotCache` of whole expert slots, read from disk with positioned reads and freed by
+    `expert_policy` ("lru" or "decay", `eviction`; checked with or without a budget); host memory only."""
 
     expert_device: Any = "cpu"
     expert_cache: int = DEFAULT_EXPERT_CACHE
@@ -128,7 +129,8 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None, cac
     too: "auto" (default, `threads.auto_threads`), a whole number, or None to leave torch as it is
     (the report's summary says which). dspark: build the DSpark draft stack (`Model.draft`,
     speculative generation) when the checkpoint has `mtp.*` stages and dspark_block_size > 0
-    (False leaves them on disk, "not run"). quiet: no progress bar or report on stderr.
+    (False leaves them on disk, "not run"). quiet: no progress bar (drawn only on a terminal) or
+    report on stderr.
 
     Raises LoadError (one sentence) on a bad checkpoint or a bad argument, and
     `distributed.ExpertParallelError` when the expert-parallel group cannot start."""
@@ -137,6 +139,7 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None, cac
     caches, placement = grouped_options(options, caches=caches, placement=placement)
     _check_threads(threads)
     caches.check()
+    _check_placement(placement)
     ranks = start_expert_parallel() if placement.expert_parallel else None
     devices = expert_placement(placement.expert_device, ranks)  # prints the one fallback line when CUDA is absent
     path = checkpoint_path(path, progress=not quiet, ranks=ranks)
@@ -227,6 +230,17 @@ def _whole(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def _check_placement(placement: Placement) -> None:
+    """What a placement asks for that no checkpoint can make right, refused before anything is read:
+    an expert policy it does not know (with or without a budget), a budget that is not a size, or
+    one above the memory this machine has (`budget.check_machine`)."""
+    policy = placement.expert_policy
+    if not isinstance(policy, str) or policy not in EXPERT_POLICIES:
+        raise LoadError(f"expert_policy must be one of {', '.join(EXPERT_POLICIES)}, got {brief(policy)}")
+    if placement.memory is not None:
+        check_machine(budget_bytes(placement.memory))
+
+
 def start_expert_parallel():
     """This process's `distributed.RankView`: the group already joined, else one started from
     torchrun's environment. Every way it fails is one ExpertParallelError."""
@@ -261,13 +275,15 @@ def checkpoint_path(path: Optional[str], *, progress: bool = True, ranks=None) -
     """`path`, or the embedded default checkpoint (`miniature.embedded_checkpoint`: the packaged
     trained miniature, else the random tiny one, built into the cache folder on first use; under
     expert parallelism rank 0 builds it once and the other ranks then find it). LoadError when
-    the cache folder cannot hold it."""
-    if path is not None:
-        return path
+    the cache folder cannot hold it, or when a folder's miniature manifest claims sizes and sha256s
+    its files do not have (`miniature.verify`)."""
     from .cachedir import CacheError
-    from .miniature import MiniatureError, embedded_checkpoint
+    from .miniature import MiniatureError, embedded_checkpoint, verify
 
     try:
+        if path is not None:
+            verify(path)
+            return path
         if ranks is None:
             return embedded_checkpoint(progress=progress)
         from . import distributed
@@ -314,8 +330,6 @@ def _slot_cache(ckpt: Checkpoint, placement: Placement, devices, cfg: Config, ca
     if any(d.type != "cpu" for d in devices):
         raise LoadError("memory= sizes a host-memory expert cache; use expert_device='cpu' with it, or "
                         "expert_cache=N for experts on a GPU")
-    if placement.expert_policy not in EXPERT_POLICIES:
-        raise LoadError(f"expert_policy must be one of {', '.join(EXPERT_POLICIES)}, got {brief(placement.expert_policy)}")
     plan = plan_budget(cfg, placement.memory, max_seq_len=max_seq_len, max_batch_size=caches.max_batch_size,
                        dspark=dspark, cache_format=caches.cache_format)
     return plan, SlotCache(ckpt, plan.slots, policy=placement.expert_policy, n_layers=cfg.n_layers)
@@ -395,48 +409,66 @@ def load_tokenizer(path: str, cfg: Config):
 def fill_parameters(backbone, ckpt: Checkpoint, report: LoadReport, quiet: bool) -> set[str]:
     """Copy every parameter of `backbone` from the checkpoint tensor of the same name, converting
     to the dtype the model holds it in; returns the names read (scales consumed included)."""
-    from tqdm import tqdm
-
     params = dict(backbone.named_parameters())
     read: set[str] = set()
-    bar = tqdm(total=len(params), desc="loading", unit="tensor", file=sys.stderr, disable=quiet, leave=False)
-    for name, param in params.items():
-        if name not in ckpt:
-            raise LoadError(f"{ckpt.path}: the model needs tensor {name}, which the checkpoint does not hold")
-        if ckpt.one_handle and _copy_in_slabs(ckpt, name, param):
-            read.add(name)
-            report.bytes_read += ckpt.nbytes(name)
-            report.parameters_filled += 1
-            if ckpt.dtype(name) != DTYPE_NAMES[param.dtype]:
-                report.dequantized.append((name, ckpt.dtype(name), DTYPE_NAMES[param.dtype]))
+    with _progress(len(params), quiet) as bar:
+        for name, param in params.items():
+            _fill_one(name, param, params, ckpt, report, read)
             bar.update(1)
-            continue
-        stored = ckpt.read(name)
+    return read
+
+
+def _progress(total: int, quiet: bool):
+    """A bar over `total` tensors on stderr, cleared when it closes, drawn only on a terminal: a
+    captured or redirected stderr would keep its first frame ("0%| 0/287") as text. No bar over
+    nothing. Use it as a context manager, so a load that fails closes it too."""
+    from tqdm import tqdm
+
+    shown = not quiet and total > 0 and _is_terminal(sys.stderr)
+    return tqdm(total=total, desc="loading", unit="tensor", file=sys.stderr, disable=not shown, leave=False)
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def _fill_one(name: str, param, params: dict, ckpt: Checkpoint, report: LoadReport, read: set[str]) -> None:
+    """Copy checkpoint tensor `name` into `param` (see `fill_parameters`), adding what it read to `read`."""
+    if name not in ckpt:
+        raise LoadError(f"{ckpt.path}: the model needs tensor {name}, which the checkpoint does not hold")
+    if ckpt.one_handle and _copy_in_slabs(ckpt, name, param):
         read.add(name)
         report.bytes_read += ckpt.nbytes(name)
-        if stored.dtype in (torch.int8, torch.uint8) and param.dtype == torch.float4_e2m1fn_x2:
-            stored = stored.view(torch.float4_e2m1fn_x2)
-        if stored.dtype != param.dtype:
-            scale_name = name[: -len("weight")] + "scale" if name.endswith(".weight") else None
-            if stored.dtype == torch.float8_e4m3fn and scale_name in ckpt and scale_name not in params:
-                stored = dequantize(stored, ckpt.read(scale_name), dtype=param.dtype)
-                read.add(scale_name)
-                report.bytes_read += ckpt.nbytes(scale_name)
-                report.dequantized.append((name, ckpt.dtype(name), DTYPE_NAMES[param.dtype]))
-            elif stored.is_floating_point() and stored.element_size() >= 2 and param.is_floating_point():
-                stored = stored.to(param.dtype)  # a promotion (bf16 -> float32), exact
-                report.dequantized.append((name, ckpt.dtype(name), DTYPE_NAMES[param.dtype]))
-            else:
-                raise LoadError(f"{ckpt.path}: tensor {name} is {ckpt.dtype(name)} but the model holds it as "
-                                f"{param.dtype}, and there is no conversion between them")
-        if tuple(stored.shape) != tuple(param.shape):
-            raise LoadError(f"{ckpt.path}: tensor {name} has shape {list(stored.shape)}, the model "
-                            f"expects {list(param.shape)}")
-        param.copy_(stored)
         report.parameters_filled += 1
-        bar.update(1)
-    bar.close()
-    return read
+        if ckpt.dtype(name) != DTYPE_NAMES[param.dtype]:
+            report.dequantized.append((name, ckpt.dtype(name), DTYPE_NAMES[param.dtype]))
+        return
+    stored = ckpt.read(name)
+    read.add(name)
+    report.bytes_read += ckpt.nbytes(name)
+    if stored.dtype in (torch.int8, torch.uint8) and param.dtype == torch.float4_e2m1fn_x2:
+        stored = stored.view(torch.float4_e2m1fn_x2)
+    if stored.dtype != param.dtype:
+        scale_name = name[: -len("weight")] + "scale" if name.endswith(".weight") else None
+        if stored.dtype == torch.float8_e4m3fn and scale_name in ckpt and scale_name not in params:
+            stored = dequantize(stored, ckpt.read(scale_name), dtype=param.dtype)
+            read.add(scale_name)
+            report.bytes_read += ckpt.nbytes(scale_name)
+            report.dequantized.append((name, ckpt.dtype(name), DTYPE_NAMES[param.dtype]))
+        elif stored.is_floating_point() and stored.element_size() >= 2 and param.is_floating_point():
+            stored = stored.to(param.dtype)  # a promotion (bf16 -> float32), exact
+            report.dequantized.append((name, ckpt.dtype(name), DTYPE_NAMES[param.dtype]))
+        else:
+            raise LoadError(f"{ckpt.path}: tensor {name} is {ckpt.dtype(name)} but the model holds it as "
+                            f"{param.dtype}, and there is no conversion between them")
+    if tuple(stored.shape) != tuple(param.shape):
+        raise LoadError(f"{ckpt.path}: tensor {name} has shape {list(stored.shape)}, the model "
+                        f"expects {list(param.shape)}")
+    param.copy_(stored)
+    report.parameters_filled += 1
 
 
 # Under a memory budget a tensor larger than this is copied into its parameter a slab of rows at a

@@ -239,7 +239,12 @@ class SlotCache:
                            else "page cache left as the system keeps it (no posix_fadvise here, or asked not to)")
         self._layouts: dict = {}
         self.slot_bytes = self._layout(0, 0).nbytes
-        self._pool = torch.empty(self.slots, self.slot_bytes, dtype=torch.uint8)  # pages fault in as slots fill
+        try:
+            self._pool = torch.empty(self.slots, self.slot_bytes, dtype=torch.uint8)  # pages fault in as slots fill
+        except (RuntimeError, MemoryError):  # the allocator refused the whole pool at once
+            raise LoadError(f"could not reserve {self.slots * self.slot_bytes:,} bytes for {self.slots:,} expert "
+                            f"slots of {self.slot_bytes:,} bytes: the system refused that much memory; give a "
+                            f"smaller memory budget") from None
         self._pool_np = self._pool.numpy()
         self._views: dict = {}  # slot -> (key, PackedExpert)
         self._fds: dict = {}

@@ -406,3 +406,37 @@ def test_each_added_token_alone_is_text(tok):
         assert controls.isdisjoint(ids) and tok.decode(ids) == token.content, token.content
     # a prompt made by hand, without segments, is the caller's own markup
     assert token_ids(chat.ChatPrompt(B + "hi" + A), tok) == tok.encode(B + "hi" + A, add_special_tokens=False).ids
+
+
+# ---------------------------------------------------------------------- what `dsv41 chat` says
+def test_chat_help_names_no_option_chat_lacks(capsys, monkeypatch):
+    from dsv41 import cli
+
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per option: no flag broken at its hyphen
+    with pytest.raises(SystemExit) as done:
+        cli.chat_main(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "--memory" in text and "--expert-cache" not in text
+
+
+def _result(raw: str, thinking: bool = False):
+    from dsv41.conversation import ChatResult
+
+    return ChatResult(parse(raw, thinking=thinking), raw, type("Run", (), {"ids": [1]})(), "", [], 0,
+                      {"prompt_tokens": 1, "reused_positions": 0, "prefilled": 1, "tokens_per_s": 0,
+                       "new_tokens": 1})
+
+
+def test_a_piped_reply_is_printed_as_text(monkeypatch):
+    from dsv41 import conversation
+
+    code = "def f(x):\n\treturn x  # tab kept\n\x1b[31mred"
+    replies = iter([_result(f"step one\nstep two{T1}{code}{E}", thinking=True), _result(f"ok{E}")])
+    monkeypatch.setattr(conversation, "chat", lambda model, messages, **options: next(replies))
+    stdout = io.StringIO()
+    assert conversation.run_terminal(object(), io.StringIO("write f\nthanks\n"), stdout, status=False) == 0
+    # line breaks are line breaks, as a reader of a log or a file of code expects; an escape
+    # sequence that would drive a terminal stays escaped
+    assert stdout.getvalue().splitlines() == ["thinking: step one", "step two", "assistant: def f(x):",
+                                              "\treturn x  # tab kept", "\\x1b[31mred", "assistant: ok"]

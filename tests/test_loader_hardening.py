@@ -2,8 +2,10 @@
 (and the tensor) once, with the fix. Each bad checkpoint is a copy of the tiny one with one file
 edited: shard extents (gap, overlap, trailing bytes, span), a safetensors error at read time, the
 index, tokenizer_config.json, a tensor stored twice, NaN / Inf weights, and a bounded,
-deterministic sample of byte-level corruptions of a shard."""
+deterministic sample of byte-level corruptions of a shard. The loading bar is drawn only on a
+terminal, never over nothing, and closed however the load ends."""
 
+import io
 import json
 import os
 import random
@@ -329,3 +331,64 @@ def test_byte_level_corruption_of_a_shard_only_ever_raises_load_error(tiny_check
             f.write(raw)
     assert not surprises, "\n".join(surprises)
     assert outcomes["LoadError"] > 50, outcomes
+
+
+# ---------------------------------------------------------------------- progress bars
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal, keeping what was drawn on it."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_captured_load_keeps_no_loading_bar(tiny_checkpoint, capsys):
+    load(tiny_checkpoint, threads=1)
+    err = capsys.readouterr().err
+    assert "checkpoint" in err or "parameters filled" in err  # the report is there
+    assert "\r" not in err and "%|" not in err and "tensor/s" not in err, err
+
+
+def _screen(drawn: str) -> list[str]:
+    """The lines a terminal shows for `drawn`: a carriage return goes back to the line's start and
+    what follows overwrites it."""
+    lines = []
+    for row in drawn.split("\n"):
+        shown: list[str] = []
+        at = 0
+        for part in row.split("\r"):
+            shown[at:at + len(part)] = part
+            at = 0
+        lines.append("".join(shown).rstrip())
+    return lines
+
+
+@pytest.mark.parametrize("stop", [LoadError, KeyboardInterrupt])
+def test_a_load_that_stops_leaves_no_bar_under_its_message(tiny_checkpoint, monkeypatch, stop):
+    from dsv41 import cli
+
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    read, calls = Checkpoint.read, []
+
+    def stopping_read(self, name, *args, **kwargs):
+        calls.append(name)
+        if len(calls) == 5:  # in the middle of filling the parameters
+            raise stop(f"{self.path}: stopped on purpose at {name}")
+        return read(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpoint, "read", stopping_read)
+    assert cli.chat_main(["--checkpoint", tiny_checkpoint]) == (1 if stop is LoadError else 130)
+    drawn = terminal.getvalue()
+    assert "loading" in drawn  # the bar was drawn on the terminal
+    # and cleared before the message, which stands alone on the screen
+    shown = [line for line in _screen(drawn) if line]
+    assert len(shown) == 1 and shown[0].startswith("dsv41 chat: ") and "%|" not in shown[0], shown
+
+
+def test_no_bar_is_drawn_over_nothing(tiny_checkpoint, monkeypatch):
+    from dsv41.loader import fill_parameters
+
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert fill_parameters(torch.nn.Module(), Checkpoint(tiny_checkpoint), None, quiet=False) == set()
+    assert terminal.getvalue() == ""

@@ -21,9 +21,11 @@ def finish(trainer, *, progress: bool, windows: int | None = None) -> dict:
 
     import torch
 
-    from .data import compressor_bits_per_byte, write_json
+    from ..outdir import write_json
+    from .data import compressor_bits_per_byte
     from .release import write_miniature
     from .twin import Twin
+    from .workdir import CHECKPOINT_NAME, FACTS_NAME, LOSS_CURVE_STEM
 
     state, settings = trainer.state, trainer.settings
     say = (lambda m: print(f"dsv41 train: {m}", file=sys.stderr)) if progress else (lambda m: None)
@@ -54,11 +56,11 @@ def finish(trainer, *, progress: bool, windows: int | None = None) -> dict:
     if trainer.continued_from is not None:
         # the backbone steps ran in the source's run: its tokens, and the draft phase went on here
         facts["tokens_seen"] = trainer.continued_from["tokens_seen"]
-        facts["draft_continued_from"] = trainer.continued_from
-    write_loss_curve(os.path.join(trainer.folder, "loss_curve"), state, facts)
-    out = write_miniature(os.path.join(trainer.folder, "checkpoint"), trainer.cfg, trainer.tokenizer,
+        facts["draft_continued_from"] = {k: v for k, v in trainer.continued_from.items() if k != "path"}
+    write_loss_curve(os.path.join(trainer.folder, LOSS_CURVE_STEM), state, facts)
+    out = write_miniature(os.path.join(trainer.folder, CHECKPOINT_NAME), trainer.cfg, trainer.tokenizer,
                           state.params, facts)
-    write_json(os.path.join(trainer.folder, "facts.json"), facts)
+    write_json(os.path.join(trainer.folder, FACTS_NAME), facts)
     say(f"wrote {out}")
     return facts
 
@@ -80,7 +82,7 @@ def write_loss_curve(stem: str, state, facts: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .data import write_json
+    from ..outdir import replace_file, write_json
 
     backbone = [r for r in state.log if r["phase"] != "draft"]
     steps = [r["step"] for r in backbone]
@@ -108,74 +110,75 @@ def write_loss_curve(stem: str, state, facts: dict) -> None:
     right.legend(fontsize=8)
     fig.suptitle("dsv41 train: the miniature on the Python standard library")
     fig.tight_layout()
-    fig.savefig(stem + ".png", dpi=110, metadata={"Software": None})
-    fig.savefig(stem + ".svg", metadata={"Date": None, "Creator": None})
+    replace_file(stem + ".png", lambda tmp: fig.savefig(tmp, format="png", dpi=110, metadata={"Software": None}))
+    replace_file(stem + ".svg", lambda tmp: fig.savefig(tmp, format="svg", metadata={"Date": None, "Creator": None}))
     plt.close(fig)
     write_json(stem + ".json", {"steps": steps, "loss": loss, "evals": evals, "held_out": facts["held_out"]})
 
 
 def cli_main(argv: list[str]) -> int:
-    from .loop import TrainSettings
+    from ..argtypes import whole_number
+    from ..threads import machine_cores
+    from .state import FLAGS, INT_BOUNDS, MAX_STEPS, MAX_WINDOWS, TrainSettings
 
     defaults = TrainSettings()
+
+    def bounded(name: str, unit: str):
+        return whole_number(*INT_BOUNDS[name], unit)
+
     parser = argparse.ArgumentParser(prog="dsv41 train", description=(
         "Train the miniature V4.1 from scratch on the running Python's standard library (2 cores, no GPU, "
         "40 to 60 min at the default steps here: 36 min of training and 4 of final measurement alone, 55 and 6 beside "
-        "other jobs), then write it in "
-        "the release format to OUT/checkpoint."))
+        "other jobs), then write it in the release format to OUT/checkpoint. OUT must be new, empty or a folder "
+        "dsv41 train wrote; --resume goes on with the settings the run was started with."))
     parser.add_argument("--out", default="outputs/train", help="work folder: state, tokenizer, figures, checkpoint (default outputs/train)")
-    parser.add_argument("--resume", action="store_true", help="go on from OUT's last checkpoint")
-    parser.add_argument("--steps", type=int, default=defaults.backbone_steps, help=f"backbone steps (default {defaults.backbone_steps})")
-    parser.add_argument("--draft-steps", type=int, default=defaults.draft_steps, help=f"DSpark draft steps after them (default {defaults.draft_steps})")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--batch", type=int, default=defaults.batch)
-    parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    parser.add_argument("--resume", action="store_true", help="go on from OUT's last checkpoint, with the run's own settings")
+    parser.add_argument("--steps", type=bounded("backbone_steps", "steps"), default=None, help=f"backbone steps (default {defaults.backbone_steps})")
+    parser.add_argument("--draft-steps", type=bounded("draft_steps", "steps"), default=None, help=f"DSpark draft steps after them (default {defaults.draft_steps})")
+    parser.add_argument("--seed", type=bounded("seed", "the seed"), default=None, help=f"seed of the initial weights and the batches (default {defaults.seed})")
+    parser.add_argument("--batch", type=bounded("batch", "sequences"), default=None,
+                        help=f"sequences a step (default {defaults.batch}; at most what this machine's memory holds)")
+    parser.add_argument("--seq-len", type=bounded("seq_len", "tokens"), default=None, help=f"tokens a sequence (default {defaults.seq_len})")
     parser.add_argument("--draft-from", default=None, metavar="CHECKPOINT",
                         help="go on with the draft phase of a miniature checkpoint (OUT/checkpoint of a finished run, or "
-                             "the packaged one), its backbone frozen as released, up to --draft-steps draft steps in all")
-    parser.add_argument("--stop-at", type=int, default=None, metavar="STEP",
+                             "the packaged one; its files held to its manifest's sha256s), its backbone frozen as released "
+                             "and its settings (--steps, --seed, --batch, --seq-len) kept, up to --draft-steps draft steps in all")
+    parser.add_argument("--stop-at", type=whole_number(1, 2 * MAX_STEPS, "steps"), default=None, metavar="STEP",
                         help="stop after STEP steps with a checkpoint, to go on later with --resume")
-    parser.add_argument("--held-out-windows", type=int, default=None, metavar="N",
+    parser.add_argument("--held-out-windows", type=whole_number(1, MAX_WINDOWS, "windows"), default=None, metavar="N",
                         help="measure the final held-out loss on the first N windows only (default: all of them)")
     parser.add_argument("--no-compile", action="store_true", help="run the Sinkhorn split eagerly (no torch.compile)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: every CPU)")
+    parser.add_argument("--threads", type=whole_number(1, machine_cores(), "threads"), default=None,
+                        help="torch threads (default: every CPU)")
     args = parser.parse_args(argv)
-    for name in ("steps", "batch", "seq_len"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be a positive integer")
-    if args.held_out_windows is not None and args.held_out_windows < 1:
-        parser.error("--held-out-windows must be a positive integer")
-    if args.stop_at is not None and args.stop_at < 1:
-        parser.error("--stop-at must be a positive integer")
-    if args.draft_steps < 0 or args.seed < 0:
-        parser.error("--draft-steps and --seed must not be negative")
-    if args.seq_len < 16 or args.seq_len > 4096:
-        parser.error("--seq-len must lie in [16, 4096]")
+    given = {name: getattr(args, flag[2:].replace("-", "_")) for name, flag in FLAGS.items()
+             if getattr(args, flag[2:].replace("-", "_")) is not None}
     import torch
 
     from .loop import Trainer, TrainError
+    from .state import saved_step
 
     if args.threads:
-        from ..threads import check_threads
-
-        check_threads(args.threads)
         torch.set_num_threads(args.threads)
-    settings = TrainSettings(backbone_steps=args.steps, draft_steps=args.draft_steps, seed=args.seed,
-                             batch=args.batch, seq_len=args.seq_len,
-                             eval_every=max(1, min(TrainSettings.eval_every, args.steps)))
     started = time.perf_counter()
+    trainer = None
     try:
-        trainer = Trainer(args.out, settings, resume=args.resume, compile=not args.no_compile, progress=None,
+        trainer = Trainer(args.out, given, resume=args.resume, compile=not args.no_compile, progress=None,
                           draft_from=args.draft_from)
         trainer.run(stop_at=args.stop_at)
-        if trainer.state.step < settings.steps:
-            print(f"dsv41 train: stopped at step {trainer.state.step} of {settings.steps}; "
+        if trainer.state.step < trainer.settings.steps:
+            print(f"dsv41 train: stopped at step {trainer.state.step} of {trainer.settings.steps}; "
                   f"`dsv41 train --out {args.out} --resume` goes on", file=sys.stderr)
             return 0
         facts = finish(trainer, progress=True, windows=args.held_out_windows)
     except KeyboardInterrupt:
-        print(f"dsv41 train: interrupted; `dsv41 train --out {args.out} --resume` goes on from the last checkpoint",
-              file=sys.stderr)
+        step = saved_step(trainer.folder if trainer is not None else args.out)
+        if step is None:
+            print("dsv41 train: interrupted before the run's first checkpoint, so there is nothing to resume; "
+                  f"`dsv41 train --out {args.out}` starts it again", file=sys.stderr)
+        else:
+            print(f"dsv41 train: interrupted; `dsv41 train --out {args.out} --resume` goes on from the checkpoint "
+                  f"at step {step}", file=sys.stderr)
         return 130
     except (TrainError, Dsv41Error) as exc:
         print(f"dsv41 train: {exc}", file=sys.stderr)

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import json
 import math
 import os
 import shutil
 import subprocess
+import sys
+import zipfile
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ..outdir import replace_file
 from .corpus import Corpus
 
 
@@ -52,19 +54,53 @@ def encode_documents(tokenizer, docs: dict[str, str], eos: int) -> np.ndarray:
 
 
 def build_streams(corpus: Corpus, tokenizer, eos: int, cache: str | None = None) -> Streams:
-    """The corpus tokenized (kept in `cache`, an .npz file, keyed by the corpus and tokenizer)."""
+    """The corpus tokenized (kept in `cache`, an .npz file, keyed by the corpus and tokenizer). A
+    cache that cannot be read or holds what no tokenization of this corpus gives is said in one
+    line on stderr and written again."""
     key = hashlib.sha256((corpus.file_list_sha256 + tokenizer.to_str()).encode()).hexdigest()[:16]
-    if cache and os.path.isfile(cache):
-        saved = np.load(cache)
-        if str(saved["key"]) == key:
-            return Streams(saved["train"], saved["held_out"], token_byte_lengths(tokenizer), _joined(corpus.held_out))
+    if cache and os.path.lexists(cache):
+        saved, problem = cached_streams(cache, key, corpus, tokenizer.get_vocab_size(with_added_tokens=True))
+        if saved is not None:
+            return Streams(*saved, token_byte_lengths(tokenizer), _joined(corpus.held_out))
+        if problem:
+            print(f"dsv41 train: {cache} {problem}; tokenizing the corpus again", file=sys.stderr)
     train = encode_documents(tokenizer, corpus.train, eos)
     held_out = encode_documents(tokenizer, corpus.held_out, eos)
     if cache:
-        tmp = cache + ".partial.npz"
-        np.savez(tmp, key=key, train=train, held_out=held_out)
-        os.replace(tmp, cache)
+        replace_file(cache, lambda tmp: _save_npz(tmp, key=np.array(key), train=train, held_out=held_out))
     return Streams(train, held_out, token_byte_lengths(tokenizer), _joined(corpus.held_out))
+
+
+def _save_npz(path: str, **arrays) -> None:
+    with open(path, "wb") as f:  # a file object: np.savez would add ".npz" to a name
+        np.savez(f, **arrays)
+
+
+def cached_streams(cache: str, key: str, corpus: Corpus, vocab: int):
+    """((train, held_out), None) from the cache when it holds the streams of `key`; (None, None)
+    when it holds another key's (a stale cache); (None, what is wrong) when it is unreadable or
+    its arrays are not token streams of this corpus (sizes checked before anything is read)."""
+    # a token is at least one byte of text, or the EOS after a document
+    most = {name: 4 * (sum(len(t.encode("utf-8")) for t in docs.values()) + len(docs)) + 4096
+            for name, docs in (("train", corpus.train), ("held_out", corpus.held_out))}
+    try:
+        with zipfile.ZipFile(cache) as archive:
+            sizes = {info.filename: info.file_size for info in archive.infolist()}
+        if set(sizes) != {"key.npy", "train.npy", "held_out.npy"}:
+            return None, f"holds {', '.join(sorted(sizes)) or 'nothing'}, not the token streams"
+        if sizes["key.npy"] > 4096 or any(sizes[f"{name}.npy"] > most[name] for name in most):
+            return None, "holds arrays larger than the corpus could give"
+        with np.load(cache, allow_pickle=False) as saved:
+            if saved["key"].shape != () or str(saved["key"]) != key:
+                return None, None
+            arrays = saved["train"], saved["held_out"]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+        return None, f"is unreadable ({str(exc)[:80] or type(exc).__name__})"
+    for array in arrays:
+        if array.dtype != np.int32 or array.ndim != 1 or not len(array) or int(array.min()) < 0 \
+                or int(array.max()) >= vocab:
+            return None, "holds arrays that are not token ids of this tokenizer"
+    return arrays, None
 
 
 def _joined(docs: dict[str, str]) -> bytes:
@@ -100,13 +136,6 @@ def compressor_bits_per_byte(data: bytes) -> dict:
     else:
         out["zstd -19"] = None  # not measured: no zstd program on PATH
     return out
-
-
-def write_json(path: str, data) -> None:
-    tmp = path + ".partial"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
 
 
 def nats_to_bits(nats: float) -> float:

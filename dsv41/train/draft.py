@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .loop import lr_at
+from .state import restore_moments
 from .twin import TwinOutput, bf16, on_grid, rms_norm, rotate
 from ..attention.caches import WINDOW_ENCODING
 
@@ -96,7 +97,7 @@ class DraftTrainer:
     def optimizer(self, saved=None):
         opt = self.trainer.optimizer_for(self.names, self.trainer.settings.draft_lr)
         if saved is not None:
-            opt.load_state_dict(saved["state"])
+            restore_moments(opt, self.trainer.names_of, saved["moments"])
         return opt
 
     def anchors(self, step: int, seq_len: int, batch: int) -> torch.Tensor:

@@ -4,113 +4,142 @@ Phases, by step: the backbone (language-model loss plus the indexers' KL loss, t
 balanced without an auxiliary loss), its last `qat_fraction` quantization-aware (`Twin.weights(qat=True)`),
 then the DSpark draft stack on the frozen, release-rounded target (`draft`). Everything random
 comes from the seed and the step, so a run cut anywhere and resumed from its last checkpoint takes
-the same batches. The work folder keeps `state.pt` (weights, optimizer, log), the tokenizer and the
-token streams; the result is written in the release format by `release.write_miniature`.
+the same batches. The work folder (`workdir`) keeps the state (`state`: safetensors and JSON, never
+pickle), the tokenizer and the token streams; a resumed run goes on with the settings it was
+started with. The result is written in the release format by `release.write_miniature`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import Dsv41Error
-from .data import build_streams, held_out_windows, nats_to_bits, train_batch, write_json
-from .twin import Twin
+from ..outdir import replace_file
+from .data import build_streams, held_out_windows, nats_to_bits, train_batch
+from .state import (  # noqa: F401 (TrainSettings, TrainState, TrainError: importable from here as before)
+    FLAGS, STATE_NAME, TrainError, TrainSettings, TrainState, check_document, check_memory,
+    optimizer_moments, read_state_json, restore_moments, settings_from)
+from .twin import Twin, logical_shape, trainable_names, weight_specs
+from .workdir import TOKENIZER_NAME, TOKENS_NAME, claim, inspect, record_tokenizer, tokenizer_written
 
-STATE_NAME = "state.pt"
-TOKENIZER_NAME = "tokenizer.json"
-CONTINUED_NAME = "continued_from.json"  # a --draft-from run: what it carries from its source
-
-
-class TrainError(Dsv41Error):
-    pass
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    backbone_steps: int = 1500
-    draft_steps: int = 200
-    batch: int = 8
-    seq_len: int = 256
-    lr: float = 3e-3
-    min_lr_fraction: float = 0.1
-    warmup: int = 40
-    weight_decay: float = 0.01
-    qat_fraction: float = 0.15  # the backbone's last steps train on the storage grid
-    index_loss_weight: float = 1.0
-    balance_rate: float = 1e-3  # routing bias step per unit of load imbalance sign
-    draft_lr: float = 2e-3
-    draft_anchors: int = 32  # anchor positions drawn per sequence for the draft
-    seed: int = 0
-    checkpoint_every: int = 25
-    eval_every: int = 100
-    eval_windows: int = 32  # held-out windows in the periodic evaluation (all of them at the end)
-
-    @property
-    def steps(self) -> int:
-        return self.backbone_steps + self.draft_steps
-
-    def phase(self, step: int) -> str:
-        if step >= self.backbone_steps:
-            return "draft"
-        return "qat" if step >= self.backbone_steps * (1 - self.qat_fraction) else "backbone"
+# The settings a --draft-from run takes from its source (its backbone's), unless given alike.
+SOURCE_SETTINGS = ("backbone_steps", "seed", "batch", "seq_len")
 
 
-@dataclass
-class TrainState:
-    settings: TrainSettings
-    params: dict
-    step: int = 0
-    optimizer: dict | None = None  # the backbone's, then the draft's
-    log: list = field(default_factory=list)  # one dict per step
-    evals: list = field(default_factory=list)
-    seconds: float = 0.0  # training time over all sessions
-
-    def save(self, folder: str) -> None:
-        path = os.path.join(folder, STATE_NAME)
-        tmp = path + ".partial"
-        torch.save({"settings": dataclasses.asdict(self.settings), "params": {k: v.detach() for k, v in self.params.items()},
-                    "step": self.step, "optimizer": self.optimizer, "log": self.log, "evals": self.evals,
-                    "seconds": self.seconds}, tmp)
-        os.replace(tmp, path)
-
-    @classmethod
-    def load(cls, folder: str) -> "TrainState":
-        saved = torch.load(os.path.join(folder, STATE_NAME), weights_only=False)
-        return cls(TrainSettings(**saved["settings"]), saved["params"], saved["step"], saved["optimizer"],
-                   saved["log"], saved["evals"], saved["seconds"])
+def optimizer_names(names) -> dict[str, list[str]]:
+    """The parameters each phase's optimizer updates: the backbone's, then the draft stack's."""
+    return {"backbone": trainable_names(names, exclude=("mtp.",)), "draft": trainable_names(names, prefix="mtp.")}
 
 
-def continued_from(path: str, settings: TrainSettings) -> dict:
-    """What a run that goes on with the draft phase of the miniature checkpoint at `path` carries
-    from its manifest (steps, seconds, the backbone's last training loss), checked against
-    `settings`; TrainError in one sentence when it cannot."""
+def new_settings(given: dict) -> TrainSettings:
+    """A new run's settings: the defaults, replaced by those `given`; held-out evaluations at
+    least once in a short run."""
+    settings = settings_from(given, "the settings given")
+    if "eval_every" not in given:
+        settings = settings_from({**given, "eval_every": max(1, min(TrainSettings.eval_every, settings.backbone_steps))},
+                                 "the settings given")
+    return settings
+
+
+def conflicting(given: dict, settings: TrainSettings, what: str) -> None:
+    """TrainError naming the first setting `given` that differs from `settings` (those of `what`)."""
+    for name, value in given.items():
+        if getattr(settings, name) != value:
+            flag = FLAGS.get(name, name)
+            raise TrainError(f"{what} has {flag} {getattr(settings, name)}, not {value}; it goes on with its own "
+                             f"settings: leave {flag} out, or start a new run in another --out")
+
+
+def read_source(path: str) -> tuple[dict, dict]:
+    """(what the run carries from it, its settings) of the miniature checkpoint at `path`, which
+    --draft-from names: its manifest's files held to their sha256s, its fields to their kinds, and
+    a tokenizer there; TrainError in one sentence when it cannot."""
     from ..cachedir import file_sha256
-    from ..miniature import MANIFEST_NAME, read_manifest
+    from ..miniature import MANIFEST_NAME, MiniatureError, verify
 
-    manifest = read_manifest(path)
+    if not os.path.isdir(path):
+        raise TrainError(f"--draft-from {path} is not a folder; it takes what dsv41 train wrote (OUT/checkpoint) "
+                         f"or the packaged miniature")
+    try:
+        manifest = verify(path)
+    except MiniatureError as exc:
+        raise TrainError(f"--draft-from: {exc}") from None
     if manifest is None:
-        raise TrainError(f"{path} is not a miniature checkpoint (no dsv41-miniature.json); --draft-from takes "
-                         f"what dsv41 train wrote (OUT/checkpoint) or the packaged one")
-    before = manifest.get("settings", {})
-    for name in ("backbone_steps", "seed", "batch", "seq_len"):
-        if before.get(name) != getattr(settings, name):
-            raise TrainError(f"{path} was trained with {name} {before.get(name)}; continue its draft phase with "
-                             f"the same (--steps, --seed, --batch, --seq-len)")
-    done = int(manifest["steps"]) - settings.backbone_steps
+        raise TrainError(f"--draft-from {path} is not a miniature checkpoint (no {MANIFEST_NAME}); it takes what "
+                         f"dsv41 train wrote (OUT/checkpoint) or the packaged miniature")
+    where = os.path.join(path, MANIFEST_NAME)
+    for name in ("steps", "training_seconds", "settings"):
+        if name not in manifest:
+            raise TrainError(f"--draft-from: {where} lacks {name}, which a run that goes on from it needs")
+    before = manifest["settings"]
+    source_settings = settings_from(before, f"--draft-from: {where}: settings")
+    missing = [name for name in SOURCE_SETTINGS if name not in before]
+    if missing:
+        raise TrainError(f"--draft-from: {where}: settings lacks {missing[0]}")
+    if not os.path.isfile(os.path.join(path, TOKENIZER_NAME)):
+        raise TrainError(f"--draft-from {path} holds no {TOKENIZER_NAME}, which the run goes on with; give the "
+                         f"whole checkpoint folder")
+    from ..config import load_config
+
+    _, cfg = miniature_tokenizer(os.path.join(path, TOKENIZER_NAME))
+    ours = {name: logical_shape(spec) for name, (spec, _) in weight_specs(cfg).items()}
+    theirs = {name: logical_shape(spec) for name, (spec, _) in weight_specs(load_config(path)).items()}
+    wrong = next((n for n in sorted(set(ours) | set(theirs)) if theirs.get(n) != ours.get(n)), None)
+    if wrong is not None:
+        raise TrainError(f"--draft-from {path} is not of the miniature's geometry ({wrong}: "
+                         f"{list(theirs[wrong]) if wrong in theirs else 'none'}, not "
+                         f"{list(ours[wrong]) if wrong in ours else 'none'})")
+    steps = manifest["steps"]
+    if not source_settings.backbone_steps <= steps <= source_settings.steps:
+        raise TrainError(f"--draft-from: {where}: steps {steps:,} is not within its run of "
+                         f"{source_settings.backbone_steps:,} backbone and {source_settings.draft_steps:,} draft steps")
+    carried = {"path": os.path.realpath(path), "manifest_sha256": file_sha256(where), "steps": steps,
+               "training_seconds": float(manifest["training_seconds"]),
+               "final_train_loss": manifest.get("final_train_loss"), "tokens_seen": manifest.get("tokens_seen")}
+    return carried, {name: getattr(source_settings, name) for name in SOURCE_SETTINGS}
+
+
+def miniature_tokenizer(path: str):
+    """(the tokenizer at `path`, the miniature's config for it); TrainError when it is not one the
+    miniature can use (unreadable, or another vocabulary)."""
+    from tokenizers import Tokenizer
+
+    from ..tiny import tiny_config
+
+    try:
+        tokenizer = Tokenizer.from_file(path)
+        cfg = tiny_config(tokenizer)
+        problem = None
+    except Exception as exc:  # noqa: BLE001 (tokenizers' own error types: a tokenizer it cannot use)
+        problem = str(exc)[:80]
+    if problem is None and tokenizer.get_vocab_size(with_added_tokens=True) != cfg.vocab_size:
+        problem = f"{tokenizer.get_vocab_size(with_added_tokens=True):,} ids, not {cfg.vocab_size:,}"
+    if problem:
+        raise TrainError(f"{path} is not a tokenizer the miniature can use ({problem}); give another "
+                         f"--draft-from, or another --out")
+    return tokenizer, cfg
+
+
+def draft_settings(given: dict, carried: dict, source: dict, path: str) -> TrainSettings:
+    """The settings of a run that goes on with the draft phase of `path`: its backbone's (`source`),
+    which flags given must equal, and the draft steps given (more than it has had)."""
+    for name, value in source.items():
+        if name in given and given[name] != value:
+            flag = FLAGS[name]
+            raise TrainError(f"--draft-from {path} was trained with {flag} {value}; leave {flag} out to go on "
+                             f"with it, or give {flag} {value}")
+    settings = new_settings({**given, **source})
+    done = carried["steps"] - settings.backbone_steps
     if settings.draft_steps <= done:
-        raise TrainError(f"{path} has had {done} draft steps already; --draft-steps counts them all, so ask for more")
-    return {"manifest_sha256": file_sha256(os.path.join(path, MANIFEST_NAME)), "steps": int(manifest["steps"]), "training_seconds": float(manifest.get("training_seconds", 0.0)),
-            "final_train_loss": manifest.get("final_train_loss"), "tokens_seen": manifest.get("tokens_seen")}
+        raise TrainError(f"--draft-from {path} has had {done} draft steps already; --draft-steps counts them all, "
+                         f"so ask for more than {done}")
+    return settings
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, floor: float) -> float:
@@ -136,66 +165,81 @@ def compiled_sinkhorn(enabled: bool):
 
 
 class Trainer:
-    """One work folder's run: the corpus, tokenizer and streams, the twin and its state."""
+    """One work folder's run: the corpus, tokenizer and streams, the twin and its state.
 
-    def __init__(self, folder: str, settings: TrainSettings, *, resume: bool, compile: bool = True,
+    `given`: the settings chosen (TrainSettings field -> value); the rest are the defaults for a
+    new run, the source's backbone settings for one that goes on from `draft_from`, and, with
+    `resume`, the run's own, which those given must equal. Everything about the folder, the
+    source and the saved state's settings is checked before any work (TrainError otherwise)."""
+
+    def __init__(self, folder: str, given: dict | None = None, *, resume: bool = False, compile: bool = True,
                  progress: bool | None = None, draft_from: str | None = None):
         from ..engram import NgramHasher
-        from ..tiny import tiny_config
-        from ..tokenizer import build_tiny_tokenizer
         from .corpus import load_corpus
 
-        self.folder = folder
-        os.makedirs(folder, exist_ok=True)
-        state_path = os.path.join(folder, STATE_NAME)
-        if os.path.exists(state_path) and not resume:
+        given = dict(given or {})
+        settings_from(given, "the settings given")  # kinds and ranges, before anything is read
+        carried = source = None
+        if draft_from is not None and not resume:
+            carried, source = read_source(draft_from)
+        self.folder = str(inspect(folder))
+        state_path = os.path.join(self.folder, STATE_NAME)
+        if resume:
+            if not os.path.lexists(state_path):
+                raise TrainError(f"{folder}: nothing to resume (no {STATE_NAME}: the run never reached its first "
+                                 f"checkpoint); start it without --resume")
+            document = read_state_json(self.folder)
+            settings, _ = check_document(document, state_path)
+            conflicting(given, settings, f"the run in {folder}")
+            recorded = document["continued_from"]
+            if draft_from is not None and (recorded is None or os.path.realpath(draft_from) != recorded["path"]):
+                went_on = f"went on from {recorded['path']}" if recorded else "did not go on from a checkpoint"
+                raise TrainError(f"the run in {folder} {went_on}; resume it without --draft-from")
+            if not tokenizer_written(self.folder):
+                raise TrainError(f"{os.path.join(self.folder, TOKENIZER_NAME)} is missing or not the tokenizer the "
+                                 f"run started with; the run cannot go on: start it again in a new folder")
+        elif os.path.lexists(state_path):
             raise TrainError(f"{folder} already holds a training run ({STATE_NAME}); pass --resume to go on "
                              f"with it, or give another --out")
-        if resume and not os.path.exists(state_path):
-            raise TrainError(f"{folder}: nothing to resume (no {STATE_NAME}); start without --resume")
-        if draft_from is not None:
-            if resume:
-                raise TrainError("--draft-from starts a run; go on with it later with --resume alone")
-            source = continued_from(draft_from, settings)
-            shutil.copyfile(os.path.join(draft_from, TOKENIZER_NAME), os.path.join(folder, TOKENIZER_NAME))
-            with open(os.path.join(folder, CONTINUED_NAME), "w", encoding="utf-8") as f:
-                json.dump(source, f, indent=1, sort_keys=True)
-        self.corpus = load_corpus()
-        tok_path = os.path.join(folder, TOKENIZER_NAME)
-        if os.path.exists(tok_path):
-            from tokenizers import Tokenizer
+        else:
+            settings = draft_settings(given, carried, source, draft_from) if carried else new_settings(given)
+        check_memory(settings)
+        claim(folder)  # created and marked, now that the run can start
 
-            self.tokenizer = Tokenizer.from_file(tok_path)
+        tok_path = os.path.join(self.folder, TOKENIZER_NAME)
+        if resume:  # the whole state checked before the corpus is read
+            self.tokenizer, self.cfg = miniature_tokenizer(tok_path)
+            self.state = TrainState.load(self.folder, self.shapes(), optimizer_names(self.shapes()))
+            self.corpus = load_corpus()
         else:
-            self.tokenizer = build_tiny_tokenizer(texts=list(self.corpus.train.values()))
-            self.tokenizer.save(tok_path)
-        self.cfg = tiny_config(self.tokenizer)
+            self.corpus = load_corpus()
+            if carried is not None:
+                replace_file(tok_path, lambda tmp: shutil.copyfile(os.path.join(draft_from, TOKENIZER_NAME), tmp))
+                record_tokenizer(self.folder)
+            elif not tokenizer_written(self.folder):  # else the one an interrupted start of this run wrote
+                from ..tokenizer import build_tiny_tokenizer
+
+                replace_file(tok_path, build_tiny_tokenizer(texts=list(self.corpus.train.values())).save)
+                record_tokenizer(self.folder)
+            self.tokenizer, self.cfg = miniature_tokenizer(tok_path)
+            if carried is not None:
+                # the backbone as released, decoded: the draft phase freezes it on its storage grid again
+                self.state = TrainState(settings, Twin.from_checkpoint(draft_from).params, step=carried["steps"],
+                                        seconds=carried["training_seconds"], continued_from=carried)
+            else:
+                self.state = TrainState(settings, Twin.initialized(self.cfg, settings.seed).params)
         self.streams = build_streams(self.corpus, self.tokenizer, int(self.cfg.eos_token_id),
-                                     os.path.join(folder, "tokens.npz"))
+                                     os.path.join(self.folder, TOKENS_NAME))
         self.hasher = NgramHasher.from_tokenizer(self.cfg, self.tokenizer)
-        if resume:
-            self.state = TrainState.load(folder)
-            if self.state.settings.seed != settings.seed or self.state.settings.batch != settings.batch \
-                    or self.state.settings.seq_len != settings.seq_len:
-                raise TrainError(f"{folder} was started with seed {self.state.settings.seed}, batch "
-                                 f"{self.state.settings.batch}, seq_len {self.state.settings.seq_len}; resume with those")
-            # the step counts may grow on resume (train longer); everything else is the run's own
-            self.state.settings = dataclasses.replace(self.state.settings, backbone_steps=settings.backbone_steps,
-                                                      draft_steps=settings.draft_steps)
-        elif draft_from is not None:
-            # the backbone as released, decoded: the draft phase freezes it on its storage grid again
-            self.state = TrainState(settings, Twin.from_checkpoint(draft_from).params, step=source["steps"],
-                                    seconds=source["training_seconds"])
-        else:
-            self.state = TrainState(settings, Twin.initialized(self.cfg, settings.seed).params)
-        continued = os.path.join(folder, CONTINUED_NAME)
-        self.continued_from = None
-        if os.path.exists(continued):
-            with open(continued, encoding="utf-8") as f:
-                self.continued_from = json.load(f)
+        self.continued_from = self.state.continued_from
         self.settings = self.state.settings
         self.twin = Twin(self.cfg, self.state.params, exact=False, split=compiled_sinkhorn(compile))
+        self.names_of = {id(p): n for n, p in self.twin.params.items()}
         self.progress = sys.stderr.isatty() if progress is None else progress
+
+    def shapes(self) -> dict[str, tuple]:
+        """Parameter name -> logical shape, of the miniature's geometry for this tokenizer."""
+        return {name: logical_shape(spec) for name, (spec, _) in weight_specs(self.cfg).items()}
 
     # ------------------------------------------------------------------ data
     def hash_ids(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -299,13 +343,13 @@ class Trainer:
                     if draft is None:
                         from .draft import DraftTrainer
                         draft = DraftTrainer(self)
-                        opt = draft.optimizer(state.optimizer if state.optimizer and state.optimizer.get("phase") == "draft" else None)
+                        opt = draft.optimizer(state.optimizer if state.optimizer and state.optimizer["phase"] == "draft" else None)
                     record = draft.step(step, opt)
                 else:
                     if opt is None:
                         opt = self.optimizer_for(self.twin.trainable(exclude=("mtp.",)), s.lr)
-                        if state.optimizer and state.optimizer.get("phase") == "backbone":
-                            opt.load_state_dict(state.optimizer["state"])
+                        if state.optimizer and state.optimizer["phase"] == "backbone":
+                            restore_moments(opt, self.names_of, state.optimizer["moments"])
                     record = self.backbone_step(step, opt)
                 elapsed = time.perf_counter() - started
                 state.seconds += elapsed
@@ -325,7 +369,8 @@ class Trainer:
                 if state.step % s.checkpoint_every == 0 or state.step == end \
                         or time.perf_counter() - last_save > 300:
                     if opt is not None:
-                        state.optimizer = {"phase": "draft" if phase == "draft" else "backbone", "state": opt.state_dict()}
+                        state.optimizer = {"phase": "draft" if phase == "draft" else "backbone",
+                                           "moments": optimizer_moments(opt, self.names_of)}
                     state.save(self.folder)
                     last_save = time.perf_counter()
         except KeyboardInterrupt:

@@ -15,15 +15,18 @@ from ..miniature import MANIFEST_FORMAT, MANIFEST_NAME
 
 def write_miniature(folder: str, cfg, tokenizer, params: dict, facts: dict) -> str:
     """Write the checkpoint of `params` (name -> float32, logical shapes) into `folder`, built
-    beside it and renamed into place; returns the folder."""
+    beside it and renamed into place (`outdir.replace_folder`: an earlier checkpoint there is
+    removed only once the new one has its place; the work folder's claim has checked that it holds
+    nothing else); returns the folder."""
     from ..cachedir import file_sha256
+    from ..outdir import replace_folder
     from ..synthetic import write_release_layout
     from ..tiny import stored_tensors
 
     folder = os.path.realpath(folder)
     parent = os.path.dirname(folder)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".miniature.", suffix=".partial", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.", suffix=".partial", dir=parent)
     try:
         write_release_layout(tmp, cfg, lambda specs, by_name: stored_tensors(
             specs, by_name, lambda name, shape: params[name].detach().float().reshape(shape)), tokenizer=tokenizer)
@@ -37,9 +40,7 @@ def write_miniature(folder: str, cfg, tokenizer, params: dict, facts: dict) -> s
         with open(os.path.join(tmp, MANIFEST_NAME), "w", encoding="utf-8") as f:
             f.write(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep the packaged folder from other users
-        if os.path.isdir(folder):
-            shutil.rmtree(folder)
-        os.rename(tmp, folder)
+        replace_folder(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -119,6 +119,13 @@ def rotate(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool = 
 
 
 # ---------------------------------------------------------------------- weights
+def trainable_names(names, prefix: str = "", exclude: tuple = ()) -> list[str]:
+    """Of `names`, those the optimizer updates: under `prefix`, neither untrained nor a routing
+    bias (the balancing sets those) nor under one of `exclude`."""
+    return [n for n in names if n.startswith(prefix) and not n.startswith(UNTRAINED_PREFIXES + exclude)
+            and not n.endswith(("gate.bias", "gate.bias_vl"))]
+
+
 def logical_shape(spec) -> tuple[int, ...]:
     """A stored tensor's unquantized shape (packed FP4 holds two values a byte)."""
     return (spec.shape[0], spec.shape[1] * 2) if spec.dtype == "I8" else tuple(spec.shape)
@@ -229,10 +236,7 @@ class Twin:
         return cls(cfg, params)
 
     def trainable(self, prefix: str = "", exclude: tuple = ()) -> list[str]:
-        """Names the optimizer updates: under `prefix`, neither untrained nor a routing bias (the
-        balancing sets those) nor under one of `exclude`."""
-        return [n for n in self.params if n.startswith(prefix) and not n.startswith(UNTRAINED_PREFIXES + exclude)
-                and not n.endswith(("gate.bias", "gate.bias_vl"))]
+        return trainable_names(self.params, prefix, exclude)
 
     def weights(self, qat: bool) -> dict[str, torch.Tensor]:
         """What a forward reads: the master weights, or (qat) each on its storage grid with the
