@@ -5,7 +5,9 @@ split of the training corpus (`train.corpus`: the standard library by file), so 
 the trained miniature and on the random tiny checkpoint of the same geometry sets the two side by
 side. Everything returned is numbers and lists (JSON-ready); the arithmetic a figure states is in
 small pure functions here (`spread`, `mutual_information`, `index_recall`, `frequency_bins`,
-`token_class`) so tests hold it on crafted inputs. Observation goes through the model's sites and
+`token_class`) so tests hold it on crafted inputs, and so are the chance levels a figure reads a
+number against (`shuffled_mutual_information`, `uniform_routing_loads`: fixed seeds). Input a study
+cannot measure (no texts, no tokens, an empty count table) is a `LearnedError` in one sentence. Observation goes through the model's sites and
 traces; the measurements the package already owns are called, not redone: the expert-cache replay
 (`cache_policy.policy_data`), speculative decoding's acceptance and calibration
 (`speculative.Speculation`), the prefill / decode comparison (`generate.compare_prefill_decode`)
@@ -23,8 +25,10 @@ import numpy as np
 import torch
 
 from .cache_policy import policy_data
+from .errors import Dsv41Error
 from .generate import as_prompt
 from .speculative import Speculation
+from .text import brief
 from .trace import ForwardTrace
 
 # The classes a decoded token falls in, in the order figures and matrices list them.
@@ -34,6 +38,33 @@ _PUNCTUATION = frozenset(string.punctuation)
 FREQUENCY_EDGES = (0, 1, 2, 4, 16, 64, 256, 1024)
 CACHE_CAPACITIES = (2, 4, 6, 8, 12)
 MIN_CLASS_TOKENS = 20
+# Chance baselines are averages over random draws with a fixed seed, so a figure is the same every run:
+# shuffled class-expert pairings for the mutual information's small-sample bias, and uniform random
+# routing for the balance a router would show by luck alone.
+MI_SHUFFLES = 32
+CHANCE_DRAWS = 2000
+CHANCE_SEED = 0
+
+
+class LearnedError(Dsv41Error, ValueError):
+    """A study or its arithmetic was handed input it cannot measure; the message says which and why."""
+
+
+def _count(value, name: str, low: int) -> int:
+    """`value` as a whole number >= low, else one sentence naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise LearnedError(f"{name} must be a whole number >= {low}, got {brief(value)}")
+    return int(value)
+
+
+def _texts(texts: Sequence[str]) -> list[str]:
+    texts = list(texts)
+    if not texts:
+        raise LearnedError("the study got no texts; pass at least one (e.g. learned.held_out_texts(n))")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str) or not text:
+            raise LearnedError(f"text {i} is {brief(text)}; every text must be a non-empty string")
+    return texts
 
 
 # ---------------------------------------------------------------------- held-out text
@@ -43,10 +74,11 @@ def held_out_texts(n: int, chars: int = 1600, corpus=None) -> list[str]:
     (past the module docstring, where the code is)."""
     from .train.corpus import load_corpus
 
+    n, chars = _count(n, "the number of held-out excerpts", 1), _count(chars, "chars", 1)
     corpus = corpus or load_corpus()
     names = [name for name in sorted(corpus.held_out) if name.endswith(".py") and len(corpus.held_out[name]) > chars]
-    if n < 1 or not names:
-        raise ValueError(f"asked for {n} held-out excerpts; the held-out split has {len(names)} long enough")
+    if not names:
+        raise LearnedError(f"no held-out Python file is longer than {chars:,} characters; ask for shorter excerpts")
     picked = [names[(i * len(names)) // n] for i in range(min(n, len(names)))]
     out = []
     for name in picked:
@@ -57,9 +89,17 @@ def held_out_texts(n: int, chars: int = 1600, corpus=None) -> list[str]:
     return out
 
 
-def prompt_ids(model, text: str, tokens: int) -> list[int]:
-    """`text` as the model's prompt ids (BOS first where the model adds one), cut to `tokens`."""
-    return as_prompt(model, text).ids[:tokens]
+def prompt_ids(model, text: str, tokens: int, at_least: int = 1) -> list[int]:
+    """`text` as the model's prompt ids (BOS first where the model adds one), cut to `tokens`; a
+    text that gives fewer than `at_least` ids is refused (a study would have nothing to measure)."""
+    tokens = _count(tokens, "tokens", at_least)
+    if not isinstance(text, str) or not text:
+        raise LearnedError(f"the text is {brief(text)}; a study needs a non-empty string")
+    ids = as_prompt(model, text).ids[:tokens]
+    if len(ids) < at_least:
+        raise LearnedError(f"the text {brief(text)} gives {len(ids)} token id(s); this study needs at least "
+                           f"{at_least}: give a longer text")
+    return ids
 
 
 # ---------------------------------------------------------------------- token classes
@@ -94,24 +134,102 @@ def token_classes(model, ids: Sequence[int]) -> list[Optional[int]]:
 # ---------------------------------------------------------------------- arithmetic
 def spread(p: np.ndarray) -> np.ndarray:
     """Entropy of each row of `p` (non-negative, normalized here) over log(width): 1 is uniform,
-    0 one entry. `p` [..., E] -> [...]."""
+    0 one entry. `p` [..., E] -> [...]. A row of zeros has no distribution to spread, so it is
+    refused rather than read as 0 (one entry) or 1 (uniform); so are a width below 2 (log 1 = 0),
+    negative and non-finite entries."""
     p = np.asarray(p, dtype=np.float64)
-    p = p / p.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        h = -np.where(p > 0, p * np.log(p), 0.0).sum(axis=-1)
+    if p.ndim == 0 or p.shape[-1] < 2:
+        raise LearnedError(f"spread needs rows of at least 2 entries (entropy over log width), got shape {p.shape}")
+    if not np.isfinite(p).all() or (p < 0).any():
+        raise LearnedError("spread takes finite non-negative weights; this input has a negative, NaN or infinite entry")
+    with np.errstate(over="ignore"):  # an overflowing sum is refused just below, not warned about
+        total = p.sum(axis=-1, keepdims=True)
+    if not np.isfinite(total).all():
+        raise LearnedError("spread's rows sum past the float64 range; scale the weights down")
+    empty = int((total == 0).sum())
+    if empty:
+        raise LearnedError(f"{empty} of {total.size} rows given to spread are all zero: an empty row has no "
+                           "distribution, so its spread is undefined; drop it or count something into it")
+    p = p / total
+    # 0.0 minus the sum: a one-entry row gives +0.0, not -0.0; the same bits otherwise
+    h = 0.0 - np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0).sum(axis=-1)
     return h / math.log(p.shape[-1])
 
 
 def mutual_information(counts: np.ndarray) -> float:
-    """I(row; column) in bits of a joint count table [classes, experts]."""
+    """I(row; column) in bits of a joint count table [classes, experts]. An empty table (no counts)
+    is refused: it has no joint distribution, and 0 bits would read as "independent"."""
     joint = np.asarray(counts, dtype=np.float64)
-    total = joint.sum()
+    if joint.ndim != 2:
+        raise LearnedError(f"mutual_information takes a 2-D count table [classes, experts], got shape {joint.shape}")
+    if not np.isfinite(joint).all() or (joint < 0).any():
+        raise LearnedError("mutual_information takes finite non-negative counts; this table has a negative, NaN or "
+                           "infinite entry")
+    with np.errstate(over="ignore"):  # an overflowing sum is refused just below, not warned about
+        total = joint.sum()
     if total == 0:
-        return 0.0
+        raise LearnedError(f"the {joint.shape[0]} x {joint.shape[1]} count table holds no counts: with nothing "
+                           "counted the mutual information is undefined")
+    if not np.isfinite(total):
+        raise LearnedError("the count table sums past the float64 range; scale the counts down")
     joint = joint / total
     rows, cols = joint.sum(1, keepdims=True), joint.sum(0, keepdims=True)
     inside = joint > 0
     return float((joint[inside] * np.log2(joint[inside] / (rows @ cols)[inside])).sum())
+
+
+def class_expert_counts(classes: Sequence[int], chosen: np.ndarray, n_classes: int, n_experts: int) -> np.ndarray:
+    """The joint count table [n_classes, n_experts] of tokens' classes and the experts each chose:
+    `classes` [n] (class index per token), `chosen` [n, k]; every (token, chosen expert) adds one."""
+    classes = np.asarray(classes, dtype=np.int64).reshape(-1)
+    chosen = np.asarray(chosen, dtype=np.int64)
+    if chosen.ndim != 2 or len(chosen) != len(classes):
+        raise LearnedError(f"{len(classes)} token classes but chosen experts of shape {chosen.shape}; "
+                           "give one row of chosen experts per token")
+    if len(classes) and not (0 <= classes.min() and classes.max() < n_classes):
+        raise LearnedError(f"a token class lies outside 0..{n_classes - 1}")
+    if chosen.size and not (0 <= chosen.min() and chosen.max() < n_experts):
+        raise LearnedError(f"a chosen expert lies outside 0..{n_experts - 1}")
+    table = np.zeros((n_classes, n_experts), dtype=np.int64)
+    np.add.at(table, (np.repeat(classes, chosen.shape[1]), chosen.reshape(-1)), 1)  # [n * k] pairs
+    return table
+
+
+def shuffled_mutual_information(classes: Sequence[int], chosen: np.ndarray, n_classes: int, n_experts: int,
+                                shuffles: int = MI_SHUFFLES, seed: int = CHANCE_SEED) -> float:
+    """Mean I(class; expert) in bits over `shuffles` random pairings of the tokens' classes with
+    their chosen experts (the classes permuted, fixed seed): what the plug-in estimate shows for a
+    router that ignores the class, on this many tokens: its small-sample bias, the level an
+    observed value is read against."""
+    shuffles = _count(shuffles, "shuffles", 1)
+    classes = np.asarray(classes, dtype=np.int64).reshape(-1)
+    rng = np.random.default_rng(seed)
+    return float(np.mean([mutual_information(class_expert_counts(rng.permutation(classes), chosen, n_classes,
+                                                                 n_experts)) for _ in range(shuffles)]))
+
+
+def uniform_routing_loads(n_tokens: int, n_experts: int, top_k: int, draws: int = CHANCE_DRAWS,
+                          seed: int = CHANCE_SEED) -> np.ndarray:
+    """Expert loads [draws, n_experts] of `n_tokens` tokens each sending to `top_k` distinct experts
+    picked uniformly at random (fixed seed): the balance a router shows by chance on that many tokens."""
+    n_tokens, draws = _count(n_tokens, "n_tokens", 1), _count(draws, "draws", 1)
+    n_experts, top_k = _count(n_experts, "n_experts", 1), _count(top_k, "top_k", 1)
+    if top_k > n_experts:
+        raise LearnedError(f"top_k = {top_k} experts of {n_experts}: a token cannot choose more experts than exist")
+    rng = np.random.default_rng(seed)
+    loads = np.zeros((draws, n_experts), dtype=np.int64)
+    per_chunk = max(1, (1 << 22) // (n_tokens * top_k))  # bounds the picks held at once to ~4M numbers
+    for start in range(0, draws, per_chunk):
+        m = min(per_chunk, draws - start)
+        # each token's k distinct experts by Floyd's sampling (a uniform k-subset in k draws, so the
+        # cost follows k, not E): step j draws t in [0, j] and takes j instead if t is taken already
+        picks = np.empty((m, n_tokens, top_k), dtype=np.int64)
+        for i, j in enumerate(range(n_experts - top_k, n_experts)):
+            t = rng.integers(0, j + 1, size=(m, n_tokens))
+            picks[..., i] = np.where((picks[..., :i] == t[..., None]).any(-1), j, t)
+        flat = (picks.reshape(m, -1) + n_experts * np.arange(m)[:, None]).reshape(-1)  # [m * n_tokens * k] slots
+        loads[start : start + m] = np.bincount(flat, minlength=m * n_experts).reshape(m, n_experts)
+    return loads
 
 
 def index_recall(target: torch.Tensor, selected: torch.Tensor, reachable: torch.Tensor, k: int) -> dict:
@@ -122,6 +240,11 @@ def index_recall(target: torch.Tensor, selected: torch.Tensor, reachable: torch.
     that reach more than k positions (fewer are taken whole): recall, the fraction of the target's
     top-k the selection holds; mass, the target's probability on the selection; chance, k /
     reachable (a random k of the reachable positions: its expected recall and mass alike)."""
+    k = _count(k, "k (positions an indexer keeps)", 1)
+    if not (target.dim() == 2 and selected.dim() == 2 and reachable.dim() == 1
+            and target.size(0) == selected.size(0) == reachable.size(0)):
+        raise LearnedError(f"index_recall takes target [s, T], selected [s, k'] and reachable [s] over the same "
+                           f"queries, got {tuple(target.shape)}, {tuple(selected.shape)} and {tuple(reachable.shape)}")
     rows = torch.nonzero(reachable > k).flatten()
     recall, mass, chance = [], [], []
     for q in rows.tolist():
@@ -137,7 +260,13 @@ def index_recall(target: torch.Tensor, selected: torch.Tensor, reachable: torch.
 def frequency_bins(counts: Sequence[int], values: Sequence[float], edges: Sequence[int] = FREQUENCY_EDGES) -> dict:
     """`values` grouped by the bin of the matching `counts` ([edges[i], edges[i + 1]), the last
     bin open): per bin its label, how many values and their mean (None when empty)."""
-    counts, values = np.asarray(counts), np.asarray(values, dtype=np.float64)
+    counts, values = np.asarray(counts, dtype=np.int64).reshape(-1), np.asarray(values, dtype=np.float64).reshape(-1)
+    if len(counts) != len(values):
+        raise LearnedError(f"{len(counts)} counts but {len(values)} values; frequency_bins pairs them one to one")
+    if not len(edges) or list(edges) != sorted(set(edges)):
+        raise LearnedError(f"bin edges must be one or more strictly increasing counts, got {brief(list(edges))}")
+    if len(counts) and counts.min() < edges[0]:
+        raise LearnedError(f"a count of {int(counts.min())} lies below the first bin edge {edges[0]}")
     which = np.searchsorted(np.asarray(edges), counts, side="right") - 1
     labels = [_bin_label(lo, edges[i + 1] if i + 1 < len(edges) else None) for i, lo in enumerate(edges)]
     n = [int((which == i).sum()) for i in range(len(edges))]
@@ -176,6 +305,9 @@ def expected_affinity_spread(sigmas: Sequence[float], n_experts: int, score_func
     the measured spread against its logit scale (fixed seed, `samples` tokens per sigma)."""
     from .moe import expert_scores
 
+    n_experts, samples = _count(n_experts, "n_experts", 2), _count(samples, "samples", 1)
+    if not all(math.isfinite(float(s)) and float(s) >= 0 for s in sigmas):
+        raise LearnedError(f"sigmas must be finite standard deviations >= 0, got {brief(list(sigmas))}")
     unit = torch.randn(samples, n_experts, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     return [float(spread(expert_scores(unit * float(s), score_func).numpy()).mean()) for s in sigmas]
 
@@ -185,7 +317,10 @@ def spread_given_token(ids: Sequence[int], chosen: np.ndarray, n_experts: int, m
     chose (its positions pooled), with how many ids counted (None and 0 when none is that frequent).
     `chosen` [positions, k]. A router that sends every occurrence of an id to the same k experts
     gives log k / log E."""
-    ids = np.asarray(ids)
+    ids, chosen = np.asarray(ids, dtype=np.int64).reshape(-1), np.asarray(chosen)
+    min_count = _count(min_count, "min_count", 1)
+    if len(chosen) != len(ids):
+        raise LearnedError(f"{len(ids)} token ids but {len(chosen)} rows of chosen experts; give one row per id")
     values, counts = np.unique(ids, return_counts=True)
     frequent = values[counts >= min_count]
     per_id = [float(spread(np.bincount(chosen[ids == i].reshape(-1), minlength=n_experts))) for i in frequent]
@@ -199,47 +334,54 @@ def routing_study(model, texts: Sequence[str], tokens: int) -> dict:
     standard deviation over the experts: the scale the spread follows, `expected_affinity_spread`),
     token_spread (`spread_given_token` with MIN_CLASS_TOKENS, its floor log k / log E as
     token_spread_floor), load_spread (entropy of the experts' load over one
-    text / log E, notebook 05's balance measure, averaged over texts), class_share [class][expert]
-    (the fraction of a class's tokens that chose the expert; a row sums to top-k),
-    mutual_information_bits (between a token's class and each expert it chose), max_class_share
-    (the largest entry of class_share among classes of at least MIN_CLASS_TOKENS tokens, with its
-    class and expert; top-k / E if routing ignored the class) and class_tokens."""
+    text / log E, notebook 05's balance measure, averaged over texts) with load_spread_chance (the
+    same under uniform random routing of each text's token count, `uniform_routing_loads`),
+    class_share [class][expert] (the fraction of a class's tokens that chose the expert; a row sums
+    to top-k), mutual_information_bits (between a token's class and each expert it chose) with
+    mutual_information_shuffled_bits (`shuffled_mutual_information`: the estimate's level when
+    routing ignores the class), max_class_share (the largest entry of class_share among classes of
+    at least MIN_CLASS_TOKENS tokens, with its class and expert; top-k / E if routing ignored the
+    class) and class_tokens."""
+    texts = _texts(texts)
     cfg = model.cfg
     n_experts, top_k = cfg.n_routed_experts, cfg.n_activated_experts
-    joint: dict[int, np.ndarray] = {}
     load_spread: dict[int, list[float]] = {}
     router = _Router()
     chosen_by_layer: dict[int, list[np.ndarray]] = {}
     all_ids: list[int] = []
-    class_tokens = np.zeros(len(TOKEN_CLASSES), dtype=np.int64)
+    all_classes: list[Optional[int]] = []
+    lengths: list[int] = []
     for text in texts:
         ids = prompt_ids(model, text, tokens)
-        classes = token_classes(model, ids)
         trace = ForwardTrace()
         model.reset()
         with model.sites.hooks({"layers.*.ffn": router}):
             model(torch.tensor([ids]), 0, trace=trace)
         model.reset()
         all_ids += ids
-        for c in classes:
-            if c is not None:
-                class_tokens[c] += 1
+        all_classes += token_classes(model, ids)
+        lengths.append(len(ids))
         for layer, rec in trace.routing_by_layer().items():
             chosen = rec["expert_ids"][0].numpy()  # [s, k]
             chosen_by_layer.setdefault(layer, []).append(chosen)
-            table = joint.setdefault(layer, np.zeros((len(TOKEN_CLASSES), n_experts), dtype=np.int64))
-            for c, row in zip(classes, chosen):
-                if c is not None:
-                    np.add.at(table[c], row, 1)
             load = np.bincount(chosen.reshape(-1), minlength=n_experts)
             load_spread.setdefault(layer, []).append(float(spread(load)))
-    layers = sorted(joint)
-    given = {layer: spread_given_token(all_ids, np.concatenate(chosen_by_layer[layer]), n_experts, MIN_CLASS_TOKENS)
+    layers = sorted(chosen_by_layer)
+    if not layers:
+        raise LearnedError("the model routed no token through an MoE layer; routing_study needs a model with MoE layers")
+    chosen = {layer: np.concatenate(chosen_by_layer[layer]) for layer in layers}  # [all positions, k]
+    classed = np.array([c is not None for c in all_classes])  # special tokens decode to nothing: no class
+    classes = np.array([c for c in all_classes if c is not None], dtype=np.int64)
+    class_tokens = np.bincount(classes, minlength=len(TOKEN_CLASSES))
+    joint = {layer: class_expert_counts(classes, chosen[layer][classed], len(TOKEN_CLASSES), n_experts)
              for layer in layers}
+    given = {layer: spread_given_token(all_ids, chosen[layer], n_experts, MIN_CLASS_TOKENS) for layer in layers}
     share = {layer: joint[layer] / np.maximum(class_tokens[:, None], 1) for layer in layers}
     counted = class_tokens >= MIN_CLASS_TOKENS  # a class of a few tokens would show a share of 1 by chance
     best = {layer: np.unravel_index(int(np.where(counted[:, None], share[layer], -1).argmax()), share[layer].shape)
             for layer in layers}
+    # one expected value per distinct text length, averaged over the texts as load_spread is
+    chance = {n: float(spread(uniform_routing_loads(n, n_experts, top_k)).mean()) for n in sorted(set(lengths))}
     return {
         "layers": layers, "n_experts": n_experts, "top_k": top_k, "texts": len(texts), "tokens": tokens,
         "classes": list(TOKEN_CLASSES), "class_tokens": class_tokens.tolist(),
@@ -248,17 +390,23 @@ def routing_study(model, texts: Sequence[str], tokens: int) -> dict:
         "token_spread": [given[layer][0] for layer in layers], "token_spread_ids": [given[layer][1] for layer in layers],
         "token_spread_floor": math.log(top_k) / math.log(n_experts),
         "load_spread": [float(np.mean(load_spread[layer])) for layer in layers],
+        "load_spread_chance": float(np.mean([chance[n] for n in lengths])), "text_tokens": lengths,
         "class_share": [share[layer].tolist() for layer in layers],
         "mutual_information_bits": [mutual_information(joint[layer]) for layer in layers],
+        "mutual_information_shuffled_bits": [
+            shuffled_mutual_information(classes, chosen[layer][classed], len(TOKEN_CLASSES), n_experts)
+            for layer in layers],
         "max_class_share": [float(share[layer][best[layer]]) for layer in layers],
         "max_class_share_at": [[TOKEN_CLASSES[int(best[layer][0])], int(best[layer][1])] for layer in layers],
-        "uniform_class_share": top_k / n_experts, "min_class_tokens": MIN_CLASS_TOKENS}
+        "uniform_class_share": top_k / n_experts, "min_class_tokens": MIN_CLASS_TOKENS,
+        "chance": {"shuffles": MI_SHUFFLES, "draws": CHANCE_DRAWS, "seed": CHANCE_SEED}}
 
 
 # ---------------------------------------------------------------------- b: Engram gates
 def ngram_counts(stream: np.ndarray, base: int, n: int = 2) -> tuple[np.ndarray, np.ndarray]:
     """The distinct n-grams of a token stream (ids below `base`) as keys (int64, sorted: the ids
     read as digits in base `base`) and their counts."""
+    n = _count(n, "n (the n-gram length)", 1)
     stream = np.asarray(stream, dtype=np.int64)
     if len(stream) < n:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
@@ -271,8 +419,12 @@ def ngram_counts(stream: np.ndarray, base: int, n: int = 2) -> tuple[np.ndarray,
 
 def lookup_counts(ids: Sequence[int], table: tuple[np.ndarray, np.ndarray], base: int, n: int = 2) -> np.ndarray:
     """Per position p >= n - 1 of `ids`, how often the n-gram ending there occurs in `table`
-    (`ngram_counts` of a stream whose largest id + 1 is `base`) -> [len(ids) - n + 1]."""
-    ids = np.asarray(ids, dtype=np.int64)
+    (`ngram_counts` of a stream whose largest id + 1 is `base`) -> [len(ids) - n + 1]; empty when
+    fewer than n ids (no n-gram ends in them)."""
+    n = _count(n, "n (the n-gram length)", 1)
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if len(ids) < n:
+        return np.zeros(0, dtype=np.int64)
     keys = np.zeros(len(ids) - n + 1, dtype=np.int64)
     for i in range(n):
         keys = keys * base + ids[i : len(ids) - n + 1 + i]
@@ -294,13 +446,19 @@ def counting_stream(model, docs: dict[str, str], every: int = 1) -> np.ndarray:
 def engram_study(model, texts: Sequence[str], tokens: int, stream: np.ndarray) -> dict:
     """Per Engram layer, the gate (mean over the hyper-connection copies) of every token after the
     first of each text, binned by how often its bigram (previous token, token) occurs in `stream`:
-    per bin the tokens and mean gate; also the correlation of the gate with log(1 + count)."""
+    per bin the tokens and mean gate; also the correlation of the gate with log(1 + count). A text
+    must give at least 2 ids (`tokens` >= 2): the first has no bigram."""
+    texts = _texts(texts)
+    stream = np.asarray(stream, dtype=np.int64).reshape(-1)
+    if len(stream) < 2:
+        raise LearnedError(f"the counting stream holds {len(stream)} token(s); bigram counts need at least 2 "
+                           "(learned.counting_stream of a non-empty corpus)")
     base = max(int(np.max(stream)) + 1, model.cfg.vocab_size)
     table = ngram_counts(stream, base, 2)
     gates: dict[int, list[np.ndarray]] = {}
     counts: list[np.ndarray] = []
     for text in texts:
-        ids = prompt_ids(model, text, tokens)
+        ids = prompt_ids(model, text, tokens, at_least=2)
         trace = ForwardTrace()
         model.reset()
         model(torch.tensor([ids]), 0, trace=trace)
@@ -310,6 +468,8 @@ def engram_study(model, texts: Sequence[str], tokens: int, stream: np.ndarray) -
             gates.setdefault(layer, []).append(rec["gate"][0, 1:].float().mean(-1).numpy())  # [s - 1]
     count = np.concatenate(counts)
     layers = sorted(gates)
+    if not layers:
+        raise LearnedError("the model has no Engram layer; engram_study needs one")
     out = {"layers": layers, "ngram": 2, "counted_tokens": int(len(stream)), "tokens": int(len(count)),
            "bins": {}, "correlation_with_log_count": [], "mean_gate": []}
     for layer in layers:
@@ -331,6 +491,7 @@ def indexer_study(model, checkpoint: str, texts: Sequence[str], tokens: int) -> 
     of `checkpoint` (`train.twin`), the same arithmetic as the loaded model's."""
     from .train.twin import Twin
 
+    texts = _texts(texts)
     twin = Twin.from_checkpoint(checkpoint)
     k = model.cfg.index_topk
     per: dict[int, dict[str, list]] = {}
@@ -362,6 +523,9 @@ def speculative_study(model, texts: Sequence[str], prompt_tokens: int, new_token
     (`model` loaded with `Numerics.parity()`, where the two must agree token for token), the steps of
     every prompt pooled: acceptance by draft position, calibration of the confidence head, tokens
     per target forward, and per prompt whether the outputs are equal."""
+    texts = _texts(texts)
+    prompt_tokens = _count(prompt_tokens, "prompt_tokens", 1)
+    new_tokens = _count(new_tokens, "new_tokens", 2)  # the first new token comes from the prefill, unspeculated
     steps, equal = [], []
     for text in texts:
         ids = prompt_ids(model, text, prompt_tokens)
@@ -385,9 +549,15 @@ def cache_study(model, text: str, prompt_tokens: int, new_tokens: int,
     """A greedy generation from `text`'s first `prompt_tokens` ids with a trace, its routing
     replayed through LRU, LFU, static top-N and Belady at `capacities` (`cache_policy.policy_data`):
     the hit rate over all layers per policy and size, and the compulsory limit (every size)."""
+    prompt_tokens, new_tokens = _count(prompt_tokens, "prompt_tokens", 1), _count(new_tokens, "new_tokens", 1)
+    n_experts = model.cfg.n_routed_experts
+    capacities = list(capacities)
+    if not capacities or not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) and 0 <= c <= n_experts
+                                 for c in capacities):
+        raise LearnedError(f"capacities must be one or more whole cache sizes from 0 to {n_experts} experts, "
+                           f"got {brief(capacities)}")
     result = model.generate(prompt_ids(model, text, prompt_tokens), max_new_tokens=new_tokens,
                             stop_at_eos=False, trace=True)
-    n_experts = model.cfg.n_routed_experts
     data = policy_data(result, capacities=sorted({*capacities, n_experts}), n_experts=n_experts, cfg=model.cfg)
     wanted = [data["capacities"].index(c) for c in capacities]
     return {"capacities": list(capacities), "policies": data["policies"], "policy_names": data["policy_names"],
@@ -403,7 +573,10 @@ def tie_study(model, ids: Sequence[int]) -> dict:
     the model's numerics: where logits, greedy tokens, indexer selections and routing first part,
     and at the indexer's top-k cuts of the prefill how many queries were truncated, how many sat on
     an exact tie and the smallest gap between the k-th and (k+1)-th score relative to the k-th."""
-    cmp = model.compare_prefill_decode(list(ids))
+    ids = list(ids)
+    if not ids:
+        raise LearnedError("tie_study got no token ids; give at least one (learned.prompt_ids of a text)")
+    cmp = model.compare_prefill_decode(ids)
     truncated = ties = 0
     gaps = []
     for rec in cmp.prefill_trace.attention:

@@ -1,13 +1,18 @@
 """The arithmetic of dsv41.learned on crafted inputs: token classes, spread, mutual information,
 indexer recall and the n-gram frequency bins."""
 
+import itertools
 import math
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from dsv41 import learned
+from dsv41.errors import Dsv41Error
 
 
 @pytest.mark.parametrize("text, cls", [
@@ -30,7 +35,9 @@ def test_mutual_information():
     assert learned.mutual_information(np.ones((3, 4))) == pytest.approx(0.0)
     # two classes, each on its own expert: one bit
     assert learned.mutual_information(np.array([[5, 0], [0, 5]])) == pytest.approx(1.0)
-    assert learned.mutual_information(np.zeros((2, 2))) == 0.0
+    # an empty table has no joint distribution: refused, not read as 0 bits ("independent")
+    with pytest.raises(learned.LearnedError, match="holds no counts"):
+        learned.mutual_information(np.zeros((2, 2)))
 
 
 def test_index_recall_on_crafted_selections():
@@ -82,3 +89,164 @@ def test_spread_given_token():
     assert counted == 2
     assert value == pytest.approx((0.5 + 1.0) / 2)  # log 2 / log 4 for id 5, uniform over 4 for id 7
     assert learned.spread_given_token(ids, chosen, 4, min_count=4) == (None, 0)
+
+
+# ---------------------------------------------------------------------- bad input: one sentence, no numpy warnings
+def _refused(call, match: str):
+    """`call` raises LearnedError (a Dsv41Error and a ValueError) matching `match`."""
+    with pytest.raises(learned.LearnedError, match=match) as info:
+        call()
+    assert isinstance(info.value, Dsv41Error) and isinstance(info.value, ValueError)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.filterwarnings("error")
+def test_spread_of_nothing_is_refused_not_read_as_one_expert():
+    # before: -0.0 (reads as "one expert") with a RuntimeWarning
+    _refused(lambda: learned.spread(np.zeros(4)), "all zero")
+    _refused(lambda: learned.spread(np.array([[1.0, 2.0], [0.0, 0.0]])), "1 of 2 rows")
+    _refused(lambda: learned.spread(np.zeros(0)), "at least 2 entries")
+    _refused(lambda: learned.spread(np.ones(1)), "at least 2 entries")  # log 1 = 0
+    _refused(lambda: learned.spread(np.float64(3.0)), "at least 2 entries")
+    for bad in (-1.0, np.nan, np.inf):
+        _refused(lambda: learned.spread(np.array([1.0, bad, 1.0])), "non-negative")
+    _refused(lambda: learned.spread(np.array([1e308, 1e308])), "float64 range")
+    # one entry is 0 and says so with a plus sign
+    one = learned.spread(np.array([0.0, 5.0, 0.0]))
+    assert one == 0.0 and math.copysign(1.0, one) == 1.0
+
+
+@pytest.mark.filterwarnings("error")
+def test_arithmetic_refuses_empty_and_bad_arguments():
+    _refused(lambda: learned.mutual_information(np.zeros((0, 4))), "holds no counts")
+    _refused(lambda: learned.mutual_information(np.array([1, 2])), "2-D count table")
+    _refused(lambda: learned.mutual_information(np.array([[1, -1], [1, 1]])), "non-negative")
+    target, reachable = torch.rand(3, 4), torch.tensor([3, 4, 2])
+    # k = 0 was a ZeroDivisionError
+    _refused(lambda: learned.index_recall(target, torch.zeros(3, 2, dtype=torch.long), reachable, 0), "k .* >= 1")
+    _refused(lambda: learned.index_recall(target, torch.zeros(2, 2, dtype=torch.long), reachable, 2), "same queries")
+    _refused(lambda: learned.frequency_bins([1, 2], [0.1]), "2 counts but 1 values")
+    _refused(lambda: learned.frequency_bins([-1], [0.1]), "below the first bin edge")  # was silently dropped
+    _refused(lambda: learned.frequency_bins([1], [0.1], edges=(0, 4, 2)), "strictly increasing")
+    _refused(lambda: learned.frequency_bins([1], [0.1], edges=()), "strictly increasing")
+    _refused(lambda: learned.ngram_counts(np.array([1, 2]), 4, n=0), "n-gram length")
+    table = learned.ngram_counts(np.array([1, 2, 1]), 4)
+    assert learned.lookup_counts([], table, 4).tolist() == [] == learned.lookup_counts([1], table, 4).tolist()
+    _refused(lambda: learned.spread_given_token([1, 2], np.zeros((1, 2), dtype=int), 4, 1), "one row per id")
+    _refused(lambda: learned.spread_given_token([1], np.zeros((1, 2), dtype=int), 4, 0), "min_count")
+    assert learned.spread_given_token([], np.zeros((0, 2), dtype=int), 4, 1) == (None, 0)
+    _refused(lambda: learned.expected_affinity_spread([1.0], 1, "sqrtsoftplus"), "n_experts")
+    _refused(lambda: learned.expected_affinity_spread([1.0], 16, "sqrtsoftplus", samples=0), "samples")
+    _refused(lambda: learned.expected_affinity_spread([float("nan")], 16, "sqrtsoftplus"), "sigmas")
+    _refused(lambda: learned.held_out_texts(0), "held-out excerpts")
+    _refused(lambda: learned.held_out_texts(2, chars=10**9), "no held-out Python file")
+    _refused(lambda: learned.uniform_routing_loads(0, 16, 4), "n_tokens")
+    _refused(lambda: learned.uniform_routing_loads(4, 4, 5), "more experts than exist")
+    _refused(lambda: learned.class_expert_counts([0, 1], np.zeros((3, 2), dtype=int), 2, 4), "one row of chosen")
+    _refused(lambda: learned.class_expert_counts([0, 5], np.zeros((2, 2), dtype=int), 2, 4), "token class")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_checkpoint):
+    import dsv41
+
+    return dsv41.load(tiny_checkpoint, quiet=True)
+
+
+@pytest.mark.filterwarnings("error")
+def test_studies_refuse_no_texts_and_no_tokens(tiny_model, tiny_checkpoint):
+    m, texts = tiny_model, ["def f(x):\n    return x + 1\n"]
+    for study in (lambda t, n: learned.routing_study(m, t, n), lambda t, n: learned.indexer_study(m, tiny_checkpoint, t, n),
+                  lambda t, n: learned.engram_study(m, t, n, np.array([1, 2, 3])),
+                  lambda t, n: learned.speculative_study(m, t, n, 4)):
+        _refused(lambda: study([], 8), "no texts")  # was a concatenate error or an empty result
+        _refused(lambda: study([""], 8), "non-empty string")
+        _refused(lambda: study(texts, 0), ">= [12]")  # tokens=0 was "token ids must be whole numbers" (float ids)
+        _refused(lambda: study(texts, -1), ">= [12]")  # -1 cut the last id silently
+    _refused(lambda: learned.engram_study(m, texts, 1, np.array([1, 2, 3])), "tokens must be a whole number >= 2")
+    _refused(lambda: learned.engram_study(m, texts, 8, np.zeros(0, dtype=np.int64)), "counting stream holds 0")
+    _refused(lambda: learned.speculative_study(m, texts, 8, 0), "new_tokens")
+    _refused(lambda: learned.speculative_study(m, texts, 0, 4), "prompt_tokens")
+    _refused(lambda: learned.cache_study(m, texts[0], 0, 4), "prompt_tokens")
+    _refused(lambda: learned.cache_study(m, texts[0], 8, 0), "new_tokens")
+    _refused(lambda: learned.cache_study(m, texts[0], 8, 2, capacities=()), "capacities")
+    _refused(lambda: learned.cache_study(m, texts[0], 8, 2, capacities=(2, 99)), "capacities")
+    _refused(lambda: learned.tie_study(m, []), "no token ids")
+    _refused(lambda: learned.prompt_ids(m, "x", 50, at_least=30), r"token id\(s\); this study needs at least 30")
+
+
+@settings(max_examples=60, deadline=None)
+@given(hnp.arrays(np.float64, hnp.array_shapes(min_dims=1, max_dims=2, min_side=0, max_side=5),
+                  elements=st.one_of(st.just(0.0), st.floats(-1.0, 1e3), st.just(np.nan), st.just(np.inf))))
+def test_spread_answers_any_array_with_a_value_in_range_or_one_sentence(p):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            h = np.asarray(learned.spread(p))
+        except learned.LearnedError:
+            return
+    assert np.isfinite(h).all() and (h >= 0).all() and (h <= 1 + 1e-12).all()
+    assert not np.signbit(h).any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(hnp.arrays(np.int64, hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=4), elements=st.integers(-2, 50)))
+def test_mutual_information_answers_any_table_with_bits_or_one_sentence(counts):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            bits = learned.mutual_information(counts)
+        except learned.LearnedError:
+            return
+    assert counts.ndim == 2 and counts.min() >= 0 and counts.sum() > 0
+    assert -1e-12 <= bits <= math.log2(min(counts.shape)) + 1e-12
+
+
+# ---------------------------------------------------------------------- chance baselines
+def test_class_expert_counts_and_the_shuffled_baseline():
+    classes = [0, 0, 1, 1]
+    chosen = np.array([[0, 1], [0, 1], [2, 3], [2, 3]])  # each class on its own two experts
+    table = learned.class_expert_counts(classes, chosen, 2, 4)
+    assert table.tolist() == [[2, 2, 0, 0], [0, 0, 2, 2]]
+    assert learned.mutual_information(table) == pytest.approx(1.0)
+    shuffled = learned.shuffled_mutual_information(classes, chosen, 2, 4, shuffles=64)
+    assert shuffled < 1.0 and shuffled == learned.shuffled_mutual_information(classes, chosen, 2, 4, shuffles=64)
+    # one class: every pairing is the same table, 0 bits
+    assert learned.shuffled_mutual_information([0, 0, 0], chosen[:3], 1, 4) == pytest.approx(0.0, abs=1e-12)
+
+
+def miller_madow_bits(n_classes: int, n_experts: int, n_tokens: int, top_k: int) -> float:
+    """The plug-in estimate's expected bias when routing ignores the class: (R - 1)(C - 1) / (2 N ln 2)
+    bits over N = tokens x k pairs, times (E - k) / (E - 1) since a token's k experts are distinct
+    (drawn without replacement, which narrows each class's expert counts by that factor)."""
+    return (n_classes - 1) * (n_experts - 1) / (2 * n_tokens * top_k * math.log(2)) * (n_experts - top_k) / (n_experts - 1)
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_the_shuffled_baseline_is_the_plug_in_estimates_small_sample_bias(top_k):
+    # routing that ignores the class: the shuffled baseline measures the estimate's bias
+    rng = np.random.default_rng(7)
+    n, n_classes, n_experts = 600, 4, 8
+    classes = rng.integers(0, n_classes, n)
+    chosen = np.argsort(rng.random((n, n_experts)), axis=1)[:, :top_k]  # k distinct experts a token
+    assert learned.shuffled_mutual_information(classes, chosen, n_classes, n_experts) == pytest.approx(
+        miller_madow_bits(n_classes, n_experts, n, top_k), rel=0.25)
+
+
+def test_uniform_routing_loads_against_exact_values():
+    loads = learned.uniform_routing_loads(7, 16, 4, draws=50)
+    assert loads.shape == (50, 16) and (loads.sum(1) == 7 * 4).all() and (loads <= 7).all()
+    assert (learned.uniform_routing_loads(7, 16, 4, draws=50) == loads).all()  # fixed seed
+    one = learned.uniform_routing_loads(1, 16, 4, draws=20)  # one token: k experts with load 1
+    assert ((one == 1).sum(1) == 4).all() and ((one == 0).sum(1) == 12).all()
+    # two tokens, 2 of 4 experts each: the peak load is 1 only when the two pairs are disjoint;
+    # the exact mean over all 36 equally likely pairs of pairs against the simulation
+    pairs = list(itertools.combinations(range(4), 2))
+    exact = np.mean([max(np.bincount(a + b, minlength=4)) for a, b in itertools.product(pairs, pairs)])
+    peak = learned.uniform_routing_loads(2, 4, 2, draws=4000).max(1)
+    assert exact == pytest.approx(11 / 6)
+    assert abs(peak.mean() - exact) < 4 * peak.std() / math.sqrt(len(peak))

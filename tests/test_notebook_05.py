@@ -7,7 +7,8 @@ import torch
 
 from dsv41.config import TINY, load_config
 from dsv41.numerics import Numerics
-from widgets import replay_counts
+from widgets import chance_balance, replay_counts
+from widgets.ties import never_cut
 
 from conftest import notebook_group, run_notebooks_smoke, sidecar
 
@@ -62,6 +63,11 @@ def test_routing_sidecar(smoke_run):
         assert [sum(row) for row in routing["load"][phase]] == [n[phase] * k] * len(routing["layers"])
         balance = routing["balance"][phase]
         assert all(m >= 1.0 for m in balance["max_over_mean"]) and all(0 <= h <= 1 for h in balance["entropy"])
+        # the chance line and band drawn: uniform random routing of the phase's token count
+        assert routing["chance"][phase] == chance_balance(n[phase], routing["n_experts"], k)
+        for kind in ("text", "image"):
+            part = routing["by_tokens"][kind]
+            assert part["chance"][phase] == chance_balance(part["n_tokens"][phase], routing["n_experts"], k)
     assert facts["routing"]["weights_sum_to_route_scale"]
 
 
@@ -119,6 +125,9 @@ def test_prefill_and_decode_agree_until_the_first_cut(smoke_run):
     firsts = list(parity["selection_parting"].values()) + list(parity["routing_parting"].values())
     assert all(p >= cut for p in firsts)
     assert len(ties["margins"]) == 6 and all(m >= 0 for m in ties["margins"])
+    # the rows the gap panel leaves out (named in its title) are those that never cut
+    assert ties["never_cut"] == never_cut(ties["rows"], ties["gap"])
+    assert all(all(g is None for g in ties["gap"][ties["rows"].index(row)]) for row in ties["never_cut"])
     # and with parity()'s tie rule and stale-key fix as well: past the cut too, at every position
     assert parity["max_abs_diff"] == [0.0] * parity["positions"] and parity["first_logit_divergence"] is None
     assert parity["selection_parting"] == parity["routing_parting"] == {}

@@ -54,6 +54,38 @@ def test_routing_sidecar(smoke_run, miniature_checkpoint):
     assert below > cfg.n_layers // 2
 
 
+def test_routing_figure_draws_chance_and_masks_small_classes(smoke_run, miniature_checkpoint):
+    import math
+
+    import numpy as np
+
+    from dsv41 import learned
+
+    facts = sidecar(smoke_run, "08_learned_facts")
+    routing = sidecar(smoke_run, "08_routing")
+    for name in ("trained", "random"):
+        r = routing[name]
+        E, k = r["n_experts"], r["top_k"]
+        # the dotted load line: uniform random routing of each text's token count, averaged as load_spread is
+        assert len(r["text_tokens"]) == r["texts"] == facts["n_texts"] and max(r["text_tokens"]) <= facts["n_tokens"]
+        expected = np.mean([learned.spread(learned.uniform_routing_loads(n, E, k)).mean() for n in r["text_tokens"]])
+        assert r["load_spread_chance"] == pytest.approx(expected, rel=1e-12)
+        assert r["chance"] == {"shuffles": learned.MI_SHUFFLES, "draws": learned.CHANCE_DRAWS, "seed": learned.CHANCE_SEED}
+        # the black marks: the mutual information with the classes shuffled, the estimate's bias on
+        # this many tokens, near Miller-Madow's (R - 1)(C - 1) / (2 N ln 2) over N = tokens x k pairs,
+        # narrowed by (E - k) / (E - 1) since a token's k experts are distinct
+        classes = sum(1 for n in r["class_tokens"] if n)
+        bias = (classes - 1) * (E - 1) / (2 * sum(r["class_tokens"]) * k * math.log(2)) * (E - k) / (E - 1)
+        assert len(r["mutual_information_shuffled_bits"]) == len(r["layers"])
+        assert all(v == pytest.approx(bias, rel=0.4) for v in r["mutual_information_shuffled_bits"])
+        assert facts["routing"]["mutual_information_shuffled_bits"][name] == r["mutual_information_shuffled_bits"]
+        # the heat maps: white at top-k / E; the classes too small to colour are the ones named
+        assert routing["masked_classes"][name] == [c for c, n in zip(r["classes"], r["class_tokens"])
+                                                   if n < r["min_class_tokens"]]
+    assert routing["colour_centre"] == routing["trained"]["uniform_class_share"] == routing["trained"]["top_k"] / \
+        routing["trained"]["n_experts"]
+
+
 def test_router_scale_sidecar(smoke_run):
     scale = sidecar(smoke_run, "08_router_scale")
     curve = scale["expected_affinity_spread"]

@@ -14,6 +14,7 @@ from matplotlib.figure import Figure
 
 import widgets
 from dsv41 import viz
+from dsv41.numerics import Numerics
 from widgets.cache import call_lookups, lru_replay, replay_counts
 
 
@@ -51,11 +52,18 @@ def _routing_plain():
     load_dec = [[0, 1, 1, 0], [0, 1, 1, 0]]
     load_all = [[a + b for a, b in zip(p, d)] for p, d in zip(load_pre, load_dec)]
     mean = lambda loads: [[0.5 if n else None for n in row] for row in loads]
-    return {"layers": [0, 1], "n_experts": 4, "top_k": 2, "n_tokens": {"all": 3, "prefill": 2, "decode": 1},
+    n_tokens = {"all": 3, "prefill": 2, "decode": 1}
+    return {"layers": [0, 1], "n_experts": 4, "top_k": 2, "n_tokens": n_tokens,
             "load": {"all": load_all, "prefill": load_pre, "decode": load_dec},
             "weight_sum": {}, "weight_mean": {"all": mean(load_all), "prefill": mean(load_pre), "decode": mean(load_dec)},
             "balance": {"all": widgets.balance(load_all), "prefill": widgets.balance(load_pre),
-                        "decode": widgets.balance(load_dec)}}
+                        "decode": widgets.balance(load_dec)},
+            "chance": {phase: widgets.chance_balance(n, 4, 2) for phase, n in n_tokens.items()}}
+
+
+def _bars(ax) -> list[float]:
+    """The bar heights of a panel (its BarContainer; reference bands are patches too)."""
+    return [b.get_height() for b in ax.containers[0]]
 
 
 def test_balance_by_hand():
@@ -72,14 +80,40 @@ def test_routing_render_draws_the_data():
     ax_load, ax_w, ax_max, ax_ent = fig.axes[:4]
     assert len(fig.axes) == 6  # four panels and two colorbars
     assert np.array_equal(ax_load.get_images()[0].get_array(), np.array(data["load"]["prefill"]))
-    assert [b.get_height() for b in ax_max.patches] == data["balance"]["prefill"]["max_over_mean"]
-    assert [b.get_height() for b in ax_ent.patches] == pytest.approx(data["balance"]["prefill"]["entropy"])
+    assert _bars(ax_max) == data["balance"]["prefill"]["max_over_mean"]
+    # the entropy as its distance from even, on an axis from 0, with the entropy written on each bar
+    entropy = data["balance"]["prefill"]["entropy"]
+    assert _bars(ax_ent) == pytest.approx([1 - h for h in entropy]) and ax_ent.get_ylim()[0] == 0
+    assert [t.get_text() for t in ax_ent.texts] == [f"{h:.2f}" for h in entropy]
+    # chance, the numbers drawn: uniform random routing of the phase's 2 tokens
+    chance = data["chance"]["prefill"]
+    dotted = {ax: [ln.get_ydata()[0] for ln in ax.get_lines() if ln.get_linestyle() == ":"] for ax in (ax_max, ax_ent)}
+    assert dotted[ax_max] == [chance["max_over_mean"]["mean"]]
+    assert dotted[ax_ent] == pytest.approx([1 - chance["entropy"]["mean"]])
+    assert f"chance {chance['max_over_mean']['mean']:.2f}" in ax_max.get_title()
     assert ax_w.get_images()[0].get_array().mask.tolist() == [[False, False, False, True], [False, True, True, True]]
     assert "2 tokens" in fig._suptitle.get_text()
     decode = widgets.render_routing(data, phase="decode")
     assert np.array_equal(decode.axes[0].get_images()[0].get_array(), np.array(data["load"]["decode"]))
     with pytest.raises(ValueError):
         widgets.render_routing(data, phase="later")
+
+
+def test_chance_balance_is_uniform_random_routing_of_as_many_tokens():
+    from dsv41.learned import uniform_routing_loads
+
+    # one token to k of E experts: every draw has max / mean E / k and entropy log k / log E, exactly
+    one = widgets.chance_balance(1, 16, 4)
+    assert one["max_over_mean"] == {"mean": 4.0, "low": 4.0, "high": 4.0}
+    assert one["entropy"]["mean"] == pytest.approx(math.log(4) / math.log(16))
+    # more tokens: the mean of balance() over the fixed-seed draws, between the 5th and 95th percentiles
+    chance = widgets.chance_balance(62, 16, 4)
+    drawn = widgets.balance(uniform_routing_loads(62, 16, 4).tolist())
+    for key in ("max_over_mean", "entropy"):
+        assert chance[key]["mean"] == pytest.approx(float(np.mean(drawn[key])))
+        assert chance[key]["low"] < chance[key]["mean"] < chance[key]["high"]
+    assert chance["max_over_mean"]["mean"] > 1.2 and chance["entropy"]["mean"] < 1  # never even by luck
+    assert widgets.chance_balance(0, 16, 4) is None
 
 
 def _cache_plain():
@@ -120,7 +154,8 @@ def _ties_plain(comparison=True):
     if comparison:
         data["comparison"] = {"positions": 5, "max_abs_diff": [0.0, 0.0, 0.0, 0.4, 0.1], "max_abs_logit": 3.0,
                               "first_logit_divergence": 3, "first_argmax_divergence": None,
-                              "selection_parting": {"1": [3], "2": [3, 4]}, "routing_parting": {"2": [4]}}
+                              "selection_parting": {"1": [3], "2": [3, 4]}, "routing_parting": {"2": [4]},
+                              "numerics": Numerics.reference().as_dict()}
     return data
 
 
@@ -143,6 +178,30 @@ def test_tie_render_draws_the_data():
     loose = widgets.render_ties(_ties_plain(), tol=0.1)
     ties = [ln for ln in loose.axes[0].get_lines() if ln.get_label().startswith("tie")][0]
     assert len(ties.get_xdata()) == 4
+
+
+def test_tie_render_reads_for_a_person():
+    data = _ties_plain()
+    data["rows"].append("2 index")  # a top-k that never cut over these positions
+    data["row_layers"].append(2)
+    data["gap"].append([None] * 6)
+    data["ties"].append(0)
+    fig = widgets.render_ties(data)
+    ax_gap = fig.axes[0]
+    # the all-grey row is not drawn; the title names it
+    assert [t.get_text() for t in ax_gap.get_yticklabels()] == ["1 index", "1 blocks"]
+    assert ax_gap.get_images()[0].get_array().shape == (2, 6) and "not drawn: layer 2 index" in ax_gap.get_title()
+    assert widgets.ties.never_cut(data["rows"], data["gap"]) == ["2 index"]
+    # the tie marks: white with a dark outline, legible on viridis's dark and light ends alike
+    marks = [ln for ln in ax_gap.get_lines() if ln.get_label().startswith("tie")][0]
+    assert to_rgba(marks.get_color()) == to_rgba("white") and marks.get_path_effects()
+    # the title is words, not option names
+    title = fig._suptitle.get_text()
+    assert "the released model's arithmetic" in title and not any(k in title for k in Numerics.reference().as_dict())
+    data["comparison"]["numerics"] = Numerics.parity().as_dict()
+    assert "independent of how the tokens are split" in widgets.render_ties(data)._suptitle.get_text()
+    data["comparison"]["numerics"] = Numerics.reference().with_options(tie_break="lowest").as_dict()
+    assert widgets.render_ties(data)._suptitle.get_text().endswith("With ties to the lower position")
 
 
 def test_tie_render_without_a_comparison_says_so():
@@ -210,6 +269,11 @@ def test_routing_adapter_on_a_generation(model, run):
         assert [sum(row) for row in data["load"][phase]] == [data["n_tokens"][phase] * cfg.n_activated_experts] * cfg.n_layers
     ids = result.trace.routing()[3]["expert_ids"][0]
     assert data["load"]["all"][3] == torch.bincount(ids.flatten(), minlength=cfg.n_routed_experts).tolist()
+    # chance for each phase and token type: uniform random routing of that many tokens
+    for part in (data, data["by_tokens"]["text"], data["by_tokens"]["image"]):
+        for phase, n_tokens in part["n_tokens"].items():
+            assert part["chance"][phase] == widgets.chance_balance(n_tokens, cfg.n_routed_experts, cfg.n_activated_experts)
+    assert data["chance"]["all"]["n_tokens"] == n and data["by_tokens"]["image"]["chance"]["all"] is None
     json.dumps(viz.to_jsonable(data), allow_nan=False)
 
 
@@ -270,6 +334,7 @@ def test_tie_adapter_on_a_generation(model, run):
         assert all(g is None for g in row[:data["first_cut"]])
         assert all(g >= 0 for g in row if g is not None)
     assert data["margins"] == result.trace.margins and data["tokens"] == result.ids
+    assert data["never_cut"] == [row for row, gap in zip(data["rows"], data["gap"]) if all(g is None for g in gap)]
     cmp = data["comparison"]
     # the model keeps the reference's arithmetic: before the first cut the logits part by rounding
     # only (see test_generate), within a bf16 step of their scale

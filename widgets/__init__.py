@@ -4,7 +4,8 @@ Each view is a pure `render(data) -> matplotlib Figure` over plain data, an adap
 data from a traced `GenerationResult`, and a thin `View` wrapper (controls above the figure):
 
 - routing: `routing_data(result)`, `render_routing`, `RoutingView` — layer x expert load and weight,
-  per-layer balance, all tokens or the text or image tokens alone.
+  per-layer balance against what uniform random routing of as many tokens gives (`chance_balance`),
+  all tokens or the text or image tokens alone.
 - cache: `cache_data(result, capacity)`, `render_cache`, `CacheView`, `lru_replay`,
   `replay_accounting` — hit rates per layer and call, the recorded routing replayed through an LRU of
   any size.
@@ -26,13 +27,13 @@ from .cache import render as render_cache
 from .policy import PolicyView, policy_data
 from .policy import render as render_policy
 from .probe import PromptProbe, traced_ids
-from .routing import RoutingView, balance, routing_data
+from .routing import RoutingView, balance, chance_balance, routing_data
 from .routing import render as render_routing
 from .speculation import SpeculationView, speculation_data
 from .speculation import render as render_speculation
 from .ties import TieView, tie_data
 from .ties import render as render_ties
 
-__all__ = ["CacheView", "PolicyView", "PromptProbe", "RoutingView", "SpeculationView", "TieView", "balance", "cache_data", "lru_replay",
+__all__ = ["CacheView", "PolicyView", "PromptProbe", "RoutingView", "SpeculationView", "TieView", "balance", "cache_data", "chance_balance", "lru_replay",
            "policy_data", "render_cache", "render_policy", "render_routing", "render_speculation", "render_ties", "replay_accounting",
            "replay_counts", "routing_data", "speculation_data", "tie_data", "traced_ids"]

@@ -4,7 +4,10 @@
 draws a layer x expert heat map of routed load (tokens sent to each expert) and of the mean routing
 weight an expert got when chosen, plus two balance measures per layer: max / mean load (1 is
 perfectly even; E / k means one expert took every token) and the load's entropy over log E (1 is
-perfectly even). `RoutingView` wraps it with a prefill / decode / all toggle and a token-type
+perfectly even), drawn as its distance from even (1 - entropy / log E) so that 0.92 and 0.98 read
+apart. Both are set against chance: a router that picks its k experts uniformly at random shows a
+peak load above 1 and an entropy below 1 on a finite number of tokens (`chance_balance`, per phase
+and token type in `data["chance"]`). `RoutingView` wraps it with a prefill / decode / all toggle and a token-type
 filter: all tokens, text tokens only, or image-span tokens only (which choose with `bias_vl`);
 with images, `data["bias_vl"]` counts per layer how many image-token selections `bias_vl` changed
 against what the text bias would have chosen.
@@ -12,6 +15,7 @@ against what the text bias would have chosen.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from ._common import View, nan_to_none, routing_calls
@@ -40,7 +44,7 @@ def routing_data(result, n_experts: int | None = None) -> dict:
 
 
 def _aggregate(calls, flags, layers, n_experts: int, top_k: int, tokens: str) -> dict:
-    out = {"n_tokens": {}, "load": {}, "weight_sum": {}, "weight_mean": {}, "balance": {}}
+    out = {"n_tokens": {}, "load": {}, "weight_sum": {}, "weight_mean": {}, "balance": {}, "chance": {}}
     for phase in PHASES:
         loads, sums = [], []
         for layer in layers:
@@ -62,6 +66,7 @@ def _aggregate(calls, flags, layers, n_experts: int, top_k: int, tokens: str) ->
         out["weight_mean"][phase] = [nan_to_none([s / n if n else math.nan for s, n in zip(ws, ls)])
                                      for ws, ls in zip(sums, loads)]
         out["balance"][phase] = balance(loads)
+        out["chance"][phase] = chance_balance(out["n_tokens"][phase], n_experts, top_k)
     return out
 
 
@@ -107,6 +112,36 @@ def balance(loads: list[list[int]]) -> dict:
     return out
 
 
+def chance_balance(n_tokens: int, n_experts: int, top_k: int) -> dict | None:
+    """What uniform random routing shows on `n_tokens` tokens (each to `top_k` distinct experts of
+    `n_experts`, `dsv41.learned.uniform_routing_loads`: fixed seed): `balance`'s max / mean load and
+    entropy / log E, each as the mean and the 5th-95th percentile over the draws. None without tokens."""
+    from dsv41.learned import CHANCE_DRAWS, CHANCE_SEED
+
+    if n_tokens == 0:
+        return None
+    out = {"n_tokens": n_tokens, "draws": CHANCE_DRAWS, "seed": CHANCE_SEED}
+    for key, (mean, low, high) in _chance_levels(n_tokens, n_experts, top_k):
+        out[key] = {"mean": mean, "low": low, "high": high}
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _chance_levels(n_tokens: int, n_experts: int, top_k: int) -> tuple:
+    """(measure, (mean, 5th, 95th percentile)) per balance measure; cached, since every phase, token
+    type and probe run of the same token count draws the same numbers."""
+    import numpy as np
+
+    from dsv41.learned import uniform_routing_loads
+
+    drawn = balance(uniform_routing_loads(n_tokens, n_experts, top_k).tolist())
+    levels = []
+    for key in ("max_over_mean", "entropy"):
+        values = np.asarray(drawn[key], dtype=float)
+        levels.append((key, (float(values.mean()), float(np.percentile(values, 5)), float(np.percentile(values, 95)))))
+    return tuple(levels)
+
+
 def render(data: dict, phase: str = "all", tokens: str = "all"):
     """Figure: load and mean-weight heat maps (layer x expert) above the per-layer balance bars,
     over all tokens, text tokens or image-span tokens (`tokens`)."""
@@ -138,17 +173,51 @@ def render(data: dict, phase: str = "all", tokens: str = "all"):
         x = np.arange(len(layers))
         max_over_mean = np.array([np.nan if v is None else v for v in bal["max_over_mean"]], dtype=float)
         entropy = np.array([np.nan if v is None else v for v in bal["entropy"]], dtype=float)
+        chance = data["chance"][phase]
         ax_max.bar(x, max_over_mean, color=viz.PALETTE[1])
-        ax_max.axhline(1.0, color="#444444", lw=0.8, ls="--")
-        ax_max.set(xticks=x, xticklabels=[str(layer) for layer in layers], xlabel="layer",
-                   ylabel="max / mean load", title="peak load (1 is even)")
-        ax_ent.bar(x, entropy, color=viz.PALETTE[2])
-        ax_ent.set(xticks=x, xticklabels=[str(layer) for layer in layers], xlabel="layer", ylim=(0, 1.05),
-                   ylabel="entropy / log E", title="spread over experts (1 is even)")
+        ax_max.axhline(1.0, color="#444444", lw=0.8, ls="--", label="perfectly even")
+        # distance from even: 1 - entropy / log E on an axis from 0, so small differences near 1 show
+        # at their true size; each bar keeps its entropy written above it
+        uneven = 1.0 - entropy
+        bars = ax_ent.bar(x, uneven, color=viz.PALETTE[2])
+        ax_ent.bar_label(bars, labels=["" if np.isnan(v) else f"{v:.2f}" for v in entropy], fontsize=6, padding=1)
+        top = np.nanmax(uneven, initial=0.0)
+        max_title, ent_title = "peak load (1 is even)", "distance from even (0 is even)"
+        if chance is not None:
+            for ax, stat, flip in ((ax_max, chance["max_over_mean"], False), (ax_ent, chance["entropy"], True)):
+                mean, low, high = ((1 - stat["mean"], 1 - stat["high"], 1 - stat["low"]) if flip
+                                   else (stat["mean"], stat["low"], stat["high"]))
+                ax.axhspan(low, high, color="#bbbbbb", alpha=0.45, lw=0, zorder=0.5)
+                ax.axhline(mean, color="#222222", lw=1.0, ls=":", zorder=3)
+            top = max(top, 1.0 - chance["entropy"]["low"])
+            max_title += f"; chance {chance['max_over_mean']['mean']:.2f}"
+            ent_title += f"; chance {1 - chance['entropy']['mean']:.3f}"
+        ax_max.set(xticks=x, xticklabels=[str(layer) for layer in layers], xlabel="layer", ylim=(0, None),
+                   ylabel="max / mean load", title=max_title)
+        ax_ent.set(xticks=x, xticklabels=[str(layer) for layer in layers], xlabel="layer", ylim=(0, 1.25 * top or 1.0),
+                   ylabel="1 - entropy / log E", title=ent_title)
+        if not data["n_tokens"][phase]:
+            for ax in axes.flat:
+                ax.text(0.5, 0.5, f"no {tokens if tokens != 'all' else ''} tokens in this phase".replace("  ", " "),
+                        transform=ax.transAxes, ha="center", va="center", color="#777777")
+        _chance_legend(fig, chance is not None, viz)
         which = "" if tokens == "all" else f"{tokens} "
         fig.suptitle(f"routing, {phase}: {data['n_tokens'][phase]} {which}tokens x top-{data['top_k']} of "
                      f"{n_experts} experts")
     return fig
+
+
+def _chance_legend(fig, with_chance: bool, viz) -> None:
+    """One legend under the balance panels for their reference lines."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = [Line2D([], [], color="#444444", lw=0.8, ls="--", label="perfectly even load"),
+               Patch(color=viz.PALETTE[2], label="bar labels: entropy / log E")]
+    if with_chance:
+        handles += [Line2D([], [], color="#222222", lw=1.0, ls=":", label="chance: uniform random routing, mean"),
+                    Patch(color="#bbbbbb", alpha=0.45, lw=0, label="its 5-95% range (as many tokens)")]
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=7, frameon=False)
 
 
 class RoutingView(View):

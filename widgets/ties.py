@@ -4,7 +4,8 @@ same tokens part, and how decisive each generated token was.
 An indexer keeps the k best-scoring compressed positions (k = index_topk); the candidate source
 keeps the k best blocks. The gap between the k-th and the (k+1)-th score says how safe that cut
 is: 0 is a tie, which the top-k implementation may break differently in a one-call prefill and in
-a decode of the same tokens; no gap (grey) means nothing was cut yet. `tie_data(result,
+a decode of the same tokens; no gap (grey) means nothing was cut yet, and a top-k that cut nothing
+at any position is left out of the panel and named in its title (`never_cut`). `tie_data(result,
 comparison)` collects the gaps per index-source layer and position from the generation's trace,
 and, from a `compare_prefill_decode` report over the same tokens, the first position at which each
 layer's selections and routing part and the logits' max |difference| per position; the top-2
@@ -43,7 +44,7 @@ def tie_data(result, comparison=None) -> dict:
     cut = [p for row in gaps for p, g in zip(positions, row) if g is not None]
     data = {
         "positions": positions, "prompt_tokens": len(result.prompt_ids), "layers": sorted(att),
-        "rows": rows, "row_layers": row_layers, "gap": gaps,
+        "rows": rows, "row_layers": row_layers, "gap": gaps, "never_cut": never_cut(rows, gaps),
         "ties": [sum(1 for g in row if g == 0.0) for row in gaps],
         "first_cut": min(cut) if cut else None,
         "margin_positions": [s.position for s in trace.steps], "margins": [s.margin for s in trace.steps],
@@ -63,6 +64,20 @@ def tie_data(result, comparison=None) -> dict:
     return data
 
 
+def never_cut(rows: list[str], gaps: list[list]) -> list[str]:
+    """The top-k rows that cut nothing at any position (every gap None): nothing to read in them."""
+    return [row for row, gap in zip(rows, gaps) if all(g is None for g in gap)]
+
+
+# The Numerics fields in words a reader knows, per value; the title names what the comparison ran under.
+_PLAIN_NUMERICS = {
+    "window_layout": {"reference": "the released window-row layout", "uniform": "one window-row layout for both orders"},
+    "pad_f32_rows": {False: "float32 products at each call's row count", True: "float32 products padded to 8 rows"},
+    "tie_break": {"topk": "ties in torch.topk's order", "lowest": "ties to the lower position"},
+    "fix_stale_index_keys": {False: "index keys republished as released", True: "index keys current at every call"},
+}
+
+
 def render(data: dict, tol: float = 0.0):
     """Figure, four rows over the position axis: the k-th minus (k+1)-th score per index-source row
     (x: |gap| <= tol), where prefill and decode first part per layer, max |logit difference| per
@@ -78,17 +93,30 @@ def render(data: dict, tol: float = 0.0):
     ax_gap, ax_part, ax_diff, ax_margin = axes
     decode_from = data["prompt_tokens"] - 0.5  # positions from here on were decoded one at a time
     with viz.style():
-        gap = as_float_grid(data["gap"]) if data["rows"] else np.full((1, n), np.nan)
+        import matplotlib.patheffects as effects
+
+        # a row that never cut is all grey: it is named in the title instead of drawn
+        skipped = never_cut(data["rows"], data["gap"])
+        shown = [i for i, row in enumerate(data["rows"]) if row not in skipped]
+        gap = as_float_grid([data["gap"][i] for i in shown]) if shown else np.full((1, n), np.nan)
         ax_gap.set_facecolor("#eeeeee")  # grey: nothing cut at that position
         image = ax_gap.imshow(np.ma.masked_invalid(gap), aspect="auto", interpolation="nearest", cmap="viridis",
                               extent=(*extent_x, gap.shape[0] - 0.5, -0.5))
         near = np.argwhere(np.abs(np.nan_to_num(gap, nan=np.inf)) <= tol)
         if len(near):
-            ax_gap.plot(near[:, 1], near[:, 0], ls="none", marker="x", ms=5, color=viz.PALETTE[3],
+            # white with a black outline: legible on viridis's dark small gaps and on its yellow alike
+            ax_gap.plot(near[:, 1], near[:, 0], ls="none", marker="x", ms=6, mew=1.8, color="white",
+                        path_effects=[effects.Stroke(linewidth=3.2, foreground="black"), effects.Normal()],
                         label=f"tie (gap <= {tol:g})")
-            ax_gap.legend(loc="upper left", fontsize=7)
-        ax_gap.set_yticks(range(len(data["rows"])), data["rows"])
-        ax_gap.set(ylabel="layer, top-k", title="k-th minus (k+1)-th score (grey: nothing cut yet)")
+            ax_gap.legend(loc="upper left", fontsize=7, facecolor="#dddddd")
+        ax_gap.set_yticks(range(len(shown)), [data["rows"][i] for i in shown])
+        title = "k-th minus (k+1)-th score (grey: nothing cut yet)"
+        if skipped:
+            title += f"; never cut here, not drawn: {', '.join(f'layer {row}' for row in skipped)}"
+        if not shown:
+            ax_gap.text(0.5, 0.5, "no top-k cut at any position", transform=ax_gap.transAxes, ha="center",
+                        va="center", color="#777777")
+        ax_gap.set(ylabel="layer, top-k", title=title)
         ax_gap.grid(False)
         fig.colorbar(image, ax=list(axes), shrink=0.35, anchor=(0.0, 1.0), label="score gap")
 
@@ -151,16 +179,21 @@ def _reference_line_legend(fig, data: dict, viz) -> None:
 
 
 def _arithmetic_title(cmp) -> str:
-    """Which arithmetic the comparison ran under (the model's Numerics)."""
+    """What the figure compares and under which arithmetic (the model's Numerics), in words."""
     if cmp is None or not cmp.get("numerics"):
-        return "top-k cuts and margins of one generation"
+        return "How close each top-k cut came to a tie, and how sure each generated token was"
+    from dsv41.numerics import Numerics
+
     numerics = cmp["numerics"]
-    name = {"reference": "the reference's arithmetic", "uniform": "the parity options"}
-    kind = name["uniform"] if numerics.get("window_layout") == "uniform" and numerics.get("pad_f32_rows") \
-        else name["reference"] if numerics.get("window_layout") == "reference" and not numerics.get("pad_f32_rows") \
-        else "mixed options"
-    options = ", ".join(f"{k}={v}" for k, v in numerics.items())
-    return f"prefill vs token-by-token under {kind}\n({options})"
+    if numerics == Numerics.reference().as_dict():
+        how = "the released model's arithmetic"
+    elif numerics == Numerics.parity().as_dict():
+        how = "arithmetic made independent of how the tokens are split into calls"
+    else:
+        reference = Numerics.reference().as_dict()
+        how = "; ".join(_PLAIN_NUMERICS.get(k, {}).get(v, f"{k} = {v}") for k, v in numerics.items()
+                        if reference.get(k) != v)
+    return f"Does one prefill give what the same tokens fed one at a time give?\nWith {how}"
 
 
 class TieView(View):
