@@ -36,6 +36,7 @@ from typing import Any, Iterator
 
 from dsv41.argtypes import whole_number
 from dsv41.errors import Dsv41Error
+from dsv41.outdir import creation_refused
 
 NOTEBOOK_PATTERN = re.compile(r"^\d\d_[A-Za-z0-9_\-]+\.ipynb$")
 RUN_PATTERN = re.compile(r"^run-(\d+)$")
@@ -151,18 +152,22 @@ def default_notebooks_dir() -> Path:
 
 def find_notebooks(directory: str | os.PathLike, only: list[str] | None = None) -> list[Path]:
     """The `NN_*.ipynb` files of `directory`, in order; `only` keeps those whose stem equals a name
-    or starts with `name_` (so `01` selects `01_audit`)."""
+    or starts with `name_` (so `01` selects `01_audit`). `only=None` keeps all; an empty list is a
+    selection of nothing, refused (`--only ",,,"` must not run every notebook)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise NotebookRunError(f"{directory}: no such notebooks folder; pass --notebooks DIR")
     found = sorted(p for p in directory.iterdir() if NOTEBOOK_PATTERN.match(p.name) and p.is_file())
     if not found:
         raise NotebookRunError(f"{directory}: no numbered notebooks (NN_name.ipynb) in this folder")
-    if not only:
+    if only is None:
         return found
+    if not only:
+        raise NotebookRunError(f"--only names no notebook (nothing between its commas); name one or more of "
+                               f"{', '.join(p.stem for p in found)}, or a number prefix such as 01")
     chosen, unknown = [], []
     for name in only:
-        name = name.removesuffix(".ipynb")
+        name = name.strip().removesuffix(".ipynb")
         hits = [p for p in found if p.stem == name or p.stem.startswith(name + "_")]
         if not hits:
             unknown.append(name)
@@ -202,6 +207,11 @@ def _folder_problem(flag: str, path: Path, exc: OSError) -> NotebookRunError:
     return NotebookRunError(f"{flag} {path}: cannot create this folder ({exc.strerror or exc})", exit_code=1)
 
 
+def _unwritable(flag: str, path: Path, reason: str) -> NotebookRunError:
+    return NotebookRunError(f"{flag} {path}: cannot write into this folder ({reason}); choose a writable folder",
+                            exit_code=1)
+
+
 def new_run_dir(root: str | os.PathLike, flag: str = "--outputs-root") -> Path:
     """Create and return `root/run-NNN`, one past the highest existing number (never reused)."""
     root = Path(root)
@@ -215,11 +225,16 @@ def new_run_dir(root: str | os.PathLike, flag: str = "--outputs-root") -> Path:
         candidate = root / f"run-{n:03d}"
         try:
             candidate.mkdir()  # exclusive: a concurrent run takes the next number
-            return candidate
         except FileExistsError:
             n += 1
+            continue
         except OSError as exc:
             raise _folder_problem(flag, root, exc) from None
+        refused = creation_refused(candidate)
+        if refused:
+            candidate.rmdir()
+            raise _unwritable(flag, root, refused)
+        return candidate
 
 
 def claim_out_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
@@ -232,9 +247,17 @@ def claim_out_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
         if path.is_dir() and any(path.iterdir()):
             raise NotebookRunError(f"{flag} {path}: already exists and is not an empty folder; an earlier "
                                    f"run is never overwritten; choose another --out or leave it out for run-NNN")
+        created = not path.exists()
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise _folder_problem(flag, path, exc) from None
+    # an existing empty folder on a read-only mount passes mkdir: found out here, before any
+    # notebook runs, not when summary.json cannot be written at the end
+    refused = creation_refused(path)
+    if refused:
+        if created:
+            path.rmdir()
+        raise _unwritable(flag, path, refused)
     return path
 
 
@@ -431,12 +454,21 @@ def _summary(run_dir: Path, notebooks: list[Path], parameters: dict[str, Any], r
 
 
 def _write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    """Write summary.json whole (a temporary file renamed over it), so it is never half written."""
+    """Write summary.json whole (a temporary file renamed over it), so it is never half written.
+    Where the folder refuses it (removed, made read-only or full during the run) the summary goes
+    to stdout instead, so it is not lost, and a NotebookRunError (exit 1) says so."""
     tmp = run_dir / f".{SUMMARY_NAME}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=2, sort_keys=False)
-        f.write("\n")
-    os.replace(tmp, run_dir / SUMMARY_NAME)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, run_dir / SUMMARY_NAME)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        print(json.dumps(summary, indent=2), flush=True)
+        raise NotebookRunError(f"{run_dir / SUMMARY_NAME}: cannot be written ({exc.strerror or exc}); the summary "
+                               f"is printed on stdout instead", exit_code=1) from None
 
 
 def run_notebooks(notebooks: list[Path], run_dir: Path, parameters: dict[str, Any],
@@ -526,8 +558,8 @@ def cli_main(argv: list[str]) -> int:
     notebooks: list[Path] = []
     with stop_on_signals():
         try:
-            only = [name for group in args.only for name in group.split(",") if name.strip()]
-            notebooks = find_notebooks(args.notebooks or default_notebooks_dir(), only)
+            only = [name.strip() for group in args.only for name in group.split(",") if name.strip()]
+            notebooks = find_notebooks(args.notebooks or default_notebooks_dir(), only if args.only else None)
             parameters: dict[str, Any] = {}
             if args.checkpoint:
                 if not os.path.isdir(args.checkpoint):
@@ -550,7 +582,11 @@ def cli_main(argv: list[str]) -> int:
             print(f"dsv41 notebooks: {exc}", file=sys.stderr)
             return exc.exit_code
         except KeyboardInterrupt as exc:
-            return _report_interrupt(_as_interrupt(exc), run_dir, notebooks)
+            try:
+                return _report_interrupt(_as_interrupt(exc), run_dir, notebooks)
+            except NotebookRunError as problem:  # summary.json could not be written
+                print(f"dsv41 notebooks: {problem}", file=sys.stderr)
+                return problem.exit_code
         verdict = "all ok" if summary["ok"] else f"{summary['n_failed']} failed"
         print(f"{summary['run_dir']}: {summary['n_ok']}/{len(summary['notebooks'])} notebooks ok ({verdict}); "
               f"summary in {SUMMARY_NAME}")

@@ -9,9 +9,12 @@ import os
 import resource
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
+
+from dsv41.errors import Dsv41Error
 
 # The released expert geometry and routing width.
 DIM, INTER, TOPK = 5120, 2304, 6
@@ -137,10 +140,56 @@ def token_list(text: str) -> list[int]:
 
 
 
+class BenchError(Dsv41Error, ValueError):
+    """A benchmark's argument or folder it cannot use: one sentence naming it and the fix."""
+
+
+def check_report_path(path: str, flag: str = "--json") -> None:
+    """Refuse, before a run, a report path that could not be written after it: a folder, a path
+    through a file or a missing folder, or a folder that takes no new file (`write_report` writes a
+    file beside it and renames it over `path`)."""
+    from dsv41.outdir import creation_refused
+
+    target = Path(path).absolute()
+    if target.is_dir():
+        raise BenchError(f"{flag} {path} is a folder; name a file for the report")
+    blocker = next((p for p in target.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise BenchError(f"{flag} {path} runs through the file {blocker}; name a file in a folder")
+    if not target.parent.is_dir():
+        raise BenchError(f"{flag} {path}: there is no folder {target.parent}; create it or name a file in a folder "
+                         f"that exists")
+    refused = creation_refused(target.parent)
+    if refused:
+        raise BenchError(f"{flag} {path}: cannot write into {target.parent} ({refused}); name a file in a "
+                         f"writable folder")
+
+
 def write_report(path: str, report: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
+    """The report as JSON at `path`, whole or not at all (`outdir.replace_file`)."""
+    from dsv41.outdir import replace_file
+
+    text = json.dumps(report, indent=2) + "\n"
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    replace_file(path, write)
+
+
+def save_report(path: str, report: dict, flag: str = "--json") -> int:
+    """`write_report`, and the exit code: 0, or 1 where the file cannot be written after all (the
+    folder removed or made read-only during the run, a full disk); then the report goes to stdout
+    so that the run is not lost, and one line on stderr says so."""
+    try:
+        write_report(path, report)
+    except OSError as exc:
+        print(json.dumps(report, indent=2), flush=True)
+        print(f"dsv41 bench: {flag} {path} could not be written ({exc.strerror or exc}); the report is printed "
+              f"on stdout instead", file=sys.stderr)
+        return 1
+    return 0
 
 
 

@@ -2,7 +2,10 @@
 
 Writes once into `--dir` (reused when its marker says it is complete) a synthetic checkpoint with
 the released dimensions and all 384 routed experts on a few layers (`released.released_decode_config`,
-random FP4 bytes from `synthetic.random_fill`). Each measured run then empties the page cache for
+random FP4 bytes from `synthetic.random_fill`). Everything that can refuse the run is checked before
+a byte is written (the budget, the positions, the folder, the --json file, the free space), and a
+write stopped half way (a full disk, Ctrl-C) leaves nothing the next run cannot clear away itself
+(`ensure_checkpoint`). Each measured run then empties the page cache for
 those files (`posix_fadvise(DONTNEED)` over every shard), measures the disk's read bandwidth right
 there (parallel positioned reads of a layer shard's experts, dropped again after), loads the model
 under `--memory` (`stores.SlotCache`), decodes, and reports in one run: the disk bandwidth before
@@ -17,19 +20,39 @@ for this machine and for a stated workstation.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
+import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .common import (PhaseClock, folder_bytes, measurement_error, read_bandwidth, reset_peak_rss, rss_bytes,
-                     write_report)
+from dsv41.config import RELEASED
+from dsv41.errors import Dsv41Error
+from dsv41.headers import INDEX_NAME
+from dsv41.outdir import usable_folder
+from dsv41.text import LongInteger, bounded_ints
+
+from .common import (BenchError, PhaseClock, check_report_path, measurement_error, read_bandwidth, reset_peak_rss,
+                     rss_bytes, save_report)
 
 MARKER = "bench-stream.json"
+# The folder a checkpoint is written into before its files are moved beside the marker: a name of
+# this bench's own, so that what a stopped write left is recognizably its debris.
+STAGING = ".bench-stream-partial"
+# What the release-layout writer names its files (`synthetic.write_release_layout`): the only
+# names a marker may list as this bench's own, and so the only files it ever removes.
+LAYOUT_FILES = (INDEX_NAME, "config.json", "inference/config.json", "tokenizer.json", "tokenizer_config.json")
+SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# Beside its tensors a checkpoint holds the shard headers, the index, the two configs and the
+# tokenizer (26 MB at the released vocabulary): an allowance that errs on the safe side.
+FILES_ALLOWANCE = 64 << 20
 GIB = 1 << 30
 # A workstation the 40-layer prediction is also made for (stated, not measured).
 WORKSTATION = {"name": "NVMe workstation", "disk_bytes_per_s": 7e9, "memory_bytes_per_s": 70e9,
@@ -44,42 +67,171 @@ HELD_OUT = ("A small machine can run a very large mixture of experts when most o
 
 
 # ---------------------------------------------------------------------- the checkpoint, once
+@functools.lru_cache(maxsize=4)  # a frozen Config; building its tokenizer takes seconds
 def stream_config(layers: int, experts: int, small: bool):
     from .released import released_decode_config
 
     return released_decode_config(layers, experts, small=small)
 
 
+def run_positions(prompt_tokens: int, decode_tokens: int) -> int:
+    """The positions a measured run loads the model for: the prompt, the decode and a margin."""
+    return prompt_tokens + decode_tokens + 8
+
+
+def plan_run(cfg, memory, positions: int):
+    """The budget `dsv41.load` plans for a run of `positions`, planned before anything is written:
+    a budget above the machine's memory or one that cannot hold the dense part and one token's
+    experts (`BudgetError`), or more positions than the config has, is refused here and not after
+    the checkpoint is on disk."""
+    from dsv41.budget import budget_bytes, check_machine, plan_budget
+
+    if positions > cfg.max_seq_len:
+        raise BenchError(f"--prompt + --tokens + 8 = {positions:,} positions, more than the config's "
+                         f"{cfg.max_seq_len:,}; ask for fewer tokens")
+    check_machine(budget_bytes(memory))  # as the load checks it
+    return plan_budget(cfg, memory, max_seq_len=positions)
+
+
+def checkpoint_bytes(cfg) -> int:
+    """The disk space the checkpoint of `cfg` takes at most: its tensors' bytes and the allowance."""
+    from dsv41.inventory import expected_tensors
+
+    return sum(spec.nbytes for spec in expected_tensors(cfg)) + FILES_ALLOWANCE
+
+
+def _is_own_name(name) -> bool:
+    return isinstance(name, str) and (name in LAYOUT_FILES or SHARD_FILE.fullmatch(name) is not None)
+
+
+def _write_marker(folder: str, marker: dict) -> None:
+    """The marker, whole or not at all (a temporary file renamed over it)."""
+    tmp = os.path.join(folder, f".{MARKER}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(marker, f)
+    os.replace(tmp, os.path.join(folder, MARKER))
+
+
+def read_marker(folder: str) -> dict | None:
+    """The marker of `folder` (None without one), its fields checked: this bench removes the files
+    it lists, so a marker it cannot have written is refused, never acted on. A marker of an
+    earlier version (no `files`) lists the release-layout files the folder holds."""
+    path = os.path.join(folder, MARKER)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:  # a marker is a few KiB: more is not one this bench wrote
+            marker = json.loads(f.read(1 << 20), parse_int=bounded_ints(30))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        reason = (f"an integer of {exc.digits:,} digits" if isinstance(exc, LongInteger) else "nested too deeply"
+                  if isinstance(exc, RecursionError) else getattr(exc, "strerror", None) or str(exc))
+        raise BenchError(f"{path} cannot be read ({reason}); remove the folder or name another --dir") from None
+    if isinstance(marker, dict) and "files" not in marker:  # written before markers listed their files
+        marker["files"] = [n for n in [*LAYOUT_FILES, *sorted(os.listdir(folder))]
+                           if _is_own_name(n) and os.path.isfile(os.path.join(folder, n))]
+    fine = (isinstance(marker, dict) and isinstance(marker.get("config"), dict)
+            and isinstance(marker.get("complete"), bool) and isinstance(marker["files"], list)
+            and all(_is_own_name(n) for n in marker["files"])
+            and (not marker["complete"] or (isinstance(marker.get("bytes"), int) and marker["bytes"] >= 0)))
+    if not fine:
+        raise BenchError(f"{path} is not a marker this bench wrote (its fields are not config, complete, files and "
+                         f"bytes as it writes them); remove the folder or name another --dir")
+    return marker
+
+
+def _remove_own(folder: str, files: list[str]) -> None:
+    """Remove what this bench wrote into `folder`: the files its marker lists, the staging folder
+    and the subfolders those files emptied. Nothing else is touched."""
+    shutil.rmtree(os.path.join(folder, STAGING), ignore_errors=True)
+    for name in files:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path) or os.path.islink(path):
+            os.remove(path)
+    for sub in {os.path.dirname(n) for n in files if os.path.dirname(n)}:
+        try:
+            os.rmdir(os.path.join(folder, sub))
+        except OSError:
+            pass  # not empty: it holds something this bench did not write
+
+
+def _free_bytes(folder: str) -> tuple[str, int]:
+    """(the nearest existing folder, the bytes free on its disk for this user)."""
+    existing = next(p for p in (Path(folder).absolute(), *Path(folder).absolute().parents) if p.exists())
+    return str(existing), shutil.disk_usage(existing).free
+
+
 def ensure_checkpoint(folder: str, cfg, log: Callable[[str], None] = print) -> dict:
-    """The synthetic all-experts checkpoint in `folder`: written unless its marker names this very
-    config. Returns the marker's content."""
+    """The synthetic all-experts checkpoint in `folder`: reused when its marker names this very
+    config and says it is complete, else written. Returns the marker's content.
+
+    A write stopped anywhere never blocks the next run. The marker goes first (incomplete), the
+    files are written under STAGING, the marker then lists them, they are moved beside it, and it
+    says complete last; the next run removes what an unfinished one left (the files its marker
+    lists, STAGING) and writes anew. A folder without a marker that holds anything but STAGING is
+    the user's and refused. Before writing, the folder must take new files and its disk must have
+    room (`checkpoint_bytes`); a write that fails all the same removes its partial files."""
+    from dsv41.inventory import shard_names
     from dsv41.synthetic import random_fill, write_release_layout
 
-    marker = os.path.join(folder, MARKER)
     want = {"config": json.loads(json.dumps(cfg.as_nested_dict(), default=str)), "complete": True}
-    if os.path.isfile(marker):
-        with open(marker, encoding="utf-8") as f:
-            got = json.load(f)
-        if got.get("config") == want["config"] and got.get("complete"):
-            log(f"reusing the checkpoint in {folder} ({got['bytes'] / GIB:.2f} GiB)")
-            return got
-    if os.path.isdir(folder) and os.listdir(folder) and not os.path.isfile(marker):
-        raise ValueError(f"{folder} holds files but no {MARKER}; name an empty or missing folder (or one this bench wrote)")
+    marker = read_marker(folder)
+    if marker is not None and marker["complete"] and marker["config"] == want["config"] and all(
+            os.path.isfile(os.path.join(folder, n)) for n in {*marker["files"], *shard_names(cfg)}):
+        log(f"reusing the checkpoint in {folder} ({marker['bytes'] / GIB:.2f} GiB)")
+        return marker
+    entries = os.listdir(folder) if os.path.isdir(folder) else []
+    if marker is None and set(entries) - {STAGING}:
+        raise BenchError(f"--dir {folder} holds files but no {MARKER}; name an empty or missing folder (or one this "
+                         f"bench wrote)")
+    own = marker["files"] if marker is not None else []
+    usable_folder(folder, "--dir")  # not a file, nor under one, and it (or where it would be made) takes files
+    where, free = _free_bytes(folder)
+    need = checkpoint_bytes(cfg)
+    reclaimed = sum(os.path.getsize(os.path.join(folder, n)) for n in own if os.path.isfile(os.path.join(folder, n)))
+    if need > free + reclaimed:
+        also = f" besides the {reclaimed / GIB:.2f} GiB of the earlier checkpoint it replaces" if reclaimed else ""
+        raise BenchError(f"--dir {folder}: the checkpoint needs {need / GIB:.2f} GiB and the disk of {where} has "
+                         f"{free / GIB:.2f} GiB free{also}; free some space or name a folder on another disk")
+    if own or STAGING in entries:
+        log(f"removing the {'unfinished ' if marker is None or not marker['complete'] else ''}checkpoint "
+            f"an earlier run left in {folder}")
+        _remove_own(folder, own)
+    created = not os.path.isdir(folder)
     began = time.perf_counter()
-    write_release_layout(folder, cfg, random_fill(), progress="writing", streamed=True)
-    want["bytes"] = folder_bytes(folder)
-    want["write_seconds"] = time.perf_counter() - began
-    with open(marker, "w", encoding="utf-8") as f:
-        json.dump(want, f)
+    staging, files = os.path.join(folder, STAGING), []
+    try:
+        os.makedirs(folder, exist_ok=True)
+        _write_marker(folder, {**want, "complete": False, "files": files})
+        write_release_layout(staging, cfg, random_fill(), progress="writing", streamed=True)
+        files = sorted(os.path.relpath(os.path.join(root, f), staging)
+                       for root, _, names in os.walk(staging) for f in names)
+        _write_marker(folder, {**want, "complete": False, "files": files})
+        for name in files:
+            os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
+            os.replace(os.path.join(staging, name), os.path.join(folder, name))
+        shutil.rmtree(staging)
+        want.update(files=files, bytes=sum(os.path.getsize(os.path.join(folder, n)) for n in files),
+                    write_seconds=time.perf_counter() - began)
+        _write_marker(folder, want)
+    except BaseException as exc:
+        try:  # leave nothing half written: the next run starts from a clean folder either way
+            _remove_own(folder, files)
+            os.remove(os.path.join(folder, MARKER))
+            if created:
+                os.rmdir(folder)
+        except OSError:
+            pass  # what is left is listed by the marker or under STAGING: the next run removes it
+        if not isinstance(exc, OSError):
+            raise
+        _, now = _free_bytes(folder)
+        raise BenchError(f"--dir {folder}: writing the checkpoint failed at {exc.filename or folder} "
+                         f"({exc.strerror or exc}); its partial files were removed (it needs {need / GIB:.2f} GiB, "
+                         f"{now / GIB:.2f} GiB are free now)") from None
     log(f"wrote {want['bytes'] / GIB:.2f} GiB to {folder} in {want['write_seconds']:.0f} s")
     return want
 
 
 # ---------------------------------------------------------------------- the disk
-def shards(folder: str) -> list[str]:
-    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
-
-
 def drop_page_cache(paths) -> str:
     """Ask the kernel to drop every cached page of `paths`; says what happened."""
     if not hasattr(os, "posix_fadvise"):
@@ -143,13 +295,15 @@ def measure(folder: str, cfg, *, memory, policy: str, prompt_tokens: int, decode
     from dsv41.generate import decode_n, prefill
     from dsv41.trace import ForwardTrace
 
-    files = shards(folder)
+    from dsv41.inventory import shard_names
+
+    files = [os.path.join(folder, name) for name in shard_names(cfg)]  # this config's, whatever else lies there
     page_cache = drop_page_cache(files)
     probe = max(files, key=os.path.getsize)  # a layer shard: nearly all of it experts
     disk_before = disk_bandwidth(probe, disk_probe, io_threads, offset=os.path.getsize(probe) // 2)
     peak_reset = reset_peak_rss()
     model = dsv41.load(folder, quiet=True, threads=None, memory=memory, expert_policy=policy,
-                       max_seq_len=prompt_tokens + decode_tokens + 8)
+                       max_seq_len=run_positions(prompt_tokens, decode_tokens))
     cache = model.experts
     cache.set_io_threads(io_threads)
     plan = model.report.budget_plan
@@ -278,6 +432,7 @@ def bench_stream(folder: str, *, layers: int = 2, experts: int = 384, memory="12
                  disk_probe: int = 2 * GIB, small: bool = False, recorded_tokens: int = 96,
                  log: Callable[[str], None] = print) -> dict:
     cfg = stream_config(layers, experts, small)
+    plan_run(cfg, memory, run_positions(prompt_tokens, decode_tokens))  # before 23.5 GiB are written, not after
     marker = ensure_checkpoint(folder, cfg, log)
     recorded = recorded_steps(recorded_tokens, log)
     report = {"command": "bench stream", "dir": folder, "checkpoint_bytes": marker["bytes"], "n_layers": cfg.n_layers,
@@ -296,42 +451,46 @@ def bench_stream(folder: str, *, layers: int = 2, experts: int = 384, memory="12
 def add_parser(sub) -> None:
     import argparse
 
-    from dsv41.argtypes import memory_size
+    from dsv41.argtypes import memory_size, whole_number
     from dsv41.eviction import DEFAULT_POLICY, EXPERT_POLICIES
 
+    positions = RELEASED.max_seq_len
     st = sub.add_parser("stream", help="routed experts streamed from disk under a memory budget: disk bandwidth, "
                                        "bytes and seconds per token, hit rates by policy, peak memory")
     st.add_argument("--dir", required=True, metavar="FOLDER", help="where the synthetic all-experts checkpoint is "
-                    "written once and reused")
+                    "written once and reused (a missing or empty folder, or one this bench wrote)")
     st.add_argument("--memory", type=memory_size, default=12 * GIB, metavar="SIZE", help="the budget (default 12GiB)")
     st.add_argument("--expert-policy", choices=EXPERT_POLICIES, default=DEFAULT_POLICY)
-    st.add_argument("--layers", type=int, default=2, help="backbone layers (default 2; 7.2 GB of experts each)")
-    st.add_argument("--experts", type=int, default=384, help=argparse.SUPPRESS)
-    st.add_argument("--tokens", type=int, default=8, help="tokens to decode per run (default 8)")
-    st.add_argument("--prompt", type=int, default=4, help="prompt length (default 4)")
-    st.add_argument("--runs", type=int, default=1, help="measured runs, each from an emptied page cache (default 1)")
-    st.add_argument("--io-threads", type=int, default=8, help="reads in flight (default 8)")
-    st.add_argument("--disk-probe-mib", type=int, default=2048, help="bytes the disk bandwidth is measured on")
-    st.add_argument("--recorded-tokens", type=int, default=96, help=argparse.SUPPRESS)
+    st.add_argument("--layers", type=whole_number(2, RELEASED.n_layers, "layers"), default=2,
+                    help=f"backbone layers, 2 to {RELEASED.n_layers} (default 2; 7.2 GB of experts each)")
+    st.add_argument("--experts", type=whole_number(6, RELEASED.n_routed_experts, "experts"), default=384,
+                    help=argparse.SUPPRESS)
+    st.add_argument("--tokens", type=whole_number(1, positions, "tokens"), default=8,
+                    help="tokens to decode per run (default 8)")
+    st.add_argument("--prompt", type=whole_number(2, positions, "tokens"), default=4, help="prompt length (default 4)")
+    st.add_argument("--runs", type=whole_number(1, 1000, "runs"), default=1,
+                    help="measured runs, each from an emptied page cache (default 1)")
+    # each reader of the disk probe holds a 4 MiB buffer: 256 of them are 1 GiB
+    st.add_argument("--io-threads", type=whole_number(1, 256, "threads"), default=8,
+                    help="reads in flight, 1 to 256 (default 8)")
+    st.add_argument("--disk-probe-mib", type=whole_number(1, 1 << 20, "MiB"), default=2048,
+                    help="bytes the disk bandwidth is measured on")
+    # the recorded routing runs on the embedded miniature, its caches sized for 4096 positions
+    st.add_argument("--recorded-tokens", type=whole_number(1, 2048, "tokens"), default=96, help=argparse.SUPPRESS)
     st.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # tiny dims, for tests
-    st.add_argument("--json", metavar="OUT", help="also write the report as JSON here")
+    st.add_argument("--json", metavar="OUT", help="also write the report as JSON here (checked before the run; "
+                    "printed on stdout if it cannot be written at the end)")
 
 
 def main(args) -> int:
-    if min(args.tokens, args.runs, args.io_threads, args.disk_probe_mib) < 1 or args.prompt < 2:
-        print("dsv41 bench: --tokens, --runs, --io-threads, --disk-probe-mib must be at least 1, --prompt at least 2",
-              file=sys.stderr)
-        return 2
-    from dsv41.checkpoint import LoadError
-
     try:
+        if args.json:
+            check_report_path(args.json)  # before the run, not after it
         report = bench_stream(args.dir, layers=args.layers, experts=args.experts, memory=args.memory,
                               policy=args.expert_policy, prompt_tokens=args.prompt, decode_tokens=args.tokens,
                               runs=args.runs, io_threads=args.io_threads, disk_probe=args.disk_probe_mib << 20,
                               small=args.small, recorded_tokens=args.recorded_tokens)
-    except (LoadError, ValueError) as exc:
+    except (Dsv41Error, ValueError) as exc:  # BenchError, LoadError (BudgetError among them): one sentence each
         print(f"dsv41 bench: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        write_report(args.json, report)
-    return 0
+        return 1
+    return save_report(args.json, report) if args.json else 0
