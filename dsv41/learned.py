@@ -598,3 +598,58 @@ def tie_study(model, ids: Sequence[int]) -> dict:
             "truncated_queries": truncated, "ties_at_cut": ties,
             "min_relative_gap": min(gaps) if gaps else None,
             "median_relative_gap": float(np.median(gaps)) if gaps else None}
+
+
+def lookahead_study(model, texts: Sequence[str], tokens: int) -> dict:
+    """How often layer L+1's experts can be guessed before L+1 runs, so a read-ahead could fetch
+    them while earlier work computes: over each text's first `tokens` prompt ids run as one prefill,
+    per layer L+1 the mean share of its chosen experts that a guess names (|guess & chosen| / k).
+
+    Two guesses, both L+1's own router (`Gate`, with its selection bias) applied to a state known
+    earlier: "early", the input of layer L's router (known when L's experts start: a read issued
+    then overlaps L's expert compute and L+1's attention); "late", the stream leaving layer L
+    collapsed by L+1's FFN-side mix (known before L+1's attention: a read overlaps that attention
+    only). `exact_check` is the same computation for L's own routing from its own input, which must
+    be 1.0 (it says the inputs were rebuilt right). Chance is k / E."""
+    from .model import hc_pre
+
+    texts = _texts(texts)
+    blocks = list(model.backbone.layers)
+    cfg = model.cfg
+    k = cfg.n_activated_experts
+    names = [f"layers.{b.layer}.{site}" for b in blocks for site in ("resid_pre", "resid_mid", "resid_post", "ffn.gate")]
+    early: dict[int, list[float]] = {}
+    late: dict[int, list[float]] = {}
+    exact: list[float] = []
+
+    def overlap(guess: torch.Tensor, chosen: torch.Tensor) -> float:
+        hits = (guess.unsqueeze(-1) == chosen.unsqueeze(-2)).any(-1).sum(-1)  # [n]: guessed experts chosen
+        return float(hits.double().mean() / k)
+
+    for text in texts:
+        ids = prompt_ids(model, text, tokens)
+        model.reset()
+        _, cache = model.run_with_hooks(torch.tensor([ids]), 0, names=names, to_cpu=True)
+        model.reset()
+        with torch.no_grad():
+            router_input, chosen = {}, {}
+            for b in blocks:
+                pre = cache.last(f"layers.{b.layer}.resid_pre")
+                mid = cache.last(f"layers.{b.layer}.resid_mid")
+                attn_pre = b.mixes(pre, "attn")[0]
+                h = b.ffn_norm(hc_pre(mid, attn_pre)).flatten(0, 1)  # [b * s, dim]: what L's router reads
+                router_input[b.layer] = h
+                chosen[b.layer] = cache.last(f"layers.{b.layer}.ffn.gate")[1].reshape(h.shape[0], k)
+                exact.append(overlap(b.ffn.gate(h)[1], chosen[b.layer]))
+            for before, after in zip(blocks, blocks[1:]):
+                guess = after.ffn.gate(router_input[before.layer])[1]
+                early.setdefault(after.layer, []).append(overlap(guess, chosen[after.layer]))
+                stream = cache.last(f"layers.{before.layer}.resid_post")  # [b, s, hc, dim]
+                ffn_pre = after.mixes(stream, "ffn")[0]
+                h_late = after.ffn_norm(hc_pre(stream, ffn_pre)).flatten(0, 1)
+                late.setdefault(after.layer, []).append(overlap(after.ffn.gate(h_late)[1], chosen[after.layer]))
+    layers = sorted(early)
+    return {"layers": layers, "early": [float(np.mean(early[i])) for i in layers],
+            "late": [float(np.mean(late[i])) for i in layers], "exact_check": float(np.mean(exact)),
+            "chance": k / cfg.n_routed_experts, "k": k, "n_experts": cfg.n_routed_experts,
+            "tokens": sum(len(prompt_ids(model, t, tokens)) for t in texts)}

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from dsv41.argtypes import whole_number
+from dsv41.argtypes import memory_size, whole_number
 from dsv41.errors import Dsv41Error
 from dsv41.outdir import creation_refused
 
@@ -549,6 +549,10 @@ def cli_main(argv: list[str]) -> int:
                         help="pass a parameter to every notebook; VALUE is read as JSON (or Python's True, False, "
                              "None) when it parses, else as text; checkpoint, prompt and device are always text, "
                              "smoke must be true or false")
+    parser.add_argument("--memory", type=memory_size, metavar="SIZE",
+                        help="a memory budget for every model the notebooks load, e.g. 20GiB (the `memory` "
+                             "parameter: routed experts read from disk into a pool that size); the way to run the "
+                             "notebooks on the released checkpoint on a 24-32 GB machine")
     parser.add_argument("--cell-timeout", type=whole_number(1, MAX_CELL_TIMEOUT_S, "seconds"), metavar="SECONDS",
                         help=f"fail a cell that runs longer than this: a whole number of seconds from 1 to "
                              f"{MAX_CELL_TIMEOUT_S} (default: no limit)")
@@ -565,6 +569,8 @@ def cli_main(argv: list[str]) -> int:
                 if not os.path.isdir(args.checkpoint):
                     raise NotebookRunError(f"--checkpoint {args.checkpoint}: no such directory")
                 parameters["checkpoint"] = os.path.abspath(args.checkpoint)
+            if args.memory is not None:
+                parameters["memory"] = args.memory
             for name, value in args.parameter:
                 if name == "output_dir":
                     raise NotebookRunError("-p output_dir: the run folder is the output folder; use --out DIR")

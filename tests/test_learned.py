@@ -250,3 +250,18 @@ def test_uniform_routing_loads_against_exact_values():
     peak = learned.uniform_routing_loads(2, 4, 2, draws=4000).max(1)
     assert exact == pytest.approx(11 / 6)
     assert abs(peak.mean() - exact) < 4 * peak.std() / math.sqrt(len(peak))
+
+
+def test_lookahead_rebuilds_each_router_input_exactly_and_beats_chance():
+    import dsv41
+
+    model = dsv41.load(quiet=True)  # the trained miniature
+    texts = learned.held_out_texts(2)
+    r = learned.lookahead_study(model, texts, 48)
+    assert r["exact_check"] == 1.0  # a layer's own router on the rebuilt input gives its recorded choice
+    assert r["chance"] == model.cfg.n_activated_experts / model.cfg.n_routed_experts
+    assert r["layers"] == list(range(1, model.cfg.n_layers))
+    assert all(0.0 <= v <= 1.0 for v in r["early"] + r["late"])
+    assert sum(r["early"]) / len(r["early"]) > r["chance"]  # a guess from the layer before beats a random one
+    with pytest.raises(learned.LearnedError):
+        learned.lookahead_study(model, [], 48)

@@ -190,6 +190,8 @@ def main(args) -> int:
             print(f"run {i + 1} of {args.runs}")
             runs.append(measure_whole(folder, memory=memory, prompt_tokens=args.prompt, decode_tokens=args.tokens,
                                       io_threads=args.io_threads, probe_bytes=args.probe_mib << 20))
+            if args.json:  # each run's report kept as soon as it is measured: a run takes minutes
+                write_report(args.json, {"command": "bench whole", "runs": runs})
     except (BenchError, SyntheticError, LoadError, ValueError) as exc:
         print(f"dsv41 bench: {exc}", file=sys.stderr)
         return 2
