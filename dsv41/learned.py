@@ -653,3 +653,24 @@ def lookahead_study(model, texts: Sequence[str], tokens: int) -> dict:
             "late": [float(np.mean(late[i])) for i in layers], "exact_check": float(np.mean(exact)),
             "chance": k / cfg.n_routed_experts, "k": k, "n_experts": cfg.n_routed_experts,
             "tokens": sum(len(prompt_ids(model, t, tokens)) for t in texts)}
+
+
+def check_side_by_side(paths: Sequence[str], memory, copies: int = 2) -> None:
+    """Notebook 08 holds every checkpoint of `paths` `copies` times at once (reference and parity
+    numerics): LearnedError in one sentence when their dense parts alone exceed the memory budget
+    `memory` (None: no budget, nothing to check). A released-size checkpoint beside the random tiny
+    one is two 12.6 GiB dense parts, so under a budget for one released-size model the notebook
+    says so and stops."""
+    if memory is None:
+        return
+    from .argtypes import byte_size
+    from .config import load_config
+    from .report import predict_retained_bytes
+
+    budget = byte_size(memory)
+    held = copies * sum(predict_retained_bytes(load_config(p))["bytes"] for p in paths)
+    if held > budget:
+        raise LearnedError(f"notebook 08 sets {len(paths)} checkpoints side by side, each loaded {copies} times "
+                           f"(reference and parity numerics): {held / 2**30:.2f} GiB of dense weights at once, more "
+                           f"than the memory budget of {budget / 2**30:.2f} GiB; run it where they fit (without a "
+                           "budget), or on the miniature")

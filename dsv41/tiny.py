@@ -37,6 +37,7 @@ from pathlib import Path
 
 from dsv41.cachedir import cache_dir, cache_error, cache_root, current_umask, file_sha256
 from dsv41.headers import INDEX_NAME
+from dsv41.outdir import replace_folder
 
 # Bump when the writer's output changes in a way the source digest below would not notice.
 WRITER_VERSION = 1
@@ -189,7 +190,7 @@ def write_tiny_checkpoint(out_dir, seed: int = 0, progress: bool | None = False,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _build_beside(out, seed, progress)
     try:
-        _put_in_place(tmp, out)
+        replace_folder(tmp, out)
     finally:
         _remove(tmp)
     return str(out)
@@ -235,30 +236,6 @@ def _build_beside(target: Path, seed: int, progress: bool | None) -> Path:
         _remove(tmp)
         raise
     return tmp
-
-
-def _put_in_place(tmp: Path, target: Path) -> None:
-    """Rename `tmp` to `target`; whatever `target` holds is moved aside first and deleted only once
-    `tmp` has its place."""
-    try:
-        os.rename(tmp, target)  # target missing or an empty folder
-        return
-    except OSError:
-        if not os.path.lexists(target):
-            raise
-    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-    try:
-        os.rename(target, aside / target.name)
-    except OSError:
-        _remove(aside)
-        raise
-    try:
-        os.rename(tmp, target)
-    except OSError:
-        os.rename(aside / target.name, target)  # should even this fail, the old one is kept in `aside`
-        _remove(aside)
-        raise
-    _remove(aside)
 
 
 def _remove(folder: Path) -> None:
@@ -363,7 +340,7 @@ def default_checkpoint(seed: int = 0, progress: bool | None = None) -> str:
                     os.rename(tmp, final)
                 except OSError:
                     if _damage(final, seed, version):  # not a race lost to an equal build
-                        _put_in_place(tmp, final)
+                        replace_folder(tmp, final)
             finally:
                 _remove(tmp)
         except OSError as exc:

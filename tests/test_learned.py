@@ -265,3 +265,16 @@ def test_lookahead_rebuilds_each_router_input_exactly_and_beats_chance():
     assert sum(r["early"]) / len(r["early"]) > r["chance"]  # a guess from the layer before beats a random one
     with pytest.raises(learned.LearnedError):
         learned.lookahead_study(model, [], 48)
+
+
+def test_notebook_08_under_a_budget_too_small_for_its_models_is_one_sentence(tmp_path):
+    from dsv41.miniature import embedded_checkpoint
+    from dsv41.report import predict_retained_bytes
+    from dsv41.config import load_config
+
+    mini = embedded_checkpoint()
+    dense = predict_retained_bytes(load_config(mini))["bytes"]
+    learned.check_side_by_side([mini, mini], 4 * dense)  # four dense parts fit: nothing said
+    learned.check_side_by_side([mini, mini], None)  # no budget: nothing to check
+    with pytest.raises(learned.LearnedError, match=r"^notebook 08 sets 2 checkpoints side by side.*more than the memory budget"):
+        learned.check_side_by_side([mini, mini], 4 * dense - 1)
