@@ -104,3 +104,22 @@ def test_a_shard_truncated_during_generation_keeps_the_text_so_far(tiny_checkpoi
     kept = re.search(r"stopped after (\d+) of 8 tokens \(the text so far is above\)", err)
     assert kept and 1 <= int(kept.group(1)) < 8
     assert out.strip()  # the text of the tokens kept
+
+
+def test_an_expert_shard_truncated_under_the_default_expert_cache_is_one_sentence(tiny_checkpoint, tmp_path):
+    """A miss read after the shard was cut short: a LoadError naming the shard (a mapped read was
+    SIGBUS), and the model's caches as they were."""
+    import shutil
+
+    import dsv41
+    from dsv41.checkpoint import LoadError
+
+    folder = str(tmp_path / "ck")
+    shutil.copytree(tiny_checkpoint, folder)
+    model = dsv41.load(folder, quiet=True, expert_cache=1)  # one expert per layer held: every step misses
+    logits = model.prefill(model.encode("import os"))
+    shard = model.experts.checkpoint.entries["layers.3.ffn.experts.0.w1.weight"][0]
+    os.truncate(shard, os.path.getsize(shard) // 2)
+    with pytest.raises(LoadError, match=r"^" + re.escape(shard) + r": tensor layers\..*cannot be read"):
+        for _ in range(8):
+            logits = model.decode_one(int(logits[0].argmax()))
