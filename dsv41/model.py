@@ -29,9 +29,9 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections import deque
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +40,7 @@ from torch import nn
 from . import sequence
 from .attention import Attention, AttentionRuntime, CacheBytes, cache_bytes, check_cache_format
 from .formats import dequantize_engram_rows
-from .hooks import NO_SITES, name_sites, site
+from .hooks import NO_SITES, ReentrantCallError, name_sites, site
 from .kernels import hc_split_sinkhorn
 from .kernels.experts import PackedExpert, clamped_swiglu  # noqa: F401 (their import path)
 from .layers import Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype, param, rowwise
@@ -410,6 +410,7 @@ class Model:
         self.position = 0  # positions consumed since the last reset
         self.token_ids = torch.zeros(1, 0, dtype=torch.long)  # [b, position]: what the sequence holds
         self.undo_records: deque = deque(maxlen=undo_calls)  # sequence.CallRecord per call, oldest first
+        self._in_forward = False  # a backbone forward is running (its observers may not call back in)
 
     def attach(self, experts: ExpertStore, engram_tables: dict[int, EngramTable], routed=None) -> None:
         """Where routed experts and Engram rows are read from (neither is a parameter); `routed`:
@@ -460,6 +461,7 @@ class Model:
     @_any_grad_mode
     def reset(self) -> None:
         """Start a new sequence: attention caches, the shared runtime and the n-gram look-back."""
+        self._refuse_inside_forward("model.reset()")
         self.backbone.reset_state()
         if self.draft_stack is not None:
             self.draft_stack.reset_state()
@@ -492,9 +494,18 @@ class Model:
 
         return run_with_hooks(self, input_ids, start_pos, **kw)
 
+    def _refuse_inside_forward(self, verb: str) -> None:
+        # an observer that called back in would run a second forward over caches the first is
+        # half-way through writing
+        if self._in_forward:
+            raise ReentrantCallError(f"{verb} was called from an observer inside this model's own forward, and "
+                                     f"re-entrancy is refused; record what you need in the observer and call the "
+                                     f"model after its call returns")
+
     @_any_grad_mode
     def __call__(self, input_ids, start_pos: int = 0, *, trace=None, image_mask=None,
                  all_positions: bool = False) -> torch.Tensor:
+        self._refuse_inside_forward("model(...)")
         prompt = input_ids if isinstance(input_ids, Prompt) else None  # ids with image spans (Model.prepare)
         if prompt is not None:
             if image_mask is not None:
@@ -535,7 +546,7 @@ class Model:
             if counters is not None:
                 counters.begin_step(start_pos, seqlen)
             # a trace is one more set of observers, subscribed for this call
-            with trace.recording(self.sites, start_pos) if trace is not None else nullcontext():
+            with trace.recording(self.sites, start_pos) if trace is not None else nullcontext(), self._forward():
                 logits = self.backbone(ids, start_pos, self.runtime, hash_ids, image_mask, all_positions,
                                        images=prompt.images if prompt is not None else ())
             if self.draft_stack is not None:
@@ -547,6 +558,14 @@ class Model:
         self.token_ids = torch.cat([self.token_ids, ids], dim=1)
         self.position = start_pos + seqlen
         return logits
+
+    @contextmanager
+    def _forward(self) -> Iterator[None]:
+        self._in_forward = True
+        try:
+            yield
+        finally:
+            self._in_forward = False
 
     @staticmethod
     def _token_ids(input_ids) -> torch.Tensor:
@@ -574,17 +593,20 @@ class Model:
         forward, and the same bytes as the re-run under Numerics.parity() (under the reference's
         arithmetic a row can depend on how many rows shared its call). Returns whether a kept
         part ran again."""
+        self._refuse_inside_forward("model.rollback()")
         return sequence.rollback(self, n_positions, rerun=rerun)
 
     @_any_grad_mode
     def snapshot(self) -> "sequence.Snapshot":
         """A copy of the sequence so far (caches, look-back, what was published), for `restore`:
         a later request continues from a shared prefix instead of running it again."""
+        self._refuse_inside_forward("model.snapshot()")
         return sequence.snapshot(self)
 
     @_any_grad_mode
     def restore(self, state: "sequence.Snapshot") -> None:
         """Continue from a `snapshot` of this model (the sequence as it was then)."""
+        self._refuse_inside_forward("model.restore()")
         sequence.restore(self, state)
 
     # ------------------------------------------------------------------ text
