@@ -128,3 +128,21 @@ def test_real_experts_on_chosen_layers(tmp_path):
     ck = Checkpoint(folder)
     assert ck.read("layers.3.ffn.experts.7.w1.weight").view(-1).view(dtype=__import__("torch").uint8).any()
     assert not ck.read("layers.4.ffn.experts.7.w1.weight").view(-1).view(dtype=__import__("torch").uint8).any()
+
+
+def test_a_decode_token_counts_no_vision_weight():
+    """The floor of a text token: the vision tower is never read by it (it was counted in "other")."""
+    import dsv41
+    from dsv41.bench.released import decode_token_bytes
+
+    model = dsv41.load(quiet=True)
+    cfg = model.cfg
+    counted = decode_token_bytes(model)
+    text_params = 0
+    for name, p in model.backbone.named_parameters():
+        if name.split(".")[0] in ("vision", "aligner") or name.startswith("image_"):
+            continue
+        text_params += p.size(1) * p.element_size() if name == "embed.weight" else p.numel() * p.element_size()
+    experts = cfg.n_layers * cfg.n_activated_experts * counted["routed_expert_bytes"]
+    engram = len(cfg.engram_layer_ids) * cfg.n_hash_cols * (cfg.engram_head_dim + cfg.engram_head_dim // 32)
+    assert sum(counted["phases"].values()) == text_params + experts + engram

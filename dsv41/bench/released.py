@@ -87,7 +87,7 @@ def decode_token_bytes(model) -> dict:
     phases = dict.fromkeys(RELEASED_PHASES, 0)
     layers = {i: dict.fromkeys(RELEASED_PHASES, 0) for i in range(cfg.n_layers)}
     for name, p in model.backbone.named_parameters():
-        if name.startswith(("aligner.", "image_")):
+        if name.startswith(("vision.", "aligner.", "image_")):
             continue  # the vision path: not read by a text token
         nbytes = p.numel() * p.element_size()
         if name == "embed.weight":
