@@ -379,9 +379,13 @@ def run_notebook(path: Path, run_dir: Path, parameters: dict[str, Any],
         if problem:
             result.status, result.error = "failed", problem
             return result
+        # a parameter goes to the notebooks that declare it (`memory` means nothing to 01 and 02);
+        # one that no notebook declares was refused before the run
+        declared = declared_parameters(path) | {"output_dir"}
+        own = {name: value for name, value in parameters.items() if name in declared}
         try:
             papermill.execute_notebook(
-                str(path), str(executed), parameters=parameters, kernel_name=KERNEL_NAME, language="python",
+                str(path), str(executed), parameters=own, kernel_name=KERNEL_NAME, language="python",
                 progress_bar=False, log_output=False, cwd=str(path.parent), start_timeout=120,
                 execution_timeout=cell_timeout, engine_name=_engine())
             result.status = "ok"

@@ -196,3 +196,27 @@ def test_names_around_commas_may_carry_spaces(two_notebooks):
     """Reproduces: `--only "01, 02"` refused " 02" as no such notebook."""
     chosen = runner.find_notebooks(two_notebooks, [" 02 ", "01_first.ipynb"])
     assert [p.stem for p in chosen] == ["01_first", "02_second"]
+
+
+def test_a_parameter_goes_only_to_the_notebooks_that_declare_it(tmp_path, monkeypatch):
+    """`--memory` sets `memory`, which 01 (header-only) does not declare: papermill would warn of
+    an unknown parameter there, so 01 is not handed it and 03 is."""
+    import papermill
+
+    from dsv41 import notebooks as nbmod
+
+    handed = {}
+
+    def record(path, executed, parameters=None, **kw):
+        handed[os.path.basename(path)] = dict(parameters)
+        raise KeyboardInterrupt  # stop right after the hand-over; nothing runs
+
+    monkeypatch.setattr(papermill, "execute_notebook", record)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for name in ("01_audit.ipynb", "03_csa2_modes.ipynb"):
+        path = nbmod.default_notebooks_dir() / name
+        with pytest.raises(BaseException):
+            nbmod.run_notebook(path, run_dir, {"memory": 1 << 34, "smoke": True, "output_dir": str(run_dir)})
+    assert "memory" not in handed["01_audit.ipynb"] and handed["01_audit.ipynb"]["smoke"] is True
+    assert handed["03_csa2_modes.ipynb"]["memory"] == 1 << 34
