@@ -655,9 +655,10 @@ def lookahead_study(model, texts: Sequence[str], tokens: int) -> dict:
             "tokens": sum(len(prompt_ids(model, t, tokens)) for t in texts)}
 
 
-def check_side_by_side(paths: Sequence[str], memory, copies: int = 2) -> None:
-    """Notebook 08 holds every checkpoint of `paths` `copies` times at once (reference and parity
-    numerics): LearnedError in one sentence when their dense parts alone exceed the memory budget
+def check_side_by_side(paths: Sequence[str], memory, copies: int = 2, notebook: str = "08") -> None:
+    """A notebook that holds every checkpoint of `paths` `copies` times at once (08: two checkpoints
+    under reference and parity numerics; 05: one, likewise): LearnedError in one sentence when their
+    dense parts alone exceed the memory budget
     `memory` (None: no budget, nothing to check). A released-size checkpoint beside the random tiny
     one is two 12.6 GiB dense parts, so under a budget for one released-size model the notebook
     says so and stops."""
@@ -670,7 +671,8 @@ def check_side_by_side(paths: Sequence[str], memory, copies: int = 2) -> None:
     budget = byte_size(memory)
     held = copies * sum(predict_retained_bytes(load_config(p))["bytes"] for p in paths)
     if held > budget:
-        raise LearnedError(f"notebook 08 sets {len(paths)} checkpoints side by side, each loaded {copies} times "
+        what = f"{len(paths)} checkpoints side by side, each" if len(paths) > 1 else "its checkpoint"
+        raise LearnedError(f"notebook {notebook} holds {what} loaded {copies} times "
                            f"(reference and parity numerics): {held / 2**30:.2f} GiB of dense weights at once, more "
                            f"than the memory budget of {budget / 2**30:.2f} GiB; run it where they fit (without a "
                            "budget), or on the miniature")
