@@ -66,6 +66,30 @@ def _bars(ax) -> list[float]:
     return [b.get_height() for b in ax.containers[0]]
 
 
+
+def _routing_layers(n_layers: int):
+    """_routing_plain's two layers repeated to `n_layers` (the released model has 40)."""
+    data = _routing_plain()
+    rows = lambda grid: [grid[i % 2] for i in range(n_layers)]
+    load = {phase: rows(grid) for phase, grid in data["load"].items()}
+    return {**data, "layers": list(range(n_layers)), "load": load,
+            "weight_mean": {phase: rows(grid) for phase, grid in data["weight_mean"].items()},
+            "balance": {phase: widgets.balance(grid) for phase, grid in load.items()}}
+
+
+def test_routing_render_at_forty_layers_labels_what_fits():
+    """The released model's 40 layers: tick labels thinned to about a dozen, and the entropy values
+    (in the sidecar) not written over 40 narrow bars, where they overprinted one another."""
+    fig = widgets.render_routing(_routing_layers(40), phase="prefill")
+    ax_load, ax_w, ax_max, ax_ent = fig.axes[:4]
+    for ax in (ax_max, ax_ent):
+        ticks = [t.get_text() for t in ax.get_xticklabels()]
+        assert 6 <= len(ticks) <= 13 and ticks[0] == "0"
+    assert len([t.get_text() for t in ax_load.get_yticklabels()]) <= 13
+    assert not ax_ent.texts and len(_bars(ax_ent)) == 40
+    few = widgets.render_routing(_routing_layers(8), phase="prefill")
+    assert len(few.axes[3].texts) == 8 and len(few.axes[2].get_xticklabels()) == 8
+
 def test_balance_by_hand():
     even, one = widgets.balance([[2, 2, 2, 2], [8, 0, 0, 0]]), widgets.balance([[0, 0, 0, 0]])
     assert even["max_over_mean"] == [1.0, 4.0] and even["unused"] == [0, 3]

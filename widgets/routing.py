@@ -161,12 +161,15 @@ def render(data: dict, phase: str = "all", tokens: str = "all"):
     bal = data["balance"][phase]
     fig, axes = viz.new_figure(2, 2, figsize=(8.0, 5.6), height_ratios=(3, 2))
     (ax_load, ax_w), (ax_max, ax_ent) = axes
+    # at most about a dozen layer labels per axis (the released model's 40 would overprint)
+    step = max(1, -(-len(layers) // 12))
+    shown = list(range(0, len(layers), step))
     with viz.style():
         for ax, grid, label, unit, cmap in ((ax_load, load, "tokens routed", "tokens", "viridis"),
                                             (ax_w, mean_w, "mean weight when chosen", "routing weight", "magma")):
             image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap=cmap,
                               extent=(-0.5, n_experts - 0.5, len(layers) - 0.5, -0.5))
-            ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
+            ax.set_yticks(shown, [str(layers[i]) for i in shown])
             ax.set(xlabel="expert", ylabel="layer", title=label)
             ax.grid(False)
             fig.colorbar(image, ax=ax, shrink=0.9, label=unit)
@@ -180,7 +183,8 @@ def render(data: dict, phase: str = "all", tokens: str = "all"):
         # at their true size; each bar keeps its entropy written above it
         uneven = 1.0 - entropy
         bars = ax_ent.bar(x, uneven, color=viz.PALETTE[2])
-        ax_ent.bar_label(bars, labels=["" if np.isnan(v) else f"{v:.2f}" for v in entropy], fontsize=6, padding=1)
+        if step == 1:  # with more bars than labels fit, the values stay in the sidecar
+            ax_ent.bar_label(bars, labels=["" if np.isnan(v) else f"{v:.2f}" for v in entropy], fontsize=6, padding=1)
         top = np.nanmax(uneven, initial=0.0)
         max_title, ent_title = "peak load (1 is even)", "distance from even (0 is even)"
         if chance is not None:
@@ -192,28 +196,30 @@ def render(data: dict, phase: str = "all", tokens: str = "all"):
             top = max(top, 1.0 - chance["entropy"]["low"])
             max_title += f"; chance {chance['max_over_mean']['mean']:.2f}"
             ent_title += f"; chance {1 - chance['entropy']['mean']:.3f}"
-        ax_max.set(xticks=x, xticklabels=[str(layer) for layer in layers], xlabel="layer", ylim=(0, None),
+        ax_max.set(xticks=shown, xticklabels=[str(layers[i]) for i in shown], xlabel="layer", ylim=(0, None),
                    ylabel="max / mean load", title=max_title)
-        ax_ent.set(xticks=x, xticklabels=[str(layer) for layer in layers], xlabel="layer", ylim=(0, 1.25 * top or 1.0),
+        ax_ent.set(xticks=shown, xticklabels=[str(layers[i]) for i in shown], xlabel="layer", ylim=(0, 1.25 * top or 1.0),
                    ylabel="1 - entropy / log E", title=ent_title)
         if not data["n_tokens"][phase]:
             for ax in axes.flat:
                 ax.text(0.5, 0.5, f"no {tokens if tokens != 'all' else ''} tokens in this phase".replace("  ", " "),
                         transform=ax.transAxes, ha="center", va="center", color="#777777")
-        _chance_legend(fig, chance is not None, viz)
+        _chance_legend(fig, chance is not None, viz, labelled=step == 1)
         which = "" if tokens == "all" else f"{tokens} "
         fig.suptitle(f"routing, {phase}: {data['n_tokens'][phase]} {which}tokens x top-{data['top_k']} of "
                      f"{n_experts} experts")
     return fig
 
 
-def _chance_legend(fig, with_chance: bool, viz) -> None:
-    """One legend under the balance panels for their reference lines."""
+def _chance_legend(fig, with_chance: bool, viz, labelled: bool = True) -> None:
+    """One legend under the balance panels for their reference lines (`labelled`: the entropy bars
+    carry their values)."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     handles = [Line2D([], [], color="#444444", lw=0.8, ls="--", label="perfectly even load"),
-               Patch(color=viz.PALETTE[2], label="bar labels: entropy / log E")]
+               Patch(color=viz.PALETTE[2], label="bar labels: entropy / log E" if labelled
+                     else "bars: 1 - entropy / log E")]
     if with_chance:
         handles += [Line2D([], [], color="#222222", lw=1.0, ls=":", label="chance: uniform random routing, mean"),
                     Patch(color="#bbbbbb", alpha=0.45, lw=0, label="its 5-95% range (as many tokens)")]
