@@ -20,7 +20,7 @@ def whole_number(low: int, high: int, unit: str) -> Callable[[str], int]:
         except ValueError:
             value = None
         if value is None or not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be a whole number of {unit} from {low} to {high:,}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be a whole number of {unit} from {low} to {high:,}, got {brief(text)}")
         return value
 
     return parse

@@ -244,3 +244,15 @@ def test_the_commands_answer_a_huge_budget_in_one_line(tiny_checkpoint, capsys, 
     if code == 2:  # a usage error: argparse's usage, then its one line
         lines = [line for line in lines if not line.startswith(("usage: ", " "))]
     assert len(lines) == 1 and lines[0].startswith(f"dsv41 {command}: ") and "memory" in lines[0], err
+
+
+def test_a_whole_number_flag_names_a_huge_value_briefly():
+    """`--steps` with 401 digits was echoed whole in the usage error."""
+    import argparse
+
+    from dsv41.argtypes import whole_number
+
+    with pytest.raises(argparse.ArgumentTypeError) as info:
+        whole_number(1, 10, "steps")("9" * 401)
+    message = str(info.value)
+    assert message.startswith("must be a whole number of steps from 1 to 10, got '999") and len(message) < 160
