@@ -164,8 +164,7 @@ class Checkpoint:
                 got = self.entries.get(name)
                 if got is None or os.path.basename(got[0]) != file:
                     raise LoadError(f"{index}: tensor {name} is listed in {file}, but that shard does not hold it")
-        self._fds: dict[str, int] = {}
-        self.one_handle = False  # True: a read from another shard first closes the open ones
+        self._fds: dict[str, int] = {}  # shard path -> its open file, kept until `release`
 
     # Every payload byte is read with positioned reads (os.preadv) straight into its final buffer.
     # A mapping of a whole shard is never made: a private mapping is charged in full against the
@@ -174,8 +173,6 @@ class Checkpoint:
     def _fd(self, shard: str, name: str) -> int:
         fd = self._fds.get(shard)
         if fd is None:
-            if self.one_handle:
-                self.release()
             try:
                 fd = os.open(shard, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
                 size = os.fstat(fd).st_size

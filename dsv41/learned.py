@@ -621,6 +621,7 @@ def lookahead_study(model, texts: Sequence[str], tokens: int) -> dict:
     early: dict[int, list[float]] = {}
     late: dict[int, list[float]] = {}
     exact: list[float] = []
+    n_tokens = 0
 
     def overlap(guess: torch.Tensor, chosen: torch.Tensor) -> float:
         hits = (guess.unsqueeze(-1) == chosen.unsqueeze(-2)).any(-1).sum(-1)  # [n]: guessed experts chosen
@@ -628,6 +629,7 @@ def lookahead_study(model, texts: Sequence[str], tokens: int) -> dict:
 
     for text in texts:
         ids = prompt_ids(model, text, tokens)
+        n_tokens += len(ids)
         model.reset()
         _, cache = model.run_with_hooks(torch.tensor([ids]), 0, names=names, to_cpu=True)
         model.reset()
@@ -652,7 +654,7 @@ def lookahead_study(model, texts: Sequence[str], tokens: int) -> dict:
     return {"layers": layers, "early": [float(np.mean(early[i])) for i in layers],
             "late": [float(np.mean(late[i])) for i in layers], "exact_check": float(np.mean(exact)),
             "chance": k / cfg.n_routed_experts, "k": k, "n_experts": cfg.n_routed_experts,
-            "tokens": sum(len(prompt_ids(model, t, tokens)) for t in texts)}
+            "tokens": n_tokens}
 
 
 def check_side_by_side(paths: Sequence[str], memory, copies: int = 2, notebook: str = "08") -> None:

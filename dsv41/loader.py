@@ -166,14 +166,11 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None, cac
     with torch.no_grad():
         model = Model(cfg, **sizing, tokenizer=tokenizer, tokenizer_meta=tok_meta, hasher=hasher,
                       undo_calls=caches.undo_calls)
-        ckpt.one_handle = budget is not None  # under a budget, one shard's pages mapped at a time
         read = fill_parameters(model.backbone, ckpt, report, quiet)
         stack = None
         if dspark and cfg.n_mtp_layers and cfg.dspark_block_size:
             stack, draft_read = _draft_stack(model, ckpt, report, quiet, sizing)
             read |= draft_read
-        if budget is not None:
-            ckpt.release()  # the dense part is copied out: no mapping keeps its pages resident
     if stack is not None:
         _attach_draft(model, stack, experts, buckets)
     tables = engram_tables(ckpt, cfg, placement.resident_engram, report)
@@ -439,7 +436,7 @@ def _fill_one(name: str, param, params: dict, ckpt: Checkpoint, report: LoadRepo
     """Copy checkpoint tensor `name` into `param` (see `fill_parameters`), adding what it read to `read`."""
     if name not in ckpt:
         raise LoadError(f"{ckpt.path}: the model needs tensor {name}, which the checkpoint does not hold")
-    if ckpt.one_handle and _copy_in_slabs(ckpt, name, param):
+    if _copy_in_slabs(ckpt, name, param):  # a large tensor never exists twice in full
         read.add(name)
         report.bytes_read += ckpt.nbytes(name)
         report.parameters_filled += 1
@@ -471,8 +468,8 @@ def _fill_one(name: str, param, params: dict, ckpt: Checkpoint, report: LoadRepo
     report.parameters_filled += 1
 
 
-# Under a memory budget a tensor larger than this is copied into its parameter a slab of rows at a
-# time, each slab through a handle of its own: the embedding and the FP32 head never exist twice.
+# A tensor larger than this is read into its parameter a slab of rows at a time, so the embedding
+# and the FP32 head never exist twice in full (a stored copy beside the parameter).
 SLAB_BYTES = 128 << 20
 
 

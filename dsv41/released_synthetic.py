@@ -23,8 +23,10 @@ import os
 import shutil
 import sys
 import time
+from pathlib import Path
 from typing import Iterable
 
+from . import outdir
 from .errors import Dsv41Error
 
 MARKER_NAME = "dsv41-synthetic.json"
@@ -102,48 +104,23 @@ def keeps_holes(folder: str) -> bool:
             pass
 
 
-def _read_marker(folder: str) -> dict | None:
-    try:
-        with open(os.path.join(folder, MARKER_NAME), encoding="utf-8") as f:
-            marker = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) and marker.get("format") == MARKER_FORMAT else None
-
-
-def _write_marker(folder: str, marker: dict) -> None:
-    path = os.path.join(folder, MARKER_NAME)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(json.dumps(marker, indent=1, sort_keys=True) + "\n")
-    os.replace(path + ".tmp", path)
+def read_marker(folder: str) -> dict | None:
+    """The marker of a folder make-synthetic wrote (None: missing, or not its format)."""
+    return outdir.read_marker(Path(folder), MARKER_NAME, MARKER_FORMAT)
 
 
 def _check_folder(folder: str, options: dict) -> dict:
-    """The marker to continue from ({} for a new folder); SyntheticError for a folder this did not
-    write, or wrote with other options."""
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        raise SyntheticError(f"{folder}: is a file, not a folder; give make-synthetic a folder")
-    blocker = next((p for p in _parents(folder) if os.path.exists(p) and not os.path.isdir(p)), None)
-    if blocker is not None:
-        raise SyntheticError(f"{folder}: {blocker} is a file, not a folder; give make-synthetic a folder elsewhere")
-    if not os.path.isdir(folder) or not os.listdir(folder):
-        return {}
-    marker = _read_marker(folder)
+    """The marker to continue from ({} for a new or empty folder); OutDirError for a path that is
+    or runs through a file, refuses new files or holds what make-synthetic did not write, and
+    SyntheticError for a folder it wrote with other options."""
+    _, marker = outdir.inspect_folder(folder, marker=MARKER_NAME, fmt=MARKER_FORMAT, flag="make-synthetic",
+                                      command="make-synthetic")
     if marker is None:
-        raise SyntheticError(f"{folder}: holds files make-synthetic did not write (no {MARKER_NAME}); give an "
-                             "empty or new folder")
+        return {}
     if marker.get("options") != options:
         raise SyntheticError(f"{folder}: holds a synthetic checkpoint written with other options "
                              f"({json.dumps(marker.get('options'), sort_keys=True)}); give another folder")
     return marker
-
-
-def _parents(folder: str) -> list[str]:
-    out, path = [], os.path.abspath(folder)
-    while os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-        out.append(path)
-    return out
 
 
 def write_released_synthetic(folder: str, *, small: bool = False, real_expert_layers: Iterable[int] = (),
@@ -194,7 +171,7 @@ def write_released_synthetic(folder: str, *, small: bool = False, real_expert_la
     marker = {"format": MARKER_FORMAT, "options": options, "shards_done": sorted(done), "complete": False,
               "apparent_bytes": sizes["apparent"], "on_disk_bytes": sizes["on_disk"],
               "seconds": float(marker.get("seconds", 0.0))}
-    _write_marker(folder, marker)
+    outdir.write_json(os.path.join(folder, MARKER_NAME), marker)
     began = time.perf_counter()
     with tqdm(total=len(per_shard), initial=len(done), desc="make-synthetic", unit="shard", file=sys.stderr,
               disable=not progress) as bar:
@@ -206,7 +183,7 @@ def write_released_synthetic(folder: str, *, small: bool = False, real_expert_la
             marker["shards_done"] = sorted(done)
             marker["seconds"] += time.perf_counter() - began
             began = time.perf_counter()
-            _write_marker(folder, marker)
+            outdir.write_json(os.path.join(folder, MARKER_NAME), marker)
             bar.update(1)
     write_index(folder, specs)
     write_config_pair(cfg, folder)
@@ -217,7 +194,7 @@ def write_released_synthetic(folder: str, *, small: bool = False, real_expert_la
         f.write(json.dumps(tokenizer_config(cfg), indent=2) + "\n")
     marker["complete"] = True
     marker["seconds"] += time.perf_counter() - began
-    _write_marker(folder, marker)
+    outdir.write_json(os.path.join(folder, MARKER_NAME), marker)
     return marker
 
 

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from dsv41.cli import main
+from dsv41.outdir import OutDirError
 from dsv41.released_synthetic import (MARKER_NAME, SyntheticError, is_hole, plan_bytes, released_synthetic_config,
                                       write_released_synthetic)
 
@@ -73,8 +74,10 @@ def test_a_folder_it_did_not_write_is_refused(tmp_path):
     folder = tmp_path / "mine"
     folder.mkdir()
     (folder / "notes.txt").write_text("keep me")
-    with pytest.raises(SyntheticError, match="did not write"):
+    with pytest.raises(OutDirError, match=r"holds notes\.txt and is not a folder make-synthetic wrote"):
         write_released_synthetic(str(folder), small=True, progress=False, log=lambda _: None)
+    with pytest.raises(OutDirError, match="is a file, not a folder"):
+        write_released_synthetic(str(folder / "notes.txt"), small=True, progress=False, log=lambda _: None)
     assert (folder / "notes.txt").read_text() == "keep me"
 
 

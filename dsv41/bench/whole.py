@@ -174,7 +174,8 @@ def _log(r: dict, log: Callable[[str], None]) -> None:
 def main(args) -> int:
     from dsv41.argtypes import byte_size
     from dsv41.checkpoint import LoadError
-    from dsv41.released_synthetic import SyntheticError, _read_marker, write_released_synthetic
+    from dsv41.outdir import OutDirError
+    from dsv41.released_synthetic import SyntheticError, read_marker, write_released_synthetic
 
     try:
         memory = byte_size(args.memory)
@@ -182,7 +183,7 @@ def main(args) -> int:
             check_report_path(args.json)
         folder = os.path.abspath(args.checkpoint)
         has_config = os.path.isfile(os.path.join(folder, "config.json"))
-        marker = _read_marker(folder) if os.path.isdir(folder) else None
+        marker = read_marker(folder) if os.path.isdir(folder) else None
         if not has_config or (marker is not None and not marker.get("complete")):
             write_released_synthetic(folder, small=args.small, progress=sys.stderr.isatty())
         runs = []
@@ -192,7 +193,7 @@ def main(args) -> int:
                                       io_threads=args.io_threads, probe_bytes=args.probe_mib << 20))
             if args.json:  # each run's report kept as soon as it is measured: a run takes minutes
                 write_report(args.json, {"command": "bench whole", "runs": runs})
-    except (BenchError, SyntheticError, LoadError, ValueError) as exc:
+    except (BenchError, SyntheticError, OutDirError, LoadError, ValueError) as exc:
         print(f"dsv41 bench: {exc}", file=sys.stderr)
         return 2
     report = {"command": "bench whole", "runs": runs}
