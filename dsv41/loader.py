@@ -12,7 +12,7 @@ speculative generation runs (`dspark=False` leaves the stages on disk).
 
 Two families never enter memory at load time (`dsv41.stores`): the routed experts, which an
 `ExpertCache` reads per layer on demand and keeps packed, and the Engram tables, whose rows are
-gathered from the mapped shard on each forward (or from RAM with `resident_engram=True`).
+read from the shard on each forward (or from RAM with `resident_engram=True`).
 
 What the load did is returned as `model.report`, a `report.LoadReport`: every checkpoint tensor
 accounted for as loaded, left on disk on purpose, or unexpected, with the bytes retained next to
@@ -47,7 +47,7 @@ from .report import (  # noqa: F401 (LOADED, ENGRAM, ON_DISK, the predictions: i
     ENGRAM, LOADED, MTP, ON_DISK, ROUTED, UNEXPECTED, LoadReport, disposition, predict_draft_bytes,
     predict_retained_bytes, runtime_dtype, settle_buckets, unique_bytes)
 from .stores import (  # noqa: F401 (CacheCounters: importable from here as before)
-    DEFAULT_EXPERT_CACHE, CacheCounters, ExpertCache, MappedEngramTable, OwnedExpertStore, ResidentEngramTable,
+    DEFAULT_EXPERT_CACHE, CacheCounters, ExpertCache, OnDiskEngramTable, OwnedExpertStore, ResidentEngramTable,
     SlotCache)
 from .text import brief, json_kind, named
 from .threads import (  # noqa: F401 (all_cores, auto_threads, machine_cores: importable from here as before)
@@ -90,7 +90,7 @@ class Placement:
     (`expert_device`: "cpu", "cuda", "cuda:1" or a list of CUDA devices, experts spread round-robin;
     `expert_cache`: packed experts kept per layer; `expert_parallel`: this process is one rank of a
     torch.distributed group and holds only its share) and the Engram tables (`resident_engram`:
-    copied into RAM instead of gathered from the mapped shards). `memory` (bytes, or a size such as
+    copied into RAM instead of read from the shards on each forward). `memory` (bytes, or a size such as
     "16GiB", at most the machine's memory) replaces the count with a budget: `budget.plan_budget`
     gives what the dense part, the caches, the draft stack and the process leave to a
     `stores.SlotCache` of whole expert slots, read from disk with positioned reads and freed by
@@ -506,11 +506,11 @@ def _attach_draft(model: Model, stack, experts: ExpertCache, buckets: dict[str, 
 
 
 def engram_tables(ckpt: Checkpoint, cfg: Config, resident: bool, report: LoadReport) -> dict:
-    """Each Engram layer's table: left in the mapped shard, or copied into RAM (`resident`)."""
+    """Each Engram layer's table: left in its shard and read row by row, or copied into RAM (`resident`)."""
     tables = {}
     for layer in cfg.verified().engram_layer_ids:  # read_config verified it: () without Engram
         if not resident:
-            tables[layer] = MappedEngramTable(ckpt, layer)
+            tables[layer] = OnDiskEngramTable(ckpt, layer)
             continue
         table = tables[layer] = ResidentEngramTable(ckpt, layer)
         report.resident_engram_bytes += table.nbytes

@@ -12,7 +12,7 @@ packed experts in the order asked with the call's cache hits and misses) and an 
   `eviction` rule; `stream` hands a call its hits first, so they are computed while the misses read;
 - `DictExpertStore`: experts already in memory (tests, benchmarks);
 - `OwnedExpertStore`: one rank's share under expert parallelism, refusing any other expert;
-- `MappedEngramTable`: rows gathered from the mapped shard on each forward;
+- `OnDiskEngramTable`: rows read from the shard (positioned reads) on each forward;
 - `ResidentEngramTable` / `TensorEngramTable`: a table in memory (`load(resident_engram=True)`, tests).
 """
 
@@ -463,7 +463,7 @@ class TensorEngramTable:
         return self.weight[ids], self.scale[ids]
 
 
-class MappedEngramTable:
+class OnDiskEngramTable:
     """An Engram table left in its shard: each gather reads only the rows asked for."""
 
     def __init__(self, checkpoint: Checkpoint, layer: int):

@@ -86,7 +86,7 @@ def test_a_shard_truncated_during_generation_keeps_the_text_so_far(tiny_checkpoi
     folder = str(tmp_path / "ck")
     shutil.copytree(tiny_checkpoint, folder)
     engram_shard = Checkpoint(folder).entries["layers.1.engram.embed.weight"][0]
-    real, calls = stores.MappedEngramTable.gather, []
+    real, calls = stores.OnDiskEngramTable.gather, []
 
     def gather(self, ids):
         calls.append(ids.shape)
@@ -94,7 +94,7 @@ def test_a_shard_truncated_during_generation_keeps_the_text_so_far(tiny_checkpoi
             os.truncate(engram_shard, os.path.getsize(engram_shard) // 2)
         return real(self, ids)
 
-    monkeypatch.setattr(stores.MappedEngramTable, "gather", gather)
+    monkeypatch.setattr(stores.OnDiskEngramTable, "gather", gather)
     argv = ["generate", "--checkpoint", folder, "--prompt", "import os", "--max-new-tokens", "8", "--quiet"]
     code = main(argv + (["--memory", budget] if budget else []))
     out, err = capsys.readouterr()
