@@ -247,7 +247,7 @@ def _generate_model(args, process: _Process):
     placement = Placement(expert_device=devices, expert_parallel=args.expert_parallel,
                           expert_cache=DEFAULT_EXPERT_CACHE if args.expert_cache is None else args.expert_cache,
                           resident_engram=args.resident_engram, memory=args.memory,
-                          expert_policy=args.expert_policy)
+                          expert_policy=args.expert_policy, read_ahead=args.read_ahead)
     try:
         if args.expert_parallel:
             process.ranks = start_expert_parallel()
@@ -405,13 +405,13 @@ def _chat_model(args, fail):
         if problem:
             raise LoadError(problem)
         return load(path, quiet=args.quiet, max_seq_len=args.max_seq_len, memory=args.memory,
-                    expert_policy=args.expert_policy)
+                    expert_policy=args.expert_policy, read_ahead=args.read_ahead)
     except LoadError as exc:
         return fail(str(exc))
 
 
 def _memory_args(parser, otherwise: str = "replaces --expert-cache") -> None:
-    """--memory and --expert-policy, as generate, chat and the benches take them; `otherwise`: what
+    """--memory, --expert-policy and --read-ahead, as generate, chat and the benches take them; `otherwise`: what
     the command does without a budget, for the help (chat has no --expert-cache to replace)."""
     from .argtypes import memory_size
     from .eviction import DEFAULT_POLICY, EXPERT_POLICIES
@@ -422,6 +422,10 @@ def _memory_args(parser, otherwise: str = "replaces --expert-cache") -> None:
                              "the load report says how it was spent)")
     parser.add_argument("--expert-policy", choices=EXPERT_POLICIES, default=DEFAULT_POLICY,
                         help=f"which expert gives up its slot under --memory (default {DEFAULT_POLICY})")
+    parser.add_argument("--read-ahead", action="store_true",
+                        help="under --memory, read the experts the next layer will probably use while this layer "
+                             "computes (off by default: on few cores the reads slow the compute more than they "
+                             "save; `dsv41 bench whole` measures both)")
 
 
 def _threads_arg(text: str):

@@ -55,7 +55,7 @@ from .attention import (  # noqa: F401 (the byte model's names, re-exported for 
 from .csa2_stack import AttentionStack
 from .hooks import sites_of
 from .kernels import fp4_act_quant
-from .layers import apply_rotary_emb
+from .layers import apply_rotary_emb, parameters_on_meta
 from .numerics import WINDOW_LAYOUTS, Numerics
 from .trace import Trace
 
@@ -159,12 +159,13 @@ def attention_stack(model, *, numerics: Numerics = Numerics(), max_seq_len: Opti
     by default, whatever the model was loaded with); max_seq_len and cache_format default to the
     model's."""
     cfg = model.cfg.replace(**config_changes) if config_changes else model.cfg
-    stack = AttentionStack(cfg, numerics=numerics, max_seq_len=max_seq_len or model.max_seq_len,
-                           cache_format=cache_format or getattr(model, "cache_format", "packed"))
+    with parameters_on_meta():  # the stack shares the model's weights: no copy of them
+        stack = AttentionStack(cfg, numerics=numerics, max_seq_len=max_seq_len or model.max_seq_len,
+                               cache_format=cache_format or getattr(model, "cache_format", "packed"))
     weights = {f"layers.{i}.{name}": t for i, block in enumerate(model.backbone.layers)
-               for name, t in block.attn.state_dict().items() if name in dict(stack.layers[i].named_parameters())}
+               for name, t in block.attn.named_parameters() if name in dict(stack.layers[i].named_parameters())}
     with torch.no_grad():
-        stack.load_state_dict(weights, strict=True)
+        stack.load_state_dict(weights, strict=True, assign=True)
     return stack
 
 

@@ -124,8 +124,11 @@ class Residency:
         # counter, not a list, so a pool of millions of slots (a large budget) costs nothing here.
         self._unused = 0
 
-    def plan(self, keys: Sequence[Hashable], tick: int) -> CallPlan:
+    def plan(self, keys: Sequence[Hashable], tick: int, keep: Iterable[Hashable] = ()) -> CallPlan:
+        """`keep`: keys another call still computes on, never chosen as victims (a read ahead
+        planned while the current call runs)."""
         out = CallPlan()
+        keep = set(keep)
         missed = []
         for key in keys:
             slot = self.slot_of.get(key)
@@ -141,7 +144,7 @@ class Residency:
                 first = (j // out.chunk - out.buffers + 1) * out.chunk
                 busy = {k for k, _ in out.misses[max(0, first):]}
             else:  # every key of the call is in use until the call is computed
-                busy = set(keys)
+                busy = set(keys) | keep
             slot = self._take(busy)
             self.slot_of[key] = slot
             out.misses.append((key, slot))

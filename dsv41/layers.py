@@ -9,6 +9,7 @@ requires_grad=False.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,26 @@ WEIGHT_BLOCK = 32
 def param(t: torch.Tensor) -> nn.Parameter:
     """An inference-only parameter (no gradient)."""
     return nn.Parameter(t, requires_grad=False)
+
+
+@contextmanager
+def parameters_on_meta():
+    """Modules built inside hold their parameters on the meta device (no memory), their buffers as
+    usual: for a module that then takes another's parameters with `load_state_dict(..., assign=True)`,
+    sharing them, where a copy would double the memory (the released attention weights are 6.5 GB).
+    Each parameter exists in memory only while its constructor makes it."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, value) -> None:
+        if value is not None:
+            value = nn.Parameter(value.to("meta"), requires_grad=value.requires_grad)
+        register(module, name, value)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def linear_dtype(cfg) -> torch.dtype:

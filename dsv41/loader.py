@@ -94,7 +94,11 @@ class Placement:
     "16GiB", at most the machine's memory) replaces the count with a budget: `budget.plan_budget`
     gives what the dense part, the caches, the draft stack and the process leave to a
     `stores.SlotCache` of whole expert slots, read from disk with positioned reads and freed by
-    `expert_policy` ("lru" or "decay", `eviction`; checked with or without a budget); host memory only."""
+    `expert_policy` ("lru" or "decay", `eviction`; checked with or without a budget); host memory only.
+    `read_ahead`: under a budget, each layer names the next layer's likely experts to read while it
+    computes (`stores.SlotCache`). Off by default: on a machine whose reads cost CPU time (two cores
+    copying from the page cache) the reads slow the compute they overlap more than they save;
+    `dsv41 bench whole` measures both ways in one run."""
 
     expert_device: Any = "cpu"
     expert_cache: int = DEFAULT_EXPERT_CACHE
@@ -102,6 +106,7 @@ class Placement:
     resident_engram: bool = False
     memory: Any = None
     expert_policy: str = DEFAULT_POLICY
+    read_ahead: bool = False
 
 
 # the short form: each group's fields are load() keywords of the same name
@@ -329,7 +334,10 @@ def _slot_cache(ckpt: Checkpoint, placement: Placement, devices, cfg: Config, ca
                         "expert_cache=N for experts on a GPU")
     plan = plan_budget(cfg, placement.memory, max_seq_len=max_seq_len, max_batch_size=caches.max_batch_size,
                        dspark=dspark, cache_format=caches.cache_format)
-    return plan, SlotCache(ckpt, plan.slots, policy=placement.expert_policy, n_layers=cfg.n_layers)
+    if not isinstance(placement.read_ahead, bool):
+        raise LoadError(f"read_ahead must be True or False, got {placement.read_ahead!r}")
+    return plan, SlotCache(ckpt, plan.slots, policy=placement.expert_policy, n_layers=cfg.n_layers,
+                           read_ahead=placement.read_ahead)
 
 
 def _hasher(cfg: Config, tokenizer, path: str):

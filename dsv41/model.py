@@ -416,8 +416,11 @@ class Model:
         """Where routed experts and Engram rows are read from (neither is a parameter); `routed`:
         see `MoE.attach_store`."""
         self.experts, self.engram_tables = experts, dict(engram_tables)
-        for block in self.backbone.layers:
+        blocks = list(self.backbone.layers)
+        for block, after in zip(blocks, blocks[1:] + [None]):
             block.ffn.attach_store(experts, routed)
+            if after is not None and routed is None:  # the guess a store may read the next layer's experts by
+                block.ffn.experts.next_gate = after.ffn.gate
             if block.engram is not None:
                 block.engram.table = self.engram_tables[block.layer]
 

@@ -57,19 +57,24 @@ class RoutedExperts:
     matrix. It equals the op layer's reference
     `fp4_gemm` path up to the order of float32 additions. `last_fetch` holds the most recent
     call's `FetchedExperts` (its cache hits and misses; from a store with `stream`, the counts only). `batch_invariant`: a token's output does
-    not depend on how many tokens an expert sees (see `kernels.experts`)."""
+    not depend on how many tokens an expert sees (see `kernels.experts`). `next_gate`, the next
+    layer's router where the model sets it (`Model.attach`): applied to this layer's input, it
+    names the experts the store may read ahead (`SlotCache.read_ahead`); the guess moves reads
+    earlier and changes no arithmetic."""
 
     def __init__(self, layer: int, store: ExpertStore, swiglu_limit: float, *, batch_invariant: bool = False):
         self.layer, self.store, self.swiglu_limit = layer, store, swiglu_limit
         self.batch_invariant = batch_invariant
         self.last_fetch: Optional[FetchedExperts] = None
+        self.next_gate: Optional["Gate"] = None
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         selected = torch.unique(expert_ids).tolist()  # sorted ascending: each expert fetched once per call
         stream = getattr(self.store, "stream", None)
         if stream is not None:  # a store that reads while the experts it holds are computed (`SlotCache`)
             y = routed_experts(x, expert_ids, weights.float(), None, self.swiglu_limit,
-                               batch_invariant=self.batch_invariant, batches=stream(self.layer, selected))
+                               batch_invariant=self.batch_invariant,
+                               batches=stream(self.layer, selected, ahead=self._guess(x)))
             self.last_fetch = FetchedExperts((), *self.store.last_counts)
             return y
         fetched = self.store.fetch(self.layer, selected)
@@ -78,6 +83,16 @@ class RoutedExperts:
                               batch_invariant=self.batch_invariant)
 
     __call__ = forward
+
+    def _guess(self, x: torch.Tensor) -> Optional[tuple]:
+        """(next layer, the experts its router picks from this layer's input x [n, dim]), or None.
+        One-token calls only (decode): a longer call's guess would name most of the next layer's
+        experts and mostly read what its own call reads anyway, each once."""
+        if self.next_gate is None or x.size(0) != 1 or not getattr(self.store, "read_ahead", False):
+            return None
+        with torch.no_grad():
+            guess = self.next_gate(x)[1]
+        return self.layer + 1, torch.unique(guess).tolist()
 
 
 class Gate(nn.Module):

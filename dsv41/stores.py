@@ -167,6 +167,9 @@ class ExpertCache:
 # Misses are read in pieces of at most this many bytes, so even one expert keeps several reads in
 # flight (the NVMe queue fills from a handful of threads).
 READ_PIECE = 4 << 20
+# A read ahead names at most slots // READ_AHEAD_SHARE experts: a decode step's guess (k per layer)
+# fits many times over, a prefill's (most of a layer's experts) is left to the call itself.
+READ_AHEAD_SHARE = 8
 DEFAULT_IO_THREADS = 8
 READERS = ("preadv", "pread")
 
@@ -174,16 +177,20 @@ READERS = ("preadv", "pread")
 @dataclass
 class StreamStats:
     """What the misses cost: bytes read, pieces read, seconds some read was in flight (per call from
-    the first submit to the last completion) and seconds the forward waited on them."""
+    the first submit to the last completion) and seconds the forward waited on them; experts read
+    ahead on a guess (`SlotCache.read_ahead`), and how many of them the next call used."""
 
     bytes_read: int = 0
     reads: int = 0
     read_seconds: float = 0.0
     wait_seconds: float = 0.0
+    read_ahead: int = 0
+    read_ahead_used: int = 0
 
     def as_dict(self) -> dict:
         return dict(bytes_read=self.bytes_read, reads=self.reads, read_seconds=self.read_seconds,
-                    wait_seconds=self.wait_seconds)
+                    wait_seconds=self.wait_seconds, read_ahead=self.read_ahead,
+                    read_ahead_used=self.read_ahead_used)
 
 
 class _Layout(list):
@@ -216,11 +223,19 @@ class SlotCache:
     is `eviction.Residency`'s choice under `policy` ("lru" or "decay", `half_life` in tokens). The
     experts handed out are views of the slots (FP4 bytes as float4_e2m1fn_x2, scales as E8M0): the
     arithmetic is the same as `ExpertCache`'s. Counts go to `counters` (hits, misses, bytes per
-    step) and the read timing to `stats`. Host memory only."""
+    step) and the read timing to `stats`. Host memory only.
+
+    `read_ahead` (off by default; `loader.Placement`): a call may name the experts the next layer will probably want
+    (`stream(..., ahead=(layer, ids))`, the next layer's router applied to this layer's input);
+    those not held start reading once this call's own misses are queued, so they arrive while this
+    layer computes. Only which slots fill and when changes, never the arithmetic; an expert read
+    ahead counts as a miss of the call that uses it (it was not held before), and a wrong guess
+    costs its read and a slot. A guess larger than `slots // READ_AHEAD_SHARE` is not read ahead
+    (`RoutedExperts` guesses on one-token calls only)."""
 
     def __init__(self, checkpoint: Checkpoint, slots: int, *, policy: str = DEFAULT_POLICY,
                  half_life: float = DEFAULT_HALF_LIFE, n_layers: Optional[int] = None, io_threads: int = DEFAULT_IO_THREADS,
-                 reader: str = "preadv", drop_pages="auto"):
+                 reader: str = "preadv", drop_pages="auto", read_ahead: bool = False):
         if reader not in READERS:
             raise ValueError(f"reader must be one of {', '.join(READERS)}, got {reader!r}")
         if reader == "preadv" and not hasattr(os, "preadv"):
@@ -253,6 +268,9 @@ class SlotCache:
         self._lock = threading.Lock()
         self._step, self._tick = None, 0
         self.last_counts, self._overflow = (0, 0), False
+        self.read_ahead = bool(read_ahead)
+        self._pending: dict = {}  # slot -> its read ahead still in flight (futures, began, bytes)
+        self._ahead: set = set()  # keys read ahead that no call has asked for yet
 
     def set_io_threads(self, n: int) -> None:
         """Read with `n` threads from now on (the reads in flight at once)."""
@@ -317,12 +335,16 @@ class SlotCache:
         """Start reading every (key, slot) of `misses`: (futures, when the first was submitted, bytes)."""
         futures, began, total = [], time.perf_counter(), 0
         for (layer, expert), slot in misses:
+            self._settle(slot)  # a slot read ahead on a wrong guess: its read ends before another starts
             self._views.pop(slot, None)
             for shard, offset, nbytes, at in self._layout(layer, expert).ranges:
                 for piece in range(0, nbytes, READ_PIECE):
                     size = min(READ_PIECE, nbytes - piece)
                     futures.append(self._io.submit(self._read_piece, shard, offset + piece, slot, at + piece, size))
                     total += size
+        self.stats.bytes_read += total
+        self.stats.reads += len(futures)
+        self.counters.add_bytes(total)
         return futures, began, total
 
     def _wait(self, pending) -> None:
@@ -334,11 +356,26 @@ class SlotCache:
         now = time.perf_counter()
         self.stats.wait_seconds += now - waited
         self.stats.read_seconds += ended - began
-        self.stats.bytes_read += total
-        self.stats.reads += len(futures)
-        self.counters.add_bytes(total)
+
+    def _settle(self, slot: int) -> None:
+        """Wait for a read ahead into `slot`, if one is in flight (its time is waiting time)."""
+        pending = self._pending.pop(slot, None)
+        if pending is not None:
+            self._wait(pending)
+
+    def _read_ahead(self, layer: int, expert_ids: Sequence[int], keep) -> None:
+        """Start reading the experts `expert_ids` of `layer` that the pool does not hold, into slots
+        no key of `keep` (the running call's) occupies."""
+        keys = [(layer, int(e)) for e in expert_ids if (layer, int(e)) not in self.residency.slot_of]
+        if not keys or len(keys) > max(1, self.slots // READ_AHEAD_SHARE) or len(keys) + len(keep) > self.slots:
+            return
+        for key, slot in self.residency.plan(keys, self._tick, keep=keep).misses:
+            self._pending[slot] = self._submit([(key, slot)])
+            self._ahead.add(key)
+            self.stats.read_ahead += 1
 
     def _expert(self, key, slot: int) -> PackedExpert:
+        self._settle(slot)
         held = self._views.get(slot)
         if held is not None and held[0] == key:
             return held[1]
@@ -351,28 +388,37 @@ class SlotCache:
         return packed
 
     # -- the store
-    def stream(self, layer: int, expert_ids: Sequence[int]) -> Iterator[dict]:
+    def stream(self, layer: int, expert_ids: Sequence[int], ahead: Optional[tuple] = None) -> Iterator[dict]:
         """The packed experts `expert_ids` of `layer` in batches {id: PackedExpert}: first those held
         (their misses already reading), then the misses. A batch stays valid until the next is asked
-        for, so the caller computes each before it takes the next. Counts go to `counters`."""
+        for, so the caller computes each before it takes the next. Counts go to `counters`.
+        `ahead`: (next layer, its guessed expert ids), read ahead (see the class) when `read_ahead`."""
         step = self.counters.steps[-1] if self.counters.steps else None
         if step is not self._step:  # a new forward call: one tick of the decay clock
             self._step, self._tick = step, self._tick + 1
-        plan = self.residency.plan([(layer, int(e)) for e in expert_ids], self._tick)
-        hits = {key[1]: self._expert(key, slot) for key, slot in plan.hits}
+        keys = [(layer, int(e)) for e in expert_ids]
+        plan = self.residency.plan(keys, self._tick)
+        read_ahead_hits = [key for key, _ in plan.hits if key in self._ahead]
+        self._ahead.difference_update([key for key in self._ahead if key[0] == layer])  # used, or guessed wrong
+        self.stats.read_ahead_used += len(read_ahead_hits)
         for key, _ in plan.hits:
-            self.counters.count(layer, True)
+            self.counters.count(layer, key not in read_ahead_hits)
         for key, _ in plan.misses:
             self.counters.count(layer, False)
-        self.last_counts, self._overflow = (len(plan.hits), len(plan.misses)), bool(plan.chunk)
+        n_held = len(plan.hits) - len(read_ahead_hits)
+        self.last_counts, self._overflow = (n_held, len(plan.misses) + len(read_ahead_hits)), bool(plan.chunk)
         if not plan.chunk:
             pending = self._submit(plan.misses)
+            if ahead is not None and self.read_ahead:
+                self._read_ahead(*ahead, keep=keys)
+            hits = {key[1]: self._expert(key, slot) for key, slot in plan.hits}  # a read ahead ends first
             if hits:
                 yield hits
             self._wait(pending)
             if plan.misses:
                 yield {key[1]: self._expert(key, slot) for key, slot in plan.misses}
             return
+        hits = {key[1]: self._expert(key, slot) for key, slot in plan.hits}
         if hits:  # an overflow call: its hits may give up their slots once computed
             yield hits
         chunks = [plan.misses[i:i + plan.chunk] for i in range(0, len(plan.misses), plan.chunk)]
@@ -409,11 +455,15 @@ class SlotCache:
         return self.slots * self.slot_bytes
 
     def clear(self) -> None:
+        for slot in list(self._pending):
+            self._settle(slot)
+        self._ahead.clear()
         self.residency.clear()
         self._views.clear()
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
+        self._pending.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

@@ -96,7 +96,33 @@ def test_logits_are_identical_with_the_slot_cache(tiny_checkpoint, plain, slots)
     a = plain.decode_n(7, 6)
     b = model.decode_n(7, 6)
     assert a == b
-    assert model.experts.counters.bytes_read == sum(model.experts.counters.misses.values()) * model.experts.slot_bytes
+    stats = model.experts.stats
+    wrong_guesses = stats.read_ahead - stats.read_ahead_used
+    assert model.experts.counters.bytes_read == stats.bytes_read == \
+        (sum(model.experts.counters.misses.values()) + wrong_guesses) * model.experts.slot_bytes
+
+
+def test_reading_ahead_changes_no_logit_and_its_guesses_are_used(tiny_checkpoint, plain):
+    """The same run with and without the next layer's experts read ahead: identical logits and
+    tokens; with it, decode steps read experts ahead, most of which the next layer takes."""
+    runs = {}
+    for ahead in (False, True):
+        model = _budgeted(tiny_checkpoint, plain.cfg, 40, max_seq_len=plain.max_seq_len, read_ahead=ahead)
+        model.reset()
+        logits = model.prefill(plain.encode(PROMPT))
+        runs[ahead] = (logits, model.decode_n(7, 6), model.experts.stats, model.experts.counters)
+    assert torch.equal(runs[False][0], runs[True][0]) and runs[False][1] == runs[True][1]
+    off, on = runs[False][2], runs[True][2]
+    assert off.read_ahead == 0 and on.read_ahead > 0
+    assert 0 < on.read_ahead_used <= on.read_ahead
+    # an expert read ahead is still a miss of the call that uses it: hits + misses per call are unchanged
+    calls = lambda c: sum(c.hits.values()) + sum(c.misses.values())  # noqa: E731
+    assert calls(runs[False][3]) == calls(runs[True][3])
+
+
+def test_read_ahead_must_be_a_bool(tiny_checkpoint, plain):
+    with pytest.raises(dsv41.LoadError, match="read_ahead must be True or False"):
+        _budgeted(tiny_checkpoint, plain.cfg, 40, read_ahead="yes")
 
 
 # ---------------------------------------------------------------------- the policies
@@ -119,7 +145,8 @@ def test_a_call_never_evicts_what_it_still_needs():
 
 @pytest.mark.parametrize("policy", ["lru", "decay"])
 def test_the_lab_replays_the_running_cache_exactly(tiny_checkpoint, plain, policy):
-    model = _budgeted(tiny_checkpoint, plain.cfg, 20, max_seq_len=plain.max_seq_len, expert_policy=policy)
+    model = _budgeted(tiny_checkpoint, plain.cfg, 20, max_seq_len=plain.max_seq_len, expert_policy=policy,
+                      read_ahead=False)  # the lab replays the calls' own reads, no guesses
     result = model.generate(PROMPT, max_new_tokens=12, trace=True)
     counters = model.experts.counters
     replayed = pool_hit_rates(pool_steps(result), 20, policies=(policy, "belady"))
@@ -149,7 +176,9 @@ def test_bench_stream_runs_end_to_end_on_a_tiny_geometry(tmp_path, capsys):
     assert cli_main(argv) == 0
     report = json.loads(out.read_text())
     (run,) = report["runs"]
-    assert run["bytes_read_per_token"] == run["misses"] * run["budget"]["slot_bytes"] / run["decode_tokens"]
+    wrong_guesses = run["read_ahead"] - run["read_ahead_used"]  # read ahead, not used by the next layer
+    assert run["bytes_read_per_token"] == \
+        (run["misses"] + wrong_guesses) * run["budget"]["slot_bytes"] / run["decode_tokens"]
     assert run["prefill_bytes_read"] == run["prefill_distinct_experts"] * run["budget"]["slot_bytes"]
     for key in ("disk_bytes_per_s_before", "disk_bytes_per_s_after", "in_flight_read_fraction",
                 "fraction_of_disk_floor", "peak_rss_bytes", "seconds_per_token"):

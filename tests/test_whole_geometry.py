@@ -68,6 +68,12 @@ def test_the_whole_bench_adds_its_phases_up(small, tmp_path, capsys):
     assert total == pytest.approx(run["seconds_per_token"], rel=1e-6)
     assert run["token"]["floor_seconds"] == pytest.approx(sum(c["floor_seconds"] for c in run["phases"].values()))
     assert run["prefill_experts_read"] > 0 and run["peak_rss_bytes"] > 0
+    ahead = run["read_ahead"]  # decoded as loaded (no reads ahead), then as many tokens with them
+    assert not ahead["in_the_phases"] and ahead["seconds_per_token_without"] == run["seconds_per_token"]
+    assert ahead["experts_read_ahead"] > 0 and ahead["experts_read_ahead"] >= ahead["used_by_the_next_layer"] >= 0
+    assert ahead["speedup"] == pytest.approx(ahead["seconds_per_token_without"] / ahead["seconds_per_token_with"])
+    kernel = run["expert_compute_vs_kernel"]
+    assert run["expert_kernel_bytes_per_s"] > 0 and kernel["floor_seconds"] > 0
 
 
 def test_a_folder_it_did_not_write_is_refused(tmp_path):

@@ -11,11 +11,16 @@ real download. The phases of a decode token:
 - expert reads: the seconds the forward waited on missed experts, against the missed bytes at the
   expert source's read rate (measured on the same shards with the same reads in flight);
 - expert compute: the rest of the routed-expert spans, against the bytes of every expert used at
-  the memory read bandwidth;
+  the memory read bandwidth, and against the expert kernel's own rate on experts held in memory
+  (one token, one layer's k experts, measured in the run: what the FP4 arithmetic allows here);
 - Engram gathers: the hashed rows, at the memory read bandwidth (their floor is tiny: the time is
   the gathers' latency).
 The floor of the token is the sum of the phases' floors; a fraction above 100% is flagged as a
-measurement error.
+measurement error, except the expert reads' when reads ahead (`SlotCache.read_ahead`) overlap them
+with compute: then the forward waits less than the reads take, and the report says so.
+
+After the measured tokens the same number is decoded with reading ahead switched the other way
+(on, where the model was loaded without it: the default), so the two are compared in one run.
 """
 
 from __future__ import annotations
@@ -50,11 +55,51 @@ def source_read_rate(shard: str, nbytes: int, threads: int) -> float:
     return disk_bandwidth(shard, nbytes, threads, offset=os.path.getsize(shard) // 3)
 
 
-def _floor(seconds: float, nbytes: float, rate: float) -> dict:
+def _floor(seconds: float, nbytes: float, rate: float, *, overlapped: bool = False) -> dict:
     floor = nbytes / rate if rate > 0 else 0.0
     fraction = floor / seconds if seconds > 0 else None
+    above = fraction is not None and fraction > 1.0
     return {"seconds": seconds, "bytes": int(nbytes), "floor_seconds": floor, "fraction_of_floor": fraction,
-            "measurement_error": fraction is not None and fraction > 1.0}
+            "measurement_error": above and not overlapped, "overlapped": above and overlapped}
+
+
+def expert_kernel_rate(model, layer: int, repeats: int = 5) -> float:
+    """Bytes per second the routed-expert kernel computes at on one token and k experts of `layer`
+    that the pool holds now (read once more if it holds fewer): the arithmetic's own limit, with
+    no read in the way."""
+    from dsv41.kernels.experts import routed_experts
+
+    cfg, cache = model.cfg, model.experts
+    k = cfg.n_activated_experts
+    ids = (cache.cached(layer) + [e for e in range(cfg.n_routed_experts) if e not in cache.cached(layer)])[:k]
+    experts = dict(zip(ids, (p for p in cache.fetch(layer, ids))))
+    x = torch.randn(1, cfg.dim, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    expert_ids, weights = torch.tensor([ids]), torch.full((1, k), 1.0 / k)
+    limit = float(cfg.swiglu_limit)
+    routed_experts(x, expert_ids, weights, experts, limit)  # warm: the weights in the CPU's caches as in decode
+    began = time.perf_counter()
+    for _ in range(repeats):
+        routed_experts(x, expert_ids, weights, experts, limit)
+    seconds = (time.perf_counter() - began) / repeats
+    return sum(p.nbytes for p in experts.values()) / seconds
+
+
+def _decode(model, cache, token: int, n: int, clock=None) -> tuple:
+    """(seconds per token, the ids, stats delta, hits, misses) of n decode steps from `token`."""
+    from dsv41.generate import decode_n
+
+    stats0 = cache.stats.as_dict()
+    hits0, misses0 = sum(cache.counters.hits.values()), sum(cache.counters.misses.values())
+    began = time.perf_counter()
+    if clock is None:
+        tokens = decode_n(model, token, n)
+    else:
+        with clock.timing(model):
+            tokens = decode_n(model, token, n)
+    seconds = (time.perf_counter() - began) / n
+    stats = {k: v - stats0[k] for k, v in cache.stats.as_dict().items()}
+    return (seconds, tokens, stats, sum(cache.counters.hits.values()) - hits0,
+            sum(cache.counters.misses.values()) - misses0)
 
 
 def measure_whole(folder: str, *, memory, prompt_tokens: int, decode_tokens: int, io_threads: int = 8,
@@ -62,7 +107,7 @@ def measure_whole(folder: str, *, memory, prompt_tokens: int, decode_tokens: int
     """One run on the checkpoint in `folder` (see the module's text); returns the report."""
     import dsv41
     from dsv41.config import load_config
-    from dsv41.generate import decode_n, prefill
+    from dsv41.generate import prefill
     from dsv41.inventory import shard_names
 
     from .released import decode_token_bytes
@@ -99,32 +144,31 @@ def measure_whole(folder: str, *, memory, prompt_tokens: int, decode_tokens: int
 
     per_token = decode_token_bytes(model)
     clock = PhaseClock(_CLOCK_PHASES)
-    hits0 = sum(cache.counters.hits.values())
-    with clock.timing(model):
-        began = time.perf_counter()
-        tokens = decode_n(model, int(logits[0].argmax()), decode_tokens)
-        decode_s = time.perf_counter() - began
-    stats2 = cache.stats.as_dict()
-    hits = sum(cache.counters.hits.values()) - hits0
-    misses = sum(cache.counters.misses.values()) - misses1
+    ahead = cache.read_ahead
+    token_s, tokens, decoded, hits, misses = _decode(model, cache, int(logits[0].argmax()), decode_tokens, clock)
+    cache.read_ahead = not ahead  # the same number of tokens again, reading ahead the other way
+    other_s, _, other, _, _ = _decode(model, cache, tokens[-1], decode_tokens)
+    cache.read_ahead = ahead
+    (with_s, with_ahead), (without_s, without) = ((token_s, decoded), (other_s, other))[::1 if ahead else -1]
+    kernel_rate = expert_kernel_rate(model, cfg.n_layers - 1)
     source_after = source_read_rate(shard, probe_bytes, io_threads)
     source = max(source_before, source_after)  # a probe slowed by other work would flatter the reads
     end = rss_bytes()
 
     n = decode_tokens
-    read_bytes = (stats2["bytes_read"] - stats1["bytes_read"]) / n
-    wait_s = (stats2["wait_seconds"] - stats1["wait_seconds"]) / n
-    read_s = (stats2["read_seconds"] - stats1["read_seconds"]) / n
+    read_bytes = decoded["bytes_read"] / n
+    wait_s = decoded["wait_seconds"] / n
+    read_s = decoded["read_seconds"] / n
     secs = {k: v / n for k, v in clock.seconds.items()}
-    token_s = decode_s / n
     expert_bytes = per_token["routed_expert_bytes"]
     used_bytes = cfg.n_layers * cfg.n_activated_experts * expert_bytes
+    compute_s = max(0.0, secs["routed experts"] - wait_s)
     phases = {
         "attention": _floor(secs["attention"], per_token["phases"]["attention"], memory_rate),
         "shared expert": _floor(secs["shared expert"], per_token["phases"]["shared expert"], memory_rate),
         "head": _floor(secs["head"], per_token["phases"]["head"], memory_rate),
-        "expert reads": _floor(wait_s, read_bytes, source),
-        "expert compute": _floor(max(0.0, secs["routed experts"] - wait_s), used_bytes, memory_rate),
+        "expert reads": _floor(wait_s, read_bytes, source, overlapped=ahead),
+        "expert compute": _floor(compute_s, used_bytes, memory_rate),
         "Engram": _floor(secs["Engram"], per_token["phases"]["Engram"], memory_rate),
     }
     covered = sum(c["seconds"] for c in phases.values())
@@ -140,6 +184,19 @@ def measure_whole(folder: str, *, memory, prompt_tokens: int, decode_tokens: int
         "prefill_bytes_read": prefill_bytes, "prefill_read_seconds": prefill_read_s,
         "prefill_read_fraction_of_source": (prefill_bytes / prefill_s / source) if prefill_s > 0 else None,
         "decode_tokens": n, "tokens": tokens, "seconds_per_token": token_s, "hits": hits, "misses": misses,
+        "read_ahead": {"in_the_phases": ahead, "experts_read_ahead": with_ahead["read_ahead"],
+                       "used_by_the_next_layer": with_ahead["read_ahead_used"],
+                       "share_used": (with_ahead["read_ahead_used"] / with_ahead["read_ahead"]
+                                      if with_ahead["read_ahead"] else None),
+                       "seconds_per_token_with": with_s, "seconds_per_token_without": without_s,
+                       "bytes_read_per_token_with": with_ahead["bytes_read"] / n,
+                       "bytes_read_per_token_without": without["bytes_read"] / n,
+                       "waited_per_token_with": with_ahead["wait_seconds"] / n,
+                       "waited_per_token_without": without["wait_seconds"] / n,
+                       "speedup": without_s / with_s if with_s > 0 else None},
+        "expert_kernel_bytes_per_s": kernel_rate,
+        "expert_compute_vs_kernel": {"floor_seconds": used_bytes / kernel_rate,
+                                     "fraction": used_bytes / kernel_rate / compute_s if compute_s > 0 else None},
         "bytes_read_per_token": read_bytes, "read_seconds_per_token": read_s,
         "reads_in_flight_fraction": (read_bytes / read_s / source) if read_s > 0 else None,
         "phases": phases, "token": {"seconds": token_s, "floor_seconds": floor,
@@ -163,9 +220,21 @@ def _log(r: dict, log: Callable[[str], None]) -> None:
         c = r["phases"][name]
         frac = "-" if c["fraction_of_floor"] is None else f"{c['fraction_of_floor']:.0%}"
         log(f"  {name:<15} {c['seconds']:>8.3f} {c['bytes'] / gb:>7.2f} {c['floor_seconds']:>8.3f} {frac:>9}"
-            + (" (measurement error)" if c["measurement_error"] else ""))
+            + (" (measurement error)" if c["measurement_error"] else "")
+            + (" (reads ahead hid part of the reads behind compute)" if c.get("overlapped") else ""))
     t = r["token"]
     log(f"  {'token':<15} {t['seconds']:>8.3f} {'':>7} {t['floor_seconds']:>8.3f} {t['fraction_of_floor']:>9.0%}")
+    kernel = r["expert_compute_vs_kernel"]
+    kernel_frac = "-" if kernel["fraction"] is None else f"{kernel['fraction']:.0%}"
+    log(f"expert kernel on experts in memory: {r['expert_kernel_bytes_per_s'] / gb:.2f} GB/s; expert compute at "
+        f"{kernel_frac} of that rate ({kernel['floor_seconds']:.3f} s/token)")
+    a = r["read_ahead"]
+    share = "-" if a["share_used"] is None else f"{a['share_used']:.0%}"
+    log(f"read ahead: {a['experts_read_ahead']:,} experts guessed, {share} used by the next layer; "
+        f"{a['seconds_per_token_with']:.2f} s/token with it (waited {a['waited_per_token_with']:.2f} s, "
+        f"{a['bytes_read_per_token_with'] / gb:.2f} GB read), {a['seconds_per_token_without']:.2f} without "
+        f"(waited {a['waited_per_token_without']:.2f} s, {a['bytes_read_per_token_without'] / gb:.2f} GB): "
+        f"{a['speedup']:.2f}x with it")
     log(f"prefill {r['prefill_tokens']} tokens: {r['prefill_s']:.1f} s, {r['prefill_experts_read']:,} experts read, "
         f"{r['prefill_read_fraction_of_source']:.0%} of the source's read rate over the whole prefill; peak resident "
         f"{r['peak_rss_bytes'] / 2**30:.2f} GiB = {r['peak_rss_over_budget']:.0%} of the budget")
