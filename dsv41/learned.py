@@ -657,13 +657,12 @@ def lookahead_study(model, texts: Sequence[str], tokens: int) -> dict:
             "tokens": n_tokens}
 
 
-def check_side_by_side(paths: Sequence[str], memory, copies: int = 2, notebook: str = "08") -> None:
-    """A notebook that holds every checkpoint of `paths` `copies` times at once (08: two checkpoints
-    under reference and parity numerics; 05: one, likewise): LearnedError in one sentence when their
-    dense parts alone exceed the memory budget
-    `memory` (None: no budget, nothing to check). A released-size checkpoint beside the random tiny
-    one is two 12.6 GiB dense parts, so under a budget for one released-size model the notebook
-    says so and stops."""
+def check_side_by_side(paths: Sequence[str], memory) -> None:
+    """Notebook 08 holds every checkpoint of `paths` at once, each loaded once (its parity model is
+    a `loader.sibling`, sharing the weights): LearnedError in one sentence when their dense parts
+    alone exceed the memory budget `memory` (None: no budget, nothing to check). Two released-size
+    checkpoints are two 12.6 GiB dense parts; the released one beside the random tiny one fits a
+    budget for one."""
     if memory is None:
         return
     from .argtypes import byte_size
@@ -671,10 +670,8 @@ def check_side_by_side(paths: Sequence[str], memory, copies: int = 2, notebook: 
     from .report import predict_retained_bytes
 
     budget = byte_size(memory)
-    held = copies * sum(predict_retained_bytes(load_config(p))["bytes"] for p in paths)
+    held = sum(predict_retained_bytes(load_config(p))["bytes"] for p in paths)
     if held > budget:
-        what = f"{len(paths)} checkpoints side by side, each" if len(paths) > 1 else "its checkpoint"
-        raise LearnedError(f"notebook {notebook} holds {what} loaded {copies} times "
-                           f"(reference and parity numerics): {held / 2**30:.2f} GiB of dense weights at once, more "
-                           f"than the memory budget of {budget / 2**30:.2f} GiB; run it where they fit (without a "
-                           "budget), or on the miniature")
+        raise LearnedError(f"notebook 08 holds {len(paths)} checkpoints side by side: {held / 2**30:.2f} GiB of "
+                           f"dense weights at once, more than the memory budget of {budget / 2**30:.2f} GiB; give "
+                           "one of them as the comparison only where both fit, or run without a budget")

@@ -188,6 +188,39 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None, cac
     return model
 
 
+def sibling(model: Model, numerics: Optional[Numerics] = None) -> Model:
+    """The same loaded checkpoint under other numerics (e.g. `Numerics.parity()`), holding no copy
+    of it: the new model's parameters are `model`'s own tensors, and it reads the same expert store
+    and Engram tables; only its attention caches and sequence are its own. For comparing two
+    arithmetics where two loads would not fit (the released dense weights are 12.6 GB). The two
+    take turns: one model's forward at a time, as everything in a notebook runs."""
+    from .layers import parameters_on_meta
+
+    numerics = _checked_numerics(numerics)
+    if not isinstance(model, Model) or model.experts is None:
+        raise LoadError(f"sibling() takes a model dsv41.load returned, got {brief(model)}")
+    if isinstance(model.experts, OwnedExpertStore):
+        raise LoadError("sibling() cannot share an expert-parallel rank's store; load the model again instead")
+    bb = model.backbone
+    sizing = dict(numerics=numerics, max_batch_size=bb.max_batch_size, max_seq_len=bb.max_seq_len,
+                  cache_format=bb.cache_format)
+    with torch.no_grad():
+        with parameters_on_meta():  # built without weights: they are assigned from `model` below
+            twin = Model(model.cfg, **sizing, tokenizer=model.tokenizer, tokenizer_meta=model.tokenizer_meta,
+                         hasher=model.hasher, undo_calls=model.undo_records.maxlen)
+        twin.backbone.load_state_dict(dict(bb.named_parameters()), strict=True, assign=True)
+        if model.draft_stack is not None:
+            from .dspark import DraftStack
+
+            with parameters_on_meta():
+                stack = DraftStack(twin.cfg, twin.backbone.embed, twin.backbone.head, **sizing)
+            stack.load_state_dict(dict(model.draft_stack.named_parameters()), strict=True, assign=True)
+            _attach_draft(twin, stack, model.experts, {})
+    twin.attach(model.experts, model.engram_tables)
+    twin.report, twin.checkpoint = model.report, model.checkpoint
+    return twin
+
+
 def grouped_options(options: dict, **groups) -> tuple[CacheOptions, Placement]:
     """(caches, placement) from load()'s group arguments and its short-form keywords `options`,
     each keyword put into the group whose field it names. TypeError for a keyword no group has (as

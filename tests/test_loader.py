@@ -420,3 +420,32 @@ def test_the_steps_the_cli_shares_with_load(tiny_checkpoint, tmp_path):
         expert_placement("gpu0", option="--expert-device")
     with pytest.raises(LoadError, match="not a checkpoint directory"):
         read_config(str(tmp_path / "missing"))
+
+
+# ---------------------------------------------------------------------- a second numerics, no second copy
+def test_a_sibling_equals_a_fresh_load_under_its_numerics_and_shares_every_weight():
+    from dsv41.loader import sibling
+
+    loaded = load(quiet=True)  # the embedded miniature: trained, so its draft stack agrees with the target
+    parity_loaded = load(quiet=True, numerics=Numerics.parity())
+    twin = sibling(loaded, Numerics.parity())
+    assert twin.numerics == Numerics.parity() and twin.experts is loaded.experts
+    shared = lambda a, b: all(x.data_ptr() == y.data_ptr() for x, y in zip(a.parameters(), b.parameters()))  # noqa: E731
+    assert shared(loaded.backbone, twin.backbone) and shared(loaded.draft_stack, twin.draft_stack)
+    ids = loaded.encode("def main(argv):\n    return")
+    for m in (parity_loaded, twin):
+        m.reset()
+    first = [m.prefill(ids) for m in (parity_loaded, twin)]
+    assert torch.equal(*first)
+    assert parity_loaded.decode_n(int(first[0].argmax()), 5) == twin.decode_n(int(first[1].argmax()), 5)
+    runs = [m.generate("def f(x):", max_new_tokens=8, speculative=True) for m in (parity_loaded, twin)]
+    assert runs[0].ids == runs[1].ids and runs[0].speculation.target_forwards == runs[1].speculation.target_forwards
+    loaded.reset()  # the original keeps its own arithmetic and sequence
+    assert torch.equal(loaded.prefill(ids), load(quiet=True).prefill(ids))
+
+
+def test_a_sibling_needs_a_loaded_model():
+    from dsv41.loader import sibling
+
+    with pytest.raises(LoadError, match="takes a model dsv41.load returned"):
+        sibling("not a model", Numerics.parity())
