@@ -56,7 +56,7 @@ class RoutedExperts:
     once, each expert once on all of its tokens, never a float32 or bf16 copy of a whole weight
     matrix. It equals the op layer's reference
     `fp4_gemm` path up to the order of float32 additions. `last_fetch` holds the most recent
-    call's `FetchedExperts` (its cache hits and misses; from a store with `stream`, the counts only). `batch_invariant`: a token's output does
+    call's cache hits and misses (a `FetchedExperts` of counts). `batch_invariant`: a token's output does
     not depend on how many tokens an expert sees (see `kernels.experts`). `next_gate`, the next
     layer's router where the model sets it (`Model.attach`): applied to this layer's input, it
     names the experts the store may read ahead (`SlotCache.read_ahead`); the guess moves reads
@@ -70,17 +70,13 @@ class RoutedExperts:
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         selected = torch.unique(expert_ids).tolist()  # sorted ascending: each expert fetched once per call
-        stream = getattr(self.store, "stream", None)
-        if stream is not None:  # a store that reads while the experts it holds are computed (`SlotCache`)
-            y = routed_experts(x, expert_ids, weights.float(), None, self.swiglu_limit,
-                               batch_invariant=self.batch_invariant,
-                               batches=stream(self.layer, selected, ahead=self._guess(x)))
-            self.last_fetch = FetchedExperts((), *self.store.last_counts)
-            return y
-        fetched = self.store.fetch(self.layer, selected)
-        self.last_fetch = fetched if isinstance(fetched, FetchedExperts) else FetchedExperts(fetched)
-        return routed_experts(x, expert_ids, weights.float(), dict(zip(selected, fetched)), self.swiglu_limit,
-                              batch_invariant=self.batch_invariant)
+        # the experts a store holds are computed while it reads the rest (`SlotCache`; the other
+        # stores hand every expert in one batch)
+        y = routed_experts(x, expert_ids, weights.float(), None, self.swiglu_limit,
+                           batch_invariant=self.batch_invariant,
+                           batches=self.store.stream(self.layer, selected, ahead=self._guess(x)))
+        self.last_fetch = FetchedExperts((), *self.store.last_counts)
+        return y
 
     __call__ = forward
 
@@ -88,7 +84,7 @@ class RoutedExperts:
         """(next layer, the experts its router picks from this layer's input x [n, dim]), or None.
         One-token calls only (decode): a longer call's guess would name most of the next layer's
         experts and mostly read what its own call reads anyway, each once."""
-        if self.next_gate is None or x.size(0) != 1 or not getattr(self.store, "read_ahead", False):
+        if self.next_gate is None or x.size(0) != 1 or not self.store.read_ahead:
             return None
         with torch.no_grad():
             guess = self.next_gate(x)[1]

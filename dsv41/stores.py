@@ -47,12 +47,33 @@ class FetchedExperts(list):
 
 
 class ExpertStore(Protocol):
-    """What RoutedExperts reads packed experts from (the loader's cache, or a dict in tests)."""
+    """What RoutedExperts reads packed experts from: `fetch`, every expert of a call at once in the
+    order asked; `stream`, the same experts in batches {id: expert} as they are ready (each batch
+    computed before the next is asked for), the call's (hits, misses) in `last_counts` once it is
+    drained, `ahead` (next layer, guessed ids) what a store may start reading early."""
+
+    last_counts: tuple[int, int]
+    read_ahead: bool
 
     def fetch(self, layer: int, expert_ids: Sequence[int]) -> FetchedExperts: ...
 
+    def stream(self, layer: int, expert_ids: Sequence[int], ahead: Optional[tuple] = None) -> Iterator[dict]: ...
 
-class DictExpertStore:
+
+class WholeFetchStore:
+    """`stream` for a store that has every expert of a call at once: one batch, from its `fetch`
+    (so a subclass that changes `fetch` changes both); `ahead` is not used."""
+
+    last_counts: tuple[int, int] = (0, 0)
+    read_ahead = False
+
+    def stream(self, layer: int, expert_ids: Sequence[int], ahead: Optional[tuple] = None) -> Iterator[dict]:
+        fetched = self.fetch(layer, expert_ids)
+        self.last_counts = (fetched.hits, fetched.misses)
+        yield dict(zip((int(e) for e in expert_ids), fetched))
+
+
+class DictExpertStore(WholeFetchStore):
     """A store over experts already in memory: {(layer, expert): PackedExpert}; every fetch hits."""
 
     def __init__(self, experts: dict[tuple[int, int], PackedExpert]):
@@ -96,7 +117,7 @@ class CacheCounters:
         self.bytes_read = 0
 
 
-class ExpertCache:
+class ExpertCache(WholeFetchStore):
     """Routed experts read from the checkpoint on demand, with a bounded LRU window per layer.
 
     Experts are kept exactly as stored: packed FP4 weights (viewed as float4_e2m1fn_x2) and E8M0
@@ -475,7 +496,7 @@ class SlotCache:
             pass
 
 
-class OwnedExpertStore:
+class OwnedExpertStore(WholeFetchStore):
     """A store that refuses any expert this rank does not own: the one place the ownership rule
     is enforced, so a routing mistake is an error instead of a silent read of another rank's share.
     `ranks` is the group's `distributed.RankView`: `owns(expert)` is the rule and `refusal(layer,
