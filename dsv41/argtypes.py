@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import numbers
 import re
 from typing import Callable
 
 from .errors import Dsv41Error
-from .text import brief, number_text
+from .text import brief, is_whole, number_text
 
 
 def whole_number(low: int, high: int, unit: str) -> Callable[[str], int]:
@@ -47,7 +46,7 @@ def byte_size(text) -> int:
     """A memory size as bytes: a whole number of bytes, or a number with a unit ("16GiB", "12GB",
     "512 MiB", "1.5TiB", "1e3MiB"), rounded down to whole bytes, from 1 to MAX_BYTES.
     MemorySizeError (a ValueError) naming the accepted forms or the range otherwise."""
-    if isinstance(text, numbers.Integral) and not isinstance(text, bool):
+    if is_whole(text):
         value = int(text)
     elif isinstance(text, (str, float)):
         value = _scaled(text)
@@ -62,7 +61,7 @@ def byte_size(text) -> int:
 
 def _shown(text) -> str:
     """A size as given, for a message (an integer of thousands of digits by its length)."""
-    return number_text(text) if isinstance(text, numbers.Integral) else brief(text)
+    return number_text(text) if is_whole(text) else brief(text)
 
 
 def _scaled(text) -> int:

@@ -20,6 +20,7 @@ from typing import Optional
 
 from .argtypes import byte_size
 from .attention import kv_cache_bytes
+from .config import Config
 from .checkpoint import LoadError
 from .inventory import expected_tensors
 from .report import predict_draft_bytes, predict_retained_bytes
@@ -120,14 +121,14 @@ class BudgetPlan:
                 "expert_bytes": self.expert_bytes, "minimum": self.minimum}
 
 
-def routed_expert_bytes(cfg) -> int:
+def routed_expert_bytes(cfg: Config) -> int:
     """The stored bytes of one routed expert (three packed FP4 matrices and their E8M0 scales),
     from the inventory: 18,800,640 (17.93 MiB) at the released geometry."""
     prefix = "layers.0.ffn.experts.0."
     return sum(s.nbytes for s in expected_tensors(cfg) if s.name.startswith(prefix))
 
 
-def plan_budget(cfg, memory, *, max_seq_len: int, max_batch_size: int = 1, dspark: bool = True,
+def plan_budget(cfg: Config, memory, *, max_seq_len: int, max_batch_size: int = 1, dspark: bool = True,
                 cache_format: str = "packed", baseline: int = BASELINE_BYTES) -> BudgetPlan:
     """How `memory` (bytes, or a size such as "16GiB") is spent on `cfg` with caches for
     `max_seq_len` positions of `max_batch_size` rows; `dspark`: the draft stack is built.

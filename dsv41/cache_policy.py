@@ -45,7 +45,8 @@ import os
 import sys
 from typing import Iterable, NamedTuple, Optional, Sequence
 
-from .config import VALUE_BOUNDS
+from .config import Config
+from .config_fields import VALUE_BOUNDS
 from .eviction import LruRule, replay_calls
 
 POLICIES = ("lru", "lfu", "static", "belady")
@@ -56,7 +57,7 @@ MIB = 1 << 20
 
 
 # ---------------------------------------------------------------------- what a miss reads
-def expert_tensors(cfg=None, layer: int = 0, expert: int = 0) -> list:
+def expert_tensors(cfg: Optional[Config] = None, layer: int = 0, expert: int = 0) -> list:
     """The inventory's tensors of one routed expert (`TensorSpec`s: w1, w2, w3 and their scales),
     on `cfg` (default: the released config)."""
     from .config import RELEASED
@@ -79,13 +80,13 @@ def expert_tensors(cfg=None, layer: int = 0, expert: int = 0) -> list:
     return specs
 
 
-def expert_bytes(cfg=None) -> int:
+def expert_bytes(cfg: Optional[Config] = None) -> int:
     """Bytes one routed-expert miss reads from disk: the three packed matrices and their scales as
     the checkpoint stores them (default: the released geometry, 18,800,640 bytes = 17.93 MiB)."""
     return sum(s.nbytes for s in expert_tensors(cfg))
 
 
-def geometry(cfg=None) -> dict:
+def geometry(cfg: Optional[Config] = None) -> dict:
     """The numbers `expert_bytes` comes from, for a sidecar: dim, moe_inter_dim, per tensor its
     dtype, shape and bytes."""
     from .config import RELEASED
@@ -460,7 +461,8 @@ def static_ranking(calls: Sequence[Call], n_experts: int) -> list[int]:
 
 # ---------------------------------------------------------------------- the lab
 def policy_data(source, *, policies: Sequence[str] = POLICIES, capacities: Optional[Sequence[int]] = None,
-                n_experts: Optional[int] = None, warmup=1, cfg=None, capacity: Optional[int] = None) -> dict:
+                n_experts: Optional[int] = None, warmup=1, cfg: Optional[Config] = None,
+                capacity: Optional[int] = None) -> dict:
     """Plain data (JSON-ready) for the policy figure and the `replay` command.
 
     `source`: what `routing_calls` takes. `capacities`: cache sizes per layer (default 0 ..

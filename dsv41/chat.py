@@ -1,6 +1,5 @@
 """The V4.1 chat format: OpenAI-style messages to the prompt text and ids the model reads (a
-generated assistant turn back to its reasoning, content and tool calls is `chat_reply.parse`,
-importable from here as `chat.parse`).
+generated assistant turn back to its reasoning, content and tool calls is `chat_reply.parse`).
 
 The release ships no template: its own encoder is the only definition of the format, and `render`
 produces the string it produces for the same conversation. What the format says:
@@ -47,10 +46,7 @@ from .tokenizer import (ASSISTANT_TOKEN, BOS_TOKEN, CHAT_TOKENS, EOS_TOKEN, IMAG
                         LATEST_REMINDER_TOKEN, SYSTEM_TOKEN, TASK_TOKENS, THINK_END_TOKEN,
                         THINK_START_TOKEN, USER_TOKEN)
 from .errors import Dsv41Error
-from .chat_reply import (  # noqa: F401  (the reply side of the format, importable from here as before)
-    CALLS_OPENING, CALLS_TAG, INVOKE_TAG, MAX_JSON_NESTING, PARAMETER_TAG, SAFE_NAME, SAFE_NAME_RULE, Reply, ToolCall,
-    _json, _json_loads, parse,
-)
+from .chat_reply import CALLS_TAG, INVOKE_TAG, PARAMETER_TAG, SAFE_NAME, SAFE_NAME_RULE, _json, _json_loads
 
 ROLES = ("system", "user", "assistant", "tool", "latest_reminder")
 

@@ -236,7 +236,8 @@ def _generate_model(args, process: _Process):
     """The loader's own steps, in its order: the group (with --expert-parallel), the expert
     devices, the checkpoint path; then the header audit and `load`, on every rank at once."""
     from .errors import Dsv41Error
-    from .loader import CacheOptions, LoadError, Placement, checkpoint_path, expert_placement, load, start_expert_parallel
+    from .checkpoint import LoadError
+    from .loader import CacheOptions, Placement, checkpoint_path, expert_placement, load, start_expert_parallel
     from .numerics import Numerics
     from .stores import DEFAULT_EXPERT_CACHE
 
@@ -397,7 +398,8 @@ def _chat_model(args, fail):
     if args.max_seq_len is not None and args.max_seq_len <= 0:
         return fail(f"--max-seq-len must be > 0, got {args.max_seq_len}")
 
-    from .loader import LoadError, checkpoint_path, load
+    from .checkpoint import LoadError
+    from .loader import checkpoint_path, load
 
     try:
         path = checkpoint_path(args.checkpoint, progress=not args.quiet)

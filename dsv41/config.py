@@ -19,18 +19,19 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 from dsv41.errors import Dsv41Error
 
-from dsv41.config_json import (  # noqa: F401  (MAX_CONFIG_*: importable from here as before)
-    MAX_CONFIG_DEPTH, MAX_CONFIG_INT_DIGITS, assign, freeze, is_finite, is_int, leaf_paths,
+from dsv41.config_json import (
+    MAX_CONFIG_INT_DIGITS, assign, freeze, is_finite, is_int, leaf_paths,
     lookup, parse_int, shape_problem, shown, thaw,
 )
-from dsv41.text import LongInteger, brief, number_text
-from dsv41.config_fields import (  # noqa: F401  (the schema's names, importable from here as before)
-    T, V, Q, Field, FIELDS, FLAT_ALIASES, NESTED_ONLY, VALUE_BOUNDS, LIST_BOUNDS, FLOAT_LIMITS, MAX_LAYERS,
-    MIN_IMAGE_SPAN, MAX_INT64, MAX_LIST_ENTRIES, MAX_FP8_BLOCK, MAX_INVENTORY_TENSORS, MAX_ENGRAM_COLUMNS,
+from dsv41.text import LongInteger, brief, is_whole, number_text
+from dsv41.config_fields import (
+    T, V, Q, FIELDS, FLAT_ALIASES, NESTED_ONLY, VALUE_BOUNDS, LIST_BOUNDS, FLOAT_LIMITS,
+    MAX_INT64, MAX_LIST_ENTRIES, MAX_FP8_BLOCK, MAX_INVENTORY_TENSORS, MAX_ENGRAM_COLUMNS,
     NESTED_FORMAT_DEFAULTS, FLAT_KEYS, NESTED_ONLY_KEYS, NULLABLE,
 )
 
@@ -39,34 +40,177 @@ class ConfigError(Dsv41Error, ValueError):
     """A config file that cannot be read as either released layout."""
 
 
-def _schema_fields(cls):
-    """Give the class one field per row of FIELDS (None by default: a file may be silent on it),
-    ahead of the provenance fields it declares itself, and make it a frozen dataclass."""
-    own = dict(cls.__dict__.get("__annotations__", {}))
-    cls.__annotations__ = {f.name: f.annotation for f in FIELDS} | own
-    for f in FIELDS:
-        setattr(cls, f.name, None)
-    return dataclass(frozen=True)(cls)
-
-
-def _runtime_fields(cls):
-    """Give the class one field per row of FIELDS, typed without None except where a field may be
-    absent (`Field.may_be_absent`), and make it a frozen dataclass."""
-    cls.__annotations__ = {f.name: f.annotation if f.may_be_absent else f.kind for f in FIELDS}
-    return dataclass(frozen=True)(cls)
-
-
-@_runtime_fields
+@dataclass(frozen=True, kw_only=True)
 class VerifiedConfig:
-    """A config as runtime code reads it (`Config.verified`): the same field names, each default of
-    FIELDS applied where the file was silent (n_mtp_layers 0, swiglu_limit 0.0, candidate_source_layer
-    -1, ...), values inside their bounds, and None only where `Field.may_be_absent`."""
+    """A config as runtime code reads it (`Config.verified`): the same field names in the same
+    order, each runtime default applied where the file was silent, values inside their bounds, and
+    None only where a field may be absent (`Field.may_be_absent`: the nested-only fields of a flat
+    file, `vision_max_wh_ratio`). The types and defaults are FIELDS' (tests/test_config.py holds
+    them to it); what each field means is on `Config`."""
+
+    vocab_size: int
+    dim: int
+    moe_inter_dim: int
+    n_layers: int
+    n_mtp_layers: int = 0
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int
+    dspark_n_routed_experts: int
+    dspark_n_activated_experts: int
+    n_heads: int
+    n_routed_experts: int
+    n_shared_experts: int
+    n_activated_experts: int
+    score_func: str
+    route_scale: float
+    swiglu_limit: float = 0.0
+    q_lora_rank: int
+    head_dim: int
+    rope_head_dim: int
+    norm_eps: float
+    o_groups: int
+    o_lora_rank: int
+    window_size: int
+    kv_source_layers: tuple[int, ...]
+    index_source_layers: tuple[int, ...]
+    original_seq_len: int
+    rope_theta: float
+    rope_factor: float
+    beta_fast: int
+    beta_slow: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    candidate_source_layer: int = -1
+    candidate_topk_blocks: int
+    candidate_block_size: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    engram_layer_ids: tuple[int, ...] = ()
+    engram_vocab_size: int
+    engram_num_embeddings: tuple[int, ...]
+    engram_max_ngram_size: int
+    engram_pad_id: int
+    engram_compressed_vocab_size: int
+    dtype: str
+    expert_dtype: str
+    compress_rope_theta: float
+    compress_ratios: tuple[int, ...]
+    vision_n_layers: int
+    vision_dim: int
+    vision_n_heads: int
+    vision_inter_dim: int
+    vision_patch_size: int
+    vision_downsample_ratio: int
+    vision_max_n_token: int
+    vision_min_pixels: int
+    vision_max_wh_ratio: float | None = None
+    image_token_id: int
+    engram_n_heads: int
+    engram_head_dim: int
+    vision_rope_theta: float = 10000.0
+    model_type: str | None = None
+    architectures: tuple[str, ...] | None = None
+    param_dtype: str = "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    hidden_act: str | None = None
+    max_position_embeddings: int | None = None
+    num_key_value_heads: int | None = None
+    tie_word_embeddings: bool | None = None
+    topk_method: str | None = None
+    norm_topk_prob: bool = True
 
 
-@_schema_fields
+@dataclass(frozen=True)
 class Config:
-    """Every FIELDS row is a field of this name (None where the file is silent), canonical names
-    the flat file's; then where the config came from."""
+    """A config as a file states it: one field per row of `config_fields.FIELDS` (in the table's
+    order; canonical names the flat file's; None where the file is silent, never a guessed
+    default), then where the config came from. The table keeps each field's nested name, bound and
+    runtime default; tests/test_config.py holds these fields to it."""
+
+    # --- the text model (flat-file fields, in the released flat file's key order)
+    vocab_size: int | None = None
+    dim: int | None = None  # width of the residual stream
+    moe_inter_dim: int | None = None  # hidden width of one expert
+    n_layers: int | None = None  # backbone layers
+    n_mtp_layers: int | None = None  # DSpark draft layers after the backbone (nested: num_nextn_predict_layers)
+    dspark_block_size: int | None = None  # tokens a draft block spans; 0 turns the draft stack off
+    dspark_noise_token_id: int | None = None  # fills the draft block after its first token
+    dspark_target_layer_ids: tuple[int, ...] | None = None  # backbone layers whose hidden states feed the drafts
+    dspark_markov_rank: int | None = None  # width of the draft's Markov head
+    dspark_n_routed_experts: int | None = None  # the MTP layers' experts; 0: as many as the backbone's
+    dspark_n_activated_experts: int | None = None
+    n_heads: int | None = None
+    n_routed_experts: int | None = None
+    n_shared_experts: int | None = None
+    n_activated_experts: int | None = None  # routed experts per token
+    score_func: str | None = None  # router scores: "sqrtsoftplus", "sigmoid" or "softmax"
+    route_scale: float | None = None  # multiplies the routing weights
+    swiglu_limit: float | None = None  # clamp of the expert activations; 0 turns it off
+    q_lora_rank: int | None = None
+    head_dim: int | None = None
+    rope_head_dim: int | None = None  # the rotary part of each head
+    norm_eps: float | None = None
+    o_groups: int | None = None  # groups of heads, each projected to o_lora_rank before the output
+    o_lora_rank: int | None = None
+    window_size: int | None = None  # positions every layer's KV window cache holds
+    kv_source_layers: tuple[int, ...] | None = None  # layers that own a compressor and publish its cache
+    index_source_layers: tuple[int, ...] | None = None  # layers that rank compressed positions with their own queries
+    original_seq_len: int | None = None  # the context YaRN extends
+    rope_theta: float | None = None
+    rope_factor: float | None = None  # YaRN's extension factor
+    beta_fast: int | None = None  # YaRN's ramp, in rotations
+    beta_slow: int | None = None
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_topk: int | None = None  # compressed positions a query reads
+    candidate_source_layer: int | None = None  # the layer that pre-filters blocks for the rest; -1 turns it off
+    candidate_topk_blocks: int | None = None
+    candidate_block_size: int | None = None
+    hc_mult: int | None = None  # parallel copies of the residual stream (hyper-connections)
+    hc_sinkhorn_iters: int | None = None
+    hc_eps: float | None = None
+    engram_layer_ids: tuple[int, ...] | None = None
+    engram_vocab_size: int | None = None  # the Engram primes are searched upward from it
+    engram_num_embeddings: tuple[int, ...] | None = None  # rows of each Engram layer's table
+    engram_max_ngram_size: int | None = None
+    engram_pad_id: int | None = None
+    engram_compressed_vocab_size: int | None = None  # the tokenizer folded for hashing; the multipliers derive from it
+    dtype: str | None = None  # quantization dtype of the dense linears ("fp8"), not the storage dtype
+    expert_dtype: str | None = None  # quantization dtype of the routed experts ("fp4")
+    compress_rope_theta: float | None = None
+    compress_ratios: tuple[int, ...] | None = None  # per layer, positions pooled into one compressed entry; 0: none
+    vision_n_layers: int | None = None  # 0 is a checkpoint without the vision tower
+    vision_dim: int | None = None
+    vision_n_heads: int | None = None
+    vision_inter_dim: int | None = None
+    vision_patch_size: int | None = None
+    vision_downsample_ratio: int | None = None
+    vision_max_n_token: int | None = None  # the longest image span in tokens
+    vision_min_pixels: int | None = None
+    vision_max_wh_ratio: float | None = None  # null in the release: no limit
+    image_token_id: int | None = None
+    engram_n_heads: int | None = None
+    engram_head_dim: int | None = None
+    vision_rope_theta: float | None = None
+    # --- stated only by the nested config.json
+    model_type: str | None = None
+    architectures: tuple[str, ...] | None = None
+    param_dtype: str | None = None  # storage dtype of unquantized tensors ("bfloat16"; nested: dtype)
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    hidden_act: str | None = None
+    max_position_embeddings: int | None = None
+    num_key_value_heads: int | None = None
+    tie_word_embeddings: bool | None = None
+    topk_method: str | None = None
+    norm_topk_prob: bool | None = None
 
     # --- provenance, not model facts
     layout: str | None = dataclasses.field(default=None, compare=False)  # "nested" | "flat" | None
@@ -110,7 +254,7 @@ class Config:
                 seen.add(path)
         _check_types(values, source)
         block = dict(fmt).get((Q, "weight_block_size"), [32, 32])
-        if not (isinstance(block, list) and len(block) == 2 and all(is_int(b) for b in block)):
+        if not (isinstance(block, list) and len(block) == 2 and all(is_whole(b) for b in block)):
             raise ConfigError(f"{source or 'config'}: field {Q}.weight_block_size is {brief(block, as_json=True)}, "
                               "expected a list of two integers")
         unknown = tuple(sorted(".".join(map(str, p)) for p in leaf_paths(data) if p not in seen))
@@ -194,12 +338,28 @@ class Config:
         candidates = [s for s in sources if s <= layer]
         return max(candidates) if candidates else None
 
-    def reads_at_source_ratio(self, layer: int, src: int) -> bool:
-        """Whether `layer` compresses at the ratio of the source whose cache it reads: the source
-        writes that cache at its own ratio, and a reader at another ratio would index it at the
-        wrong granularity. A layer past compress_ratios is not compared."""
+    def compressed_readers(self) -> list[int]:
+        """The backbone layers that read compressed positions (compress ratio above 0)."""
         ratios = self.compress_ratios
-        return layer >= len(ratios) or ratios[src] == ratios[layer]
+        return [layer for layer in range(min(self.n_layers, len(ratios))) if ratios[layer] > 0]
+
+    def source_breaks(self, layers: Iterable[int] | None = None,
+                      kinds: tuple[str, ...] = ("KV", "index")) -> list[tuple[int, str, int | None]]:
+        """The ratio-source rule, as (layer, kind, source) for each break: a layer reads the cache
+        of the latest KV source and the selection of the latest index source at or before it, and
+        compresses at that source's ratio (the source writes at its own ratio; a reader at another
+        would index it at the wrong granularity). `source` is None where no `kind` source is at or
+        before the layer, else the source whose ratio differs; a layer past compress_ratios is not
+        compared. `layers`: the compressed readers unless given. verify() and the audit word them."""
+        sources = {"KV": self.kv_source_layers, "index": self.index_source_layers}
+        ratios = self.compress_ratios
+        breaks: list[tuple[int, str, int | None]] = []
+        for layer in self.compressed_readers() if layers is None else layers:
+            for kind in kinds:
+                src = self.source_at_or_before(layer, sources[kind])
+                if src is None or (layer < len(ratios) and ratios[src] != ratios[layer]):
+                    breaks.append((layer, kind, src))
+        return breaks
 
     def kv_sources_outside_index(self) -> list[int]:
         """The KV sources that are not also index sources (there should be none)."""
@@ -254,7 +414,7 @@ class Config:
         problems: list[str] = []
         for name, (low, high) in VALUE_BOUNDS.items():
             value = getattr(self, name)
-            if is_int(value) and not low <= value <= high:
+            if is_whole(value) and not low <= value <= high:
                 problems.append(f"{self._label(name)} is {number_text(value)}, outside [{low:,}, {high:,}]")
         for name, high in LIST_BOUNDS.items():
             value = getattr(self, name)
@@ -263,7 +423,7 @@ class Config:
             if len(value) > MAX_LIST_ENTRIES:
                 problems.append(f"{self._label(name)} has {len(value):,} entries; no list in a config describes "
                                 f"more than {MAX_LIST_ENTRIES:,} layers")
-            elif (bad := next((v for v in value if is_int(v) and not -MAX_INT64 <= v <= high), None)) is not None:
+            elif (bad := next((v for v in value if is_whole(v) and not -MAX_INT64 <= v <= high), None)) is not None:
                 limit = f"above {high:,}" if bad > 0 and high < MAX_INT64 else "beyond a 64-bit integer"
                 problems.append(f"{self._label(name)} holds {number_text(bad)}, {limit}")
         for name, (relation, low, high) in FLOAT_LIMITS.items():
@@ -302,10 +462,10 @@ class Config:
         at most 48 others per backbone or MTP layer, 8 per vision block, 6 per Engram table and a
         few global ones. The released geometry: 96,812 against its 96,085."""
         counts = (self.n_layers, self.n_mtp_layers, self.n_routed_experts, self.vision_n_layers)
-        if not all(is_int(c) for c in counts):
+        if not all(is_whole(c) for c in counts):
             return None
         n, mtp, experts, vision = counts
-        mtp_experts = self.dspark_n_routed_experts if is_int(self.dspark_n_routed_experts) else 0
+        mtp_experts = self.dspark_n_routed_experts if is_whole(self.dspark_n_routed_experts) else 0
         engram = len(self.engram_layer_ids) if isinstance(self.engram_layer_ids, tuple) else 0
         return (6 * (n * experts + mtp * (mtp_experts or experts)) + 48 * (n + mtp) + 8 * vision
                 + 6 * engram + 16)
@@ -313,8 +473,8 @@ class Config:
     def engram_column_count(self) -> int | None:
         """Hash columns over all Engram layers, each of which owns one prime: the prime search that
         lays the tables out grows with the square of this."""
-        if not (isinstance(self.engram_layer_ids, tuple) and is_int(self.engram_max_ngram_size)
-                and is_int(self.engram_n_heads)):
+        if not (isinstance(self.engram_layer_ids, tuple) and is_whole(self.engram_max_ngram_size)
+                and is_whole(self.engram_n_heads)):
             return None
         return len(self.engram_layer_ids) * max(self.engram_max_ngram_size - 1, 0) * self.engram_n_heads
 
@@ -348,17 +508,14 @@ class Config:
         if self.kv_sources_outside_index():
             problems.append("every KV source must also be an index source")
         for layer in range(min(n, len(ratios))):
-            r = ratios[layer]
-            if layer in self.index_source_layers and r == 0:
+            if layer in self.index_source_layers and ratios[layer] == 0:
                 problems.append(f"source layer {layer} has compress ratio 0: it has nothing to compress or index")
-            if r == 0:
-                continue
-            for kind, sources in (("KV", self.kv_source_layers), ("index", self.index_source_layers)):
-                src = self.source_at_or_before(layer, sources)
-                if src is None:
-                    problems.append(f"layer {layer} reads compressed positions (ratio {r}) but no {kind} source is at or before it")
-                elif not self.reads_at_source_ratio(layer, src):
-                    problems.append(f"layer {layer} (ratio {r}) reads the {kind} source {src}, which compresses at ratio {ratios[src]}")
+        for layer, kind, src in self.source_breaks():
+            r = ratios[layer]
+            if src is None:
+                problems.append(f"layer {layer} reads compressed positions (ratio {r}) but no {kind} source is at or before it")
+            else:
+                problems.append(f"layer {layer} (ratio {r}) reads the {kind} source {src}, which compresses at ratio {ratios[src]}")
         return problems
 
     def verify(self) -> list[str]:
@@ -561,7 +718,7 @@ _NESTED_PATHS = {f.name: f.nested for f in FIELDS}
 
 def _block_ok(block) -> bool:
     return (isinstance(block, (list, tuple)) and len(block) == 2
-            and all(is_int(b) and 1 <= b <= MAX_FP8_BLOCK for b in block))
+            and all(is_whole(b) and 1 <= b <= MAX_FP8_BLOCK for b in block))
 
 
 def distinct_ascending(ids) -> bool:
@@ -579,7 +736,7 @@ def _type_ok(value, annotation: str) -> bool:
         return True
     def scalar(v, kind: str) -> bool:
         if kind == "int":
-            return isinstance(v, int) and not isinstance(v, bool)
+            return is_whole(v)
         if kind == "float":
             return isinstance(v, (int, float)) and not isinstance(v, bool)
         return isinstance(v, {"str": str, "bool": bool}[kind])

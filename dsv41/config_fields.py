@@ -1,7 +1,8 @@
 """The config schema as one table: per field its canonical name, JSON type, place in the nested
 config.json, presence in the flat file, value bound and runtime default (`FIELDS`), and what is
-derived from it: the alias map between the two layouts, the bounds `Config.value_problems` checks,
-and the dataclass fields of `config.Config` and `config.VerifiedConfig`.
+derived from it: the alias map between the two layouts and the bounds `Config.value_problems`
+checks. `config.Config` and `config.VerifiedConfig` write the fields out, so that an editor finds
+them; tests/test_config.py holds their names, types and defaults to this table.
 
 Standard library only: the header audit imports this.
 """

@@ -32,17 +32,21 @@ import os
 import stat
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from . import chat as chat_format
+from . import chat_reply
 from . import vision
 from .generate import GenerationResult, generate
 from .tokenizer import ASSISTANT_TOKEN, THINK_START_TOKEN
 
+if TYPE_CHECKING:  # annotations only
+    from .model import Model
+
 
 @dataclass
 class ChatResult:
-    reply: chat_format.Reply
+    reply: chat_reply.Reply
     raw: str  # the generated text, special tokens kept: what `reply` was parsed from
     generation: GenerationResult  # the run that produced the reply, with its trace when asked
     prompt: str  # the rendered conversation
@@ -58,21 +62,22 @@ class ChatResult:
         return self.reply.message()
 
 
-def prompt_ids(model, prompt: chat_format.ChatPrompt) -> list[int]:
+def prompt_ids(model: Model, prompt: chat_format.ChatPrompt) -> list[int]:
     """Token ids of a rendered prompt (`chat.token_ids`: only the template's markers are control
     tokens; its text already holds the begin-of-sentence token, so none is added)."""
     return chat_format.token_ids(prompt, model.tokenizer)
 
 
-def reply_text(model, ids) -> str:
+def reply_text(model: Model, ids) -> str:
     """Generated ids as text with the format's markers kept (the model's decode drops them)."""
     return model.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-def chat(model, messages, *, tools=None, thinking: bool = False, reasoning_effort=None, drop_thinking: bool = True,
-         max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, trace: bool = False,
-         callback: Optional[Callable] = None, reuse_prefix: bool = True, resume=None, keep_resume: bool = True,
-         prefill_chunk: Optional[int] = None, progress: bool = False, speculative: bool = False) -> ChatResult:
+def chat(model: Model, messages, *, tools=None, thinking: bool = False, reasoning_effort=None,
+         drop_thinking: bool = True, max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0,
+         trace: bool = False, callback: Optional[Callable] = None, reuse_prefix: bool = True, resume=None,
+         keep_resume: bool = True, prefill_chunk: Optional[int] = None, progress: bool = False,
+         speculative: bool = False) -> ChatResult:
     """Answer `messages` (OpenAI-style; see `dsv41.chat.render` for `tools`, `thinking`,
     `reasoning_effort`, `drop_thinking`) -> ChatResult with the parsed reply.
 
@@ -114,7 +119,7 @@ def chat(model, messages, *, tools=None, thinking: bool = False, reasoning_effor
         snapshot = model.snapshot() if keep_resume else None
     prefill_s = result.timings["prefill_s"] + (head.timings["prefill_s"] if head is not None else 0.0)
     raw = reply_text(model, result.ids)
-    reply = chat_format.parse(raw, thinking=_ends_with_markup(prompt, THINK_START_TOKEN))
+    reply = chat_reply.parse(raw, thinking=_ends_with_markup(prompt, THINK_START_TOKEN))
     timings = {"prompt_tokens": len(ids), "reused_positions": reused, "prefilled": len(ids) - reused,
                "prefill_s": prefill_s, "decode_s": result.timings["decode_s"],
                "tokens_per_s": result.timings["tokens_per_s"], "new_tokens": len(result.ids)}
@@ -207,7 +212,7 @@ class Conversation:
     """The messages so far and the options of a chat over `model`; `send` adds a user message and
     the reply, continuing from the previous turn's positions."""
 
-    def __init__(self, model, *, system: Optional[str] = None, tools=None, thinking: bool = False,
+    def __init__(self, model: Model, *, system: Optional[str] = None, tools=None, thinking: bool = False,
                  reasoning_effort=None, max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0,
                  speculative: bool = False):
         self.model, self.system, self.tools = model, system, tools
@@ -282,7 +287,7 @@ HELP = ("/reset forgets the conversation, /save FILE writes it as JSON (/save! F
         "/help shows this, Ctrl-D quits")
 
 
-def run_terminal(model, stdin=None, stdout=None, *, system: Optional[str] = None, thinking: bool = False,
+def run_terminal(model: Model, stdin=None, stdout=None, *, system: Optional[str] = None, thinking: bool = False,
                  reasoning_effort=None, tools=None, max_new_tokens: int = 256, temperature: float = 0.0,
                  seed: int = 0, status=None, speculative: bool = False) -> int:
     """Chat on a terminal: one message per line; replies on `stdout` as text, line breaks kept

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import Attention, AttentionRuntime, CacheBytes, cache_bytes, check_cache_format
+from .config import Config
 from .hooks import name_sites
 from .layers import init_random_
 from .numerics import Numerics
@@ -31,7 +32,7 @@ class AttentionStack(nn.Module):
     trace.recording(stack.sites):` or `with stack.hooks({pattern: observer}):`.
     """
 
-    def __init__(self, cfg, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
+    def __init__(self, cfg: Config, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
                  max_seq_len: int = 4096, seed: Optional[int] = None, cache_format: str = "packed"):
         super().__init__()
         self.cfg, self.numerics = cfg, numerics

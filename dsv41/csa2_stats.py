@@ -5,12 +5,10 @@ Notebooks 03 and 04 plot these; each is also a plain API:
 
 - `layer_map(cfg)`             per layer: mode, ratio, caches written and read (and from which layer),
                                RoPE base and whether YaRN applies;
-- `kv_cache_bytes(cfg)`        KV-cache bytes by component (window ring, compressed KV, index keys,
-                               compressor tail) from the formula: as stored (FP8 / FP4 with their
-                               scales, what `cache_format="packed"` allocates) or in BF16
-                               (`holding="runtime"`, what `cache_format="bf16"` allocates);
-- `measured_cache_bytes(cfg, max_seq_len)`  the same measured from the buffers an AttentionStack of
-                               that geometry allocates (built on the meta device: any size, no memory);
+- `measured_cache_bytes(cfg, max_seq_len)`  KV-cache bytes by component measured from the buffers
+                               an AttentionStack of that geometry allocates (built on the meta device:
+                               any size, no memory); the formula's prediction is
+                               `attention.kv_cache_bytes(cfg)`;
 - `allocated_cache_bytes(stack)`  a built stack's cache buffers by kind;
 - `attention_stack(model)`     an `AttentionStack` carrying a loaded checkpoint's attention weights,
                                optionally over a changed config (e.g. another `index_topk`);
@@ -18,6 +16,7 @@ Notebooks 03 and 04 plot these; each is also a plain API:
                                each latent and index key was rotated at;
 - `candidate_pin_effect(...)`  where the pinned (still filling) candidate block would have lost;
 - `prefill_decode_divergence(stack, x)`  differing selections, how many are top-k ties, output gap;
+- `prefill_then_decode(stack, x)`  the two orders it compares, untraced (for timing them);
 - `topk_sweep(model, x, widths)`  that divergence over a range of `index_topk`;
 - `numerics_comparison(model, x)`  that divergence under each `window_layout` and `pad_f32_rows`;
 - `stale_key_comparison(model, x)`  the reference's stale index keys against the opt-in fix.
@@ -29,15 +28,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .attention import (  # noqa: F401 (the byte model's names, re-exported for the notebooks)
+from .attention import (
     COMPRESSED_KV,
     COMPRESSOR_TAILS,
-    HOLDING,
     INDEX_FP4_BLOCK,
     INDEX_KEYS,
     KV_FP4_BLOCK,
@@ -46,18 +44,20 @@ from .attention import (  # noqa: F401 (the byte model's names, re-exported for 
     AttentionRuntime,
     CacheBytes,
     KVCacheBytes,
-    SourceBytes,
     candidate_block_scores,
     check_cache_format,
-    kv_cache_bytes,
     select_candidate_blocks,
 )
+from .config import Config
 from .csa2_stack import AttentionStack
 from .hooks import sites_of
 from .kernels import fp4_act_quant
 from .layers import apply_rotary_emb, parameters_on_meta
 from .numerics import WINDOW_LAYOUTS, Numerics
 from .trace import Trace
+
+if TYPE_CHECKING:  # annotations only
+    from .model import Model
 
 WINDOW, COMPRESSED, TOPK, CANDIDATES = WINDOW_RING, COMPRESSED_KV, "top-k", "candidate blocks"
 
@@ -76,8 +76,17 @@ class LayerRole:
     rope_base: float
     yarn: bool
 
+    def table_row(self) -> dict:
+        """This layer as a row of notebook 03's layer-map table: the caches it writes, and the ones it
+        reads from another layer with that layer's number ("own" for its own)."""
+        reads = ", ".join(f"{name} <- {'own' if src == self.layer else src}"
+                          for name, src in self.reads.items() if name != WINDOW)
+        return {"layer": self.layer, "mode": self.mode, "ratio": self.ratio, "writes": ", ".join(self.writes),
+                "reads (<- from layer)": reads or "own window only", "RoPE base": int(self.rope_base),
+                "YaRN": self.yarn}
 
-def layer_map(cfg) -> list[LayerRole]:
+
+def layer_map(cfg: Config) -> list[LayerRole]:
     """Per backbone layer: mode, compress ratio, the caches it writes and reads (with the writing
     layer), its RoPE base and whether YaRN applies (layers reading compressed positions only).
 
@@ -110,7 +119,7 @@ def layer_map(cfg) -> list[LayerRole]:
     return roles
 
 
-def mode_partition(cfg) -> dict[str, list[int]]:
+def mode_partition(cfg: Config) -> dict[str, list[int]]:
     """{'full': [...], 'reindex': [...], 'reuse': [...]} over the backbone layers."""
     out: dict[str, list[int]] = {"full": [], "reindex": [], "reuse": []}
     for layer, mode in enumerate(cfg.layer_modes):
@@ -120,7 +129,7 @@ def mode_partition(cfg) -> dict[str, list[int]]:
 
 # ---------------------------------------------------------------------------------- cache bytes
 # the prediction from a config (`kv_cache_bytes`, `KVCacheBytes`, `HOLDING`) is attention's own byte
-# model (`attention.caches`), re-exported here; the measurements below read built stacks
+# model (`attention.caches`); the measurements below read built stacks
 
 
 def allocated_cache_bytes(stack: AttentionStack) -> dict[str, int]:
@@ -138,7 +147,17 @@ def allocated_cache_bytes(stack: AttentionStack) -> dict[str, int]:
     return out
 
 
-def measured_cache_bytes(cfg, max_seq_len: int, *, cache_format: str = "packed",
+def bytes_by_kind(formula: KVCacheBytes, max_seq_len: int) -> dict[str, int]:
+    """The formula's bytes for a stack sized `max_seq_len`, by the kinds `allocated_cache_bytes`
+    reads off the buffers (its Full layers' compressed KV and index keys summed), so the two compare
+    key for key."""
+    parts = formula.components(max_seq_len)
+    return {WINDOW: parts[WINDOW], COMPRESSOR_TAILS: parts[COMPRESSOR_TAILS],
+            COMPRESSED: sum(v for k, v in parts.items() if k.endswith(COMPRESSED)),
+            INDEX_KEYS: sum(v for k, v in parts.items() if k.endswith(INDEX_KEYS))}
+
+
+def measured_cache_bytes(cfg: Config, max_seq_len: int, *, cache_format: str = "packed",
                          max_batch_size: int = 1) -> CacheBytes:
     """`CacheBytes` of an AttentionStack of `cfg` sized for `max_seq_len` positions, measured from
     the buffers it allocates. The stack is built on the meta device: every buffer has its shape
@@ -151,7 +170,7 @@ def measured_cache_bytes(cfg, max_seq_len: int, *, cache_format: str = "packed",
 
 
 # ---------------------------------------------------------------------------------- weights
-def attention_stack(model, *, numerics: Numerics = Numerics(), max_seq_len: Optional[int] = None,
+def attention_stack(model: Model, *, numerics: Numerics = Numerics(), max_seq_len: Optional[int] = None,
                     cache_format: Optional[str] = None, **config_changes) -> AttentionStack:
     """An AttentionStack holding the attention weights of a loaded `dsv41.load` model, over
     `model.cfg` with `config_changes` (e.g. index_topk=4, window_size=72); changes that alter a
@@ -169,7 +188,7 @@ def attention_stack(model, *, numerics: Numerics = Numerics(), max_seq_len: Opti
     return stack
 
 
-def embed(model, token_ids: Sequence[int]) -> torch.Tensor:
+def embed(model: Model, token_ids: Sequence[int]) -> torch.Tensor:
     """[1, s, dim] in the activation dtype: the checkpoint's embeddings of `token_ids`, RMS-normalized
     (parameter-free) as an attention layer's input is."""
     with torch.no_grad():
@@ -313,6 +332,17 @@ def candidate_pin_effect(scores: torch.Tensor, reachable, topk_blocks: int, bloc
 
 
 # ---------------------------------------------------------------------------------- divergence
+def prefill_then_decode(stack: AttentionStack, x: torch.Tensor) -> None:
+    """x [1, s, dim] through the stack as one prefill and then one token per call, each from a reset
+    state, nothing traced: the work `prefill_decode_divergence` compares, for timing it."""
+    with torch.no_grad():
+        stack.reset_state()
+        stack.forward_each(x, 0)
+        stack.reset_state()
+        for p in range(x.size(1)):
+            stack.forward_each(x[:, p : p + 1], p)
+
+
 def _both_orders(stack: AttentionStack, x: torch.Tensor):
     """(prefill out, decode out, prefill trace, decode trace) of forward_each, each from a reset
     state: every layer sees the same input, so a difference in one layer cannot leak into the next."""
@@ -383,6 +413,10 @@ class Divergence:
     @property
     def identical(self) -> bool:
         return self.n_differ == 0 and self.max_output_diff == 0.0
+
+    def positions_differing(self, layers) -> list[int]:
+        """The query positions whose output differs in any of `layers`, ascending."""
+        return sorted({p for r in self.layers if r["layer"] in layers for p, v in enumerate(r["output_diff"]) if v > 0})
 
     def summary(self) -> dict:
         return {"index_topk": self.index_topk, "n_tokens": self.n_tokens, **self.numerics,
@@ -498,12 +532,12 @@ def prefill_decode_divergence(stack: AttentionStack, x: torch.Tensor) -> Diverge
     return result
 
 
-def untruncated_topk(cfg, n_tokens: int) -> int:
+def untruncated_topk(cfg: Config, n_tokens: int) -> int:
     """The smallest index_topk that keeps every reachable compressed position of `n_tokens` tokens."""
     return max(n_tokens // r for r in cfg.compress_ratios[: cfg.n_layers] if r)
 
 
-def untruncated_positions(cfg) -> int:
+def untruncated_positions(cfg: Config) -> int:
     """How many leading positions no indexer or candidate top-k cuts. The query at position p of a
     ratio-r index source reaches (p + 1) // r compressed positions and is cut once that exceeds
     index_topk, from p = (index_topk + 1) * r - 1 on; the candidate source likewise once its
@@ -516,7 +550,7 @@ def untruncated_positions(cfg) -> int:
     return min(limits)
 
 
-def topk_sweep(model, x: torch.Tensor, widths: Sequence[int], *, numerics: Numerics = Numerics(),
+def topk_sweep(model: Model, x: torch.Tensor, widths: Sequence[int], *, numerics: Numerics = Numerics(),
                **config_changes) -> list[Divergence]:
     """`prefill_decode_divergence` of the model's attention weights at each index_topk in `widths`,
     under `numerics` with fix_stale_index_keys=True, so prefill and decode score the same keys:
@@ -530,7 +564,7 @@ def topk_sweep(model, x: torch.Tensor, widths: Sequence[int], *, numerics: Numer
     return results
 
 
-def numerics_comparison(model, x: torch.Tensor, **config_changes) -> dict[tuple[str, bool], Divergence]:
+def numerics_comparison(model: Model, x: torch.Tensor, **config_changes) -> dict[tuple[str, bool], Divergence]:
     """`prefill_decode_divergence` of the model's attention weights (fix_stale_index_keys=True)
     under every window_layout and pad_f32_rows, keyed (window_layout, pad_f32_rows): which of the
     two opt-ins a bit-identical prefill and decode rests on, at the geometry `config_changes` set."""
@@ -562,7 +596,7 @@ class StaleKeys:
     changed: dict = field(default_factory=dict)  # {layer: positions whose output differs}
 
 
-def stale_key_comparison(model, x: torch.Tensor, **config_changes) -> StaleKeys:
+def stale_key_comparison(model: Model, x: torch.Tensor, **config_changes) -> StaleKeys:
     """Decode x [1, s, dim] one token per call with fix_stale_index_keys False and True (and
     prefill once each) over the model's attention weights; see `StaleKeys`."""
     runs = {}

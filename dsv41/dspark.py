@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .attention import Attention, LayerRows
+from .config import Config
 from .kernels import sparse_attn
 from .layers import Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype
 from .model import Block, Embedding, Head, hc_pre, identity_pre, runtime_config
@@ -123,7 +124,7 @@ class DraftLayer(Block):
 
     attention_type = DraftAttention
 
-    def __init__(self, cfg, stage: int, *, numerics: Numerics, max_batch_size: int, max_seq_len: int,
+    def __init__(self, cfg: Config, stage: int, *, numerics: Numerics, max_batch_size: int, max_seq_len: int,
                  cache_format: str):
         # the block reaches `dspark_block_size` positions past the last committed one
         super().__init__(cfg, cfg.n_layers + stage, numerics=numerics, max_batch_size=max_batch_size,
@@ -140,14 +141,14 @@ class DraftLayer(Block):
 
     def forward(self, x: torch.Tensor, start_pos: int, pre: torch.Tensor, main_x: torch.Tensor):
         # drafts are text: no VL routing bias
-        return self.sites(x, pre, lambda h: self.attn.block(h, start_pos, main_x), None)
+        return self.sublayers(x, pre, lambda h: self.attn.block(h, start_pos, main_x), None)
 
 
 class DraftStack(nn.Module):
     """The `mtp.*` stages (parameter names are the checkpoint's), sharing the target's embedding
     and head. Holds the window rings and the main hidden state of the last fed position."""
 
-    def __init__(self, cfg, embed: Embedding, head: Head, *, numerics: Numerics = Numerics(),
+    def __init__(self, cfg: Config, embed: Embedding, head: Head, *, numerics: Numerics = Numerics(),
                  max_batch_size: int = 1, max_seq_len: int = 4096, cache_format: str = "packed"):
         super().__init__()
         cfg = runtime_config(cfg)

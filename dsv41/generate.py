@@ -24,7 +24,6 @@ between values that differ by rounding; the report says at which position and la
 from __future__ import annotations
 
 import math
-import numbers
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,11 +31,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .sampling import greedy, sample  # noqa: F401  (greedy: part of this module's public face)
+from .sampling import sample
 from .trace import ForwardTrace, GenerationTrace, StepRecord
 from .token_ids import as_token_ids
 from .vision import TEXT, Prompt, check_placeholders, image_sources
 from .errors import Dsv41Error
+from .text import is_whole
 
 class NonFiniteLogits(Dsv41Error, RuntimeError):
     """A forward gave NaN or Inf logits: generation stops; the message names where it began."""
@@ -61,11 +61,11 @@ def check_prompt(prompt) -> None:
 
 def check_sampling(max_new_tokens, temperature, seed) -> None:
     """The errors bad sampling arguments get, in Python and from `dsv41 generate` alike."""
-    if not _whole(max_new_tokens) or max_new_tokens < 0:
+    if not is_whole(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature!r}")
-    if not _whole(seed) or not 0 <= seed < SEED_LIMIT:
+    if not is_whole(seed) or not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"seed must be a whole number in [0, 2**64), got {seed!r}")
 
 
@@ -85,12 +85,8 @@ def check_length(prompt_tokens: int, max_new_tokens: int, max_seq_len: int, *, m
 
 def check_prefill_chunk(chunk) -> None:
     """The error a bad `prefill_chunk` gets (None: no chunking), in Python and from the CLI alike."""
-    if chunk is not None and (not _whole(chunk) or chunk < 1):
+    if chunk is not None and (not is_whole(chunk) or chunk < 1):
         raise ValueError(f"prefill_chunk must be a whole number >= 1, got {chunk!r}")
-
-
-def _whole(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def as_prompt(model, prompt, images: Sequence = ()) -> Prompt:
@@ -411,6 +407,17 @@ class PrefillDecodeComparison:
     def identical(self) -> bool:
         return self.first_logit_divergence is None
 
+    def parting(self, cut: Optional[int]) -> dict:
+        """Where the two orders part, as plain data, with how far apart their logits are before `cut`
+        (the first position where some top-k cuts; None: none does), where only rounding can part them."""
+        before = self.max_abs_diff[:cut]
+        return {"first_logit_divergence": self.first_logit_divergence,
+                "first_argmax_divergence": self.first_argmax_divergence,
+                "selection_parting": {str(k): v for k, v in self.selections.items()},
+                "routing_parting": {str(k): v for k, v in self.routing.items()}, "numerics": self.numerics,
+                "untruncated_positions": len(before), "untruncated_max_abs_diff": max(before, default=0.0),
+                "identical_until_first_cut": all(d == 0.0 for d in before), "max_abs_logit": self.max_abs_logit}
+
     def summary(self) -> str:
         under = ", ".join(f"{k}={v!r}" for k, v in self.numerics.items())
         under = f" ({under})" if under else ""
@@ -477,6 +484,27 @@ def _partings(a: dict, b: dict, name: str) -> dict[int, list[int]]:
         if len(differ):
             out[layer] = [int(a[layer]["positions"][i]) for i in differ]
     return out
+
+
+# ---------------------------------------------------------------------- chunked prefill
+def chunk_sizes(n: int, *sizes: int) -> list[int]:
+    """A chunking of `n` tokens: calls of `sizes` (each clipped to what is left), then the rest as one."""
+    out, left = [], n
+    for size in sizes:
+        if left > 0:
+            out.append(min(size, left))
+            left -= out[-1]
+    return out + ([left] if left else [])
+
+
+def chunked_logits(model, ids: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """The logits of every position of `ids`, fed from position 0 as consecutive calls of `sizes`
+    tokens -> [len(ids), vocab]: what a chunked prefill computes, to set beside a one-shot one."""
+    rows, at = [], 0
+    for size in sizes:
+        rows.append(model(torch.tensor([list(ids[at : at + size])]), at, all_positions=True)[0])
+        at += size
+    return torch.cat(rows)
 
 
 # ---------------------------------------------------------------------- expert-cache accounting

@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
+from dsv41.config import Config
 from dsv41.inventory import DTYPE_SIZES
 from dsv41.errors import Dsv41Error
 from dsv41.text import LongInteger, bounded_ints, brief, is_unicode
@@ -308,7 +309,7 @@ def parse_shard_list(text: str, total: int) -> list[int]:
     return sorted(chosen)
 
 
-def write_release_headers(out_dir: str, config=None, shards: list[int] | None = None) -> list[str]:
+def write_release_headers(out_dir: str, config: Config | None = None, shards: list[int] | None = None) -> list[str]:
     """Header-only files of a checkpoint in the release layout (the released geometry by default),
     plus both config files and the index; `shards` (numbers from 1) writes a subset, as a partial
     download would leave it. Returns the shard files written."""

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import Config
 from .formats import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp4, quantize_fp8_blocks
 from .kernels import linear
 
@@ -48,12 +49,12 @@ def parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def linear_dtype(cfg) -> torch.dtype:
+def linear_dtype(cfg: Config) -> torch.dtype:
     """Storage dtype of the dense linears the config quantizes (`cfg.dtype`: 'fp8' or 'bf16')."""
     return torch.float8_e4m3fn if cfg.dtype == "fp8" else torch.bfloat16
 
 
-def activation_dtype(cfg) -> torch.dtype:
+def activation_dtype(cfg: Config) -> torch.dtype:
     """Dtype of activations, norms and caches: the checkpoint's storage dtype, bf16 by default."""
     return getattr(torch, cfg.param_dtype) if cfg.param_dtype else torch.bfloat16
 

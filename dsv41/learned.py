@@ -19,7 +19,7 @@ from __future__ import annotations
 import keyword
 import math
 import string
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ from .generate import as_prompt
 from .speculative import Speculation
 from .text import brief
 from .trace import ForwardTrace
+
+if TYPE_CHECKING:  # annotations only
+    from .model import Model
 
 # The classes a decoded token falls in, in the order figures and matrices list them.
 TOKEN_CLASSES = ("whitespace", "identifier", "keyword", "punctuation", "digits", "other")
@@ -89,7 +92,7 @@ def held_out_texts(n: int, chars: int = 1600, corpus=None) -> list[str]:
     return out
 
 
-def prompt_ids(model, text: str, tokens: int, at_least: int = 1) -> list[int]:
+def prompt_ids(model: Model, text: str, tokens: int, at_least: int = 1) -> list[int]:
     """`text` as the model's prompt ids (BOS first where the model adds one), cut to `tokens`; a
     text that gives fewer than `at_least` ids is refused (a study would have nothing to measure)."""
     tokens = _count(tokens, "tokens", at_least)
@@ -121,7 +124,7 @@ def token_class(text: str) -> str:
     return "other"
 
 
-def token_classes(model, ids: Sequence[int]) -> list[Optional[int]]:
+def token_classes(model: Model, ids: Sequence[int]) -> list[Optional[int]]:
     """Per position the index of its token's class in TOKEN_CLASSES; None for special tokens (they
     decode to nothing)."""
     out = []
@@ -327,7 +330,7 @@ def spread_given_token(ids: Sequence[int], chosen: np.ndarray, n_experts: int, m
     return (float(np.mean(per_id)) if per_id else None), len(per_id)
 
 
-def routing_study(model, texts: Sequence[str], tokens: int) -> dict:
+def routing_study(model: Model, texts: Sequence[str], tokens: int) -> dict:
     """Per MoE layer, over each text's first `tokens` prompt ids run as one prefill:
     affinity_spread (mean over tokens of the entropy of its normalized router affinities / log E:
     how sharply a token prefers some experts), logit_std (mean over tokens of its router logits'
@@ -434,7 +437,7 @@ def lookup_counts(ids: Sequence[int], table: tuple[np.ndarray, np.ndarray], base
     return np.where(found, counts[at] if len(distinct) else 0, 0)
 
 
-def counting_stream(model, docs: dict[str, str], every: int = 1) -> np.ndarray:
+def counting_stream(model: Model, docs: dict[str, str], every: int = 1) -> np.ndarray:
     """Every `every`-th document of `docs` (sorted by name) tokenized by the model's tokenizer,
     an EOS after each: the text n-gram frequencies are counted on."""
     from .train.data import encode_documents
@@ -443,7 +446,7 @@ def counting_stream(model, docs: dict[str, str], every: int = 1) -> np.ndarray:
     return encode_documents(model.tokenizer, {name: docs[name] for name in names}, int(model.cfg.eos_token_id))
 
 
-def engram_study(model, texts: Sequence[str], tokens: int, stream: np.ndarray) -> dict:
+def engram_study(model: Model, texts: Sequence[str], tokens: int, stream: np.ndarray) -> dict:
     """Per Engram layer, the gate (mean over the hyper-connection copies) of every token after the
     first of each text, binned by how often its bigram (previous token, token) occurs in `stream`:
     per bin the tokens and mean gate; also the correlation of the gate with log(1 + count). A text
@@ -483,7 +486,7 @@ def engram_study(model, texts: Sequence[str], tokens: int, stream: np.ndarray) -
 
 
 # ---------------------------------------------------------------------- c: indexer recall
-def indexer_study(model, checkpoint: str, texts: Sequence[str], tokens: int) -> dict:
+def indexer_study(model: Model, checkpoint: str, texts: Sequence[str], tokens: int) -> dict:
     """Per index-source layer (its own indexer: Full and Reindex layers), over each text's first
     `tokens` ids from position 0: the indexer's recall of full attention's top-k compressed
     positions (k = index_topk), the attention mass on its selection, and chance (k / reachable),
@@ -518,7 +521,7 @@ def indexer_study(model, checkpoint: str, texts: Sequence[str], tokens: int) -> 
 
 
 # ---------------------------------------------------------------------- d: DSpark
-def speculative_study(model, texts: Sequence[str], prompt_tokens: int, new_tokens: int, bins: int = 5) -> dict:
+def speculative_study(model: Model, texts: Sequence[str], prompt_tokens: int, new_tokens: int, bins: int = 5) -> dict:
     """Speculative greedy decoding against plain greedy on each text's first `prompt_tokens` ids
     (`model` loaded with `Numerics.parity()`, where the two must agree token for token), the steps of
     every prompt pooled: acceptance by draft position, calibration of the confidence head, tokens
@@ -544,7 +547,7 @@ def speculative_study(model, texts: Sequence[str], prompt_tokens: int, new_token
 
 
 # ---------------------------------------------------------------------- e: expert cache
-def cache_study(model, text: str, prompt_tokens: int, new_tokens: int,
+def cache_study(model: Model, text: str, prompt_tokens: int, new_tokens: int,
                 capacities: Sequence[int] = CACHE_CAPACITIES) -> dict:
     """A greedy generation from `text`'s first `prompt_tokens` ids with a trace, its routing
     replayed through LRU, LFU, static top-N and Belady at `capacities` (`cache_policy.policy_data`):
@@ -568,7 +571,7 @@ def cache_study(model, text: str, prompt_tokens: int, new_tokens: int,
 
 
 # ---------------------------------------------------------------------- f: prefill vs decode
-def tie_study(model, ids: Sequence[int]) -> dict:
+def tie_study(model: Model, ids: Sequence[int]) -> dict:
     """`ids` run as one prefill and one token per call (`generate.compare_prefill_decode`) under
     the model's numerics: where logits, greedy tokens, indexer selections and routing first part,
     and at the indexer's top-k cuts of the prefill how many queries were truncated, how many sat on
@@ -600,7 +603,7 @@ def tie_study(model, ids: Sequence[int]) -> dict:
             "median_relative_gap": float(np.median(gaps)) if gaps else None}
 
 
-def lookahead_study(model, texts: Sequence[str], tokens: int) -> dict:
+def lookahead_study(model: Model, texts: Sequence[str], tokens: int) -> dict:
     """How often layer L+1's experts can be guessed before L+1 runs, so a read-ahead could fetch
     them while earlier work computes: over each text's first `tokens` prompt ids run as one prefill,
     per layer L+1 the mean share of its chosen experts that a guess names (|guess & chosen| / k).

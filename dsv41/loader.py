@@ -22,7 +22,6 @@ the bytes `report.predict_retained_bytes` derives from the inventory alone.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import os
 import sys
 import time
@@ -40,18 +39,14 @@ from .kernels.experts import expert_devices
 from .miniature import describe as describe_embedded
 from .model import Model
 from .numerics import Numerics
-from .budget import (  # noqa: F401 (BudgetError: importable from here)
-    BudgetError, budget_bytes, check_machine, plan_budget)
+from .budget import budget_bytes, check_machine, plan_budget
 from .eviction import DEFAULT_POLICY, EXPERT_POLICIES
-from .report import (  # noqa: F401 (LOADED, ENGRAM, ON_DISK, the predictions: importable from here as before)
-    ENGRAM, LOADED, MTP, ON_DISK, ROUTED, UNEXPECTED, LoadReport, disposition, predict_draft_bytes,
-    predict_retained_bytes, runtime_dtype, settle_buckets, unique_bytes)
-from .stores import (  # noqa: F401 (CacheCounters: importable from here as before)
-    DEFAULT_EXPERT_CACHE, CacheCounters, ExpertCache, OnDiskEngramTable, OwnedExpertStore, ResidentEngramTable,
-    SlotCache)
-from .text import brief, json_kind, named
-from .threads import (  # noqa: F401 (all_cores, auto_threads, machine_cores: importable from here as before)
-    AUTO_THREADS_MIN_WEIGHTS, all_cores, apply_threads, auto_threads, check_threads, machine_cores)
+from .report import (MTP, ROUTED, UNEXPECTED, LoadReport, disposition, predict_draft_bytes, predict_retained_bytes,
+                     settle_buckets, unique_bytes)
+from .stores import (DEFAULT_EXPERT_CACHE, ExpertCache, OnDiskEngramTable, OwnedExpertStore, ResidentEngramTable,
+                     SlotCache)
+from .text import brief, is_whole, json_kind, named
+from .threads import apply_threads, check_threads
 
 # Attention caches are sized for this many positions unless asked otherwise (the released config
 # allows a million, whose caches alone would not fit a host).
@@ -78,9 +73,9 @@ class CacheOptions:
             check_cache_format(self.cache_format)
         except ValueError as exc:
             raise LoadError(str(exc)) from None
-        if not _whole(self.max_batch_size) or not 1 <= self.max_batch_size <= MAX_BATCH_SIZE:
+        if not is_whole(self.max_batch_size) or not 1 <= self.max_batch_size <= MAX_BATCH_SIZE:
             raise LoadError(f"max_batch_size must lie in [1, {MAX_BATCH_SIZE}], got {self.max_batch_size}")
-        if not _whole(self.undo_calls) or self.undo_calls < 0:
+        if not is_whole(self.undo_calls) or self.undo_calls < 0:
             raise LoadError(f"undo_calls must be a whole number >= 0, got {brief(self.undo_calls)}")
 
 
@@ -119,7 +114,7 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None, cac
     """Load a checkpoint directory (default: the embedded one) -> `model.Model`, its `report` the
     LoadReport.
 
-    numerics: a `Numerics`, the only arithmetic option (default `Numerics.reference()`, the
+    numerics: a `Numerics`, the only arithmetic option (default `Numerics()`, the
     released runtime's arithmetic; `Numerics.parity()` for a prefill that equals token-by-token
     decoding until a top-k cuts; `Numerics(pad_f32_rows=True)` and the like for one field).
     caches: a `CacheOptions` (max_seq_len, max_batch_size, undo_calls, cache_format); placement: a
@@ -248,7 +243,7 @@ def _checked_numerics(numerics) -> Numerics:
     if numerics is None:
         return Numerics()
     if not isinstance(numerics, Numerics):
-        raise LoadError(f"numerics must be a Numerics value (Numerics.reference(), Numerics.parity(), "
+        raise LoadError(f"numerics must be a Numerics value (Numerics(), Numerics.parity(), "
                         f"Numerics(...)), got {brief(numerics)}")
     return numerics
 
@@ -259,10 +254,6 @@ def _check_threads(threads) -> None:
         check_threads(threads)
     except ValueError as exc:
         raise LoadError(str(exc)) from None
-
-
-def _whole(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _check_placement(placement: Placement) -> None:
@@ -346,7 +337,7 @@ def read_config(path: str) -> Config:
 def cache_length(max_seq_len: Optional[int], cfg: Config) -> int:
     """The positions the attention caches are sized for: `max_seq_len`, at most the config's
     (a length past it would allocate for nothing), by default min(config, DEFAULT_MAX_SEQ_LEN)."""
-    if max_seq_len is not None and not (_whole(max_seq_len) and 1 <= max_seq_len <= cfg.max_seq_len):
+    if max_seq_len is not None and not (is_whole(max_seq_len) and 1 <= max_seq_len <= cfg.max_seq_len):
         raise LoadError(f"max_seq_len must lie in [1, {cfg.max_seq_len}] (the config's max_position_embeddings), "
                         f"got {max_seq_len}")
     return int(max_seq_len or min(cfg.max_seq_len, DEFAULT_MAX_SEQ_LEN))

@@ -27,7 +27,6 @@ and are read a row at a time.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections import deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -39,14 +38,15 @@ from torch import nn
 
 from . import sequence
 from .attention import Attention, AttentionRuntime, CacheBytes, cache_bytes, check_cache_format
+from .config import Config
 from .formats import dequantize_engram_rows
 from .hooks import NO_SITES, ReentrantCallError, name_sites, site
 from .kernels import hc_split_sinkhorn
-from .kernels.experts import PackedExpert, clamped_swiglu  # noqa: F401 (their import path)
 from .layers import Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype, param, rowwise
-from .moe import ROUTE_SUM_EPS, Gate, MoE, RoutedExperts, SharedExpert, expert_scores, route  # noqa: F401 (their import path)
+from .moe import MoE
 from .numerics import Numerics
-from .stores import DictExpertStore, EngramTable, ExpertStore, FetchedExperts, TensorEngramTable  # noqa: F401 (their import path)
+from .stores import EngramTable, ExpertStore
+from .text import is_whole
 from .token_ids import as_token_ids
 from .trace import Trace
 from .vision import IMAGE_END, IMAGE_NEWLINE, IMAGE_START, Aligner, Prompt, ViT, encode_image, write_spans
@@ -62,11 +62,7 @@ ENGRAM_GATE_FLOOR = 1e-6
 _any_grad_mode = torch.inference_mode()
 
 
-def _whole(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def runtime_config(cfg):
+def runtime_config(cfg: Config) -> Config:
     """`cfg` as the forward's modules read it: every value of its verified view
     (`Config.verified()`: the defaults applied where the file is silent, ConfigError when a field a
     model needs is unset), kept in a Config so that its derived facts (`layer_mode`, `moe_shape`)
@@ -88,7 +84,7 @@ class Engram(nn.Module):
     SITES = ("",)
     named_sites = NO_SITES
 
-    def __init__(self, cfg, layer: int, n_hash_cols: int):
+    def __init__(self, cfg: Config, layer: int, n_hash_cols: int):
         super().__init__()
         self.layer, self.dim, self.hc_mult, self.eps = layer, cfg.dim, cfg.hc_mult, cfg.norm_eps
         self.head_dim = cfg.engram_head_dim
@@ -180,7 +176,7 @@ class Block(nn.Module):
 
     attention_type = Attention  # a draft stage's block attends another way (dspark.DraftAttention)
 
-    def __init__(self, cfg, layer: int, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
+    def __init__(self, cfg: Config, layer: int, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
                  max_seq_len: int = 4096, cache_format: str = "packed"):
         super().__init__()
         self.layer, self.hc_mult = layer, cfg.hc_mult
@@ -224,9 +220,9 @@ class Block(nn.Module):
         resid_pre = site(self, "resid_pre")
         if resid_pre:
             resid_pre.exit(x)
-        return self.sites(x, pre, lambda h: self.attn(h, start_pos, runtime), image_mask)
+        return self.sublayers(x, pre, lambda h: self.attn(h, start_pos, runtime), image_mask)
 
-    def sites(self, x: torch.Tensor, pre: torch.Tensor, attend,
+    def sublayers(self, x: torch.Tensor, pre: torch.Tensor, attend,
               image_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention site (`attend`: [b, s, dim] -> [b, s, dim]) and the FFN site, each between a
         collapse and an expansion -> (x, the next block's pre)."""
@@ -299,8 +295,8 @@ class Backbone(nn.Module):
     SITES = ("embed",)
     named_sites = NO_SITES
 
-    def __init__(self, cfg, *, numerics: Numerics = Numerics(), max_batch_size: int = 1, max_seq_len: int = 4096,
-                 cache_format: str = "packed"):
+    def __init__(self, cfg: Config, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
+                 max_seq_len: int = 4096, cache_format: str = "packed"):
         super().__init__()
         self.cfg, self.hc_mult, self.numerics = cfg, cfg.hc_mult, numerics
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
@@ -394,9 +390,9 @@ class Model:
     difference. The generation verbs (`prefill`, `decode_one`, `decode_n`, `generate`, `compare_prefill_decode`)
     are `dsv41.generate`'s functions over this object; `chat` is `dsv41.conversation.chat`."""
 
-    def __init__(self, cfg, *, numerics: Numerics = Numerics(), max_batch_size: int = 1, max_seq_len: int = 4096,
-                 tokenizer=None, tokenizer_meta: Optional[dict] = None, hasher=None, undo_calls: int = 64,
-                 cache_format: str = "packed"):
+    def __init__(self, cfg: Config, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
+                 max_seq_len: int = 4096, tokenizer=None, tokenizer_meta: Optional[dict] = None, hasher=None,
+                 undo_calls: int = 64, cache_format: str = "packed"):
         self.cfg, self.numerics = cfg, numerics  # the config as loaded; the modules read runtime_config(cfg)
         self.backbone = Backbone(runtime_config(cfg), numerics=numerics, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                  cache_format=cache_format)
@@ -443,7 +439,7 @@ class Model:
             raise ValueError("a draft continues a sequence: run the model on a prompt first")
         if isinstance(token_id, torch.Tensor) and token_id.numel() == 1 and not token_id.dtype.is_floating_point:
             token_id = int(token_id)
-        if not _whole(token_id) or not 0 <= token_id < self.cfg.vocab_size:
+        if not is_whole(token_id) or not 0 <= token_id < self.cfg.vocab_size:
             raise ValueError(f"a draft starts from one token id in [0, {self.cfg.vocab_size}), got {token_id!r}")
         return self.draft_stack.draft(token_id, self.position - 1, temperature=temperature, generator=generator)
 
@@ -520,7 +516,7 @@ class Model:
         if seqlen == 0:
             raise ValueError("no input ids")
         # every check before anything changes: a refused call leaves the sequence as it was
-        if not _whole(start_pos):
+        if not is_whole(start_pos):
             raise ValueError(f"start_pos must be a whole number, got {start_pos!r}")
         if start_pos != 0 and start_pos != self.position:
             raise ValueError(f"start_pos {start_pos}, but this sequence has {self.position} positions; continue "

@@ -11,7 +11,8 @@ and one during the kernel's shutdown waits until the shutdown is done, so no ker
 the run.
 
 This module imports papermill, nbclient and jupyter_core at its top, so `dsv41.notebooks` imports it
-only when a run starts (`notebooks._engine`), and `dsv41 notebooks --help` stays light.
+only when a run starts (`notebooks._engine`), and `dsv41 notebooks --help` stays light; what the two
+share (the cell statuses, the signal state) is `notebook_signals.py`'s, so the imports go one way.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from papermill.clientwrap import PapermillNotebookClient
 from papermill.engines import NBClientEngine, NotebookExecutionManager, papermill_engines
 from papermill.utils import merge_kwargs, remove_args
 
-from .notebooks import _SIGNALS, FAILED, INTERRUPTED, RUNNING
+from .notebook_signals import FAILED, INTERRUPTED, RUNNING, SIGNALS
 
 ENGINE_NAME = "dsv41"
 # nbclient's own log lines ("Timeout waiting for execute reply") would interleave with the progress
@@ -88,7 +89,7 @@ class Client(PapermillNotebookClient):
             self.nb_man.cell_complete(self.nb.cells[index], cell_index=index)
 
     def _interrupt_busy_kernel(self) -> None:
-        with _SIGNALS.deferred():
+        with SIGNALS.deferred():
             if self.km is not None and self.km.has_kernel:
                 with contextlib.suppress(Exception):
                     run_sync(self._async_interrupt_busy_kernel)()
@@ -147,7 +148,7 @@ class Client(PapermillNotebookClient):
             if self.kc is None:
                 self.start_new_kernel_client()
         except KeyboardInterrupt:
-            with _SIGNALS.deferred():
+            with SIGNALS.deferred():
                 if self.km is not None and self.km.has_kernel:
                     with contextlib.suppress(Exception):
                         run_sync(self._async_kill_starting_kernel)()
@@ -159,7 +160,7 @@ class Client(PapermillNotebookClient):
             yield
         finally:
             if cleanup_kc and self.km is not None:
-                with _SIGNALS.deferred():
+                with SIGNALS.deferred():
                     self._cleanup_kernel()
 
 

@@ -25,10 +25,8 @@ import errno
 import json
 import os
 import re
-import signal
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +34,8 @@ from typing import Any, Iterator
 
 from dsv41.argtypes import memory_size, whole_number
 from dsv41.errors import Dsv41Error
+from dsv41.notebook_signals import (FAILED, INTERRUPTED, RUNNING, SIGNALS, SUMMARY_NAME, RunInterrupted, as_interrupt,
+                                    stop_on_signals)
 from dsv41.outdir import creation_refused
 
 NOTEBOOK_PATTERN = re.compile(r"^\d\d_[A-Za-z0-9_\-]+\.ipynb$")
@@ -43,12 +43,8 @@ RUN_PATTERN = re.compile(r"^run-(\d+)$")
 KERNEL_NAME = "python3"
 # The parameters every notebook declares in its one cell tagged `parameters`.
 STANDARD_PARAMETERS = ("checkpoint", "prompt", "device", "output_dir", "smoke")
-SUMMARY_NAME = "summary.json"
 # --cell-timeout: a whole number of seconds (nbclient's timeout is an integer), at most a day
 MAX_CELL_TIMEOUT_S = 86_400
-# Cell statuses in the executed notebook's papermill metadata: papermill's own four, and ours for a
-# cell a signal stopped. "pending" is papermill's word for a cell that has not run.
-PENDING, RUNNING, COMPLETED, FAILED, INTERRUPTED = "pending", "running", "completed", "failed", "interrupted"
 
 
 class NotebookRunError(Dsv41Error):
@@ -58,89 +54,6 @@ class NotebookRunError(Dsv41Error):
     def __init__(self, message: str, exit_code: int = 2):
         super().__init__(message)
         self.exit_code = exit_code
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM stopped the run (a KeyboardInterrupt, so asyncio and the kernel client let
-    it through as they do Ctrl-C)."""
-
-    def __init__(self, signum: int = signal.SIGINT):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = int(signum)
-
-    @property
-    def signal_name(self) -> str:
-        return signal.Signals(self.signum).name
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
-
-
-def _as_interrupt(exc: KeyboardInterrupt) -> RunInterrupted:
-    """A plain KeyboardInterrupt (Python's own SIGINT handler) is a SIGINT."""
-    return exc if isinstance(exc, RunInterrupted) else RunInterrupted(signal.SIGINT)
-
-
-class _SignalState:
-    """What `stop_on_signals` shares with the kernel code: whether a stop was raised, and whether a
-    signal must wait (`deferred`) because raising it would tear a kernel shutdown in half."""
-
-    def __init__(self) -> None:
-        self.installed = False
-        self.raised = False
-        self.finished = False  # the run folder is complete: a late signal changes nothing
-        self.depth = 0
-        self.pending: int | None = None
-
-    def handler(self, signum, frame) -> None:
-        if self.finished:
-            return
-        if self.raised:
-            # os.write, not print: a handler may run in the middle of a print to stderr
-            os.write(2, f"dsv41 notebooks: {signal.Signals(signum).name} again; already stopping, "
-                        f"writing {SUMMARY_NAME}\n".encode())
-            return
-        if self.depth:
-            self.pending = signum
-            return
-        self.raised = True
-        raise RunInterrupted(signum)
-
-    @contextlib.contextmanager
-    def deferred(self) -> Iterator[None]:
-        """A signal that arrives inside is raised when the block ends (at once if it raised too)."""
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-            if not self.depth and self.pending is not None and not self.raised:
-                signum, self.pending, self.raised = self.pending, None, True
-                raise RunInterrupted(signum)
-
-
-_SIGNALS = _SignalState()
-
-
-@contextlib.contextmanager
-def stop_on_signals(signals=(signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
-    """While inside, SIGINT and SIGTERM raise RunInterrupted in the main thread, once: a repeated
-    signal while the run winds down (kernel shut down, summary written) is ignored with a note, so
-    the run folder is left whole, and one during a kernel shutdown waits until it is done. Outside
-    the main thread, or nested, this changes nothing."""
-    if threading.current_thread() is not threading.main_thread() or _SIGNALS.installed:
-        yield
-        return
-    _SIGNALS.__init__()
-    _SIGNALS.installed = True
-    previous = {s: signal.signal(s, _SIGNALS.handler) for s in signals}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-        _SIGNALS.__init__()
 
 
 # ---------------------------------------------------------------------- finding things
@@ -404,7 +317,7 @@ def run_notebook(path: Path, run_dir: Path, parameters: dict[str, Any],
         result.outputs = sorted(_files_under(run_dir) - before - {path.name})
         return result
     except KeyboardInterrupt as exc:
-        stop = _as_interrupt(exc)
+        stop = as_interrupt(exc)
         result.status, result.error = "interrupted", f"interrupted by {stop.signal_name}"
         if executed.exists():
             (result.failed_cell, result.failed_cell_executed,
@@ -503,7 +416,7 @@ def run_notebooks(notebooks: list[Path], run_dir: Path, parameters: dict[str, An
                 results.append(result)
                 print(_progress_line(tag, result), file=progress, flush=True)
     except KeyboardInterrupt as exc:
-        stop = _as_interrupt(exc)
+        stop = as_interrupt(exc)
     summary = _summary(run_dir, notebooks, parameters, results, time.perf_counter() - started, stop)
     _write_summary(run_dir, summary)
     if stop is not None:
@@ -587,13 +500,13 @@ def cli_main(argv: list[str]) -> int:
             check_kernel()  # before a run folder exists
             run_dir = claim_out_dir(args.out) if args.out else new_run_dir(args.outputs_root)
             summary = run_notebooks(notebooks, run_dir, parameters, args.cell_timeout)
-            _SIGNALS.finished = True
+            SIGNALS.finished = True
         except NotebookRunError as exc:
             print(f"dsv41 notebooks: {exc}", file=sys.stderr)
             return exc.exit_code
         except KeyboardInterrupt as exc:
             try:
-                return _report_interrupt(_as_interrupt(exc), run_dir, notebooks)
+                return _report_interrupt(as_interrupt(exc), run_dir, notebooks)
             except NotebookRunError as problem:  # summary.json could not be written
                 print(f"dsv41 notebooks: {problem}", file=sys.stderr)
                 return problem.exit_code

@@ -1,6 +1,6 @@
 """Where dsv41's arithmetic may knowingly depart from the released runtime's: one frozen value.
 
-`Numerics.reference()` (the default everywhere) does what the released runtime does.
+`Numerics()` (the default everywhere) does what the released runtime does.
 `Numerics.parity()` is the set under which a prefill, the same tokens decoded one at a time and
 any split of them into chunks agree bit for bit:
 
@@ -54,17 +54,13 @@ class Numerics:
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @classmethod
-    def reference(cls) -> "Numerics":
-        return cls()
-
-    @classmethod
     def parity(cls) -> "Numerics":
         return cls(fix_stale_index_keys=True, window_layout="uniform", pad_f32_rows=True, tie_break="lowest")
 
     @classmethod
     def named(cls, name: str) -> "Numerics":
         """"reference" or "parity" (the CLI's --numerics)."""
-        presets = {"reference": cls.reference, "parity": cls.parity}
+        presets = {"reference": cls, "parity": cls.parity}
         if name not in presets:
             raise ValueError(f"numerics must be one of {', '.join(map(repr, presets))}, got {name!r}")
         return presets[name]()

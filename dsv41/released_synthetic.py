@@ -24,10 +24,13 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from . import outdir
 from .errors import Dsv41Error
+
+if TYPE_CHECKING:  # annotations only
+    from .config import Config
 
 MARKER_NAME = "dsv41-synthetic.json"
 MARKER_FORMAT = "dsv41-synthetic-released"
@@ -77,7 +80,7 @@ def is_hole(name: str, real_expert_layers: Iterable[int] = ()) -> bool:
     return not (parts[0] == "layers" and int(parts[1]) in set(real_expert_layers))
 
 
-def plan_bytes(cfg, real_expert_layers: Iterable[int] = ()) -> dict:
+def plan_bytes(cfg: Config, real_expert_layers: Iterable[int] = ()) -> dict:
     """{"apparent": every payload byte, "on_disk": those written (dense and the real experts)}."""
     from .inventory import expected_tensors
 
@@ -203,7 +206,7 @@ def _write_shard(path: str, specs: list, by_name: dict, real_expert_layers: list
     payload in header order, a hole skipped over (never written)."""
     import torch
 
-    from .formats import current_umask
+    from .cachedir import current_umask
     from .headers import encode_header
     from .synthetic import random_fill
 

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from .attention import state as attention_state
 from .attention.state import StackRows
 from .vision import Prompt
+
+if TYPE_CHECKING:  # annotations only
+    from .model import Model
 
 
 @dataclass
@@ -78,25 +81,26 @@ def _put_back_parts(model, attention: StackRows, draft, hasher) -> None:
 
 
 # ---------------------------------------------------------------------------------- undo records
-def record_call(model, start: int, ids: torch.Tensor, image_mask=None, prompt: Optional[Prompt] = None) -> CallRecord:
+def record_call(model: Model, start: int, ids: torch.Tensor, image_mask=None,
+                prompt: Optional[Prompt] = None) -> CallRecord:
     """The undo record of a forward of `ids` [b, s] at `start`, taken before it runs."""
     end = start + ids.size(1)
     return CallRecord(start, end, *_capture_parts(model, start, end), ids, image_mask, prompt)
 
 
-def undo_call(model, record: CallRecord) -> None:
+def undo_call(model: Model, record: CallRecord) -> None:
     """The sequence as it was before the call `record` was taken of."""
     _put_back_parts(model, record.attention, record.draft, record.hasher)
     model.token_ids = model.token_ids[:, : record.start]
     model.position = record.start
 
 
-def rollback_limit(model) -> int:
+def rollback_limit(model: Model) -> int:
     """The start of the oldest call the model still remembers (its current length if none)."""
     return model.undo_records[0].start if model.undo_records else model.position
 
 
-def rollback(model, n_positions: int, *, rerun: bool = True) -> bool:
+def rollback(model: Model, n_positions: int, *, rerun: bool = True) -> bool:
     """`Model.rollback`: undo the calls after `n_positions` fewer positions and run the kept part
     of the first undone one again (or, `rerun=False` where it can, cut the last call short in
     place). Returns whether a kept part ran again."""
@@ -158,12 +162,12 @@ def _truncate(model, record: CallRecord, target: int) -> None:
 
 
 # ---------------------------------------------------------------------------------- snapshots
-def snapshot(model) -> Snapshot:
+def snapshot(model: Model) -> Snapshot:
     return Snapshot(model.position, model.token_ids.clone(), *_capture_parts(model, 0, model.position),
                     tuple(model.undo_records), id(model))
 
 
-def restore(model, snap: Snapshot) -> None:
+def restore(model: Model, snap: Snapshot) -> None:
     if not isinstance(snap, Snapshot):
         raise ValueError(f"restore takes a snapshot from model.snapshot(), got {type(snap).__name__}")
     if snap.model_id != id(model):

@@ -35,11 +35,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
 from .sampling import gumbel_max, probabilities
+
+if TYPE_CHECKING:  # annotations only
+    from .model import Model
 
 # draft_source(model, anchor, n) -> (proposals, confidences) or (proposals, confidences, probs): what
 # the tests and the best-case benchmark put in place of the draft stack; `probs` [n, vocab] are the
@@ -130,7 +133,7 @@ class Speculation:
                              for s in self.steps]}
 
 
-def check_speculation(model, temperature: float, draft_tokens, min_confidence, draft_source) -> int:
+def check_speculation(model: Model, temperature: float, draft_tokens, min_confidence, draft_source) -> int:
     """The draft length a speculative run will use, after checking the request (one sentence each)."""
     block = model.cfg.verified().dspark_block_size
     if draft_source is None and getattr(model, "draft_stack", None) is None:
@@ -161,13 +164,13 @@ def judge(p: torch.Tensor, q: Optional[torch.Tensor], proposal: int,
     return False, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
 
 
-def stack_drafts(model, anchor: int, n: int, temperature: float = 0.0, generator=None) -> tuple:
+def stack_drafts(model: Model, anchor: int, n: int, temperature: float = 0.0, generator=None) -> tuple:
     block = model.draft(anchor, temperature=temperature, generator=generator)
     probs = None if block.probs is None else block.probs[0, :n]
     return block.proposals[:n], block.confidence[0, :n].tolist(), probs
 
 
-def decode_speculative(model, anchor: int, n: int, *, draft_tokens: int, min_confidence: float = 0.5,
+def decode_speculative(model: Model, anchor: int, n: int, *, draft_tokens: int, min_confidence: float = 0.5,
                        draft_source: Optional[DraftSource] = None, stop_ids: Sequence[int] = (), trace=None,
                        callback=None, check_finite=None, step_record=None, temperature: float = 0.0,
                        generator: Optional[torch.Generator] = None) -> tuple[list[int], list[SpeculationStep]]:
@@ -236,3 +239,47 @@ def decode_speculative(model, anchor: int, n: int, *, draft_tokens: int, min_con
             break
         anchor = committed[-1]
     return out, spec
+
+
+# ---------------------------------------------------------------------- known acceptance, and the reference
+def scripted_source(continuation: Sequence[int], right: int, vocab_size: int,
+                    confidence: float = 8.0) -> DraftSource:
+    """A draft source that knows the answer, for speculation at a known acceptance: at the anchor's
+    position p it proposes `continuation[p + 1:]` for `right` tokens, then a wrong one (the next
+    right token + 1, mod `vocab_size`), each with `confidence`. `continuation`: the ids of a plain
+    greedy run from position 0, its prompt included."""
+
+    def source(model, anchor: int, n: int) -> tuple[list[int], list[float]]:
+        start = model.position
+        proposals = list(continuation[start + 1 : start + 1 + min(right, n)])
+        if len(proposals) < n and start + 1 + len(proposals) < len(continuation):
+            proposals.append((continuation[start + 1 + len(proposals)] + 1) % vocab_size)
+        return proposals, [confidence] * len(proposals)
+
+    return source
+
+
+def speculative_parting(model: Model, prompt, max_new_tokens: int) -> dict:
+    """Plain greedy decoding and a speculative run of `prompt` on `model` (as loaded), set side by
+    side: first_parting (the first generated token where they differ; None: nowhere), tokens, and
+    max_abs_diff_before (the largest |difference| between the logit rows the two chose from before
+    it). At a parting also the plain row's top-2 gap and the rows' max |difference| there: an argmax
+    can swap only when the gap is within twice that (gap_within_twice_the_difference)."""
+    rows: dict[str, list[torch.Tensor]] = {"plain": [], "speculative": []}
+
+    def keep(name: str):
+        return lambda step, token, logits: rows[name].append(logits[0].clone())
+
+    plain = model.generate(prompt, max_new_tokens=max_new_tokens, stop_at_eos=False, callback=keep("plain"))
+    spec = model.generate(prompt, max_new_tokens=max_new_tokens, stop_at_eos=False, speculative=True,
+                          callback=keep("speculative"))
+    first = next((i for i, (x, y) in enumerate(zip(plain.ids, spec.ids)) if x != y), None)
+    agreed = zip(rows["plain"][: len(plain.ids) if first is None else first], rows["speculative"])
+    out = {"first_parting": first, "max_abs_diff_before": max((float((x - y).abs().max()) for x, y in agreed),
+                                                              default=0.0), "tokens": len(plain.ids)}
+    if first is not None:
+        x, y = rows["plain"][first], rows["speculative"][first]
+        top2 = x.topk(2).values
+        gap, delta = float(top2[0] - top2[1]), float((x - y).abs().max())
+        out.update({"plain_top2_gap": gap, "rows_max_abs_diff": delta, "gap_within_twice_the_difference": gap <= 2 * delta})
+    return out

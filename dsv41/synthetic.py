@@ -14,13 +14,16 @@ import json
 import math
 import os
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:  # annotations only
+    from dsv41.config import Config
 
 # fill(specs of one shard, every spec by name) -> {name: stored tensor} for that shard
 Fill = Callable[[list, dict], dict]
 
 
-def write_release_layout(folder: str, cfg, fill: Fill, *, tokenizer=None, progress: str | None = None,
+def write_release_layout(folder: str, cfg: Config, fill: Fill, *, tokenizer=None, progress: str | None = None,
                          streamed: bool = False) -> None:
     """Every file of a checkpoint of `cfg` but a manifest, into `folder` (created if missing):
     each shard from `fill`, the index, the nested and flat configs, tokenizer.json and
@@ -81,7 +84,7 @@ def write_streamed_shard(path: str, specs: list, by_name: dict, fill: Fill, seed
             else:  # an expert's E8M0 scales, in the range random_fill draws them from
                 t = torch.randint(121, 125, e.shape, dtype=torch.uint8, generator=g)
             f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    from dsv41.formats import current_umask
+    from dsv41.cachedir import current_umask
 
     os.chmod(path, 0o666 & ~current_umask())
 

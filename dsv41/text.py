@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 
 
 def brief(value, limit: int = 60, *, as_json: bool = False) -> str:
@@ -33,15 +34,19 @@ def brief(value, limit: int = 60, *, as_json: bool = False) -> str:
 def number_text(value) -> str:
     """A number for a message: huge integers by their size (str() refuses past 4,300 digits),
     non-finite floats as JSON spells them, 10,000 and up with thousands separators."""
-    if _is_int(value) and value.bit_length() > 64:
-        return f"an integer of about {int(value.bit_length() * 0.30103) + 1:,} digits"
+    if is_whole(value) and int(value).bit_length() > 64:
+        return f"an integer of about {int(int(value).bit_length() * 0.30103) + 1:,} digits"
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    return f"{value:,}" if _is_int(value) and abs(value) >= 10_000 else repr(value)
+    if is_whole(value):
+        return f"{int(value):,}" if abs(value) >= 10_000 else repr(int(value))
+    return repr(value)
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def is_whole(value) -> bool:
+    """Whether a value is a whole number: an int or numpy integer, never a bool (which Python
+    counts as an int, so True would pass for 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class LongInteger(ValueError):

@@ -15,6 +15,10 @@ trains it in two fresh processes with different thread settings and compares).
 from __future__ import annotations
 
 from importlib import resources
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only
+    from dsv41.config import Config
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
@@ -50,7 +54,7 @@ def corpus_text() -> str:
     return resources.files("dsv41").joinpath("data", "corpus.txt").read_text(encoding="utf-8")
 
 
-def build_tiny_tokenizer(config=None, texts=None):
+def build_tiny_tokenizer(config: Config | None = None, texts=None):
     """A `tokenizers.Tokenizer` laid out for `config` (default: the TINY preset), its merges learned
     from `texts` (an iterable of strings; default: the lines of `data/corpus.txt`).
 
@@ -104,7 +108,7 @@ def build_tiny_tokenizer(config=None, texts=None):
     return tok
 
 
-def tokenizer_config(config=None) -> dict:
+def tokenizer_config(config: Config | None = None) -> dict:
     """The minimal `tokenizer_config.json` that goes beside `tokenizer.json`."""
     if config is None:
         from dsv41.config import TINY as config

@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import MIN_IMAGE_SPAN
+from .config import Config
+from .config_fields import MIN_IMAGE_SPAN
 from .layers import RMSNorm, param
 from .errors import Dsv41Error
 
@@ -129,7 +130,7 @@ def _fit_budget(height, width, patch: int, ratio: int, max_tokens: int) -> tuple
     return math.floor(height * scale / patch) * patch, math.floor(width * scale / patch) * patch
 
 
-def plan(width: int, height: int, cfg) -> VisionPlan:
+def plan(width: int, height: int, cfg: Config) -> VisionPlan:
     """The resize plan for an image of `width x height` pixels under `cfg` (a pure function)."""
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (width, height)):
         raise ImageError(f"an image size is two whole numbers of pixels, got {width!r} x {height!r}")
@@ -159,14 +160,14 @@ def plan(width: int, height: int, cfg) -> VisionPlan:
                       rows, cols, stretch=max_wh is not None and width >= max_wh * height)
 
 
-def largest_plan_pixels(cfg) -> int:
+def largest_plan_pixels(cfg: Config) -> int:
     """The most pixels any plan under `cfg` frames an image to: one row of the most cells a span
     holds (rows * (cols + 1) + 2 <= vision_max_n_token leaves at most vision_max_n_token - 3 cells)."""
     cell = cfg.vision_patch_size * cfg.vision_downsample_ratio
     return (cfg.vision_max_n_token - 3) * cell * cell
 
 
-def source_pixel_budget(cfg) -> int:
+def source_pixel_budget(cfg: Config) -> int:
     """The most pixels a source image may have under `cfg`: what Pillow decodes silently, or
     SOURCE_REDUCTION_LIMIT times the largest frame, whichever is more."""
     return max(EXACT_DECODE_PIXELS, SOURCE_REDUCTION_LIMIT * largest_plan_pixels(cfg))
@@ -188,7 +189,7 @@ def load_image(source):
     return _read(source, None)[0]
 
 
-def read_image(source, cfg):
+def read_image(source, cfg: Config):
     """A path, bytes or a PIL image -> (an RGB PIL image, the source's (width, height)) for `cfg`'s
     plan. Up to EXACT_DECODE_PIXELS the image is `load_image`'s, at full size. A larger source, up
     to `source_pixel_budget(cfg)`, is decoded reduced to no less than REDUCING_GAP times its frame
@@ -349,7 +350,7 @@ def frame_reduced(image, shape: VisionPlan):
     return out
 
 
-def patchify(image, cfg, *, source_size: Optional[tuple[int, int]] = None) -> tuple[VisionPlan, torch.Tensor]:
+def patchify(image, cfg: Config, *, source_size: Optional[tuple[int, int]] = None) -> tuple[VisionPlan, torch.Tensor]:
     """An RGB PIL image -> (its plan, bf16 patches [vit_rows * vit_cols, 3, p, p] in row-major order).
 
     The image is stretched to the plan's pixel size when `plan.stretch`, else scaled to fit and
@@ -443,7 +444,7 @@ def image_sources(images) -> list:
         raise ImageError(f"images takes a list of paths, bytes or PIL images, got {type(images).__name__}") from None
 
 
-def check_placeholders(cfg, ids: Sequence[int], count: int) -> None:
+def check_placeholders(cfg: Config, ids: Sequence[int], count: int) -> None:
     """Refuse token ids whose image placeholders (`image_token_id`) are not one per image given:
     a placeholder without its image would be read as a text token."""
     marker = cfg.image_token_id
@@ -454,7 +455,7 @@ def check_placeholders(cfg, ids: Sequence[int], count: int) -> None:
                          f"but {count} image{'s were' if count != 1 else ' was'} given{hint}")
 
 
-def prepare(cfg, ids: Sequence[int], images: Sequence = (), *, insert_at: int = 0) -> Prompt:
+def prepare(cfg: Config, ids: Sequence[int], images: Sequence = (), *, insert_at: int = 0) -> Prompt:
     """Token ids with image placeholders -> a Prompt: each `image_token_id` in `ids` becomes the
     span of the next image. Without any placeholder the images go first (at `insert_at`, after a
     BOS); any other count that differs from the number of images is an error. An image that cannot
@@ -557,7 +558,7 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg: Config):
         super().__init__()
         self.norm1 = RMSNorm(cfg.vision_dim, VISION_NORM_EPS, dtype=torch.float32)
         self.attn = VisionAttention(cfg.vision_dim, cfg.vision_n_heads)
@@ -573,7 +574,7 @@ class ViT(nn.Module):
     """The vision encoder `vision.*`: patch embedding, pre-norm blocks with bidirectional attention
     and 2D rotary embeddings over half of each head, a final norm. bf16 weights, float32 norms."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: Config):
         super().__init__()
         self.rope_dim = cfg.vision_dim // cfg.vision_n_heads // 2
         self.rope_theta = float(cfg.verified().vision_rope_theta)  # the field's default where the file is silent
@@ -595,7 +596,7 @@ class Aligner(nn.Module):
     """`aligner.*`: each ratio x ratio block of ViT outputs (zero-padded at the right and bottom
     edges) concatenated channel-major, then two linears with a GELU between, to the model dim."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: Config):
         super().__init__()
         self.ratio = cfg.vision_downsample_ratio
         self.w1 = DenseLinear(cfg.vision_dim * self.ratio ** 2, cfg.dim)

@@ -148,6 +148,13 @@ def write_sidecar(data: dict, path: str) -> str:
     return path
 
 
+def read_sidecar(path: str) -> dict:
+    """A sidecar `write_sidecar` or `export_figure` wrote, read back: what a notebook states in its
+    text comes from the numbers its figure exported."""
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 # ---------------------------------------------------------------------- export
 def export_figure(fig, name: str, out_dir: str, data: dict) -> dict[str, str]:
     """Write `<out_dir>/<name>.png`, `.svg` and `.json` (the plotted numbers); returns their paths.
@@ -237,6 +244,11 @@ class Table:
 def table(rows, columns=None, title: str | None = None) -> Table:
     """A `Table` from a list of dicts (columns from the first) or of lists with `columns`."""
     return Table(rows, columns, title)
+
+
+def numbers(values, digits: int = 3) -> str:
+    """Numbers for a sentence: "0.912, 0.874, -" (`digits` decimals; None, nothing measured, a dash)."""
+    return ", ".join("-" if v is None else f"{v:.{digits}f}" for v in values)
 
 
 

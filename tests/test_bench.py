@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from dsv41 import bench
+from dsv41.bench.common import token_list
+from dsv41.bench.experts import _check_targets, _expand_bf16
+from dsv41.bench.released import _released_targets
 from dsv41.cli import main
 from dsv41.kernels import native
 
@@ -61,15 +64,15 @@ def test_targets_are_judged_from_the_measured_numbers():
               {"tokens": 16, "kernels": {"native": {"speedup": 2.0, "fraction_of_copy": 0.1}}},
               {"tokens": 512, "kernels": {"native": {"speedup": 5.5, "fraction_of_copy": 0.02}}}]
     lines = []
-    results = bench._check_targets(shapes, "native", lines.append)
+    results = _check_targets(shapes, "native", lines.append)
     assert [(r["tokens"], r["met"]) for r in results] == [(1, False), (512, True)]  # 39% < 40%; 5.5x >= 5x
     assert "NOT met" in lines[0] and lines[1].endswith(": met")
     # where the BF16 GEMM was timed, 512 tokens also need 80% of its throughput
     shapes[2]["kernels"]["native"]["fraction_of_bf16_gemm"] = 0.79
-    results = bench._check_targets(shapes, "native", lines.append)
+    results = _check_targets(shapes, "native", lines.append)
     assert results[1]["met"] is False and results[1]["bf16_gemm_fraction_target"] == 0.80
     shapes[2]["kernels"]["native"]["fraction_of_bf16_gemm"] = 0.81
-    assert bench._check_targets(shapes, "native", lines.append)[1]["met"] is True
+    assert _check_targets(shapes, "native", lines.append)[1]["met"] is True
 
 
 def test_bench_rejects_bad_arguments(capsys):
@@ -97,7 +100,7 @@ def test_bench_times_the_computation_the_model_runs():
         expert_ffn_reference(x, shared, bench.SWIGLU_LIMIT).float()
     assert (got - ref).abs().max() <= 2.0**-6 * ref.abs().max()
     for w, s in ((routed[0].w1, routed[0].w1_scale), (shared.w2, shared.w2_scale)):
-        assert torch.equal(bench._expand_bf16(w, s), dequantize(w, s, dtype=torch.bfloat16))
+        assert torch.equal(_expand_bf16(w, s), dequantize(w, s, dtype=torch.bfloat16))
     base = bench.baseline_moe(x, ids, weights, routed, shared, bench.SWIGLU_LIMIT)
     # no FP8 activation quantization in the baseline, so close but not equal
     assert (base - ref).abs().max() <= 0.1 * ref.abs().max()
@@ -106,10 +109,10 @@ def test_bench_times_the_computation_the_model_runs():
 @pytest.mark.parametrize("text", ["a", "1,,2", "-3"])
 def test_token_list_parsing(text):
     if text == "1,,2":
-        assert bench._token_list(text) == [1, 2]
+        assert token_list(text) == [1, 2]
     else:
         with pytest.raises(ValueError):
-            bench._token_list(text)
+            token_list(text)
 
 
 def test_bench_decode_runs_both_modes_on_a_synthetic_checkpoint(tmp_path, capsys):
@@ -230,14 +233,14 @@ def test_released_decode_targets_leave_out_the_latency_bound_phase():
         phases = {name: {"fraction_of_floor": fractions.get(name.replace(" ", "_"), 0.9)} for name in bench.RELEASED_PHASES}
         return {"token": {"fraction_of_floor": token}, "phases": phases}
 
-    met = bench._released_targets(cell(0.6, other=0.02, routed_experts=0.31))
+    met = _released_targets(cell(0.6, other=0.02, routed_experts=0.31))
     assert met["met"] and met["lowest_phase"] == "routed experts" and met["lowest_phase_fraction"] == 0.31
     assert met["latency_bound_phases"] == ["other"]
-    assert not bench._released_targets(cell(0.49))["met"]
-    assert not bench._released_targets(cell(0.9, shared_expert=0.29))["met"]
+    assert not _released_targets(cell(0.49))["met"]
+    assert not _released_targets(cell(0.9, shared_expert=0.29))["met"]
     errored = cell(0.6)
     errored["phases"]["head"]["measurement_error"] = True  # above 100% of its floor: not a result
-    judged = bench._released_targets(errored)
+    judged = _released_targets(errored)
     assert judged["measurement_errors"] == ["head"] and not judged["met"]
 
 

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from dsv41 import chat
-from dsv41.chat import ChatFormatError, encode, parse, render
+from dsv41 import chat_reply
+from dsv41.chat import ChatFormatError, encode, render
+from dsv41.chat_reply import parse
 
 # the format's markers, spelled out
 B, E = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -347,11 +348,4 @@ def test_the_embedded_tokenizer_has_every_marker_as_one_id():
     assert tok.decode(encoded, skip_special_tokens=False) == text
     assert encoded.count(tok.token_to_id(D)) == text.count(D)
     assert encoded.count(tok.token_to_id(A)) == text.count(A)
-    assert chat.CALLS_TAG == D + " calls"
-
-
-def test_the_reply_side_lives_in_chat_reply_and_still_imports_from_chat():
-    from dsv41 import chat_reply
-
-    assert chat.parse is chat_reply.parse and chat.Reply is chat_reply.Reply and chat.ToolCall is chat_reply.ToolCall
-    assert chat.CALLS_TAG == chat_reply.CALLS_TAG and chat.SAFE_NAME is chat_reply.SAFE_NAME
+    assert chat_reply.CALLS_TAG == D + " calls"

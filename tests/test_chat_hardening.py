@@ -1,6 +1,6 @@
 """Hardening of the chat surfaces: message text cannot forge the format's control tokens (the ids a
 chat runs on come from `chat.token_ids`, which tokenizes message text as text), bad conversations
-and image blocks are one ChatFormatError sentence, `chat.parse` never raises and is linear in the
+and image blocks are one ChatFormatError sentence, `chat_reply.parse` never raises and is linear in the
 number of calls, and `dsv41 chat` survives non-UTF-8 input, refuses to overwrite or block on
 `/save`, and stops cleanly on Ctrl-C while loading."""
 
@@ -15,7 +15,8 @@ import time
 import pytest
 
 from dsv41 import chat
-from dsv41.chat import ChatFormatError, encode, parse, render, token_ids
+from dsv41.chat import ChatFormatError, encode, render, token_ids
+from dsv41.chat_reply import parse
 
 B, E = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 U, A, S, R = "<｜User｜>", "<｜Assistant｜>", "<｜System｜>", "<｜latest_reminder｜>"

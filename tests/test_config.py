@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from dsv41.config import (FLAT_KEYS, NESTED_ONLY_KEYS, RELEASED, TINY, Config, ConfigError, compare_layouts, load_config,
-                          resolve_config_path, write_config_pair)
+from dsv41.config import (RELEASED, TINY, Config, ConfigError, compare_layouts, load_config, resolve_config_path,
+                          write_config_pair)
+from dsv41.config_fields import FLAT_KEYS, NESTED_ONLY_KEYS
 
 RELEASE_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference", "deepseek-v4.1-flash")
 NESTED_FILE = os.path.join(RELEASE_DIR, "config.json")
@@ -362,14 +363,27 @@ def test_counts_in_range_one_by_one_can_imply_too_many_tensors(tmp_path):
 
 
 def test_the_field_table_is_the_one_schema():
-    """The alias map, the bounds and the dataclass fields all come from config_fields.FIELDS."""
+    """The alias map and the bounds come from config_fields.FIELDS, and the fields written out in
+    Config and VerifiedConfig are its rows: names in its order, its types, its defaults."""
     import dataclasses
 
+    from dsv41.config import VerifiedConfig
     from dsv41.config_fields import FIELDS, FLOAT_LIMITS, LIST_BOUNDS, VALUE_BOUNDS
 
     names = [f.name for f in FIELDS]
     assert len(names) == len(set(names)) == 76
-    assert [f.name for f in dataclasses.fields(Config)][:76] == names
+    schema = dataclasses.fields(Config)[:len(FIELDS)]
+    assert [f.name for f in schema] == names
+    # a file silent on a field leaves it None; the provenance fields come after the schema's
+    assert [(f.type, f.default) for f in schema] == [(row.annotation, None) for row in FIELDS]
+    assert {f.name for f in dataclasses.fields(Config)[len(FIELDS):]} == {"layout", "source", "nested_format", "unknown_keys"}
+    runtime = dataclasses.fields(VerifiedConfig)
+    assert [f.name for f in runtime] == names
+    assert [f.type for f in runtime] == [row.annotation if row.may_be_absent else row.kind for row in FIELDS]
+    # the runtime default where the table has one, None where the field may be absent, else none
+    expected = [row.default if row.default is not None else None if row.may_be_absent else dataclasses.MISSING
+                for row in FIELDS]
+    assert [f.default for f in runtime] == expected
     assert FLAT_KEYS + NESTED_ONLY_KEYS == tuple(names)
     numeric = [f.name for f in FIELDS if f.kind in ("int", "float") or f.kind.startswith("tuple[")]
     assert sorted(numeric) == sorted(list(VALUE_BOUNDS) + list(LIST_BOUNDS) + list(FLOAT_LIMITS))
@@ -388,3 +402,59 @@ def test_the_verified_view_has_no_none_where_runtime_code_defended_against_it():
         RELEASED.replace(dim=None).verified()
     with pytest.raises(ConfigError, match="o_groups is 0, outside"):
         RELEASED.replace(o_groups=0).verified()
+
+
+# TINY leaves the two fields the checkpoint writer derives unset; verify() needs every field stated
+_TINY_STATED = TINY.replace(engram_num_embeddings=(1009, 1013), engram_compressed_vocab_size=1000)
+
+
+def test_the_ratio_source_rule_names_each_break_once():
+    """TINY with layer 1 compressing before any source, and layer 3 at ratio 1 behind the ratio-2
+    source 2: the breaks, which verify() and the audit both word from Config.source_breaks."""
+    cfg = _TINY_STATED.replace(compress_ratios=(0, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0))
+    assert cfg.compressed_readers() == [1, 2, 3, 4, 5, 6]
+    assert cfg.source_breaks() == [(1, "KV", None), (1, "index", None), (3, "KV", 2), (3, "index", 2)]
+    assert cfg.source_breaks(cfg.index_source_layers, kinds=("KV",)) == []
+    reader_lines = [p for p in cfg.verify() if p.startswith("layer ")]
+    assert reader_lines == ["layer 1 reads compressed positions (ratio 2) but no KV source is at or before it",
+                            "layer 1 reads compressed positions (ratio 2) but no index source is at or before it",
+                            "layer 3 (ratio 1) reads the KV source 2, which compresses at ratio 2",
+                            "layer 3 (ratio 1) reads the index source 2, which compresses at ratio 2"]
+
+
+_READER = re.compile(r"layer (\d+)(?: \(ratio \d+\))? (?:reads compressed positions \(ratio \d+\) but no |has no |"
+                     r"reads (?:the )?)(KV|index) source(?: (\d+))?")
+
+
+def _breaks_named(text: str) -> list[tuple[int, str, int | None]]:
+    return [(int(layer), kind, int(src) if src else None) for layer, kind, src in _READER.findall(text)]
+
+
+def test_verify_and_the_audit_name_the_same_ratio_source_breaks():
+    """Over random ratios and sources, verify() and the audit's readers check name exactly the
+    breaks of Config.source_breaks (the audit quotes its first few)."""
+    from types import SimpleNamespace
+
+    hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is in the test extra: pip install -e '.[test]'")
+    st = hypothesis.strategies
+    from dsv41.audit.checks.config import CHECKS
+    from dsv41.audit.evidence import SHOWN
+    from dsv41.audit.report import PASS
+
+    readers_check = next(c for c in CHECKS if c.id == "config.readers_have_sources")
+    n = TINY.n_layers
+    layers = st.lists(st.integers(0, n - 1), unique=True).map(lambda ids: tuple(sorted(ids)))
+
+    @hypothesis.settings(max_examples=60, deadline=None)
+    @hypothesis.given(ratios=st.lists(st.sampled_from([0, 1, 2, 4]), min_size=n, max_size=n), kv=layers, extra=layers)
+    def run(ratios, kv, extra):
+        cfg = _TINY_STATED.replace(compress_ratios=tuple(ratios) + (0,) * TINY.n_mtp_layers, kv_source_layers=kv,
+                           index_source_layers=tuple(sorted(set(kv) | set(extra))))
+        breaks = cfg.source_breaks()
+        assert _breaks_named("\n".join(cfg.verify())) == breaks
+        status, detail = readers_check.run(SimpleNamespace(cfg=cfg))
+        assert (status == PASS) == (not breaks)
+        if breaks:
+            assert _breaks_named(detail) == breaks[:SHOWN]
+
+    run()

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from dsv41 import chat as chat_format
+from dsv41 import chat_reply
 from dsv41.conversation import ChatResult, Conversation, chat, image_source, run_terminal
 from dsv41.loader import load
 from dsv41.numerics import Numerics
@@ -58,7 +59,7 @@ def test_a_reply_is_parsed_from_the_raw_generation(model):
     assert result.prompt_ids == model.tokenizer.encode(result.prompt, add_special_tokens=False).ids
     assert result.prompt_ids.count(model.cfg.bos_token_id) == 1 and result.prompt_ids[0] == model.cfg.bos_token_id
     assert result.raw == model.tokenizer.decode(result.generation.ids, skip_special_tokens=False)
-    assert result.reply == chat_format.parse(result.raw, thinking=False)
+    assert result.reply == chat_reply.parse(result.raw, thinking=False)
     assert result.message == result.reply.message() and result.message["role"] == "assistant"
     assert result.timings["prompt_tokens"] == len(result.prompt_ids)
     assert result.timings["prefilled"] == len(result.prompt_ids) - result.reused_positions
@@ -228,7 +229,7 @@ def test_piped_lines_are_messages_and_commands_work(model, tmp_path):
 
 def test_reasoning_and_tool_calls_are_shown(model):
     block = chat_format.tool_calls_block([{"function": {"name": "clock", "arguments": {"tz": "UTC", "n": 2}}}])
-    reply = chat_format.parse("let me see" + "</think>" + "ok" + block + "<｜end▁of▁sentence｜>", thinking=True)
+    reply = chat_reply.parse("let me see" + "</think>" + "ok" + block + "<｜end▁of▁sentence｜>", thinking=True)
     result = ChatResult(reply, "", type("Run", (), {"ids": [1, 2]})(), "", [], 0, {})
     from dsv41.conversation import _show
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsv41 import csa2_stats as cs
-from dsv41.attention import select_candidate_blocks
+from dsv41.attention import HOLDING, kv_cache_bytes, select_candidate_blocks
 from dsv41.csa2_stack import AttentionStack
 from dsv41.config import RELEASED, TINY
 from dsv41.numerics import Numerics
@@ -65,7 +65,7 @@ def test_tiny_layer_map():
 
 # ------------------------------------------------------------------------------ bytes
 def test_released_kv_bytes_per_token_is_the_model_cards_890():
-    kv = cs.kv_cache_bytes(RELEASED)
+    kv = kv_cache_bytes(RELEASED)
     per = {s.layer: s for s in kv.sources}
     # FP4 latent 512/2 + E4M3 scales 512/16; FP4 key 128/2 + E8M0 scales 128/32
     assert (per[2].kv_data, per[2].kv_scales, per[2].key_data, per[2].key_scales) == (256, 32, 64, 4)
@@ -81,12 +81,12 @@ def test_released_kv_bytes_per_token_is_the_model_cards_890():
 
 
 def test_stored_formula_follows_the_geometry():
-    kv = cs.kv_cache_bytes(TINY)  # head_dim 64, index_head_dim 32, ratios 2 and 1
+    kv = kv_cache_bytes(TINY)  # head_dim 64, index_head_dim 32, ratios 2 and 1
     assert [s.per_entry for s in kv.sources] == [32 + 4 + 16 + 1] * 2
     assert kv.per_token == 53 / 2 + 53
-    assert cs.kv_cache_bytes(TINY, "runtime").per_token == (128 + 64) / 2 + (128 + 64)
+    assert kv_cache_bytes(TINY, "runtime").per_token == (128 + 64) / 2 + (128 + 64)
     with pytest.raises(ValueError, match="holding"):
-        cs.kv_cache_bytes(TINY, "fp4")
+        kv_cache_bytes(TINY, "fp4")
 
 
 @pytest.mark.parametrize("cache_format,holding", [("packed", "stored"), ("bf16", "runtime")])
@@ -97,23 +97,24 @@ def test_stored_formula_follows_the_geometry():
 ])
 def test_formula_equals_the_allocated_buffers(ratios, max_seq_len, cache_format, holding):
     """Packed caches (the default) allocate the stored formula's bytes; BF16 ones the runtime's."""
-    assert cs.HOLDING[cache_format] == holding
+    assert HOLDING[cache_format] == holding
     cfg = TINY.replace(compress_ratios=ratios)
     stack = AttentionStack(cfg, max_seq_len=max_seq_len, cache_format=cache_format)
     allocated = cs.allocated_cache_bytes(stack)
-    comps = cs.kv_cache_bytes(cfg, holding).components(max_seq_len)
+    comps = kv_cache_bytes(cfg, holding).components(max_seq_len)
     assert allocated["window ring"] == comps["window ring"]
     assert allocated["compressor tails"] == comps["compressor tails"] > 0
     assert allocated["compressed KV"] == sum(v for k, v in comps.items() if k.endswith("compressed KV"))
     assert allocated["index keys"] == sum(v for k, v in comps.items() if k.endswith("index keys"))
-    assert sum(allocated.values()) == cs.kv_cache_bytes(cfg, holding).total(max_seq_len)
+    assert sum(allocated.values()) == kv_cache_bytes(cfg, holding).total(max_seq_len)
+    assert cs.bytes_by_kind(kv_cache_bytes(cfg, holding), max_seq_len) == allocated  # the formula, kind for kind
     measured = stack.cache_bytes()
     assert measured.components == allocated
-    assert measured.per_token["total"] == cs.kv_cache_bytes(cfg, holding).per_token
+    assert measured.per_token["total"] == kv_cache_bytes(cfg, holding).per_token
 
 
 def test_measured_released_bytes_per_token_next_to_the_formula():
-    formula = cs.kv_cache_bytes(RELEASED)
+    formula = kv_cache_bytes(RELEASED)
     for positions in (300, 301, 4096):
         measured = cs.measured_cache_bytes(RELEASED, positions)
         assert measured.per_token["total"] == formula.per_token == 890
@@ -122,7 +123,7 @@ def test_measured_released_bytes_per_token_next_to_the_formula():
         assert measured.parts["index key scales"] == sum(s.entries(positions) * s.key_scales for s in formula.sources)
         assert measured.total == formula.total(positions)
     held = cs.measured_cache_bytes(RELEASED, 4096, cache_format="bf16")
-    assert held.per_token["total"] == cs.kv_cache_bytes(RELEASED, "runtime").per_token == 3200
+    assert held.per_token["total"] == kv_cache_bytes(RELEASED, "runtime").per_token == 3200
     with pytest.raises(ValueError, match="cache_format"):
         cs.measured_cache_bytes(RELEASED, 8, cache_format="fp4")
 
@@ -325,3 +326,36 @@ def test_stale_key_comparison(model):
     assert sk.changed[3] == sk.changed[2]  # its Reuse reader follows
     assert all((p + 1) // 2 > TINY.index_topk for p in sk.changed[2])  # only where the top-k truncates
     assert not any(sk.changed[layer] for layer in (0, 1, 4, 5, 6, 7))
+
+
+def test_layer_map_table_rows_name_what_each_layer_writes_and_reads():
+    roles = cs.layer_map(TINY)
+    rows = [r.table_row() for r in roles]
+    assert [row["layer"] for row in rows] == list(range(TINY.n_layers))
+    window_only = next(r for r in roles if not r.ratio)
+    assert rows[window_only.layer]["reads (<- from layer)"] == "own window only"
+    assert rows[window_only.layer]["YaRN"] is False and rows[window_only.layer]["RoPE base"] == int(TINY.rope_theta)
+    full = next(r for r in roles if r.mode == "full")
+    assert rows[full.layer]["writes"] == ", ".join(full.writes)
+    assert "compressed KV <- own" in rows[full.layer]["reads (<- from layer)"]
+    reader = next(r for r in roles if r.ratio and r.reads["compressed KV"] != r.layer)
+    assert f"compressed KV <- {reader.reads['compressed KV']}" in rows[reader.layer]["reads (<- from layer)"]
+
+
+def test_positions_differing_gathers_the_chosen_layers():
+    d = cs.Divergence(index_topk=1, n_tokens=3, layers=[{"layer": 0, "output_diff": [0.0, 1e-3, 0.0]},
+                                                        {"layer": 1, "output_diff": [2.0, 0.0, 5e-4]}])
+    assert d.positions_differing([0]) == [1] and d.positions_differing([1]) == [0, 2]
+    assert d.positions_differing(range(2)) == [0, 1, 2] and d.positions_differing([]) == []
+
+
+def test_prefill_then_decode_leaves_what_token_by_token_decoding_leaves():
+    x = _x(12, seed=3)
+    timed, decoded = (AttentionStack(TINY, max_seq_len=12, seed=0) for _ in range(2))
+    cs.prefill_then_decode(timed, x)
+    with torch.no_grad():
+        decoded.reset_state()
+        for p in range(12):
+            decoded.forward_each(x[:, p : p + 1], p)
+    pairs = list(zip(timed.named_buffers(), decoded.named_buffers()))
+    assert pairs and all(a == b and torch.equal(u, v) for (a, u), (b, v) in pairs)

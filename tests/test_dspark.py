@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import dsv41
-from dsv41.loader import MTP, ROUTED
 from dsv41.numerics import Numerics
+from dsv41.report import MTP, ROUTED
 from dsv41.speculative import Speculation, SpeculationStep
 
 pytestmark = pytest.mark.usefixtures("one_thread")

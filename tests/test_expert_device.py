@@ -14,7 +14,7 @@ from dsv41.kernels import experts as kernel_experts, triton_experts
 from dsv41.kernels.experts import routed_experts_reference
 from dsv41.loader import load
 from dsv41.kernels.experts import PackedExpert
-from dsv41.model import RoutedExperts
+from dsv41.moe import RoutedExperts
 from dsv41.stores import DictExpertStore
 
 pytestmark = pytest.mark.usefixtures("one_thread")

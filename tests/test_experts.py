@@ -270,11 +270,6 @@ def test_clamped_swiglu_clamps_up_on_both_sides_and_gate_from_above():
     want = torch.nn.functional.silu(torch.tensor([-20.0, 0.5, 10.0, 10.0])) * torch.tensor([-10.0, 5.0, 10.0, -10.0])
     assert torch.equal(clamped_swiglu(gate, up, 10.0), want)
     assert torch.equal(clamped_swiglu(gate, up, 0.0), torch.nn.functional.silu(gate) * up)  # 0: no clamp
-    try:
-        from dsv41.model import clamped_swiglu as model_swiglu
-    except ImportError:
-        return
-    assert torch.equal(clamped_swiglu(gate, up, 10.0), model_swiglu(gate, up, 10.0))
 
 
 def test_routed_experts_match_the_reference(small_chunks, kernel):

@@ -230,7 +230,7 @@ def load_or_load_error(path: str):
     """dsv41.load, with LoadError (its one-sentence error) as a result; the loader is another
     engineer's, so anything else it raises fails the test for them to fix, not here."""
     import dsv41
-    from dsv41.loader import LoadError
+    from dsv41.checkpoint import LoadError
 
     try:
         return dsv41.load(path, quiet=True)

@@ -11,21 +11,16 @@ from dsv41.config import TINY
 from dsv41.kernels import act_quant, hc_split_sinkhorn
 from dsv41.formats import dequantize_fp4, quantize_fp4
 from dsv41.model import (
-    DictExpertStore,
     Engram,
-    Gate,
-    PackedExpert,
-    RoutedExperts,
-    TensorEngramTable,
-    clamped_swiglu,
     engram_gate,
-    expert_scores,
     hc_mixes,
     hc_post,
     hc_pre,
     identity_pre,
-    route,
 )
+from dsv41.kernels.experts import PackedExpert, clamped_swiglu
+from dsv41.moe import Gate, RoutedExperts, expert_scores, route
+from dsv41.stores import DictExpertStore, TensorEngramTable
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,11 +1,14 @@
 """Notebook 05 (generation) executed in smoke mode on the embedded default, with assertions on the
 numbers its sidecars carry (as tests/test_notebooks.py does for 01 and 02)."""
 
+import math
+
 import nbformat
 import pytest
 import torch
 
-from dsv41.config import TINY, load_config
+from dsv41 import cache_policy
+from dsv41.config import RELEASED, TINY, load_config
 from dsv41.numerics import Numerics
 from widgets import chance_balance, replay_counts
 from widgets.ties import never_cut
@@ -57,7 +60,14 @@ def test_routing_sidecar(smoke_run):
     facts = _sidecar(smoke_run, "05_generation_facts")
     routing = _sidecar(smoke_run, "05_routing")
     n, k = routing["n_tokens"], routing["top_k"]
+    assert k == load_config(facts["checkpoint"]).n_activated_experts
     assert n["prefill"] + n["decode"] == n["all"] == facts["routing"]["n_positions"]
+    assert facts["routing"]["load_sums"] == [n["all"] * k] * len(routing["layers"])
+    # per layer and expert, the prefill's and the decode's tokens make up all of them
+    load = routing["load"]
+    for prefill, decode, both in zip(load["prefill"], load["decode"], load["all"]):
+        assert [a + b for a, b in zip(prefill, decode)] == both
+    assert all(facts["routing"]["prefill_plus_decode_equals_all"])
     assert n["decode"] == 5  # 6 new tokens: the last never goes through the model
     for phase in ("all", "prefill", "decode"):
         assert [sum(row) for row in routing["load"][phase]] == [n[phase] * k] * len(routing["layers"])
@@ -91,10 +101,48 @@ def test_cache_hits_and_misses_are_the_routed_lookups_and_the_replay_reproduces_
         row = facts["cache"]["per_layer"][str(layer)]
         assert row["hits"] + row["misses"] == row["lookups"] == sum(map(len, calls)) <= row["token_choices"]
         assert (row["counter_hits"], row["counter_misses"]) == (row["hits"], row["misses"])
+        assert (row["record_hits"], row["record_misses"]) == (row["hits"], row["misses"])
+        assert row["replay_per_call_equal"], layer  # the notebook's own replay, call by call
     rates = cache["replay_hit_rate"]
     assert rates[cache["replay_sizes"].index(capacity)] == cache["recorded_hit_rate"]
     assert rates[0] == 0.0 and all(a <= b for a, b in zip(rates, rates[1:]))
     assert rates[-1] == pytest.approx(1 - sum(cache["distinct"]) / sum(cache["lookups"]))
+    held = facts["cache"]
+    assert held["replay_hit_rate_at_capacity"] == held["recorded_hit_rate"] == cache["recorded_hit_rate"]
+    assert abs(held["replay_hit_rate_all_experts"] - held["compulsory_hit_rate"]) < 1e-12  # all experts held: only first reads miss
+
+
+@pytest.mark.slow
+def test_policy_replay_reproduces_the_cache_and_belady_bounds_every_policy(smoke_run):
+    facts = _sidecar(smoke_run, "05_generation_facts")
+    policy, cache = _sidecar(smoke_run, "05_expert_policy"), _sidecar(smoke_run, "05_expert_cache")
+    cfg = load_config(facts["checkpoint"])
+    assert facts["policy"]["round_trip_routing_equal"] and facts["policy"]["round_trip_dict_equal"]  # the trace file lost nothing
+    sizes, capacity = policy["capacities"], facts["expert_cache"]
+    assert sizes == list(range(cfg.n_routed_experts + 1)) and policy["capacity"] == capacity
+    at_run = sizes.index(capacity)
+    # a miss reads w1, w2, w3 [inter x dim] of the released geometry as packed FP4 (half a byte each)
+    # plus one E8M0 scale per 32 values
+    inter_dim = RELEASED.moe_inter_dim * RELEASED.dim
+    assert policy["bytes_per_miss"] == 3 * (inter_dim // 2 + inter_dim // 32) == cache_policy.expert_bytes()
+    # LRU is the loader's ExpertCache: the recorded counts at the run's size, section 5's replay at every size
+    per_layer = facts["cache"]["per_layer"]
+    for i, layer in enumerate(policy["layers"]):
+        assert policy["hits"]["lru"][i][at_run] == per_layer[str(layer)]["hits"], layer
+        assert policy["lookups"][i] - policy["hits"]["lru"][i][at_run] == per_layer[str(layer)]["misses"], layer
+    assert policy["hit_rate"]["lru"][at_run] == cache["recorded_hit_rate"]
+    assert all(abs(a - b) < 1e-12 for a, b in zip(policy["hit_rate"]["lru"], cache["replay_hit_rate"]))
+    compulsory = 1 - sum(policy["distinct"]) / sum(policy["lookups"])
+    nothing_cached = sum(policy["decode_lookups"]) * policy["mib_per_miss"] / policy["decode_tokens"]
+    for p in policy["policies"]:
+        rates = policy["hit_rate"][p]
+        assert rates[0] == 0.0 and abs(rates[-1] - compulsory) < 1e-12, p  # nothing kept; everything kept
+        assert all(a <= b for a, b in zip(rates, rates[1:])), p  # more room never hurts any of the four
+        # Belady bounds every policy, in every layer at every size
+        assert all(h <= b for row, best in zip(policy["hits"][p], policy["hits"]["belady"])
+                   for h, b in zip(row, best)), p
+        # with nothing cached every decode lookup reads one expert
+        assert abs(policy["disk_mib_per_decode_token"][p][0] - nothing_cached) < 1e-9, p
 
 
 @pytest.mark.slow
@@ -109,10 +157,12 @@ def test_prefill_and_decode_agree_until_the_first_cut(smoke_run):
     # the view holds the model as loaded, with the reference's arithmetic: before the cut the logits
     # part by rounding only (within a bf16 step of their scale), selections and routing not at all
     cmp, reference = ties["comparison"], facts["reference"]
-    assert reference["numerics"] == Numerics.reference().as_dict()
+    assert reference["numerics"] == Numerics().as_dict()
     assert cmp["positions"] == reference["positions"] == 20  # smoke: the comparison is capped
     assert cmp["max_abs_diff"] == reference["max_abs_diff"]
     assert max(cmp["max_abs_diff"][:cut]) <= torch.finfo(torch.bfloat16).eps * cmp["max_abs_logit"]
+    assert math.isfinite(reference["untruncated_max_abs_diff"])
+    assert reference["first_argmax_divergence"] is None or reference["first_argmax_divergence"] >= cut
     assert cmp["first_argmax_divergence"] is None or cmp["first_argmax_divergence"] >= cut
     # under the parity options: bit for bit until the cut
     parity = facts["parity"]
@@ -158,7 +208,7 @@ def test_every_chunking_is_the_one_shot_prefill_under_parity(smoke_run):
     assert any(max(s) > window for s in sizes.values() if len(s) > 1)  # one chunk outruns the window
     assert any(len(s) > 2 and all(c > window for c in s[:-1]) for s in sizes.values())  # chunks that each wrap the ring
     numerics = chunked["numerics"]
-    assert numerics == {"reference": Numerics.reference().as_dict(), "parity": Numerics.parity().as_dict()}
+    assert numerics == {"reference": Numerics().as_dict(), "parity": Numerics.parity().as_dict()}
     # parity: every chunking gives the one-shot logits bit for bit, at every position
     for name, diffs in chunked["max_abs_diff"]["parity"].items():
         assert diffs == [0.0] * n, name

@@ -30,6 +30,8 @@ def test_the_stack_and_the_draft_follow_the_config(smoke_run):
     assert (stack["routed_experts"], stack["activated_experts"]) == cfg.moe_shape(cfg.n_layers)
     draft = facts["draft"]
     assert draft["ids_shape"] == [1, cfg.dspark_block_size + 1] and draft["ids"][0] == draft["anchor"]
+    assert draft["logits_shape"] == [1, cfg.dspark_block_size, cfg.vocab_size]
+    assert draft["confidence_shape"] == [1, cfg.dspark_block_size]
     assert draft["greedy_rows"]
 
 
@@ -57,6 +59,7 @@ def test_known_acceptance_is_exact(smoke_run):
     full = known[str(block)]
     assert full["target_forwards"] == full["steps"]
     assert full["tokens_per_forward"] > known["0"]["tokens_per_forward"]
+    assert full["tokens_per_forward"] > 1  # full acceptance: several tokens per forward
 
 
 def test_verify_cost_bounds(smoke_run):
@@ -65,3 +68,17 @@ def test_verify_cost_bounds(smoke_run):
     for m, u in zip(cost["sizes"], cost["overall"]):
         assert cost["topk"] <= u <= min(m * cost["topk"], cost["n_experts"])
     assert cost["break_even_accepted"] == pytest.approx([u / cost["topk"] - 1 for u in cost["overall"]])
+    assert all(a <= b + 1e-12 for a, b in zip(cost["overall"], cost["overall"][1:]))  # a longer verify never reads fewer
+    # every one-token forward, at every start and layer, read exactly its k experts
+    assert sidecar(smoke_run, "06_dspark_facts")["verify_cost"]["single_token_reads_topk"] is True
+
+
+def test_reference_partings_sit_on_near_ties(smoke_run):
+    """With the reference's arithmetic a speculative run may part from plain decoding only where the
+    plain row's top-2 gap is within twice the two rows' difference there."""
+    facts = sidecar(smoke_run, "06_dspark_facts")
+    partings = facts["reference_partings"]
+    assert list(partings) == [facts["prompt"]]  # smoke: the one prompt
+    for prompt, entry in partings.items():
+        assert entry["tokens"] == facts["max_new_tokens"], prompt
+        assert entry["first_parting"] is None or entry["gap_within_twice_the_difference"], prompt

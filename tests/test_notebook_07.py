@@ -37,6 +37,15 @@ def test_plans_and_span_follow_the_formulas(smoke_run):
     assert span["llm_grid"] == [2, 3] and span["length"] == 10
     assert span["counts"] == {"text": span["positions"] - 10, "image start": 1, "image cell": 6,
                               "row newline": 2, "image end": 1}
+    # in general: rows x (cols + 1 newline) + start and end, and the placeholder became the span
+    rows, cols = span["llm_grid"]
+    assert span["length"] == rows * (cols + 1) + 2 and span["counts"]["image cell"] == rows * cols
+    assert span["positions"] == span["text_positions"] + span["length"]
+    patches = facts["patches"]
+    assert patches["count"] == patches["plan_patches"] and -1 <= patches["min"] <= patches["max"] <= 1
+    # the token budget curve never passes the budget
+    plan = sidecar(smoke_run, "07_resize_plan")
+    assert facts["curve_max"] == max(max(v) for v in plan["curves"].values()) <= TINY.vision_max_n_token
     layout = sidecar(smoke_run, "07_span_layout")
     assert layout["token_types"][span["start"]:span["start"] + 10] == [0, 1, 1, 1, 2, 1, 1, 1, 2, 3]
     assert set(layout["ids"][span["start"]:span["start"] + 10]) == {TINY.image_token_id}
@@ -45,8 +54,14 @@ def test_plans_and_span_follow_the_formulas(smoke_run):
 @pytest.mark.slow
 def test_routing_and_engram_mask_sidecars(smoke_run):
     facts = sidecar(smoke_run, "07_vision_facts")
-    routing = facts["routing"]
-    assert routing["image_tokens"] == 10 and routing["layers"] == list(range(TINY.n_layers))
+    routing, length = facts["routing"], facts["span"]["length"]
+    assert routing["image_tokens"] == 10 == length and routing["layers"] == list(range(TINY.n_layers))
+    assert routing["image_tokens"] + routing["text_tokens"] == routing["n_tokens"]
+    assert routing["vision_s_positive"] is True
+    assert routing["bias_vl"]["image_tokens"] == [length] * len(routing["layers"])
+    assert all(0 <= c <= length * routing["top_k"] for c in routing["bias_vl"]["changed_selections"])
+    assert facts["engram"]["dead_positions"] == length
+    assert facts["engram"]["gate_zero_on_dead"] and facts["engram"]["gate_open_on_text"]
     vl = sidecar(smoke_run, "07_bias_vl")
     assert vl["image_tokens"] == [10] * TINY.n_layers
     assert all(0 <= c <= 10 * TINY.n_activated_experts for c in vl["changed_selections"])

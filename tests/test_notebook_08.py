@@ -52,6 +52,7 @@ def test_routing_sidecar(smoke_run, miniature_checkpoint):
     # the trained router prefers some experts more sharply than the random one, in most layers
     below = sum(a < b for a, b in zip(routing["trained"]["affinity_spread"], routing["random"]["affinity_spread"]))
     assert below > cfg.n_layers // 2
+    assert sum(routing["trained"]["affinity_spread"]) < sum(routing["random"]["affinity_spread"])  # sharper on average
 
 
 def test_routing_figure_draws_chance_and_masks_small_classes(smoke_run, miniature_checkpoint):
@@ -107,6 +108,8 @@ def test_indexer_recall_beats_chance(smoke_run, miniature_checkpoint):
                                                          if cfg.layer_mode(l) in ("full", "reindex")]
     assert all(0 < c < 1 for c in t["chance"])
     assert all(r > c for r, c in zip(t["recall"], t["chance"]))
+    random = ix["random"]
+    assert len(random["recall"]) == len(t["recall"]) and sum(t["recall"]) > sum(random["recall"])
 
 
 def test_speculation_equals_greedy_and_counts_add_up(smoke_run):
@@ -119,6 +122,7 @@ def test_speculation_equals_greedy_and_counts_add_up(smoke_run):
         assert s["tokens_per_forward"] == pytest.approx(s["tokens"] / s["target_forwards"])
         assert all(a <= j for a, j in zip(s["accepted_by_position"], s["judged_by_position"]))
         assert sum(b["count"] for b in s["calibration"]) == sum(s["judged_by_position"])
+    assert d["trained"]["tokens_per_forward"] >= d["random"]["tokens_per_forward"]  # the trained draft is right more often
 
 
 def test_cache_and_engram_sidecars(smoke_run):
@@ -129,3 +133,25 @@ def test_cache_and_engram_sidecars(smoke_run):
             assert all(h <= b + 1e-12 for h, b in zip(rates[p], rates["belady"])), p
         assert all(a <= b + 1e-12 for a, b in zip(rates["lru"], rates["lru"][1:]))
         assert all(sum(b["n"]) == e[name]["tokens"] for b in e[name]["bins"].values())
+
+
+def test_mechanism_facts_hold_on_both_checkpoints(smoke_run):
+    """What holds on any pair of checkpoints, trained or not."""
+    facts = sidecar(smoke_run, "08_learned_facts")
+    r, e, ix, c, ts = (sidecar(smoke_run, f"08_{name}") for name in ("routing", "engram", "indexer", "cache", "ties"))
+    for name in ("trained", "random"):
+        assert all(0 < v <= 1 for v in r[name]["affinity_spread"] + r[name]["load_spread"]), name
+        assert all(v >= -1e-12 for v in r[name]["mutual_information_bits"] + r[name]["mutual_information_shuffled_bits"]), name
+        assert 0 < r[name]["load_spread_chance"] <= 1, name
+        for share in r[name]["class_share"]:  # every token of a class chose top-k experts
+            for row, count in zip(share, r[name]["class_tokens"]):
+                assert count == 0 or abs(sum(row) - r[name]["top_k"]) < 1e-9, name
+        assert all(0 <= v <= 1 for v in ix[name]["recall"] + ix[name]["mass"]), name
+        assert ix[name]["chance"] == ix["trained"]["chance"]  # the same texts and formula, whatever the tokenizer
+        for p, rates in c[name]["hit_rate"].items():  # Belady is optimal
+            assert all(h <= b + 1e-12 for h, b in zip(rates, c[name]["hit_rate"]["belady"])), (name, p)
+        assert ts[name]["parity"]["numerics"]["tie_break"] == "lowest", name
+        assert ts[name]["reference"]["positions"] == ts["positions"] == 24, name  # smoke: 24 positions
+    # the facts are the sidecars' numbers
+    assert facts["routing"]["affinity_spread"] == {k: r[k]["affinity_spread"] for k in ("trained", "random")}
+    assert facts["engram"]["trained"]["bins"] == e["trained"]["bins"] and facts["ties"] == ts

@@ -234,6 +234,8 @@ def test_engram_notebook_numbers(smoke_run):
 
     facts = _sidecar(smoke_run, "02_engram_facts")
     assert facts["smoke"] is True
+    # the Engram report finds no problem in the released layout nor in this checkpoint's
+    assert facts["layout"]["released"]["problems"] == [] and facts["layout"]["checkpoint"]["problems"] == []
     assert facts["multipliers"]["released"] == {
         "1": [76632096046245, 4839876093313, 35959672319349, 73987337458391],
         "14": [67716810739261, 51510806800915, 30921347202721, 82619226485591]}

@@ -8,9 +8,9 @@ import torch
 
 from conftest import notebook_group, run_notebooks_smoke, sidecar
 from dsv41 import csa2_stats as cs
-from dsv41.attention import WINDOW_LAYOUTS
-from dsv41.config import RELEASED, TINY
+from dsv41.config import RELEASED, TINY, load_config
 from dsv41.kernels import SPARSE_ATTN_CHUNK
+from dsv41.numerics import WINDOW_LAYOUTS
 
 SMOKE_NOTEBOOKS = "03,04"
 pytestmark = notebook_group(SMOKE_NOTEBOOKS)
@@ -35,7 +35,7 @@ def test_layer_map_numbers(smoke_run):
     assert facts["smoke"] is True
     released = facts["released"]
     assert released["counts"] == {"full": 4, "reindex": 4, "reuse": 32}
-    assert released["partition"]["full"] == [2, 8, 14, 20]
+    assert released["partition"]["full"] == [2, 8, 14, 20] == list(RELEASED.kv_source_layers)
     assert released["partition"]["reindex"] == [24, 28, 32, 36]
     assert released["window_only"] == [0, 1]
 
@@ -54,6 +54,18 @@ def test_layer_map_numbers(smoke_run):
     assert tiny["ratios"] == list(TINY.compress_ratios[:8])
     assert tiny["index_keys_from"][6] == 4 and tiny["candidates_from"][6] == 4
     assert tiny["writes"][4][-1] == "candidate blocks"
+    # every layer of both geometries: YaRN and the RoPE base follow its ratio, only Full layers write
+    # compressed KV, and what a layer reads was written at its own ratio
+    for name, cfg in (("released", RELEASED), ("this checkpoint", load_config(facts["checkpoint"]))):
+        roles = figure[name]
+        assert len(roles["modes"]) == cfg.n_layers
+        for layer, (mode, ratio) in enumerate(zip(roles["modes"], roles["ratios"])):
+            assert roles["yarn"][layer] == bool(ratio), (name, layer)
+            assert roles["rope_base"][layer] == (cfg.compress_rope_theta if ratio else cfg.rope_theta), (name, layer)
+            assert ("compressed KV" in roles["writes"][layer]) == (mode == "full"), (name, layer)
+            if ratio:
+                assert (cfg.compress_ratios[roles["compressed_kv_from"][layer]] == ratio
+                        == cfg.compress_ratios[roles["topk_from"][layer]]), (name, layer)
 
 
 @pytest.mark.slow
@@ -139,6 +151,19 @@ def test_compressor_trace_numbers(smoke_run):
             assert g["kv_rotated_at"] == [first] and g["key_rotated_at"] == [first]
             assert abs(sum(g["gate_weights"]) - 1) < 1e-5
     assert _sidecar(smoke_run, "03_csa2_facts")["compressor"]["2"]["rotated_at_first"] is True
+    # the same rules at any prefill length and ratio: groups in order, the prefill pools its whole
+    # groups and holds the rest, and a one-token call emits exactly when it completes a group
+    facts = _sidecar(smoke_run, "03_csa2_facts")["compressor"]
+    assert sorted(facts) == sorted(trace["traces"])
+    for layer, t in trace["traces"].items():
+        ratio = t["ratio"]
+        assert facts[layer]["held_state_matches"] and facts[layer]["rotated_at_first"], layer
+        assert all(c["held_state_matches"] for c in t["calls"]), layer
+        assert [g["group"] for g in t["groups"]] == list(range(n // ratio)), layer
+        assert t["calls"][0]["emitted_groups"] == list(range(prefill // ratio)), layer
+        assert facts[layer]["held_after_prefill"] == list(range(prefill - prefill % ratio, prefill)), layer
+        assert all(c["emitted_groups"] == ([c["start_pos"] // ratio] if (c["start_pos"] + 1) % ratio == 0 else [])
+                   for c in t["calls"][1:]), layer
 
 
 # ---------------------------------------------------------------------- 04
@@ -212,6 +237,12 @@ def test_stale_keys_default_vs_fix(smoke_run):
     assert changed["3"] == changed["2"]  # the Reuse reader of layer 2's top-k follows it
     assert all((p + 1) // 2 > k for p in changed["2"])  # only where the ratio-2 top-k truncates
     assert not any(changed[str(layer)] for layer in (0, 1, 4, 5, 6, 7))
+    # in any layer: an output changed only at a step where its index source scored other keys, and
+    # there its selection differs
+    for layer, positions in changed.items():
+        source = TINY.source_at_or_before(int(layer), TINY.index_source_layers)
+        assert set(positions) <= set(stale["stale"].get(str(source), [])), layer
+        assert all(stale["selection_differs"][layer][p] for p in positions), layer
 
 
 @pytest.mark.slow

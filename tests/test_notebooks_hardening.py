@@ -17,6 +17,7 @@ import pytest
 
 from dsv41 import notebooks as runner
 from dsv41.cli import main as dsv41_main
+from dsv41.notebook_signals import SUMMARY_NAME
 
 from conftest import write_throwaway_notebook
 
@@ -161,7 +162,7 @@ def test_a_summary_that_cannot_be_written_is_printed(two_notebooks, tmp_path, mo
     out, err = capsys.readouterr()
     assert "Traceback" not in err and "[2/2] 02_second ok" in err, err
     line = err.strip().splitlines()[-1]
-    assert line == (f"dsv41 notebooks: {run.resolve() / runner.SUMMARY_NAME}: cannot be written "
+    assert line == (f"dsv41 notebooks: {run.resolve() / SUMMARY_NAME}: cannot be written "
                     f"({os.strerror(errno.EROFS)}); the summary is printed on stdout instead")
     summary = json.loads(out)
     assert summary["ok"] is True and [n["name"] for n in summary["notebooks"]] == ["01_first", "02_second"]

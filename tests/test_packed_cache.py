@@ -16,9 +16,11 @@ from dsv41 import csa2_stats as cs
 from dsv41.attention import (
     CACHE_FORMATS,
     COMPRESSED_ENCODING,
+    HOLDING,
     INDEX_KEY_ENCODING,
     WINDOW_ENCODING,
     QuantizedCache,
+    kv_cache_bytes,
 )
 from dsv41.config import RELEASED, TINY
 from dsv41.csa2_stack import AttentionStack
@@ -126,7 +128,7 @@ def _built_like(model, cache_format: str) -> Model:
 
 @pytest.fixture(scope="module", params=["reference", "parity"])
 def pair(request, tiny_checkpoint):
-    numerics = Numerics.reference() if request.param == "reference" else Numerics.parity()
+    numerics = Numerics() if request.param == "reference" else Numerics.parity()
     packed = dsv41.load(tiny_checkpoint, quiet=True, numerics=numerics, max_seq_len=MAX_SEQ)
     assert packed.cache_format == "packed"  # the default
     return packed, _built_like(packed, "bf16")
@@ -213,8 +215,8 @@ def test_measured_bytes_per_token_on_the_tiny_checkpoint(pair):
     got = packed.cache_bytes()
     # head_dim 64 and index_head_dim 32: FP4 latent 32 + 4 E4M3 scales, FP4 key 16 + 1 E8M0 scale
     assert got.per_token_by_source == {2: (32 + 4 + 16 + 1) / 2, 4: 32 + 4 + 16 + 1}
-    assert got.per_token["total"] == cs.kv_cache_bytes(TINY).per_token == 79.5
-    assert bf16.cache_bytes().per_token["total"] == cs.kv_cache_bytes(TINY, "runtime").per_token == 288
+    assert got.per_token["total"] == kv_cache_bytes(TINY).per_token == 79.5
+    assert bf16.cache_bytes().per_token["total"] == kv_cache_bytes(TINY, "runtime").per_token == 288
     for model in pair:  # every allocated cache byte is accounted for, and nothing else
         assert model.cache_bytes().total == _buffer_bytes(model.backbone)
     assert got.components["window ring"] == TINY.n_layers * TINY.window_size * (64 + 2)
@@ -224,9 +226,9 @@ def test_measured_bytes_per_token_on_the_tiny_checkpoint(pair):
 
 @pytest.mark.parametrize("cache_format", CACHE_FORMATS)
 def test_bytes_per_position_added_equal_the_formula(cache_format):
-    holding = cs.HOLDING[cache_format]
+    holding = HOLDING[cache_format]
     for cfg in (TINY, RELEASED):
-        formula = cs.kv_cache_bytes(cfg, holding)
+        formula = kv_cache_bytes(cfg, holding)
         sizes = {L: cs.measured_cache_bytes(cfg, L, cache_format=cache_format) for L in (300, 301, 302, 812)}
         # two positions more add one row to every ratio-2 cache and two to every ratio-1 cache
         assert (sizes[302].total - sizes[300].total) / 2 == formula.per_token
@@ -273,7 +275,7 @@ def _stack_outputs(stack, x, sizes):
     return torch.cat(out, dim=2)
 
 
-@pytest.mark.parametrize("numerics", [Numerics.reference(), Numerics.parity()], ids=["reference", "parity"])
+@pytest.mark.parametrize("numerics", [Numerics(), Numerics.parity()], ids=["reference", "parity"])
 def test_released_row_sizes_give_the_same_outputs_packed_and_bf16(numerics):
     cfg = _released_rows_cfg()
     x = torch.randn(1, 300, cfg.dim, generator=torch.Generator().manual_seed(3)).bfloat16()

@@ -139,7 +139,7 @@ def test_configs_round_trip_and_verify(tiny_checkpoint, cfg):
     assert nested.verify() == [] and flat.verify() == []
     assert flat.as_reference_dict() == nested.as_reference_dict()
     # the flat file is silent on exactly the nested-only fields
-    from dsv41.config import NESTED_ONLY_KEYS
+    from dsv41.config_fields import NESTED_ONLY_KEYS
     assert sorted(line.split(":")[0] for line in nested.differs_from(flat)) == sorted(NESTED_ONLY_KEYS)
     assert nested == tiny.tiny_config()
     assert nested.differs_from(TINY) == [

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dsv41 import cache_policy as cp
-from dsv41 import trace_file as trace_module
+from dsv41.trace import file as trace_module
 from dsv41.trace import (AttentionRecord, EngramRecord, FiniteRecord, ForwardTrace, GenerationTrace, RoutingRecord,
                          StepRecord, TraceFileError)
 

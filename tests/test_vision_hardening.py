@@ -20,7 +20,8 @@ from PIL import Image, ImageOps
 
 import dsv41
 from dsv41 import vision
-from dsv41.config import MIN_IMAGE_SPAN, RELEASED, TINY
+from dsv41.config import RELEASED, TINY
+from dsv41.config_fields import MIN_IMAGE_SPAN
 from dsv41.generate import NonFiniteLogits, locate_non_finite
 from dsv41.vision import ImageError
 from test_vision import MARK, drawn  # the same drawn test image

@@ -129,6 +129,12 @@ def test_sidecar_holds_the_plotted_numbers(tmp_path):
     assert text.endswith("\n")
 
 
+def test_sidecar_reads_back_and_numbers_read_in_a_sentence(tmp_path):
+    paths = viz.export_figure(_figure(), "fig", str(tmp_path), DATA)
+    assert viz.read_sidecar(paths["json"]) == json.loads(open(paths["json"], encoding="utf-8").read())
+    assert viz.numbers([0.12345, None, 2]) == "0.123, -, 2.000" and viz.numbers([1.25], 1) == "1.2"
+
+
 def test_sidecar_rejects_what_it_cannot_write(tmp_path):
     with pytest.raises(TypeError, match="sidecar"):
         viz.export_figure(_figure(), "fig", str(tmp_path), {"x": object()})

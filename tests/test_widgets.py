@@ -179,7 +179,7 @@ def _ties_plain(comparison=True):
         data["comparison"] = {"positions": 5, "max_abs_diff": [0.0, 0.0, 0.0, 0.4, 0.1], "max_abs_logit": 3.0,
                               "first_logit_divergence": 3, "first_argmax_divergence": None,
                               "selection_parting": {"1": [3], "2": [3, 4]}, "routing_parting": {"2": [4]},
-                              "numerics": Numerics.reference().as_dict()}
+                              "numerics": Numerics().as_dict()}
     return data
 
 
@@ -221,10 +221,10 @@ def test_tie_render_reads_for_a_person():
     assert to_rgba(marks.get_color()) == to_rgba("white") and marks.get_path_effects()
     # the title is words, not option names
     title = fig._suptitle.get_text()
-    assert "the released model's arithmetic" in title and not any(k in title for k in Numerics.reference().as_dict())
+    assert "the released model's arithmetic" in title and not any(k in title for k in Numerics().as_dict())
     data["comparison"]["numerics"] = Numerics.parity().as_dict()
     assert "independent of how the tokens are split" in widgets.render_ties(data)._suptitle.get_text()
-    data["comparison"]["numerics"] = Numerics.reference().with_options(tie_break="lowest").as_dict()
+    data["comparison"]["numerics"] = Numerics().with_options(tie_break="lowest").as_dict()
     assert widgets.render_ties(data)._suptitle.get_text().endswith("With ties to the lower position")
 
 

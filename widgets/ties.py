@@ -185,12 +185,12 @@ def _arithmetic_title(cmp) -> str:
     from dsv41.numerics import Numerics
 
     numerics = cmp["numerics"]
-    if numerics == Numerics.reference().as_dict():
+    if numerics == Numerics().as_dict():
         how = "the released model's arithmetic"
     elif numerics == Numerics.parity().as_dict():
         how = "arithmetic made independent of how the tokens are split into calls"
     else:
-        reference = Numerics.reference().as_dict()
+        reference = Numerics().as_dict()
         how = "; ".join(_PLAIN_NUMERICS.get(k, {}).get(v, f"{k} = {v}") for k, v in numerics.items()
                         if reference.get(k) != v)
     return f"Does one prefill give what the same tokens fed one at a time give?\nWith {how}"

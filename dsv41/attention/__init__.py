@@ -38,7 +38,6 @@ The package: `caches` (encodings, `QuantizedCache`, the byte model), `runtime` (
 `state` (the rows a call may overwrite, as typed records, and putting them back).
 """
 
-from ..numerics import WINDOW_LAYOUTS
 from .caches import (
     CACHE_FORMATS,
     CACHE_PARTS,

@@ -14,6 +14,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from ..config import Config
 from ..kernels import act_quant, e8m0_decode, fp4_act_quant, fp4_to_float
 
 # Index-key and indexer-query FP4 blocks (E8M0 scales), compressed-KV FP4 blocks (E4M3 scales),
@@ -370,7 +371,7 @@ class KVCacheBytes:
             out[f"layer {s.layer} {INDEX_KEYS}"] = n * (s.key_data + s.key_scales)
         return out
 
-    def formula(self, cfg) -> list[str]:
+    def formula(self, cfg: Config) -> list[str]:
         """The arithmetic, one line per term, with this config's numbers in it."""
         e = self.encodings
         lines = []
@@ -391,7 +392,7 @@ class KVCacheBytes:
         return lines
 
 
-def kv_cache_bytes(cfg, holding: str = "stored") -> KVCacheBytes:
+def kv_cache_bytes(cfg: Config, holding: str = "stored") -> KVCacheBytes:
     """KV-cache bytes of `cfg` (backbone layers, batch 1). holding='stored': the trained model's
     formats (window FP8 + E8M0 per 32, compressed KV FP4 + E4M3 per 16, index keys FP4 + E8M0 per
     32), which is what cache_format="packed" (the default) allocates; 'runtime': BF16 everywhere,

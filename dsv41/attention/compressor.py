@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..config import Config
 from ..hooks import NO_SITES, site
 from ..layers import Linear, RMSNorm, activation_dtype
 from ..numerics import Numerics
@@ -29,7 +30,7 @@ class Compressor(nn.Module):
     SITES = ("",)
     named_sites = NO_SITES
 
-    def __init__(self, cfg, layer: int, max_batch_size: int = 1, *, numerics: Numerics = Numerics()):
+    def __init__(self, cfg: Config, layer: int, max_batch_size: int = 1, *, numerics: Numerics = Numerics()):
         super().__init__()
         pad_f32_rows = numerics.pad_f32_rows
         self.ratio = cfg.compress_ratios[layer]

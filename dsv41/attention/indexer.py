@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import Config
 from ..hooks import NO_SITES, site
 from ..kernels import fp4_act_quant
 from ..layers import Linear, RMSNorm, activation_dtype, apply_rotary_emb, linear_dtype
@@ -80,7 +81,7 @@ class Indexer(nn.Module):
     SITES = ("",)
     named_sites = NO_SITES
 
-    def __init__(self, cfg, layer: int, max_batch_size: int = 1, max_seq_len: int = 4096, *,
+    def __init__(self, cfg: Config, layer: int, max_batch_size: int = 1, max_seq_len: int = 4096, *,
                  numerics: Numerics = Numerics(), cache_format: str = "packed"):
         super().__init__()
         self.layer, self.numerics = layer, numerics

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import Config
 from ..hooks import NO_SITES, site
 from ..kernels import sparse_attn
 from ..layers import Linear, RMSNorm, activation_dtype, apply_rotary_emb, linear_dtype, precompute_freqs_cis
@@ -86,7 +87,7 @@ class Attention(nn.Module):
     SITES = ("", "topk")
     named_sites = NO_SITES
 
-    def __init__(self, cfg, layer: int, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
+    def __init__(self, cfg: Config, layer: int, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
                  max_seq_len: int = 4096, cache_format: str = "packed"):
         super().__init__()
         n_total = cfg.n_layers + cfg.n_mtp_layers

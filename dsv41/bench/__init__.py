@@ -20,9 +20,3 @@ from .speculative import bench_speculative
 from .stream import bench_stream
 from .threads import bench_threads
 from .vision import bench_vision
-
-# the names the notebooks and tests have imported from the single-file bench
-from .common import best_times as _best_times  # noqa: E402
-from .common import token_list as _token_list  # noqa: E402
-from .experts import _check_targets, _expand_bf16  # noqa: E402
-from .released import _released_targets  # noqa: E402

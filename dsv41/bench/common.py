@@ -10,11 +10,14 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
 from dsv41.errors import Dsv41Error
+
+if TYPE_CHECKING:  # annotations only
+    from dsv41.model import Model
 
 # The released expert geometry and routing width.
 DIM, INTER, TOPK = 5120, 2304, 6
@@ -123,7 +126,7 @@ class PhaseClock:
         if layer is not None:
             self.by_layer[(layer, phase)] = self.by_layer.get((layer, phase), 0.0) + took
 
-    def timing(self, model):
+    def timing(self, model: Model):
         """`with clock.timing(model):` the clock subscribed to the model's phase sites."""
         return model.sites.hooks(dict.fromkeys(PHASE_SITES, self), strict=False)
 

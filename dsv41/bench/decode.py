@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from . import released, speculative
-from dsv41.model import RoutedExperts
+from dsv41.config import Config
+from dsv41.moe import RoutedExperts
 
 from .common import DIM, INTER, TOPK, PhaseClock, on_synthetic_checkpoint, rss_bytes
 from .experts import _baseline_expert, _expand_bf16
@@ -49,7 +50,8 @@ def decode_config(dim: int = DIM, inter: int = INTER):
 
 
 
-def write_decode_checkpoint(out_dir: str, dim: int = DIM, inter: int = INTER, seed: int = 0, *, cfg=None) -> str:
+def write_decode_checkpoint(out_dir: str, dim: int = DIM, inter: int = INTER, seed: int = 0, *,
+                            cfg: Config | None = None) -> str:
     """Write the decode benchmark's checkpoint (release layout, `decode_config`, or `cfg`) into
     out_dir with `synthetic.random_fill` values."""
     from dsv41.synthetic import random_fill, write_release_layout

@@ -8,12 +8,15 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from .common import (TOPK, PhaseClock, copy_bandwidth, folder_bytes, measurement_error, on_synthetic_checkpoint,
                      read_bandwidth, require_cuda, rss_bytes)
+
+if TYPE_CHECKING:  # annotations only
+    from dsv41.model import Model
 
 
 # Phases of a released-geometry decode token, in print order; "other" is what no hook covers
@@ -77,7 +80,7 @@ def _phase_of(name: str) -> str:
     return "head" if parts[0] == "head" else "other"
 
 
-def decode_token_bytes(model) -> dict:
+def decode_token_bytes(model: Model) -> dict:
     """Bytes one decode token must read, per phase and per layer, from the tensors as the model
     holds them (wo_a in BF16, the head in FP32): every dense weight once, one embedding row, the
     Engram table rows the hash picks, `n_activated_experts` packed routed experts per layer.

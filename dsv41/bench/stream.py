@@ -29,11 +29,11 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from dsv41.config import RELEASED
+from dsv41.config import RELEASED, Config
 from dsv41.errors import Dsv41Error
 from dsv41.headers import INDEX_NAME
 from dsv41.outdir import usable_folder
@@ -41,6 +41,9 @@ from dsv41.text import LongInteger, bounded_ints
 
 from .common import (BenchError, PhaseClock, check_report_path, measurement_error, read_bandwidth, reset_peak_rss,
                      rss_bytes, save_report)
+
+if TYPE_CHECKING:  # annotations only
+    from dsv41.model import Model
 
 MARKER = "bench-stream.json"
 # The folder a checkpoint is written into before its files are moved beside the marker: a name of
@@ -79,7 +82,7 @@ def run_positions(prompt_tokens: int, decode_tokens: int) -> int:
     return prompt_tokens + decode_tokens + 8
 
 
-def plan_run(cfg, memory, positions: int):
+def plan_run(cfg: Config, memory, positions: int):
     """The budget `dsv41.load` plans for a run of `positions`, planned before anything is written:
     a budget above the machine's memory or one that cannot hold the dense part and one token's
     experts (`BudgetError`), or more positions than the config has, is refused here and not after
@@ -93,7 +96,7 @@ def plan_run(cfg, memory, positions: int):
     return plan_budget(cfg, memory, max_seq_len=positions)
 
 
-def checkpoint_bytes(cfg) -> int:
+def checkpoint_bytes(cfg: Config) -> int:
     """The disk space the checkpoint of `cfg` takes at most: its tensors' bytes and the allowance."""
     from dsv41.inventory import expected_tensors
 
@@ -160,7 +163,7 @@ def _free_bytes(folder: str) -> tuple[str, int]:
     return str(existing), shutil.disk_usage(existing).free
 
 
-def ensure_checkpoint(folder: str, cfg, log: Callable[[str], None] = print) -> dict:
+def ensure_checkpoint(folder: str, cfg: Config, log: Callable[[str], None] = print) -> dict:
     """The synthetic all-experts checkpoint in `folder`: reused when its marker names this very
     config and says it is complete, else written. Returns the marker's content.
 
@@ -286,7 +289,7 @@ def recorded_steps(tokens: int, log: Callable[[str], None] = print):
 
 
 # ---------------------------------------------------------------------- one run
-def measure(folder: str, cfg, *, memory, policy: str, prompt_tokens: int, decode_tokens: int, io_threads: int,
+def measure(folder: str, cfg: Config, *, memory, policy: str, prompt_tokens: int, decode_tokens: int, io_threads: int,
             disk_probe: int, recorded, log: Callable[[str], None] = print) -> dict:
     """One measured run: page cache emptied, disk bandwidth, load under `memory`, prefill, decode."""
     import dsv41
@@ -367,7 +370,7 @@ def measure(folder: str, cfg, *, memory, policy: str, prompt_tokens: int, decode
     return report
 
 
-def predict_40(run: dict, cfg, model) -> dict:
+def predict_40(run: dict, cfg: Config, model: Model) -> dict:
     """Seconds per token of the 40-layer released model from this run: per layer the compute
     measured here (the token's time without waiting on reads, less the head, per layer; the head
     once) and the

@@ -19,7 +19,7 @@ THREADS_PROMPT = "The harbor lights came on one by one as the ferry pulled away 
 def bench_threads(checkpoint: str, *, decode_tokens: int, repeats: int, prompt: str = THREADS_PROMPT,
                   log: Callable[[str], None] = print) -> dict:
     """Greedy decode of `decode_tokens` tokens after `prompt` at 1 thread and at all cores
-    (`loader.all_cores()`), taking turns for `repeats` rounds. Each setting's tokens/s is taken
+    (`threads.all_cores()`), taking turns for `repeats` rounds. Each setting's tokens/s is taken
     from its median decode time (the best is reported too: on a shared machine one lucky run
     would decide a best-of); torch's thread count is put back afterwards."""
     import dsv41

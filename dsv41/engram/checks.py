@@ -3,7 +3,7 @@ and the hashing benchmark."""
 
 from __future__ import annotations
 
-from typing import Any
+from dsv41.config import Config
 
 from .hasher import NgramHasher
 from .layout import EngramError, EngramLayout
@@ -108,7 +108,7 @@ def bucket_load(layout: EngramLayout, hash_ids) -> dict:
 
 
 # ---------------------------------------------------------------------- benchmark
-def bench_hasher(n_tokens: int = 32768, cfg: Any = None, repeats: int = 5, seed: int = 0) -> dict:
+def bench_hasher(n_tokens: int = 32768, cfg: Config | None = None, repeats: int = 5, seed: int = 0) -> dict:
     """Time hashing one `n_tokens` prompt in one call, and decode steps one token at a time.
 
     Uses an identity compressed map of the config's size (the released config by default), so it

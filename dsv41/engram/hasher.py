@@ -3,7 +3,7 @@ streaming n-gram hasher."""
 
 from __future__ import annotations
 
-from typing import Any
+from dsv41.config import Config
 
 from .layout import EngramError, EngramLayout
 
@@ -121,7 +121,7 @@ class NgramHasher:
 
     DEAD = -1  # compressed-id marker for dead tokens and for positions before the sequence start
 
-    def __init__(self, cfg: Any, token_map, n_compressed: int, layout: EngramLayout | None = None):
+    def __init__(self, cfg: Config, token_map, n_compressed: int, layout: EngramLayout | None = None):
         """`token_map`/`n_compressed` as build_compressed_token_map returns them; refuses to build when
         `n_compressed` differs from the config's engram_compressed_vocab_size."""
         import numpy as np
@@ -152,7 +152,7 @@ class NgramHasher:
         self.reset()
 
     @classmethod
-    def from_tokenizer(cls, cfg: Any, tokenizer, layout: EngramLayout | None = None) -> "NgramHasher":
+    def from_tokenizer(cls, cfg: Config, tokenizer, layout: EngramLayout | None = None) -> "NgramHasher":
         """Build the compressed map from `tokenizer` (a Tokenizer, a fast tokenizer, or a path)."""
         token_map, n_compressed = build_compressed_token_map(tokenizer)
         return cls(cfg, token_map, n_compressed, layout)

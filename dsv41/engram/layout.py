@@ -4,8 +4,8 @@ derived from the config alone and checked against its declared row counts."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from dsv41.config import Config
 from dsv41.errors import Dsv41Error
 
 
@@ -80,7 +80,7 @@ class EngramLayout:
     declared_num_embeddings: tuple[int, ...] | None = None  # engram_num_embeddings, if the config states it
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "EngramLayout":
+    def from_config(cls, cfg: Config) -> "EngramLayout":
         """Derive the layout from a Config (engram_num_embeddings may be None: it is not needed)."""
         missing = [name for name in ("engram_layer_ids", "engram_max_ngram_size", "engram_n_heads",
                                      "engram_head_dim", "engram_vocab_size")

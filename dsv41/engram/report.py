@@ -4,9 +4,9 @@ JSON, and its command line."""
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 from dsv41.argtypes import whole_number
+from dsv41.config import Config
 
 from .checks import bench_hasher
 from .hasher import NgramHasher, _as_backend, build_compressed_token_map, compute_hash_multipliers, load_tokenizer
@@ -19,7 +19,7 @@ _GIB = 1 << 30
 MAX_BENCH_TOKENS = 1 << 20
 
 
-def engram_report(cfg: Any, tokenizer=None, text: str | None = None, tokenizer_label: str | None = None) -> dict:
+def engram_report(cfg: Config, tokenizer=None, text: str | None = None, tokenizer_label: str | None = None) -> dict:
     """Everything `dsv41 engram` prints, as plain data; `problems` lists every disagreement."""
     report: dict = {"config": getattr(cfg, "source", None), "layers": [], "problems": []}
     problems = report["problems"]

@@ -155,8 +155,8 @@ def cli_main(argv: list[str]) -> int:
              if getattr(args, flag[2:].replace("-", "_")) is not None}
     import torch
 
-    from .loop import Trainer, TrainError
-    from .state import saved_step
+    from .loop import Trainer
+    from .state import TrainError, saved_step
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .loop import lr_at
+from .schedule import lr_at
 from .state import restore_moments
 from .twin import TwinOutput, bf16, on_grid, rms_norm, rotate
 from ..attention.caches import WINDOW_ENCODING

@@ -11,7 +11,6 @@ started with. The result is written in the release format by `release.write_mini
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import sys
@@ -22,7 +21,8 @@ import torch.nn.functional as F
 
 from ..outdir import replace_file
 from .data import build_streams, held_out_windows, nats_to_bits, train_batch
-from .state import (  # noqa: F401 (TrainSettings, TrainState, TrainError: importable from here as before)
+from .schedule import lr_at
+from .state import (
     FLAGS, STATE_NAME, TrainError, TrainSettings, TrainState, check_document, check_memory,
     optimizer_moments, read_state_json, restore_moments, settings_from)
 from .twin import Twin, logical_shape, trainable_names, weight_specs
@@ -140,14 +140,6 @@ def draft_settings(given: dict, carried: dict, source: dict, path: str) -> Train
         raise TrainError(f"--draft-from {path} has had {done} draft steps already; --draft-steps counts them all, "
                          f"so ask for more than {done}")
     return settings
-
-
-def lr_at(step: int, total: int, peak: float, warmup: int, floor: float) -> float:
-    """Linear warm-up, then cosine down to floor * peak at `total`."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def compiled_sinkhorn(enabled: bool):

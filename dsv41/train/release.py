@@ -9,11 +9,15 @@ import json
 import os
 import shutil
 import tempfile
+from typing import TYPE_CHECKING
 
 from ..miniature import MANIFEST_FORMAT, MANIFEST_NAME
 
+if TYPE_CHECKING:  # annotations only
+    from ..config import Config
 
-def write_miniature(folder: str, cfg, tokenizer, params: dict, facts: dict) -> str:
+
+def write_miniature(folder: str, cfg: Config, tokenizer, params: dict, facts: dict) -> str:
     """Write the checkpoint of `params` (name -> float32, logical shapes) into `folder`, built
     beside it and renamed into place (`outdir.replace_folder`: an earlier checkpoint there is
     removed only once the new one has its place; the work folder's claim has checked that it holds

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import Dsv41Error
 from ..outdir import replace_file
-from ..text import bounded_ints, brief, json_kind, number_text
+from ..text import bounded_ints, brief, is_whole, json_kind, number_text
 
 STATE_NAME = "state.json"
 STATE_FORMAT = "dsv41-train-state"
@@ -120,9 +120,9 @@ def settings_from(values: dict, where: str) -> TrainSettings:
     for name, value in values.items():
         if FIELDS[name] == "int":
             low, high = INT_BOUNDS[name]
-            if not (isinstance(value, int) and not isinstance(value, bool) and low <= value <= high):
+            if not (is_whole(value) and low <= value <= high):
                 raise TrainError(f"{where}: {name} must be a whole number from {low} to {high:,}, got "
-                                 f"{number_text(value) if isinstance(value, int) else brief(value)}")
+                                 f"{number_text(value) if is_whole(value) else brief(value)}")
         elif not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
                   and 0 <= value <= (1 if name.endswith("fraction") else MAX_RATE)):
             raise TrainError(f"{where}: {name} must be a finite number from 0 to "
@@ -259,10 +259,6 @@ CONTINUED_KEYS = {"path": "a path", "manifest_sha256": "a sha256", "steps": "a w
                   "tokens_seen": "a whole number or null"}
 
 
-def _whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -288,9 +284,9 @@ def check_document(document: dict, path: str) -> tuple[TrainSettings, int]:
     except TrainError as exc:
         raise TrainStateError(f"{exc}; the run cannot go on from it") from None
     step = document["step"]
-    if not (_whole(step) and 0 <= step <= settings.steps):
+    if not (is_whole(step) and 0 <= step <= settings.steps):
         raise bad(f"step must be a whole number from 0 to the run's {settings.steps:,} steps, got "
-                  f"{number_text(step) if _whole(step) else brief(step)}")
+                  f"{number_text(step) if is_whole(step) else brief(step)}")
     seconds = document["seconds"]
     if not (_number(seconds) and math.isfinite(seconds) and seconds >= 0):
         raise bad(f"seconds must be a finite number of seconds, got {brief(seconds)}")
@@ -302,7 +298,7 @@ def check_document(document: dict, path: str) -> tuple[TrainSettings, int]:
     tensors = document["tensors"]
     if not (isinstance(tensors, dict) and set(tensors) == {"file", "size", "sha256"}
             and isinstance(tensors["file"], str) and TENSORS_FILE.fullmatch(tensors["file"])
-            and _whole(tensors["size"]) and tensors["size"] > 0
+            and is_whole(tensors["size"]) and tensors["size"] > 0
             and isinstance(tensors["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", tensors["sha256"])):
         raise bad("tensors must name a state-NNNNNNN.safetensors file in the same folder with its size and sha256, "
                   f"got {brief(tensors)}")
@@ -326,7 +322,7 @@ def _log_problem(log, settings: TrainSettings, step: int) -> str | None:
         where = f"log[{i}]"
         if not isinstance(record, dict):
             return f"{where} must be an object, got {json_kind(record)}"
-        if record.get("step") != first + i or not _whole(record.get("step")):
+        if record.get("step") != first + i or not is_whole(record.get("step")):
             return f"{where} must be the record of step {first + i}, got step {brief(record.get('step'))}"
         if record.get("phase") != settings.phase(first + i):
             return f"{where} must be of phase {settings.phase(first + i)}, got {brief(record.get('phase'))}"
@@ -356,11 +352,11 @@ def continued_problem(continued, *, allow_none: bool = False) -> str | None:
     ok = {"path": isinstance(continued["path"], str),
           "manifest_sha256": isinstance(continued["manifest_sha256"], str)
           and re.fullmatch(r"[0-9a-f]{64}", continued["manifest_sha256"]),
-          "steps": _whole(continued["steps"]) and 0 <= continued["steps"] <= 2 * MAX_STEPS,
+          "steps": is_whole(continued["steps"]) and 0 <= continued["steps"] <= 2 * MAX_STEPS,
           "training_seconds": _number(continued["training_seconds"]) and math.isfinite(continued["training_seconds"])
           and continued["training_seconds"] >= 0,
           "final_train_loss": continued["final_train_loss"] is None or _number(continued["final_train_loss"]),
-          "tokens_seen": continued["tokens_seen"] is None or _whole(continued["tokens_seen"]) and continued["tokens_seen"] >= 0}
+          "tokens_seen": continued["tokens_seen"] is None or is_whole(continued["tokens_seen"]) and continued["tokens_seen"] >= 0}
     wrong = next((key for key, good in ok.items() if not good), None)
     return f"continued_from.{wrong} must be {CONTINUED_KEYS[wrong]}, got {brief(continued[wrong])}" if wrong else None
 
@@ -370,9 +366,9 @@ def _evals_problem(evals, step: int) -> str | None:
         return f"evals must be an array, got {json_kind(evals)}"
     for i, record in enumerate(evals):
         if not (isinstance(record, dict) and set(record) == {"step", "bits_per_byte", "nats_per_token", "tokens", "bytes"}
-                and _whole(record["step"]) and 0 < record["step"] <= step
+                and is_whole(record["step"]) and 0 < record["step"] <= step
                 and all(_number(record[k]) for k in ("bits_per_byte", "nats_per_token"))
-                and all(_whole(record[k]) and record[k] >= 0 for k in ("tokens", "bytes"))):
+                and all(is_whole(record[k]) and record[k] >= 0 for k in ("tokens", "bytes"))):
             return f"evals[{i}] must be an evaluation (step, bits_per_byte, nats_per_token, tokens, bytes) of a step run"
     return None
 

@@ -68,11 +68,10 @@ def _index_kv(ctx):
     cfg = ctx.cfg
     need(cfg, "kv_source_layers", "index_source_layers", "compress_ratios")
     ratios, problems = cfg.compress_ratios, []
-    for layer in cfg.index_source_layers:
-        src = cfg.source_at_or_before(layer, cfg.kv_source_layers)
+    for layer, _, src in cfg.source_breaks(cfg.index_source_layers, kinds=("KV",)):
         if src is None:
             problems.append(f"index source {layer} has no KV source at or below it")
-        elif not cfg.reads_at_source_ratio(layer, src):
+        else:
             problems.append(f"index source {layer} (ratio {ratios[layer]}) reads KV source {src} (ratio {ratios[src]})")
     return verdict(problems, "every index source reads a KV source of its ratio")
 
@@ -82,14 +81,12 @@ def _readers(ctx):
     cfg = ctx.cfg
     need(cfg, "kv_source_layers", "index_source_layers", "compress_ratios", "n_layers")
     ratios, problems = cfg.compress_ratios, []
-    readers = [layer for layer in range(min(cfg.n_layers, len(ratios))) if ratios[layer] > 0]
-    for layer in readers:
-        for kind, sources in (("KV", cfg.kv_source_layers), ("index", cfg.index_source_layers)):
-            src = cfg.source_at_or_before(layer, sources)
-            if src is None:
-                problems.append(f"layer {layer} has no {kind} source at or before it")
-            elif not cfg.reads_at_source_ratio(layer, src):
-                problems.append(f"layer {layer} (ratio {ratios[layer]}) reads {kind} source {src} (ratio {ratios[src]})")
+    readers = cfg.compressed_readers()
+    for layer, kind, src in cfg.source_breaks(readers):
+        if src is None:
+            problems.append(f"layer {layer} has no {kind} source at or before it")
+        else:
+            problems.append(f"layer {layer} (ratio {ratios[layer]}) reads {kind} source {src} (ratio {ratios[src]})")
     return verdict(problems, f"{len(readers)} reading layers, each behind sources of its ratio")
 
 

@@ -1,10 +1,12 @@
-"""The pickle-free trace file: `GenerationTrace.save` / `load` (`save_trace`, `load_trace`).
+"""The pickle-free trace file `GenerationTrace.save` writes and `GenerationTrace.load` reads
+(`write_trace_file`, `read_trace_file`: the parts of a generation trace, not the class, so that
+this module needs only the records).
 
 A file is an NPZ archive of plain arrays and a JSON manifest naming, per record field, the member
 that holds each tensor and its torch dtype (bf16 and FP8 stored as same-width integers). Reading
 trusts nothing the file declares: sizes, headers, manifest fields, shapes and values are checked
 against what a record can hold before any array is read, and each failure is one `TraceFileError`
-sentence naming the file. The records themselves are `trace.py`'s.
+sentence naming the file. The records themselves are `records.py`'s.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from .config import MAX_LAYERS, VALUE_BOUNDS
-from .errors import Dsv41Error
-from .text import LongInteger, bounded_ints
-from .trace import AttentionRecord, EngramRecord, FiniteRecord, ForwardTrace, GenerationTrace, RoutingRecord, StepRecord
+from ..config_fields import MAX_LAYERS, VALUE_BOUNDS
+from ..errors import Dsv41Error
+from ..text import LongInteger, bounded_ints
+from .records import AttentionRecord, EngramRecord, FiniteRecord, ForwardTrace, RoutingRecord, StepRecord
 
 # ---------------------------------------------------------------------- trace files
 TRACE_FORMAT = "dsv41.GenerationTrace"
@@ -42,7 +44,17 @@ class TraceFileError(Dsv41Error, ValueError):
     newer version: one sentence naming the file and what is wrong with it."""
 
 
-def save_trace(trace: GenerationTrace, path, meta: Optional[dict] = None) -> str:
+class TraceContents(NamedTuple):
+    """What a trace file holds: a `GenerationTrace`'s fields, in its order."""
+
+    forward: ForwardTrace
+    steps: list[StepRecord]
+    cache: list[dict]
+    meta: dict
+
+
+def write_trace_file(path: str | os.PathLike, forward: ForwardTrace, steps: list[StepRecord], cache: list[dict],
+                     meta: dict) -> str:
     import numpy as np
 
     path = os.fspath(path)
@@ -65,18 +77,18 @@ def save_trace(trace: GenerationTrace, path, meta: Optional[dict] = None) -> str
     def record(rec) -> dict:
         return {f.name: value(getattr(rec, f.name)) for f in dataclasses.fields(rec)}
 
-    fwd = trace.forward
+    fwd = forward
     manifest = {
         "format": TRACE_FORMAT, "version": TRACE_VERSION,
         "forward": {"class": type(fwd).__name__,
                     "options": {"keep_index_scores": fwd.keep_index_scores, "keep_outputs": fwd.keep_outputs,
                                 "check_finite": getattr(fwd, "check_finite", False)},
                     **{name: [record(r) for r in getattr(fwd, name, [])] for name in _RECORDS}},
-        "steps": [record(s) for s in trace.steps],
+        "steps": [record(s) for s in steps],
         "cache": [{**{k: v for k, v in step.items() if k != "layers"},
                    "layers": [[int(layer), [int(c) for c in counts]] for layer, counts in step.get("layers", {}).items()]}
-                  for step in trace.cache],
-        "meta": {**trace.meta, **(meta or {})},
+                  for step in cache],
+        "meta": meta,
     }
     try:
         text = json.dumps(manifest, allow_nan=True)
@@ -217,7 +229,7 @@ class _Header(NamedTuple):
     offset: int  # bytes before the data
 
 
-def load_trace(path, max_bytes: Optional[int] = None) -> GenerationTrace:
+def read_trace_file(path: str | os.PathLike, max_bytes: Optional[int] = None) -> TraceContents:
     path = os.fspath(path)
     limit = MAX_TRACE_BYTES if max_bytes is None else max_bytes
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
@@ -250,7 +262,7 @@ def _reason(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def _read_trace(archive: zipfile.ZipFile, limit: int, path: str) -> GenerationTrace:
+def _read_trace(archive: zipfile.ZipFile, limit: int, path: str) -> TraceContents:
     members: dict[str, zipfile.ZipInfo] = {}
     for info in archive.infolist():
         if info.filename in members:
@@ -312,7 +324,7 @@ def _read_trace(archive: zipfile.ZipFile, limit: int, path: str) -> GenerationTr
             record = cls(**{k: tensor(v) if isinstance(v, _TensorRef) else v for k, v in fields.items()})
             getattr(forward, kind).append(record)
     steps = [cls(**fields) for cls, where, fields in plan["steps"]]
-    return GenerationTrace(forward, steps, plan["cache"], plan["meta"])
+    return TraceContents(forward, steps, plan["cache"], plan["meta"])
 
 
 def _read_header(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> _Header:
@@ -389,9 +401,7 @@ def _read_manifest(archive: zipfile.ZipFile, info: zipfile.ZipInfo):
     except LongInteger as exc:
         raise _Damage(f"its manifest holds an integer of {exc.args[0]:,} digits, past any 64-bit value") from None
     except RecursionError:
-        raise _Damage(f"its manifest nests too deep to read (a trace's manifest nests six levels)") from None
-
-
+        raise _Damage("its manifest nests too deep to read (a trace's manifest nests six levels)") from None
 
 
 def _too_deep(value) -> bool:

@@ -1,18 +1,17 @@
-"""Plain data a forward's observers fill; nothing here reaches into modules.
+"""The plain records a forward's observers fill, and the recorder that fills them; nothing here
+reaches into modules.
 
 A `Trace` subscribes to the named sites of a model or an attention stack (`hooks`) for a call
 (`with trace.recording(stack.sites):`, or `model(ids, pos, trace=t)`), and each attention layer
 call appends one `AttentionRecord` (the recorder, `_Recorder`, assembles it from the layer's
 compressor, indexer, top-k and own sites). Tensors are detached CPU copies, so a trace can be kept
-across calls, pickled or plotted without holding the model's memory. Repeated calls (a prefill, then decode steps) append records in call order; use
-`Trace.attention_by_layer` to regroup them per layer and query position.
+across calls, saved or plotted without holding the model's memory. Repeated calls (a prefill, then
+decode steps) append records in call order; use `Trace.attention_by_layer` to regroup them per layer
+and query position.
 
 `ForwardTrace` is the Trace the whole backbone fills: also a `RoutingRecord` per MoE layer call
-and an `EngramRecord` per Engram layer call. `GenerationTrace` is what a traced `generate` run
-returns: that ForwardTrace, a `StepRecord` per produced token and the expert-cache accounting;
-`GenerationTrace.save(path)` / `GenerationTrace.load(path)` keep one in a file without pickle
-(`trace_file.py`: an NPZ archive of plain arrays and a JSON manifest), so a trace recorded on the real checkpoint can be
-replayed (`dsv41.cache_policy`) anywhere. This module imports no model code.
+and an `EngramRecord` per Engram layer call. A `StepRecord` is one token a traced `generate` run
+produced (`generation.GenerationTrace` holds them).
 """
 
 from __future__ import annotations
@@ -361,76 +360,3 @@ class StepRecord:
     token: int
     margin: float  # top-1 minus top-2 logit
     seconds: float
-
-
-@dataclass
-class GenerationTrace:
-    """Everything a traced run recorded, as plain data.
-
-    forward: the backbone's ForwardTrace (attention records: indexer selections and candidate blocks;
-    routing records: expert ids and weights per layer and token; Engram gate values); steps: per
-    produced token its logit margin; cache: per forward call the expert-cache hits and misses by layer;
-    meta: plain facts about the run a reader of a saved trace needs (`n_routed_experts`,
-    `expert_cache`, the checkpoint, the prompt...), JSON values only, kept by `save` / `load`."""
-
-    forward: ForwardTrace
-    steps: list[StepRecord] = field(default_factory=list)
-    cache: list[dict] = field(default_factory=list)
-    meta: dict = field(default_factory=dict)
-
-    @property
-    def margins(self) -> list[float]:
-        return [s.margin for s in self.steps]
-
-    def routing(self) -> dict[int, dict[str, torch.Tensor]]:
-        return self.forward.routing_by_layer()
-
-    def engram_gates(self) -> dict[int, dict[str, torch.Tensor]]:
-        return self.forward.engram_by_layer()
-
-    def attention(self) -> dict[int, dict[str, torch.Tensor]]:
-        return self.forward.attention_by_layer()
-
-    def to_dict(self) -> dict:
-        """Nested lists and numbers only (JSON-ready)."""
-        def plain(groups):
-            return {str(layer): {k: v.tolist() for k, v in fields.items()} for layer, fields in groups.items()}
-
-        return {"steps": [vars(s) for s in self.steps], "cache": self.cache,
-                "routing": plain(self.routing()), "engram": plain(self.engram_gates()),
-                "attention": plain(self.attention())}
-
-    # ------------------------------------------------------------------ files (no pickle)
-    def save(self, path, meta: Optional[dict] = None) -> str:
-        """Write the whole trace to `path` (an NPZ archive, whatever the name): every record of the
-        ForwardTrace with its options, the steps, the per-call cache counts and `meta` (updated with
-        `meta` if given). Tensors are stored as plain arrays with their torch dtype named (bf16 and
-        FP8 as same-width integers), everything else in a JSON manifest; `load` reads it back with
-        `allow_pickle=False`. Returns the path."""
-        from .trace_file import save_trace
-
-        return save_trace(self, path, meta)
-
-    @classmethod
-    def load(cls, path, max_bytes: Optional[int] = None) -> "GenerationTrace":
-        """A trace written by `save`. TraceFileError (a ValueError), one sentence, when the file is
-        not one, is damaged, or its arrays would take more than `max_bytes` uncompressed (default
-        MAX_TRACE_BYTES, 4 GiB); FileNotFoundError when it does not exist. Sizes are checked before
-        anything is read, and only the members the manifest names are read."""
-        from .trace_file import load_trace
-
-        return load_trace(path, max_bytes)
-
-
-# The file format's names, importable from here as before it had its own module (`trace_file`
-# imports the records above, so it is looked up when first asked for).
-_FILE_NAMES = ("TraceFileError", "save_trace", "load_trace", "TRACE_FORMAT", "TRACE_VERSION", "MAX_TRACE_BYTES",
-               "MAX_MANIFEST_BYTES")
-
-
-def __getattr__(name: str):
-    if name in _FILE_NAMES:
-        from . import trace_file
-
-        return getattr(trace_file, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
