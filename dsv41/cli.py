@@ -237,18 +237,17 @@ def _generate_model(args, process: _Process):
     devices, the checkpoint path; then the header audit and `load`, on every rank at once."""
     from .errors import Dsv41Error
     from .checkpoint import LoadError
-    from .loader import CacheOptions, Placement, checkpoint_path, expert_placement, load, start_expert_parallel
+    from .loader import checkpoint_path, expert_placement, load, start_expert_parallel
     from .numerics import Numerics
     from .stores import DEFAULT_EXPERT_CACHE
 
     numerics = Numerics.named(args.numerics).with_options(fix_stale_index_keys=args.fix_stale_index_keys or None)
     devices = [d.strip() for d in args.expert_device.split(",")]  # one device or a comma-separated list
     devices = devices if len(devices) > 1 else devices[0]
-    caches = CacheOptions(max_seq_len=args.max_seq_len)
-    placement = Placement(expert_device=devices, expert_parallel=args.expert_parallel,
-                          expert_cache=DEFAULT_EXPERT_CACHE if args.expert_cache is None else args.expert_cache,
-                          resident_engram=args.resident_engram, memory=args.memory,
-                          expert_policy=args.expert_policy, read_ahead=args.read_ahead)
+    options = dict(max_seq_len=args.max_seq_len, expert_device=devices, expert_parallel=args.expert_parallel,
+                   expert_cache=DEFAULT_EXPERT_CACHE if args.expert_cache is None else args.expert_cache,
+                   resident_engram=args.resident_engram, memory=args.memory, expert_policy=args.expert_policy,
+                   read_ahead=args.read_ahead)
     try:
         if args.expert_parallel:
             process.ranks = start_expert_parallel()
@@ -262,8 +261,7 @@ def _generate_model(args, process: _Process):
         problem = _audit_problem(path)
         if problem:
             raise LoadError(problem)
-        return load(path, numerics=numerics, caches=caches, placement=placement, threads=args.threads,
-                    quiet=args.quiet)
+        return load(path, numerics=numerics, threads=args.threads, quiet=args.quiet, **options)
 
     return process.step(audited_load, "loading", (LoadError,))
 

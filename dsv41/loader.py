@@ -21,7 +21,6 @@ the bytes `report.predict_retained_bytes` derives from the inventory alone.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
@@ -57,7 +56,7 @@ MAX_BATCH_SIZE = 64
 
 @dataclass(frozen=True)
 class CacheOptions:
-    """What the attention caches are sized for and hold: `max_seq_len` positions (None:
+    """What `load`'s cache keywords ask for, checked: the attention caches sized for `max_seq_len` positions (None:
     min(config, DEFAULT_MAX_SEQ_LEN)) of `max_batch_size` rows, `cache_format` "packed" (the stored
     FP8 / FP4 formats with their scales) or "bf16" (the reference runtime's BF16 buffers; the
     logits are the same bit for bit), and `undo_calls`, how many calls `Model.rollback` can undo."""
@@ -104,39 +103,41 @@ class Placement:
     read_ahead: bool = False
 
 
-# the short form: each group's fields are load() keywords of the same name
-_GROUPS = {"caches": CacheOptions, "placement": Placement}
-
-
-def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None, caches: Optional[CacheOptions] = None,
-         placement: Optional[Placement] = None, threads="auto", dspark: bool = True, quiet: bool = False,
-         **options) -> Model:
+def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
+         max_seq_len: Optional[int] = None, max_batch_size: int = 1, undo_calls: int = 64,
+         cache_format: str = "packed", expert_device: Any = "cpu", expert_cache: int = DEFAULT_EXPERT_CACHE,
+         expert_parallel: bool = False, resident_engram: bool = False, memory: Any = None,
+         expert_policy: str = DEFAULT_POLICY, read_ahead: bool = False, threads="auto", dspark: bool = True,
+         quiet: bool = False) -> Model:
     """Load a checkpoint directory (default: the embedded one) -> `model.Model`, its `report` the
     LoadReport.
 
     numerics: a `Numerics`, the only arithmetic option (default `Numerics()`, the
     released runtime's arithmetic; `Numerics.parity()` for a prefill that equals token-by-token
     decoding until a top-k cuts; `Numerics(pad_f32_rows=True)` and the like for one field).
-    caches: a `CacheOptions` (max_seq_len, max_batch_size, undo_calls, cache_format); placement: a
-    `Placement` (expert_device, expert_cache, expert_parallel, resident_engram). Each field is also
-    a keyword of its own, the short form (`load(path, max_seq_len=8192, expert_device="cuda")`);
-    the keywords build the groups, and one option given both ways is a LoadError. Under
-    expert_parallel the group is joined, or started from torchrun's environment, the rank computes
-    the routed experts e with e % world_size == rank (`dsv41.distributed`; a plain "cuda"
-    expert_device then means the rank's own GPU) and the logits equal one process's bit for bit;
-    without a usable GPU one line on stderr says so and the CPU's fused path runs the experts.
-    threads: torch's intra-op threads for the whole process, which the native expert kernel uses
-    too: "auto" (default, `threads.auto_threads`), a whole number, or None to leave torch as it is
-    (the report's summary says which). dspark: build the DSpark draft stack (`Model.draft`,
-    speculative generation) when the checkpoint has `mtp.*` stages and dspark_block_size > 0
-    (False leaves them on disk, "not run"). quiet: no progress bar (drawn only on a terminal) or
-    report on stderr.
+    The attention caches (see `CacheOptions`): max_seq_len, max_batch_size, undo_calls,
+    cache_format. Where the routed experts and the Engram tables live (see `Placement`):
+    expert_device, expert_cache, expert_parallel, resident_engram, memory, expert_policy,
+    read_ahead. Under expert_parallel the group is joined, or started from torchrun's environment,
+    the rank computes the routed experts e with e % world_size == rank (`dsv41.distributed`; a
+    plain "cuda" expert_device then means the rank's own GPU) and the logits equal one process's
+    bit for bit; without a usable GPU one line on stderr says so and the CPU's fused path runs the
+    experts. threads: torch's intra-op threads for the whole process, which the native expert
+    kernel uses too: "auto" (default, `threads.auto_threads`), a whole number, or None to leave
+    torch as it is (the report's summary says which). dspark: build the DSpark draft stack
+    (`Model.draft`, speculative generation) when the checkpoint has `mtp.*` stages and
+    dspark_block_size > 0 (False leaves them on disk, "not run"). quiet: no progress bar (drawn
+    only on a terminal) or report on stderr.
 
     Raises LoadError (one sentence) on a bad checkpoint or a bad argument, and
     `distributed.ExpertParallelError` when the expert-parallel group cannot start."""
+    caches = CacheOptions(max_seq_len=max_seq_len, max_batch_size=max_batch_size, undo_calls=undo_calls,
+                          cache_format=cache_format)
+    placement = Placement(expert_device=expert_device, expert_cache=expert_cache, expert_parallel=expert_parallel,
+                          resident_engram=resident_engram, memory=memory, expert_policy=expert_policy,
+                          read_ahead=read_ahead)
     began = time.perf_counter()
     numerics = _checked_numerics(numerics)
-    caches, placement = grouped_options(options, caches=caches, placement=placement)
     _check_threads(threads)
     caches.check()
     _check_placement(placement)
@@ -214,28 +215,6 @@ def sibling(model: Model, numerics: Optional[Numerics] = None) -> Model:
     twin.attach(model.experts, model.engram_tables)
     twin.report, twin.checkpoint = model.report, model.checkpoint
     return twin
-
-
-def grouped_options(options: dict, **groups) -> tuple[CacheOptions, Placement]:
-    """(caches, placement) from load()'s group arguments and its short-form keywords `options`,
-    each keyword put into the group whose field it names. TypeError for a keyword no group has (as
-    Python's own for a misspelt one), LoadError for a group of the wrong type or an option given
-    both in its group and as a keyword."""
-    built = []
-    for name, kind in _GROUPS.items():
-        group, fields = groups[name], [f.name for f in dataclasses.fields(kind)]
-        given = {key: options.pop(key) for key in fields if key in options}
-        if group is None:
-            group = kind(**given)
-        elif not isinstance(group, kind):
-            raise LoadError(f"{name} must be a {kind.__name__}(...), got {brief(group)}")
-        elif given:
-            raise LoadError(f"{', '.join(given)} given both in {name}= and as a keyword; pass "
-                            f"{'it' if len(given) == 1 else 'them'} once")
-        built.append(group)
-    if options:
-        raise TypeError(f"load() got an unexpected keyword argument {next(iter(options))!r}")
-    return built[0], built[1]
 
 
 # ---------------------------------------------------------------------- the steps, in order

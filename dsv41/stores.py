@@ -246,7 +246,7 @@ class SlotCache:
     arithmetic is the same as `ExpertCache`'s. Counts go to `counters` (hits, misses, bytes per
     step) and the read timing to `stats`. Host memory only.
 
-    `read_ahead` (off by default; `loader.Placement`): a call may name the experts the next layer will probably want
+    `read_ahead` (off by default; `load(read_ahead=True)`): a call may name the experts the next layer will probably want
     (`stream(..., ahead=(layer, ids))`, the next layer's router applied to this layer's input);
     those not held start reading once this call's own misses are queued, so they arrive while this
     layer computes. Only which slots fill and when changes, never the arithmetic; an expert read

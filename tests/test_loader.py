@@ -388,24 +388,23 @@ def test_bad_arguments_are_a_load_error_still_a_value_error(tiny_checkpoint, opt
     assert isinstance(info.value, ValueError) and isinstance(info.value, dsv41.Dsv41Error)
 
 
-def test_the_option_groups_and_their_keywords_are_one_path(tiny_checkpoint):
-    from dsv41 import CacheOptions, Placement
-    from dsv41.loader import grouped_options
+def test_load_takes_each_option_as_one_keyword(tiny_checkpoint):
+    """One way to give an option: a keyword of load, the same name and default as the field of the
+    group it fills (CacheOptions, Placement: what load checks them as), so the two cannot drift."""
+    import dataclasses
+    import inspect
 
-    short = dict(max_seq_len=32, undo_calls=3, cache_format="bf16", expert_cache=2, resident_engram=True)
-    assert grouped_options(dict(short), caches=None, placement=None) == (
-        CacheOptions(max_seq_len=32, undo_calls=3, cache_format="bf16"), Placement(expert_cache=2, resident_engram=True))
-    grouped = load(tiny_checkpoint, quiet=True, caches=CacheOptions(max_seq_len=32, undo_calls=3, cache_format="bf16"),
-                   placement=Placement(expert_cache=2, resident_engram=True))
-    flat = load(tiny_checkpoint, quiet=True, **short)
-    for model in (grouped, flat):
-        assert model.max_seq_len == 32 and model.rollback_limit == 0 and model.experts.capacity == 2
-    ids = torch.tensor([grouped.encode("The cat sat")])
-    assert torch.equal(grouped(ids, 0), flat(ids, 0))
-    with pytest.raises(LoadError, match="max_seq_len given both in caches= and as a keyword"):
-        load(tiny_checkpoint, quiet=True, caches=CacheOptions(), max_seq_len=32)
-    with pytest.raises(LoadError, match=r"placement must be a Placement\(...\)"):
-        load(tiny_checkpoint, quiet=True, placement=dict(expert_cache=2))
+    from dsv41.loader import CacheOptions, Placement
+
+    keywords = inspect.signature(load).parameters
+    for group in (CacheOptions, Placement):
+        for f in dataclasses.fields(group):
+            assert keywords[f.name].kind is inspect.Parameter.KEYWORD_ONLY and keywords[f.name].default == f.default, f.name
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in keywords.values())
+    model = load(tiny_checkpoint, quiet=True, max_seq_len=32, undo_calls=3, cache_format="bf16", expert_cache=2,
+                 resident_engram=True)
+    assert model.max_seq_len == 32 and model.rollback_limit == 0 and model.experts.capacity == 2
+    assert model.cache_format == "bf16"
     with pytest.raises(TypeError, match="unexpected keyword argument 'expert_cahce'"):
         load(tiny_checkpoint, quiet=True, expert_cahce=2)
 
