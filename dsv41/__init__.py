@@ -3,9 +3,14 @@
 __version__ = "0.1.0"
 
 # Imported on first use, so `import dsv41` (and the header-only commands) never import torch.
-_LAZY = {"load": ("dsv41.loader", "load"), "LoadReport": ("dsv41.report", "LoadReport"),
-         "LoadError": ("dsv41.checkpoint", "LoadError"), "Model": ("dsv41.model", "Model"),
-         "Numerics": ("dsv41.numerics", "Numerics"), "Dsv41Error": ("dsv41.errors", "Dsv41Error")}
+_LAZY = {
+    "load": ("dsv41.loader", "load"),
+    "LoadReport": ("dsv41.report", "LoadReport"),
+    "LoadError": ("dsv41.checkpoint", "LoadError"),
+    "Model": ("dsv41.model", "Model"),
+    "Numerics": ("dsv41.numerics", "Numerics"),
+    "Dsv41Error": ("dsv41.errors", "Dsv41Error"),
+}
 
 
 def __getattr__(name: str):

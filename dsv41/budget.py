@@ -20,8 +20,8 @@ from typing import Optional
 
 from .argtypes import byte_size
 from .attention import kv_cache_bytes
-from .config import Config
 from .checkpoint import LoadError
+from .config import Config
 from .inventory import expected_tensors
 from .report import predict_draft_bytes, predict_retained_bytes
 
@@ -84,9 +84,11 @@ def check_machine(memory: int) -> None:
     if have is None or memory <= have[0]:
         return
     limit, what = have
-    raise BudgetError(f"a memory budget of {gib_text(memory, up=True)} GiB is more than the "
-                      f"{gib_text(limit, up=False)} GiB ({limit:,} bytes) {what}; give at most "
-                      f"{gib_text(limit, up=False)} GiB")
+    raise BudgetError(
+        f"a memory budget of {gib_text(memory, up=True)} GiB is more than the "
+        f"{gib_text(limit, up=False)} GiB ({limit:,} bytes) {what}; give at most "
+        f"{gib_text(limit, up=False)} GiB"
+    )
 
 
 @dataclass(frozen=True)
@@ -109,16 +111,26 @@ class BudgetPlan:
 
     def line(self) -> str:
         g = GIB
-        return (f"memory budget {self.memory / g:.2f} GiB: dense {self.dense / g:.2f} + attention caches "
-                f"{self.kv / g:.2f} + draft stack {self.draft / g:.2f} + process allowance {self.baseline / g:.2f} "
-                f"GiB; the rest holds {self.slots} expert slots x {self.slot_bytes / 2**20:.2f} MiB = "
-                f"{self.expert_bytes / g:.2f} GiB (the minimum for this checkpoint is "
-                f"{gib_text(self.minimum, up=True)} GiB)")
+        return (
+            f"memory budget {self.memory / g:.2f} GiB: dense {self.dense / g:.2f} + attention caches "
+            f"{self.kv / g:.2f} + draft stack {self.draft / g:.2f} + process allowance {self.baseline / g:.2f} "
+            f"GiB; the rest holds {self.slots} expert slots x {self.slot_bytes / 2**20:.2f} MiB = "
+            f"{self.expert_bytes / g:.2f} GiB (the minimum for this checkpoint is "
+            f"{gib_text(self.minimum, up=True)} GiB)"
+        )
 
     def as_dict(self) -> dict:
-        return {"memory": self.memory, "dense": self.dense, "kv": self.kv, "draft": self.draft,
-                "baseline": self.baseline, "slot_bytes": self.slot_bytes, "slots": self.slots,
-                "expert_bytes": self.expert_bytes, "minimum": self.minimum}
+        return {
+            "memory": self.memory,
+            "dense": self.dense,
+            "kv": self.kv,
+            "draft": self.draft,
+            "baseline": self.baseline,
+            "slot_bytes": self.slot_bytes,
+            "slots": self.slots,
+            "expert_bytes": self.expert_bytes,
+            "minimum": self.minimum,
+        }
 
 
 def routed_expert_bytes(cfg: Config) -> int:
@@ -128,8 +140,16 @@ def routed_expert_bytes(cfg: Config) -> int:
     return sum(s.nbytes for s in expected_tensors(cfg) if s.name.startswith(prefix))
 
 
-def plan_budget(cfg: Config, memory, *, max_seq_len: int, max_batch_size: int = 1, dspark: bool = True,
-                cache_format: str = "packed", baseline: int = BASELINE_BYTES) -> BudgetPlan:
+def plan_budget(
+    cfg: Config,
+    memory,
+    *,
+    max_seq_len: int,
+    max_batch_size: int = 1,
+    dspark: bool = True,
+    cache_format: str = "packed",
+    baseline: int = BASELINE_BYTES,
+) -> BudgetPlan:
     """How `memory` (bytes, or a size such as "16GiB") is spent on `cfg` with caches for
     `max_seq_len` positions of `max_batch_size` rows; `dspark`: the draft stack is built.
     BudgetError when it cannot hold the dense part and one token's experts."""
@@ -142,10 +162,20 @@ def plan_budget(cfg: Config, memory, *, max_seq_len: int, max_batch_size: int = 
     fixed = dense + kv + draft + baseline
     minimum = fixed + topk * slot
     if memory < minimum:
-        raise BudgetError(f"a memory budget of {gib_text(memory, up=False)} GiB cannot hold the dense part "
-                          f"({dense / GIB:.2f} GiB), the attention caches, the draft stack and the process "
-                          f"({(kv + draft + baseline) / GIB:.2f} GiB) plus one token's {topk} routed experts "
-                          f"({topk * slot / GIB:.2f} GiB); give at least {gib_text(minimum, up=True)} GiB (or fewer "
-                          f"positions with max_seq_len)")
-    return BudgetPlan(memory=memory, dense=dense, kv=kv, draft=draft, baseline=baseline, slot_bytes=slot,
-                      slots=(memory - fixed) // slot, minimum=minimum)
+        raise BudgetError(
+            f"a memory budget of {gib_text(memory, up=False)} GiB cannot hold the dense part "
+            f"({dense / GIB:.2f} GiB), the attention caches, the draft stack and the process "
+            f"({(kv + draft + baseline) / GIB:.2f} GiB) plus one token's {topk} routed experts "
+            f"({topk * slot / GIB:.2f} GiB); give at least {gib_text(minimum, up=True)} GiB (or fewer "
+            f"positions with max_seq_len)"
+        )
+    return BudgetPlan(
+        memory=memory,
+        dense=dense,
+        kv=kv,
+        draft=draft,
+        baseline=baseline,
+        slot_bytes=slot,
+        slots=(memory - fixed) // slot,
+        minimum=minimum,
+    )

@@ -76,7 +76,9 @@ def expert_tensors(cfg: Optional[Config] = None, layer: int = 0, expert: int = 0
         builder.expert(prefix.rstrip("."), "fp4")
         specs = builder.out
     if not specs:
-        raise ValueError(f"the inventory of {cfg.source or 'this config'} has no routed expert {expert} in layer {layer}")
+        raise ValueError(
+            f"the inventory of {cfg.source or 'this config'} has no routed expert {expert} in layer {layer}"
+        )
     return specs
 
 
@@ -93,11 +95,18 @@ def geometry(cfg: Optional[Config] = None) -> dict:
 
     cfg = RELEASED if cfg is None else cfg
     specs = expert_tensors(cfg)
-    return {"dim": cfg.dim, "moe_inter_dim": cfg.moe_inter_dim, "n_routed_experts": cfg.n_routed_experts,
-            "n_layers": cfg.n_layers, "expert_dtype": cfg.expert_dtype,
-            "tensors": [{"name": s.name.split("experts.0.", 1)[1], "dtype": s.dtype, "shape": list(s.shape),
-                         "bytes": s.nbytes} for s in specs],
-            "bytes_per_expert": sum(s.nbytes for s in specs)}
+    return {
+        "dim": cfg.dim,
+        "moe_inter_dim": cfg.moe_inter_dim,
+        "n_routed_experts": cfg.n_routed_experts,
+        "n_layers": cfg.n_layers,
+        "expert_dtype": cfg.expert_dtype,
+        "tensors": [
+            {"name": s.name.split("experts.0.", 1)[1], "dtype": s.dtype, "shape": list(s.shape), "bytes": s.nbytes}
+            for s in specs
+        ],
+        "bytes_per_expert": sum(s.nbytes for s in specs),
+    }
 
 
 # ---------------------------------------------------------------------- routing -> lookups
@@ -138,8 +147,10 @@ def routing_calls(source) -> dict[int, list[Call]]:
     GenerationResult, a GenerationTrace or ForwardTrace, a path to a saved trace, or this function's
     own output (returned as is)."""
     if isinstance(source, dict):
-        return {int(layer): [c if isinstance(c, Call) else Call(**c) for c in calls]
-                for layer, calls in sorted(source.items(), key=lambda kv: int(kv[0]))}
+        return {
+            int(layer): [c if isinstance(c, Call) else Call(**c) for c in calls]
+            for layer, calls in sorted(source.items(), key=lambda kv: int(kv[0]))
+        }
     import torch
 
     records = _routing_records(source)
@@ -150,8 +161,9 @@ def routing_calls(source) -> dict[int, list[Call]]:
         distinct, counts = torch.unique(ids.reshape(-1), sorted=True, return_counts=True)
         choices = dict(zip(distinct.tolist(), counts.tolist()))
         seqlen = int(ids.shape[1]) if ids.dim() >= 3 else int(ids.shape[0])
-        out.setdefault(int(rec.layer), []).append(Call(int(rec.start_pos), seqlen, tuple(choices), choices,
-                                                       int(rec.cache_hits), int(rec.cache_misses)))
+        out.setdefault(int(rec.layer), []).append(
+            Call(int(rec.start_pos), seqlen, tuple(choices), choices, int(rec.cache_hits), int(rec.cache_misses))
+        )
     return dict(sorted(out.items()))
 
 
@@ -172,8 +184,10 @@ def _routing_records(source):
     forward = getattr(trace, "forward", trace)
     routing = getattr(forward, "routing", None)
     if routing is None:
-        raise ValueError(f"a {type(source).__name__} holds no routing records; pass a traced GenerationResult, "
-                         "a GenerationTrace or the path of a saved one")
+        raise ValueError(
+            f"a {type(source).__name__} holds no routing records; pass a traced GenerationResult, "
+            "a GenerationTrace or the path of a saved one"
+        )
     return routing
 
 
@@ -189,8 +203,9 @@ def experts_per_layer(source, n_experts: Optional[int] = None, *, calls: Optiona
     calls = routing_calls(source) if calls is None else calls
     seen = max((e for per in calls.values() for c in per for e in c.lookups), default=-1)
     if seen >= MAX_EXPERTS:
-        raise ValueError(f"the trace routes to expert {seen:,}, past the {MAX_EXPERTS:,} routed experts a config "
-                         "may have")
+        raise ValueError(
+            f"the trace routes to expert {seen:,}, past the {MAX_EXPERTS:,} routed experts a config may have"
+        )
     return seen + 1
 
 
@@ -394,13 +409,14 @@ def _next_uses(lookups: Sequence[int]) -> list[int]:
     return out
 
 
-def replay_counts(calls: Sequence[Sequence[int]], capacity: int, policy: str = "lru",
-                  ranking: Optional[Sequence[int]] = None) -> list[list[int]]:
+def replay_counts(
+    calls: Sequence[Sequence[int]], capacity: int, policy: str = "lru", ranking: Optional[Sequence[int]] = None
+) -> list[list[int]]:
     """[hits, misses] per call for per-call lookup lists replayed through one cache of `capacity`."""
     hits = replay(policy, [e for call in calls for e in call], capacity, ranking)
     out, k = [], 0
     for call in calls:
-        part = hits[k:k + len(call)]
+        part = hits[k : k + len(call)]
         k += len(call)
         out.append([sum(part), len(part) - sum(part)])
     return out
@@ -422,12 +438,17 @@ def pool_steps(source, expert_map=None) -> list[list[list[tuple]]]:
     return steps
 
 
-def pool_hit_rates(steps: Sequence[Sequence[Sequence[tuple]]], capacity: int, policies: Sequence[str] = ("lru", "decay", "belady"),
-                   half_life: Optional[float] = None) -> dict:
+def pool_hit_rates(
+    steps: Sequence[Sequence[Sequence[tuple]]],
+    capacity: int,
+    policies: Sequence[str] = ("lru", "decay", "belady"),
+    half_life: Optional[float] = None,
+) -> dict:
     """One pool of `capacity` experts shared by every layer, as `stores.SlotCache` keeps it:
     `steps` per forward call, per layer in fetch order, the (layer, expert) keys it looks up
-    (`pool_steps`); one tick per forward call. lru and decay run through `eviction.Residency` (the running cache's own bookkeeping),
-    belady over the same keys; per policy {"hits", "misses", "hit_rate"}."""
+    (`pool_steps`); one tick per forward call. lru and decay run through `eviction.Residency` (the
+    running cache's own bookkeeping), belady over the same keys; per policy {"hits", "misses",
+    "hit_rate"}."""
     from .eviction import DEFAULT_HALF_LIFE
 
     out = {}
@@ -437,8 +458,12 @@ def pool_hit_rates(steps: Sequence[Sequence[Sequence[tuple]]], capacity: int, po
             hits = sum(belady_replay(flat, capacity))
             total = len(flat)
         else:
-            counts = replay_calls(((t + 1, layer) for t, step in enumerate(steps) for layer in step), capacity, policy,
-                                  half_life or DEFAULT_HALF_LIFE)
+            counts = replay_calls(
+                ((t + 1, layer) for t, step in enumerate(steps) for layer in step),
+                capacity,
+                policy,
+                half_life or DEFAULT_HALF_LIFE,
+            )
             hits, total = sum(c[0] for c in counts), sum(c[0] + c[1] for c in counts)
         out[policy] = {"hits": hits, "misses": total - hits, "hit_rate": hits / total if total else None}
     return out
@@ -460,9 +485,16 @@ def static_ranking(calls: Sequence[Call], n_experts: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------- the lab
-def policy_data(source, *, policies: Sequence[str] = POLICIES, capacities: Optional[Sequence[int]] = None,
-                n_experts: Optional[int] = None, warmup=1, cfg: Optional[Config] = None,
-                capacity: Optional[int] = None) -> dict:
+def policy_data(
+    source,
+    *,
+    policies: Sequence[str] = POLICIES,
+    capacities: Optional[Sequence[int]] = None,
+    n_experts: Optional[int] = None,
+    warmup=1,
+    cfg: Optional[Config] = None,
+    capacity: Optional[int] = None,
+) -> dict:
     """Plain data (JSON-ready) for the policy figure and the `replay` command.
 
     `source`: what `routing_calls` takes. `capacities`: cache sizes per layer (default 0 ..
@@ -479,8 +511,9 @@ def policy_data(source, *, policies: Sequence[str] = POLICIES, capacities: Optio
     [policy][size], bytes_per_miss and geometry, lookups / decode_lookups / distinct per layer,
     tokens / decode_tokens, warmup (its source and calls, the ranking per layer), recorded (the run's
     own hits and misses per layer) and capacity."""
-    policies, calls, layers, n_experts, sizes, capacity = _replay_inputs(source, policies, capacities, n_experts,
-                                                                         capacity)
+    policies, calls, layers, n_experts, sizes, capacity = _replay_inputs(
+        source, policies, capacities, n_experts, capacity
+    )
     rankings, warm_desc = _warmup_rankings(warmup, calls, layers, n_experts)
 
     flat = {layer: [e for c in calls[layer] for e in c.lookups] for layer in layers}
@@ -495,23 +528,37 @@ def policy_data(source, *, policies: Sequence[str] = POLICIES, capacities: Optio
     bytes_per_miss = expert_bytes(cfg)
     total, total_decode = sum(lookups), sum(decode_lookups)
     data = {
-        "policies": policies, "policy_names": {p: POLICY_NAMES[p] for p in policies},
-        "layers": layers, "n_experts": n_experts, "capacities": sizes, "capacity": capacity,
-        "calls": len(first), "tokens": tokens, "decode_tokens": decode_tokens,
-        "lookups": lookups, "decode_lookups": decode_lookups,
+        "policies": policies,
+        "policy_names": {p: POLICY_NAMES[p] for p in policies},
+        "layers": layers,
+        "n_experts": n_experts,
+        "capacities": sizes,
+        "capacity": capacity,
+        "calls": len(first),
+        "tokens": tokens,
+        "decode_tokens": decode_tokens,
+        "lookups": lookups,
+        "decode_lookups": decode_lookups,
         "distinct": [len(set(flat[layer])) for layer in layers],
-        "bytes_per_miss": bytes_per_miss, "mib_per_miss": bytes_per_miss / MIB, "geometry": geometry(cfg),
+        "bytes_per_miss": bytes_per_miss,
+        "mib_per_miss": bytes_per_miss / MIB,
+        "geometry": geometry(cfg),
         "warmup": {**warm_desc, "ranking": {str(layer): rankings[layer] for layer in layers}},
         "hits": hits,
-        "hit_rate_by_layer": {p: [[h / n if n else None for h in row] for row, n in zip(hits[p], lookups)]
-                              for p in policies},
-        "hit_rate": {p: [sum(row[i] for row in hits[p]) / total if total else None for i in range(len(sizes))]
-                     for p in policies},
+        "hit_rate_by_layer": {
+            p: [[h / n if n else None for h in row] for row, n in zip(hits[p], lookups)] for p in policies
+        },
+        "hit_rate": {
+            p: [sum(row[i] for row in hits[p]) / total if total else None for i in range(len(sizes))] for p in policies
+        },
         "misses": {p: [total - sum(row[i] for row in hits[p]) for i in range(len(sizes))] for p in policies},
-        "decode_misses": {p: [total_decode - sum(row[i] for row in decode_hits[p]) for i in range(len(sizes))]
-                          for p in policies},
-        "recorded": {"hits": [sum(c.hits for c in calls[layer]) for layer in layers],
-                     "misses": [sum(c.misses for c in calls[layer]) for layer in layers]},
+        "decode_misses": {
+            p: [total_decode - sum(row[i] for row in decode_hits[p]) for i in range(len(sizes))] for p in policies
+        },
+        "recorded": {
+            "hits": [sum(c.hits for c in calls[layer]) for layer in layers],
+            "misses": [sum(c.misses for c in calls[layer]) for layer in layers],
+        },
     }
     _add_disk_bytes(data, policies, bytes_per_miss, tokens, decode_tokens)
     recorded = sum(data["recorded"]["hits"]) + sum(data["recorded"]["misses"])
@@ -550,13 +597,18 @@ def _warmup_rankings(warmup, calls, layers, n_experts):
     """(the static policy's ranking per layer, a description of the calls it was ranked on)."""
     if isinstance(warmup, bool) or not isinstance(warmup, int):
         warm_calls = routing_calls(_loaded(warmup))
-        warm_desc = {"source": "a second trace", "calls": {str(layer): len(warm_calls.get(layer, [])) for layer in layers}}
+        warm_desc = {
+            "source": "a second trace",
+            "calls": {str(layer): len(warm_calls.get(layer, [])) for layer in layers},
+        }
     else:
         if warmup < 1:
             raise ValueError(f"the warm-up is the first N >= 1 calls of the trace, got {warmup}")
         warm_calls = {layer: calls[layer][:warmup] for layer in layers}
-        warm_desc = {"source": f"the first {warmup} call{'s' if warmup > 1 else ''} of this trace",
-                     "calls": {str(layer): len(warm_calls[layer]) for layer in layers}}
+        warm_desc = {
+            "source": f"the first {warmup} call{'s' if warmup > 1 else ''} of this trace",
+            "calls": {str(layer): len(warm_calls[layer]) for layer in layers},
+        }
     rankings = {layer: static_ranking(warm_calls.get(layer, []), n_experts) for layer in layers}
     return rankings, warm_desc
 
@@ -569,8 +621,10 @@ def _replayed_hits(policies, layers, flat, is_decode, rankings, sizes):
         hits[policy], decode_hits[policy] = [], []
         for layer in layers:
             depths = hit_depths(policy, flat[layer], rankings[layer])
-            all_row, dec_row = _hits_by_size(depths, sizes), _hits_by_size(
-                [d for d, dec in zip(depths, is_decode[layer]) if dec], sizes)
+            all_row, dec_row = (
+                _hits_by_size(depths, sizes),
+                _hits_by_size([d for d, dec in zip(depths, is_decode[layer]) if dec], sizes),
+            )
             hits[policy].append(all_row)
             decode_hits[policy].append(dec_row)
     return hits, decode_hits
@@ -578,14 +632,17 @@ def _replayed_hits(policies, layers, flat, is_decode, rankings, sizes):
 
 def _add_disk_bytes(data: dict, policies, bytes_per_miss: int, tokens: int, decode_tokens: int) -> None:
     """The disk bytes (and MiB) per token and per decode token each policy and size would read."""
-    data["disk_bytes_per_token"] = {p: [m * bytes_per_miss / tokens if tokens else None for m in data["misses"][p]]
-                                    for p in policies}
+    data["disk_bytes_per_token"] = {
+        p: [m * bytes_per_miss / tokens if tokens else None for m in data["misses"][p]] for p in policies
+    }
     data["disk_bytes_per_decode_token"] = {
         p: [m * bytes_per_miss / decode_tokens if decode_tokens else None for m in data["decode_misses"][p]]
-        for p in policies}
+        for p in policies
+    }
     for unit in ("token", "decode_token"):
-        data[f"disk_mib_per_{unit}"] = {p: [None if b is None else b / MIB for b in data[f"disk_bytes_per_{unit}"][p]]
-                                        for p in policies}
+        data[f"disk_mib_per_{unit}"] = {
+            p: [None if b is None else b / MIB for b in data[f"disk_bytes_per_{unit}"][p]] for p in policies
+        }
 
 
 def _hits_by_size(depths: Sequence[Optional[int]], sizes: Sequence[int]) -> list[int]:
@@ -607,10 +664,15 @@ def _hits_by_size(depths: Sequence[Optional[int]], sizes: Sequence[int]) -> list
 def at_capacity(data: dict, policy: str, capacity: int) -> dict:
     """One row of `policy_data`: hit rate, misses and disk bytes per token at `capacity` (one of its sizes)."""
     i = data["capacities"].index(capacity)
-    return {"policy": policy, "capacity": capacity, "hit_rate": data["hit_rate"][policy][i],
-            "misses": data["misses"][policy][i], "decode_misses": data["decode_misses"][policy][i],
-            "disk_mib_per_token": data["disk_mib_per_token"][policy][i],
-            "disk_mib_per_decode_token": data["disk_mib_per_decode_token"][policy][i]}
+    return {
+        "policy": policy,
+        "capacity": capacity,
+        "hit_rate": data["hit_rate"][policy][i],
+        "misses": data["misses"][policy][i],
+        "decode_misses": data["decode_misses"][policy][i],
+        "disk_mib_per_token": data["disk_mib_per_token"][policy][i],
+        "disk_mib_per_decode_token": data["disk_mib_per_decode_token"][policy][i],
+    }
 
 
 def _check_capacity(capacity) -> None:
@@ -637,21 +699,47 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 def _replay_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv41 replay", description=(
-        "Replay a saved trace's routing (GenerationTrace.save) through expert-cache policies: hit rate and the "
-        "disk bytes per token each policy and cache size (experts per layer) would read, a miss priced at one "
-        "routed expert of the released geometry (or --config's)."))
+    parser = argparse.ArgumentParser(
+        prog="dsv41 replay",
+        description=(
+            "Replay a saved trace's routing (GenerationTrace.save) through expert-cache policies: hit rate and the "
+            "disk bytes per token each policy and cache size (experts per layer) would read, a miss priced at one "
+            "routed expert of the released geometry (or --config's)."
+        ),
+    )
     parser.add_argument("trace", metavar="TRACE", help="a trace file written by GenerationTrace.save")
-    parser.add_argument("--capacity", default="4,8,16,32", metavar="LIST",
-                        help="comma-separated cache sizes per layer (default 4,8,16,32)")
-    parser.add_argument("--policy", default=",".join(POLICIES), metavar="LIST",
-                        help=f"comma-separated policies among {','.join(POLICIES)} (default all)")
-    parser.add_argument("--warmup", type=int, default=1, metavar="N",
-                        help="static policy: rank experts on the first N calls of the trace (default 1: the prefill)")
-    parser.add_argument("--warmup-trace", metavar="FILE", help="static policy: rank experts on this other trace instead")
-    parser.add_argument("--experts", type=int, default=None, metavar="N",
-                        help="routed experts per layer (default: the trace's, else its largest id + 1)")
-    parser.add_argument("--config", metavar="PATH", help="price a miss on this config's geometry (default: the release)")
+    parser.add_argument(
+        "--capacity",
+        default="4,8,16,32",
+        metavar="LIST",
+        help="comma-separated cache sizes per layer (default 4,8,16,32)",
+    )
+    parser.add_argument(
+        "--policy",
+        default=",".join(POLICIES),
+        metavar="LIST",
+        help=f"comma-separated policies among {','.join(POLICIES)} (default all)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        metavar="N",
+        help="static policy: rank experts on the first N calls of the trace (default 1: the prefill)",
+    )
+    parser.add_argument(
+        "--warmup-trace", metavar="FILE", help="static policy: rank experts on this other trace instead"
+    )
+    parser.add_argument(
+        "--experts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="routed experts per layer (default: the trace's, else its largest id + 1)",
+    )
+    parser.add_argument(
+        "--config", metavar="PATH", help="price a miss on this config's geometry (default: the release)"
+    )
     parser.add_argument("--json", metavar="OUT", help="also write every size's numbers as JSON here")
     return parser
 
@@ -665,23 +753,30 @@ def _replay_choices(args) -> tuple[list[int], list[str]]:
     if args.warmup < 1:
         raise ValueError(f"--warmup must be at least 1, got {args.warmup}")
     if args.experts is not None and not 1 <= args.experts <= MAX_EXPERTS:
-        raise ValueError(f"--experts must be from 1 to {MAX_EXPERTS:,} (the most routed experts a config may "
-                         f"have), got {args.experts:,}")
+        raise ValueError(
+            f"--experts must be from 1 to {MAX_EXPERTS:,} (the most routed experts a config may "
+            f"have), got {args.experts:,}"
+        )
     return wanted, policies
 
 
 def _print_replay(trace_path: str, data: dict, policies: list[str], wanted: list[int]) -> None:
-    print(f"{trace_path}: {len(data['layers'])} MoE layers, {data['calls']} calls, {data['tokens']} tokens "
-          f"({data['decode_tokens']} decoded), {sum(data['lookups']):,} lookups of {data['n_experts']} experts per layer; "
-          f"a miss reads {data['bytes_per_miss']:,} bytes ({data['mib_per_miss']:.2f} MiB)")
+    print(
+        f"{trace_path}: {len(data['layers'])} MoE layers, {data['calls']} calls, {data['tokens']} tokens "
+        f"({data['decode_tokens']} decoded), {sum(data['lookups']):,} lookups of {data['n_experts']} experts "
+        f"per layer; "
+        f"a miss reads {data['bytes_per_miss']:,} bytes ({data['mib_per_miss']:.2f} MiB)"
+    )
     header = f"{'policy':<8} {'capacity':>8} {'hit rate':>9} {'misses':>9} {'MiB/token':>10} {'MiB/decode token':>17}"
     print(header)
     print("-" * len(header))
     for policy in policies:
         for c in wanted:
             row = at_capacity(data, policy, c)
-            print(f"{policy:<8} {c:>8} {_fmt(row['hit_rate'], '.4f'):>9} {row['misses']:>9,} "
-                  f"{_fmt(row['disk_mib_per_token'], ',.1f'):>10} {_fmt(row['disk_mib_per_decode_token'], ',.1f'):>17}")
+            print(
+                f"{policy:<8} {c:>8} {_fmt(row['hit_rate'], '.4f'):>9} {row['misses']:>9,} "
+                f"{_fmt(row['disk_mib_per_token'], ',.1f'):>10} {_fmt(row['disk_mib_per_decode_token'], ',.1f'):>17}"
+            )
 
 
 def _write_replay_json(path: str, data: dict, wanted: list[int]) -> None:
@@ -721,8 +816,14 @@ def cli_main(argv: list[str]) -> int:
 
             cfg = load_config(args.config)
         n_experts = experts_per_layer(trace, args.experts)
-        data = policy_data(trace, policies=policies, capacities=sorted(set(range(n_experts + 1)) | set(wanted)),
-                           n_experts=n_experts, warmup=warm, cfg=cfg)
+        data = policy_data(
+            trace,
+            policies=policies,
+            capacities=sorted(set(range(n_experts + 1)) | set(wanted)),
+            n_experts=n_experts,
+            warmup=warm,
+            cfg=cfg,
+        )
     except FileNotFoundError as exc:
         return fail(str(exc))
     except (TraceFileError, ValueError, OSError) as exc:

@@ -5,6 +5,7 @@ output from anything else found there."""
 import hashlib
 import os
 from pathlib import Path
+
 from dsv41.errors import Dsv41Error
 
 CACHE_ENV = "DSV41_CACHE"
@@ -41,10 +42,12 @@ def cache_error(path, exc: OSError) -> CacheError:
     if blocker == root:
         return CacheError(f"{where} is a file, not a folder; point ${CACHE_ENV} at a folder or remove the file")
     if blocker is not None:
-        return CacheError(f"{where} is unusable: {blocker} is a file, not a folder; "
-                          f"point ${CACHE_ENV} at a folder or remove the file")
-    return CacheError(f"{where} cannot be written ({path}: {exc.strerror or exc}); "
-                      f"point ${CACHE_ENV} at a writable folder with room")
+        return CacheError(
+            f"{where} is unusable: {blocker} is a file, not a folder; point ${CACHE_ENV} at a folder or remove the file"
+        )
+    return CacheError(
+        f"{where} cannot be written ({path}: {exc.strerror or exc}); point ${CACHE_ENV} at a writable folder with room"
+    )
 
 
 def file_sha256(path) -> str:

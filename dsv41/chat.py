@@ -42,16 +42,27 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .tokenizer import (ASSISTANT_TOKEN, BOS_TOKEN, CHAT_TOKENS, EOS_TOKEN, IMAGE_TOKEN,
-                        LATEST_REMINDER_TOKEN, SYSTEM_TOKEN, TASK_TOKENS, THINK_END_TOKEN,
-                        THINK_START_TOKEN, USER_TOKEN)
-from .errors import Dsv41Error
 from .chat_reply import CALLS_TAG, INVOKE_TAG, PARAMETER_TAG, SAFE_NAME, SAFE_NAME_RULE, _json, _json_loads
+from .errors import Dsv41Error
+from .tokenizer import (
+    ASSISTANT_TOKEN,
+    BOS_TOKEN,
+    CHAT_TOKENS,
+    EOS_TOKEN,
+    IMAGE_TOKEN,
+    LATEST_REMINDER_TOKEN,
+    SYSTEM_TOKEN,
+    TASK_TOKENS,
+    THINK_END_TOKEN,
+    THINK_START_TOKEN,
+    USER_TOKEN,
+)
 
 ROLES = ("system", "user", "assistant", "tool", "latest_reminder")
 
 REASONING_EFFORTS = {"low": 50, "high": 75, "max": 100}
 DEFAULT_REASONING_EFFORT = "high"
+
 
 class ChatFormatError(Dsv41Error, ValueError):
     """A conversation the format cannot render; the message says which message and why."""
@@ -110,17 +121,37 @@ class _Pieces:
         return merged
 
 
-def encode(messages, *, tools=None, thinking: bool = False, reasoning_effort=None, drop_thinking: bool = True,
-           add_bos: bool = True) -> str:
+def encode(
+    messages,
+    *,
+    tools=None,
+    thinking: bool = False,
+    reasoning_effort=None,
+    drop_thinking: bool = True,
+    add_bos: bool = True,
+) -> str:
     """The prompt text for `messages` (OpenAI-style dicts), ending in the generation header when the
     last message expects an answer. See `render` for the arguments; this drops the image list.
     The text is the release's; the ids a model should run on are `token_ids(render(...), tokenizer)`."""
-    return render(messages, tools=tools, thinking=thinking, reasoning_effort=reasoning_effort,
-                  drop_thinking=drop_thinking, add_bos=add_bos).text
+    return render(
+        messages,
+        tools=tools,
+        thinking=thinking,
+        reasoning_effort=reasoning_effort,
+        drop_thinking=drop_thinking,
+        add_bos=add_bos,
+    ).text
 
 
-def render(messages, *, tools=None, thinking: bool = False, reasoning_effort=None, drop_thinking: bool = True,
-           add_bos: bool = True) -> ChatPrompt:
+def render(
+    messages,
+    *,
+    tools=None,
+    thinking: bool = False,
+    reasoning_effort=None,
+    drop_thinking: bool = True,
+    add_bos: bool = True,
+) -> ChatPrompt:
     """The prompt text, the image records and the segments of `messages`.
 
     `tools`: OpenAI tool definitions (`{"type": "function", "function": {...}}`), placed on the first
@@ -141,8 +172,9 @@ def render(messages, *, tools=None, thinking: bool = False, reasoning_effort=Non
     if add_bos:
         out.markup(BOS_TOKEN)
     for index in range(len(turns)):
-        _render_turn(out, index, turns, thinking=thinking, keep_reasoning=keep_reasoning, budget=budget,
-                     last_user=last_user)
+        _render_turn(
+            out, index, turns, thinking=thinking, keep_reasoning=keep_reasoning, budget=budget, last_user=last_user
+        )
     text = out.text()
     _check_utf8(text, "the rendered conversation")  # what the per-message checks cannot reach (tool schemas)
     return ChatPrompt(text, images, keep_reasoning, out.segments())
@@ -169,7 +201,7 @@ def token_ids(prompt: ChatPrompt, tokenizer) -> list[int]:
             continue
         at = 0
         for marker in _MARKER.finditer(text):
-            run.append(text[at:marker.start()])
+            run.append(text[at : marker.start()])
             flush()
             ids.extend(_marker_ids(tokenizer, marker.group()))
             at = marker.end()
@@ -209,8 +241,10 @@ def reasoning_budget(effort) -> int:
         return effort
     if isinstance(effort, str) and effort in REASONING_EFFORTS:
         return REASONING_EFFORTS[effort]
-    raise ChatFormatError(f"reasoning_effort must be a whole number from 1 to 100 or one of "
-                          f"{', '.join(map(repr, REASONING_EFFORTS))}, got {_shown(effort)}")
+    raise ChatFormatError(
+        f"reasoning_effort must be a whole number from 1 to 100 or one of "
+        f"{', '.join(map(repr, REASONING_EFFORTS))}, got {_shown(effort)}"
+    )
 
 
 def tools_section(functions: list[dict]) -> str:
@@ -221,27 +255,33 @@ def tools_section(functions: list[dict]) -> str:
 def _tools_pieces(functions: list[dict]) -> _Pieces:
     calls, invoke, parameter = CALLS_TAG, INVOKE_TAG, PARAMETER_TAG
     schemas = "\n".join(_json_text(f, f"the tool definition {f.get('name')!r}") for f in functions)
-    return _Pieces().markup(
-        "## Tools\n\n"
-        "You have access to a set of tools to help answer the user's question. You can invoke tools by "
-        f"writing a \"<{calls}>\" block like the following:\n\n"
-        f"<{calls}>\n"
-        f"<{invoke} name=\"$TOOL_NAME\">\n"
-        f"<{parameter} name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</{parameter}>\n"
-        "...\n"
-        f"</{invoke}>\n"
-        f"<{invoke} name=\"$TOOL_NAME2\">\n"
-        "...\n"
-        f"</{invoke}>\n"
-        f"</{calls}>\n\n"
-        "String parameters should be specified as is and set `string=\"true\"`. For all other types "
-        "(numbers, booleans, arrays, objects), pass the value in JSON format and set `string=\"false\"`.\n\n"
-        f"If thinking_mode is enabled (triggered by {THINK_START_TOKEN}), you MUST output your complete "
-        f"reasoning inside {THINK_START_TOKEN}...{THINK_END_TOKEN} BEFORE any tool calls or final response.\n\n"
-        f"Otherwise, output directly after {THINK_END_TOKEN} with tool calls or final response.\n\n"
-        "### Available Tool Schemas\n\n"
-    ).content(schemas).markup(
-        "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n")
+    return (
+        _Pieces()
+        .markup(
+            "## Tools\n\n"
+            "You have access to a set of tools to help answer the user's question. You can invoke tools by "
+            f'writing a "<{calls}>" block like the following:\n\n'
+            f"<{calls}>\n"
+            f'<{invoke} name="$TOOL_NAME">\n'
+            f'<{parameter} name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{parameter}>\n'
+            "...\n"
+            f"</{invoke}>\n"
+            f'<{invoke} name="$TOOL_NAME2">\n'
+            "...\n"
+            f"</{invoke}>\n"
+            f"</{calls}>\n\n"
+            'String parameters should be specified as is and set `string="true"`. For all other types '
+            '(numbers, booleans, arrays, objects), pass the value in JSON format and set `string="false"`.\n\n'
+            f"If thinking_mode is enabled (triggered by {THINK_START_TOKEN}), you MUST output your complete "
+            f"reasoning inside {THINK_START_TOKEN}...{THINK_END_TOKEN} BEFORE any tool calls or final response.\n\n"
+            f"Otherwise, output directly after {THINK_END_TOKEN} with tool calls or final response.\n\n"
+            "### Available Tool Schemas\n\n"
+        )
+        .content(schemas)
+        .markup(
+            "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+        )
+    )
 
 
 def tool_calls_block(calls: list[dict]) -> str:
@@ -262,13 +302,20 @@ def _written_calls(calls, where: str) -> list[WrittenCall]:
         params = []
         for key, value in _arguments_dict(arguments).items():
             if not isinstance(key, str) or not SAFE_NAME.fullmatch(key):
-                raise ChatFormatError(f"{where}: the tool call {name!r} has the parameter name {_shown(key)}; "
-                                      f"parameter names are {SAFE_NAME_RULE}")
-            flag, text = ("true", value) if isinstance(value, str) else (
-                "false", _json_text(value, f"{where}: the tool call {name!r} argument {key!r}"))
+                raise ChatFormatError(
+                    f"{where}: the tool call {name!r} has the parameter name {_shown(key)}; "
+                    f"parameter names are {SAFE_NAME_RULE}"
+                )
+            flag, text = (
+                ("true", value)
+                if isinstance(value, str)
+                else ("false", _json_text(value, f"{where}: the tool call {name!r} argument {key!r}"))
+            )
             if IMAGE_TOKEN in text:
-                raise ChatFormatError(f"{where}: the tool call {name!r} argument {key!r} contains the image "
-                                      f"placeholder {IMAGE_TOKEN}; images go in image content blocks")
+                raise ChatFormatError(
+                    f"{where}: the tool call {name!r} argument {key!r} contains the image "
+                    f"placeholder {IMAGE_TOKEN}; images go in image content blocks"
+                )
             _check_utf8(text, f"{where}: the tool call {name!r} argument {key!r}")
             params.append((key, flag, text))
         written.append((name, params))
@@ -313,8 +360,10 @@ def _check_utf8(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:  # a lone surrogate: a byte escaped from input that was not UTF-8
-        raise ChatFormatError(f"{what} is not UTF-8 text (a lone surrogate {text[exc.start]!r} at character "
-                              f"{exc.start + 1}); decode its input as UTF-8") from None
+        raise ChatFormatError(
+            f"{what} is not UTF-8 text (a lone surrogate {text[exc.start]!r} at character "
+            f"{exc.start + 1}); decode its input as UTF-8"
+        ) from None
 
 
 def _checked_text(value, what: str) -> str:
@@ -322,15 +371,17 @@ def _checked_text(value, what: str) -> str:
         raise ChatFormatError(f"{what} must be a string, got {_shown(value)}")
     _check_utf8(value, what)
     if IMAGE_TOKEN in value:
-        raise ChatFormatError(f"{what} contains the image placeholder {IMAGE_TOKEN}; pass images as image "
-                              f"content blocks")
+        raise ChatFormatError(
+            f"{what} contains the image placeholder {IMAGE_TOKEN}; pass images as image content blocks"
+        )
     return value
 
 
 def _call_parts(call, where: str = "a tool call") -> tuple[str, Any]:
     if not isinstance(call, dict):
-        raise ChatFormatError(f"{where}: a tool call must be a dict with a function name and arguments, "
-                              f"got {_shown(call)}")
+        raise ChatFormatError(
+            f"{where}: a tool call must be a dict with a function name and arguments, got {_shown(call)}"
+        )
     function = call.get("function", call)  # OpenAI's {"function": {...}} or the bare pair
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
@@ -366,15 +417,18 @@ def _normalize(messages, tools) -> tuple[list[dict], list[dict]]:
     for number, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             got = message.get("role") if isinstance(message, dict) else message
-            raise ChatFormatError(f"message {number} must be a dict whose role is one of {', '.join(ROLES)}, "
-                                  f"got {_shown(got)}")
+            raise ChatFormatError(
+                f"message {number} must be a dict whose role is one of {', '.join(ROLES)}, got {_shown(got)}"
+            )
         if message.get("tools") and message["role"] != "system":
-            raise ChatFormatError(f"message {number} ({message['role']}) defines tools; tools belong to a "
-                                  f"system message")
+            raise ChatFormatError(
+                f"message {number} ({message['role']}) defines tools; tools belong to a system message"
+            )
         task = message.get("task")
         if task is not None and (not isinstance(task, str) or task not in TASK_TOKENS):
-            raise ChatFormatError(f"message {number} has task {_shown(task)}; the format knows "
-                                  f"{', '.join(TASK_TOKENS)}")
+            raise ChatFormatError(
+                f"message {number} has task {_shown(task)}; the format knows {', '.join(TASK_TOKENS)}"
+            )
         try:
             turn = copy.deepcopy(message)
         except (TypeError, ValueError, RecursionError, copy.Error) as exc:
@@ -394,8 +448,9 @@ def _normalize(messages, tools) -> tuple[list[dict], list[dict]]:
     for turn in turns:
         if turn.get("tools"):
             if not isinstance(turn["tools"], (list, tuple)):
-                raise ChatFormatError(f"a system message's tools must be a list of tool definitions, "
-                                      f"got {_shown(turn['tools'])}")
+                raise ChatFormatError(
+                    f"a system message's tools must be a list of tool definitions, got {_shown(turn['tools'])}"
+                )
             turn["tools"] = [_function_of(tool) for tool in turn["tools"]]
     return turns, images
 
@@ -438,8 +493,9 @@ def _check_message(turn: dict, number: int, images: list[dict]) -> None:
 def _function_of(tool) -> dict:
     function = tool.get("function", tool) if isinstance(tool, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ChatFormatError(f"a tool must be {{'type': 'function', 'function': {{'name': ..., ...}}}}, "
-                              f"got {_shown(tool)}")
+        raise ChatFormatError(
+            f"a tool must be {{'type': 'function', 'function': {{'name': ..., ...}}}}, got {_shown(tool)}"
+        )
     if not SAFE_NAME.fullmatch(function["name"]):
         raise ChatFormatError(f"the tool definition name {function['name']!r} is not {SAFE_NAME_RULE}")
     return function
@@ -468,8 +524,9 @@ def _replace_images(blocks, images: list[dict], where: str) -> list[dict]:
             else:
                 _checked_text(result, f"{where}'s tool_result block")
             if block.get("tool_use_id") is not None and not isinstance(block["tool_use_id"], str):
-                raise ChatFormatError(f"{where} has a tool_result block whose tool_use_id is "
-                                      f"{_shown(block['tool_use_id'])}; ids are text")
+                raise ChatFormatError(
+                    f"{where} has a tool_result block whose tool_use_id is {_shown(block['tool_use_id'])}; ids are text"
+                )
             out.append(block)
         else:
             if kind == "text":
@@ -496,11 +553,14 @@ def _image_record(block: dict, where: str) -> dict:
         if isinstance(source, dict):
             inner = source.get("data") if source.get("type") == "base64" else source.get("url") or source.get("path")
             if not isinstance(inner, (str, bytes, bytearray)) or not inner:
-                raise ChatFormatError(f"{where} has an image block whose source is {_shown(source)}; a source is a "
-                                      f"path or URL, or {{'type': 'base64', 'data': ...}}")
+                raise ChatFormatError(
+                    f"{where} has an image block whose source is {_shown(source)}; a source is a "
+                    f"path or URL, or {{'type': 'base64', 'data': ...}}"
+                )
         elif source is not None and not isinstance(source, str):
-            raise ChatFormatError(f"{where} has an image block whose source is {_shown(source)}, not a path, URL "
-                                  f"or base64 record")
+            raise ChatFormatError(
+                f"{where} has an image block whose source is {_shown(source)}, not a path, URL or base64 record"
+            )
     if not any(record.get(key) for key in ("source", "url", "data")):
         raise ChatFormatError(f"{where} has an image block without a url, source or data")
     return record
@@ -557,8 +617,9 @@ def _order_tool_results(turns: list[dict]) -> None:
             results = [b for b in turn["content_blocks"] if b.get("type") == "tool_result"]
             if len(results) > 1:
                 ranked = iter(sorted(results, key=lambda b: order.get(b.get("tool_use_id") or "", 0)))
-                turn["content_blocks"] = [next(ranked) if b.get("type") == "tool_result" else b
-                                          for b in turn["content_blocks"]]
+                turn["content_blocks"] = [
+                    next(ranked) if b.get("type") == "tool_result" else b for b in turn["content_blocks"]
+                ]
 
 
 def _last_user_index(turns: list[dict]) -> int:
@@ -569,15 +630,17 @@ def _last_user_index(turns: list[dict]) -> int:
     return -1
 
 
-def _render_turn(out: _Pieces, index: int, turns: list[dict], *, thinking: bool, keep_reasoning: bool, budget: int,
-                 last_user: int) -> None:
+def _render_turn(
+    out: _Pieces, index: int, turns: list[dict], *, thinking: bool, keep_reasoning: bool, budget: int, last_user: int
+) -> None:
     turn = turns[index]
     role, content = turn["role"], turn.get("content")
     if index == 0 and (thinking or role == "system"):
         out.markup(SYSTEM_TOKEN)
     if index == 0 and thinking:
-        out.markup(f"Reasoning Effort: {budget} "
-                   "(range 1-100, the higher the value, the more thorough the reasoning)\n\n")
+        out.markup(
+            f"Reasoning Effort: {budget} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+        )
 
     if role == "system":
         if index > 0:
@@ -644,5 +707,3 @@ def _block_pieces(out: _Pieces, block: dict) -> None:
         out.markup("</tool_result>")
     else:
         out.markup("[Unsupported ").content(f"{kind}").markup("]")
-
-

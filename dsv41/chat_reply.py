@@ -76,7 +76,6 @@ def _nesting(text: str) -> int:
     return deepest
 
 
-
 # ---------------------------------------------------------------------- parsing a reply
 @dataclass
 class ToolCall:
@@ -127,10 +126,10 @@ def parse(text: str, *, thinking: Optional[bool] = None) -> Reply:
     if thinking is None:
         thinking = rest.startswith(THINK_START_TOKEN) or THINK_END_TOKEN in rest
     if thinking:
-        rest = rest[len(THINK_START_TOKEN):] if rest.startswith(THINK_START_TOKEN) else rest
+        rest = rest[len(THINK_START_TOKEN) :] if rest.startswith(THINK_START_TOKEN) else rest
         close, end = rest.find(THINK_END_TOKEN), rest.find(EOS_TOKEN)
         if close >= 0 and (end < 0 or close < end):
-            reply.reasoning, rest = rest[:close], rest[close + len(THINK_END_TOKEN):]
+            reply.reasoning, rest = rest[:close], rest[close + len(THINK_END_TOKEN) :]
         elif end >= 0:
             reply.reasoning, rest = rest[:end], rest[end:]
             reply.problems.append(f"the reply ended without closing its reasoning with {THINK_END_TOKEN}")
@@ -142,10 +141,10 @@ def parse(text: str, *, thinking: Optional[bool] = None) -> Reply:
     opening, end = rest.find(CALLS_OPENING), rest.find(EOS_TOKEN)
     if end >= 0 and (opening < 0 or end < opening):
         reply.content = rest[:end]
-        _finish(reply, rest[end + len(EOS_TOKEN):])
+        _finish(reply, rest[end + len(EOS_TOKEN) :])
     elif opening >= 0:
         reply.content = rest[:opening]
-        _parse_calls(reply, rest[opening + len(CALLS_OPENING):])
+        _parse_calls(reply, rest[opening + len(CALLS_OPENING) :])
     else:
         partial = _partial_suffix(rest, CALLS_OPENING)
         if len(partial) > len("\n\n<"):  # cut inside the block's opening tag
@@ -253,7 +252,7 @@ def _parse_calls(reply: Reply, body: str) -> None:
     if end < 0:
         reply.incomplete = "tool_calls"  # the block is whole, but the turn's end token never came
     else:
-        _finish(reply, after[end + len(EOS_TOKEN):])
+        _finish(reply, after[end + len(EOS_TOKEN) :])
 
 
 def _tool_call(name: str, raw: dict[str, tuple[str, str]], problems: list[str]) -> ToolCall:
@@ -268,6 +267,6 @@ def _tool_call(name: str, raw: dict[str, tuple[str, str]], problems: list[str]) 
             except ValueError as exc:
                 typed[key] = value
                 why = f" ({exc})" if isinstance(exc, _TooDeep) else ""
-                problems.append(f"parameter {key!r} of {name!r} is marked string=\"false\" but is not JSON{why}")
+                problems.append(f'parameter {key!r} of {name!r} is marked string="false" but is not JSON{why}')
             written.append(f"{_json(key)}: {value}")  # the value's own spelling, as the release writes it
     return ToolCall(name, typed, "{" + ", ".join(written) + "}")

@@ -42,8 +42,9 @@ def read_json(path: str):
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except OSError as exc:
-        raise LoadError(f"{path}: cannot be read ({exc.strerror}); check its permissions or download it "
-                        "again") from None
+        raise LoadError(
+            f"{path}: cannot be read ({exc.strerror}); check its permissions or download it again"
+        ) from None
     except UnicodeDecodeError:
         raise LoadError(f"{path}: not UTF-8 text, so not a JSON file; download it again") from None
     except json.JSONDecodeError as exc:
@@ -54,9 +55,16 @@ def read_json(path: str):
 
 def _plain_file_name(name: str) -> bool:
     """A file name inside the checkpoint directory: no separator, no '..', no absolute path."""
-    return (bool(name) and "/" not in name and "\\" not in name and ".." not in name and "\0" not in name
-            and os.sep not in name and (os.altsep is None or os.altsep not in name)
-            and not os.path.isabs(name))
+    return (
+        bool(name)
+        and "/" not in name
+        and "\\" not in name
+        and ".." not in name
+        and "\0" not in name
+        and os.sep not in name
+        and (os.altsep is None or os.altsep not in name)
+        and not os.path.isabs(name)
+    )
 
 
 def _read_index(index: str) -> dict[str, str]:
@@ -70,15 +78,21 @@ def _read_index(index: str) -> dict[str, str]:
         raise LoadError(f"{index}: has {what}, not an object of tensor name -> shard file; download the index again")
     for name, file in weight_map.items():
         if not isinstance(name, str) or not isinstance(file, str):
-            raise LoadError(f"{index}: weight_map maps {brief(name)} to {json_kind(file)} ({brief(file)}), not a "
-                            "tensor name to a shard file name; download the index again")
+            raise LoadError(
+                f"{index}: weight_map maps {brief(name)} to {json_kind(file)} ({brief(file)}), not a "
+                "tensor name to a shard file name; download the index again"
+            )
         if not (is_unicode(name) and is_unicode(file)):
-            raise LoadError(f"{index}: weight_map maps {brief(name)} to {brief(file)}, which holds an unpaired "
-                            "surrogate escape and is not Unicode text; download the index again")
+            raise LoadError(
+                f"{index}: weight_map maps {brief(name)} to {brief(file)}, which holds an unpaired "
+                "surrogate escape and is not Unicode text; download the index again"
+            )
         if not _plain_file_name(file):
             shown = name if len(name) <= 120 else name[:116] + " ..."
-            raise LoadError(f"{index}: tensor {shown} is listed in {brief(file)}, which is not a file name in "
-                            "the checkpoint directory (paths and '..' are refused); download the index again")
+            raise LoadError(
+                f"{index}: tensor {shown} is listed in {brief(file)}, which is not a file name in "
+                "the checkpoint directory (paths and '..' are refused); download the index again"
+            )
     return weight_map
 
 
@@ -89,8 +103,10 @@ def _read_shard_header(shard: str):
     except HeaderError as exc:
         raise LoadError(named(shard, str(exc))) from None
     except (ValueError, TypeError, RecursionError) as exc:  # read_header lets a few malformed headers through
-        raise LoadError(f"{shard}: the header cannot be parsed ({type(exc).__name__}: {exc}); the file is damaged "
-                        "or not a safetensors file, download it again") from None
+        raise LoadError(
+            f"{shard}: the header cannot be parsed ({type(exc).__name__}: {exc}); the file is damaged "
+            "or not a safetensors file, download it again"
+        ) from None
 
 
 def _tiling_error(shard: str, header) -> Optional[str]:
@@ -102,18 +118,26 @@ def _tiling_error(shard: str, header) -> Optional[str]:
     kind, e, previous, position = problems[0]
     fix = "the shard is damaged, download it again"
     if kind == "span":
-        return (f"{shard}: tensor {e.name} is {e.dtype} {list(e.shape)} ({e.expected_nbytes:,} bytes) but its "
-                f"data_offsets span {e.nbytes:,} bytes; {fix}")
+        return (
+            f"{shard}: tensor {e.name} is {e.dtype} {list(e.shape)} ({e.expected_nbytes:,} bytes) but its "
+            f"data_offsets span {e.nbytes:,} bytes; {fix}"
+        )
     if kind == "overlap":
-        return (f"{shard}: tensor {e.name} (data bytes {e.begin:,}-{e.end:,}) overlaps tensor {previous}, "
-                f"which ends at byte {position:,}; {fix}")
+        return (
+            f"{shard}: tensor {e.name} (data bytes {e.begin:,}-{e.end:,}) overlaps tensor {previous}, "
+            f"which ends at byte {position:,}; {fix}"
+        )
     if kind == "gap":
         where = f"after tensor {previous}" if previous is not None else "at the start of the data area"
-        return (f"{shard}: tensor {e.name} starts at data byte {e.begin:,}, leaving a gap of "
-                f"{e.begin - position:,} unreferenced bytes {where}; {fix}")
+        return (
+            f"{shard}: tensor {e.name} starts at data byte {e.begin:,}, leaving a gap of "
+            f"{e.begin - position:,} unreferenced bytes {where}; {fix}"
+        )
     if kind == "past_end":
-        return (f"{shard}: tensor {e.name} runs past the end of the file (its data ends at byte {position:,}, the "
-                f"file holds {max(header.data_size, 0):,}); the shard is truncated, download it again")
+        return (
+            f"{shard}: tensor {e.name} runs past the end of the file (its data ends at byte {position:,}, the "
+            f"file holds {max(header.data_size, 0):,}); the shard is truncated, download it again"
+        )
     after = f"after the last tensor, {previous}," if previous is not None else "after the header"
     return f"{shard}: {header.data_size - position:,} trailing bytes {after} belong to no tensor; {fix}"
 
@@ -154,9 +178,11 @@ class Checkpoint:
             for name, entry in header.entries.items():
                 earlier = self.entries.get(name)
                 if earlier is not None:
-                    raise LoadError(f"{self.path}: tensor {name} is stored in both {os.path.basename(earlier[0])} "
-                                    f"and {file}; a tensor must live in one shard only, so remove the stray copy "
-                                    "(or download the checkpoint again)")
+                    raise LoadError(
+                        f"{self.path}: tensor {name} is stored in both {os.path.basename(earlier[0])} "
+                        f"and {file}; a tensor must live in one shard only, so remove the stray copy "
+                        "(or download the checkpoint again)"
+                    )
                 self.entries[name] = (shard, entry, header.data_start)
             self._sizes[shard] = header.data_start + header.data_size
         if weight_map is not None:
@@ -180,25 +206,30 @@ class Checkpoint:
                 raise self._damage(shard, name, exc) from None
             if size != self._sizes[shard]:
                 os.close(fd)
-                raise self._damage(shard, name, ValueError(f"the file holds {size:,} bytes, {self._sizes[shard]:,} "
-                                                           "when its header was checked"))
+                raise self._damage(
+                    shard,
+                    name,
+                    ValueError(f"the file holds {size:,} bytes, {self._sizes[shard]:,} when its header was checked"),
+                )
             self._fds[shard] = fd
         return fd
 
     def _damage(self, shard: str, name: str, exc: BaseException) -> LoadError:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        return LoadError(f"{shard}: tensor {name} cannot be read ({why}); the shard is damaged or changed on disk, "
-                         "download it again")
+        return LoadError(
+            f"{shard}: tensor {name} cannot be read ({why}); the shard is damaged or changed on disk, download it again"
+        )
 
     def _pread_into(self, shard: str, name: str, buffer: np.ndarray, offset: int) -> None:
         """Fill the uint8 array `buffer` from byte `offset` of `shard`; a short read is a LoadError."""
         fd, view, done = self._fd(shard, name), memoryview(buffer).cast("B"), 0
         try:
             while done < len(view):
-                got = os.preadv(fd, [view[done:done + _MAX_READ]], offset + done)
+                got = os.preadv(fd, [view[done : done + _MAX_READ]], offset + done)
                 if got == 0:
-                    raise EOFError(f"the file ends {len(view) - done:,} bytes short of where its header says "
-                                   "the tensor ends")
+                    raise EOFError(
+                        f"the file ends {len(view) - done:,} bytes short of where its header says the tensor ends"
+                    )
                 done += got
         except (OSError, EOFError) as exc:
             raise self._damage(shard, name, exc) from None

@@ -12,18 +12,48 @@ COMMANDS = {
     "config": ("dsv41.config", "cli_main", "read a config (either released layout), print its shape and verify it"),
     "audit": ("dsv41.audit", "cli_main", "header-only audit of a checkpoint directory (never reads a payload)"),
     "make-tiny": ("dsv41.tiny", "cli_main", "write the random tiny checkpoint in the exact release format"),
-    "train": ("dsv41.train.cli", "cli_main", "train the miniature V4.1 on the standard library, resumable, and write it in the release format"),
+    "train": (
+        "dsv41.train.cli",
+        "cli_main",
+        "train the miniature V4.1 on the standard library, resumable, and write it in the release format",
+    ),
     "make-headers": ("dsv41.headers", "cli_main", "synthesize the released checkpoint's 48 shard headers (no payload)"),
-    "make-synthetic": ("dsv41.released_synthetic", "cli_main", "write the whole released geometry (475 GiB apparent) in about 11 GiB: random dense weights, experts and Engram as holes"),
+    "make-synthetic": (
+        "dsv41.released_synthetic",
+        "cli_main",
+        "write the whole released geometry (475 GiB apparent) in about 11 GiB: random dense weights, "
+        "experts and Engram as holes",
+    ),
     "engram": ("dsv41.engram", "cli_main", "Engram layout, multipliers and hash ids for a config (and tokenizer)"),
     "generate": ("dsv41.cli", "generate_main", "generate text from a checkpoint (default: the embedded miniature)"),
-    "chat": ("dsv41.cli", "chat_main", "chat with a checkpoint on the terminal, one message per line (default: the embedded miniature)"),
-    "notebooks": ("dsv41.notebooks", "cli_main", "execute every notebook with papermill into a new outputs/run-NNN (figures, sidecars, summary)"),
-    "replay": ("dsv41.cache_policy", "cli_main", "replay a saved trace's routing through expert-cache policies (LRU, LFU, static, Belady): hit rates and disk bytes per token"),
-    "bench": ("dsv41.bench", "cli_main", "benchmarks as ratios measured in one run: experts (fused vs expanded, vs "
-                                         "copy bandwidth and BF16 GEMM), decode (end to end, the released geometry "
-                                         "against its floor, speculative), prefill, vision, threads"),
-    "lab": ("dsv41.lab", "cli_main", "copy the notebooks into outputs/lab (edited copies kept) and start JupyterLab there"),
+    "chat": (
+        "dsv41.cli",
+        "chat_main",
+        "chat with a checkpoint on the terminal, one message per line (default: the embedded miniature)",
+    ),
+    "notebooks": (
+        "dsv41.notebooks",
+        "cli_main",
+        "execute every notebook with papermill into a new outputs/run-NNN (figures, sidecars, summary)",
+    ),
+    "replay": (
+        "dsv41.cache_policy",
+        "cli_main",
+        "replay a saved trace's routing through expert-cache policies (LRU, LFU, static, Belady): "
+        "hit rates and disk bytes per token",
+    ),
+    "bench": (
+        "dsv41.bench",
+        "cli_main",
+        "benchmarks as ratios measured in one run: experts (fused vs expanded, vs "
+        "copy bandwidth and BF16 GEMM), decode (end to end, the released geometry "
+        "against its floor, speculative), prefill, vision, threads",
+    ),
+    "lab": (
+        "dsv41.lab",
+        "cli_main",
+        "copy the notebooks into outputs/lab (edited copies kept) and start JupyterLab there",
+    ),
 }
 
 
@@ -51,61 +81,118 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---------------------------------------------------------------------- dsv41 generate
 def generate_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dsv41 generate", description=(
-        "Generate from a checkpoint (default: the embedded miniature, trained on the Python standard library, "
-        "so it continues Python code and prose about Python). The generated text goes to stdout; the load report, timings and errors to stderr."))
+    parser = argparse.ArgumentParser(
+        prog="dsv41 generate",
+        description=(
+            "Generate from a checkpoint (default: the embedded miniature, trained on the Python standard library, "
+            "so it continues Python code and prose about Python). The generated text goes to stdout; "
+            "the load report, timings and errors to stderr."
+        ),
+    )
     parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded miniature)")
     parser.add_argument("--prompt", required=True, help="prompt text")
-    parser.add_argument("--image", action="append", default=[], metavar="PATH",
-                        help="an image to read (repeatable, in order): each takes the place of the next image "
-                             "placeholder <｜deepseek_image｜> in the prompt; a prompt without one gets its "
-                             "images first, before the text")
+    parser.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image to read (repeatable, in order): each takes the place of the next image "
+        "placeholder <｜deepseek_image｜> in the prompt; a prompt without one gets its "
+        "images first, before the text",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="tokens to generate (default 16)")
-    parser.add_argument("--max-seq-len", type=int, default=None, metavar="N",
-                        help="positions the caches are sized for (default: the model's maximum, at most 4096)")
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="positions the caches are sized for (default: the model's maximum, at most 4096)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default) is greedy")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (temperature > 0)")
     parser.add_argument("--expert-cache", type=int, default=None, metavar="N", help="packed experts kept per layer")
     _memory_args(parser)
     parser.add_argument("--resident-engram", action="store_true", help="copy the Engram tables into RAM first")
-    parser.add_argument("--expert-device", default="cpu", metavar="DEV",
-                        help="where routed experts run: cpu (default), cuda, cuda:1 or a comma-separated list; "
-                             "without CUDA the CPU runs them, with one line on stderr")
-    parser.add_argument("--numerics", choices=("reference", "parity"), default="reference",
-                        help="reference (default): the released runtime's arithmetic; parity: a prefill, the same "
-                             "tokens decoded one at a time and any chunking agree bit for bit (uniform window "
-                             "layout, padded float32 GEMMs, ties to the lower position, fresh index keys)")
-    parser.add_argument("--fix-stale-index-keys", action="store_true",
-                        help="republish a Full layer's own index keys every step (the Transformers port's fix)")
-    parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                        help="prefill the prompt N tokens per forward, with a progress bar (default: one forward)")
-    parser.add_argument("--speculative", action="store_true",
-                        help="decode with the DSpark draft stack: each step drafts a block, verifies it in one "
-                             "forward and keeps what the model agrees with (greedy: the same tokens as plain greedy "
-                             "decoding under --numerics parity; with --temperature the rejection rule keeps plain "
-                             "sampling's distribution)")
-    parser.add_argument("--draft-tokens", type=int, default=None, metavar="N",
-                        help="with --speculative: proposals per step, 1 to the draft block (default: the block, 5)")
-    parser.add_argument("--min-confidence", type=float, default=None, metavar="C",
-                        help="with --speculative: drop the proposals from the first whose confidence is below C "
-                             "(default 0.5; 0 keeps them all)")
-    parser.add_argument("--threads", type=_threads_arg, default="auto", metavar="auto|N",
-                        help="torch intra-op threads, which the native expert kernel uses too: auto (default) is one "
-                             "thread for a model with small expert matrices (the embedded checkpoint), every core "
-                             "otherwise (the released geometry); N sets N; the load report says which")
-    parser.add_argument("--expert-parallel", action="store_true",
-                        help="run as one rank of a torchrun group (torchrun --nproc-per-node N -m dsv41 generate "
-                             "--expert-parallel ...): each rank holds and computes the routed experts e with "
-                             "e %% world_size == rank, the rest runs on every rank; rank 0 prints the generation "
-                             "and any rank's error")
+    parser.add_argument(
+        "--expert-device",
+        default="cpu",
+        metavar="DEV",
+        help="where routed experts run: cpu (default), cuda, cuda:1 or a comma-separated list; "
+        "without CUDA the CPU runs them, with one line on stderr",
+    )
+    parser.add_argument(
+        "--numerics",
+        choices=("reference", "parity"),
+        default="reference",
+        help="reference (default): the released runtime's arithmetic; parity: a prefill, the same "
+        "tokens decoded one at a time and any chunking agree bit for bit (uniform window "
+        "layout, padded float32 GEMMs, ties to the lower position, fresh index keys)",
+    )
+    parser.add_argument(
+        "--fix-stale-index-keys",
+        action="store_true",
+        help="republish a Full layer's own index keys every step (the Transformers port's fix)",
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prefill the prompt N tokens per forward, with a progress bar (default: one forward)",
+    )
+    parser.add_argument(
+        "--speculative",
+        action="store_true",
+        help="decode with the DSpark draft stack: each step drafts a block, verifies it in one "
+        "forward and keeps what the model agrees with (greedy: the same tokens as plain greedy "
+        "decoding under --numerics parity; with --temperature the rejection rule keeps plain "
+        "sampling's distribution)",
+    )
+    parser.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --speculative: proposals per step, 1 to the draft block (default: the block, 5)",
+    )
+    parser.add_argument(
+        "--min-confidence",
+        type=float,
+        default=None,
+        metavar="C",
+        help="with --speculative: drop the proposals from the first whose confidence is below C "
+        "(default 0.5; 0 keeps them all)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=_threads_arg,
+        default="auto",
+        metavar="auto|N",
+        help="torch intra-op threads, which the native expert kernel uses too: auto (default) is one "
+        "thread for a model with small expert matrices (the embedded checkpoint), every core "
+        "otherwise (the released geometry); N sets N; the load report says which",
+    )
+    parser.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="run as one rank of a torchrun group (torchrun --nproc-per-node N -m dsv41 generate "
+        "--expert-parallel ...): each rank holds and computes the routed experts e with "
+        "e %% world_size == rank, the rest runs on every rank; rank 0 prints the generation "
+        "and any rank's error",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar or report on stderr")
     args = parser.parse_args(argv)
     if not args.speculative:
-        given = [flag for flag, value in (("--draft-tokens", args.draft_tokens), ("--min-confidence", args.min_confidence))
-                 if value is not None]
+        given = [
+            flag
+            for flag, value in (("--draft-tokens", args.draft_tokens), ("--min-confidence", args.min_confidence))
+            if value is not None
+        ]
         if given:
-            parser.error(f"{' and '.join(given)} only {'work' if len(given) > 1 else 'works'} with --speculative: add "
-                         f"--speculative or leave {'them' if len(given) > 1 else 'it'} out")
+            parser.error(
+                f"{' and '.join(given)} only {'work' if len(given) > 1 else 'works'} with --speculative: add "
+                f"--speculative or leave {'them' if len(given) > 1 else 'it'} out"
+            )
     if args.min_confidence is None:
         args.min_confidence = 0.5
     try:
@@ -175,31 +262,47 @@ def _generate(args) -> int:
             except distributed.ExpertParallelError as exc:
                 raise process.fail(str(exc), exc.agreed) from None
         if not args.quiet:
-            print(f"prompt: {len(prompt)} tokens; generating {args.max_new_tokens} "
-                  f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}, seed {args.seed}'})",
-                  file=sys.stderr)
+            print(
+                f"prompt: {len(prompt)} tokens; generating {args.max_new_tokens} "
+                f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}, seed {args.seed}'})",
+                file=sys.stderr,
+            )
         generated: list[int] = []  # what Ctrl-C must not lose
 
         def run():
-            return generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            seed=args.seed, prefill_chunk=args.prefill_chunk, progress=not args.quiet,
-                            speculative=args.speculative, draft_tokens=args.draft_tokens,
-                            min_confidence=args.min_confidence,
-                            callback=lambda step, token, logits: generated.append(token))
+            return generate(
+                model,
+                prompt,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                seed=args.seed,
+                prefill_chunk=args.prefill_chunk,
+                progress=not args.quiet,
+                speculative=args.speculative,
+                draft_tokens=args.draft_tokens,
+                min_confidence=args.min_confidence,
+                callback=lambda step, token, logits: generated.append(token),
+            )
 
         try:  # ValueError: a speculative request this model refuses
             result = process.step(run, "generating", (NonFiniteLogits, ValueError))
         except KeyboardInterrupt:
             if process.ranks is None or process.ranks.is_main:
                 print(model.decode(generated), flush=True)
-                print(f"dsv41 generate: interrupted after {len(generated)} of {args.max_new_tokens} tokens "
-                      f"(the text so far is above)", file=sys.stderr)
+                print(
+                    f"dsv41 generate: interrupted after {len(generated)} of {args.max_new_tokens} tokens "
+                    f"(the text so far is above)",
+                    file=sys.stderr,
+                )
             return 130
         except _Failed:  # e.g. a shard changed on disk mid-run: the error is said, the text so far kept
             if generated and (process.ranks is None or process.ranks.is_main):
                 print(model.decode(generated), flush=True)
-                print(f"dsv41 generate: stopped after {len(generated)} of {args.max_new_tokens} tokens "
-                      f"(the text so far is above)", file=sys.stderr)
+                print(
+                    f"dsv41 generate: stopped after {len(generated)} of {args.max_new_tokens} tokens "
+                    f"(the text so far is above)",
+                    file=sys.stderr,
+                )
             raise
         finally:
             if process.ranks is not None:
@@ -235,8 +338,8 @@ def _check_generate_args(args, process: _Process) -> None:
 def _generate_model(args, process: _Process):
     """The loader's own steps, in its order: the group (with --expert-parallel), the expert
     devices, the checkpoint path; then the header audit and `load`, on every rank at once."""
-    from .errors import Dsv41Error
     from .checkpoint import LoadError
+    from .errors import Dsv41Error
     from .loader import checkpoint_path, expert_placement, load, start_expert_parallel
     from .numerics import Numerics
     from .stores import DEFAULT_EXPERT_CACHE
@@ -244,10 +347,16 @@ def _generate_model(args, process: _Process):
     numerics = Numerics.named(args.numerics).with_options(fix_stale_index_keys=args.fix_stale_index_keys or None)
     devices = [d.strip() for d in args.expert_device.split(",")]  # one device or a comma-separated list
     devices = devices if len(devices) > 1 else devices[0]
-    options = dict(max_seq_len=args.max_seq_len, expert_device=devices, expert_parallel=args.expert_parallel,
-                   expert_cache=DEFAULT_EXPERT_CACHE if args.expert_cache is None else args.expert_cache,
-                   resident_engram=args.resident_engram, memory=args.memory, expert_policy=args.expert_policy,
-                   read_ahead=args.read_ahead)
+    options = dict(
+        max_seq_len=args.max_seq_len,
+        expert_device=devices,
+        expert_parallel=args.expert_parallel,
+        expert_cache=DEFAULT_EXPERT_CACHE if args.expert_cache is None else args.expert_cache,
+        resident_engram=args.resident_engram,
+        memory=args.memory,
+        expert_policy=args.expert_policy,
+        read_ahead=args.read_ahead,
+    )
     try:
         if args.expert_parallel:
             process.ranks = start_expert_parallel()
@@ -272,8 +381,13 @@ def _prompt(args, model):
     from .generate import as_prompt, check_length
 
     prompt = as_prompt(model, args.prompt, args.image)
-    check_length(len(prompt), args.max_new_tokens, model.max_seq_len, model_limit=model.cfg.max_seq_len,
-                 hint=" (raise --max-seq-len)")
+    check_length(
+        len(prompt),
+        args.max_new_tokens,
+        model.max_seq_len,
+        model_limit=model.cfg.max_seq_len,
+        hint=" (raise --max-seq-len)",
+    )
     return prompt
 
 
@@ -289,15 +403,21 @@ def _print_generation(args, model, result) -> None:
     steps = max(1, len(model.experts.counters.steps))
     disk = f", {read / 1e6 / steps:.2f} MB read per call from disk" if read else ""
     vision = f"vision tower {t['vision_s']:.2f} s, " if t.get("vision_s") else ""
-    print(f"{len(result.ids)} tokens ({result.finish_reason}); {vision}prefill {t['prefill_s']:.2f} s, decode "
-          f"{t['decode_s']:.2f} s{rate}; expert cache {hits} hits / {misses} misses{disk}", file=sys.stderr)
+    print(
+        f"{len(result.ids)} tokens ({result.finish_reason}); {vision}prefill {t['prefill_s']:.2f} s, decode "
+        f"{t['decode_s']:.2f} s{rate}; expert cache {hits} hits / {misses} misses{disk}",
+        file=sys.stderr,
+    )
     if result.speculation is not None:
         s = result.speculation
         per_forward = f"{s.tokens_per_forward:.2f}" if s.tokens_per_forward else "-"
-        print(f"speculative: {len(s.steps)} steps, {s.mean_accepted or 0:.2f} proposals accepted per step, "
-              f"{s.target_forwards} target forwards for {s.tokens} tokens ({per_forward} per forward); "
-              f"acceptance by draft position "
-              + ", ".join("-" if a is None else f"{a:.0%}" for a in s.acceptance_by_position()), file=sys.stderr)
+        print(
+            f"speculative: {len(s.steps)} steps, {s.mean_accepted or 0:.2f} proposals accepted per step, "
+            f"{s.target_forwards} target forwards for {s.tokens} tokens ({per_forward} per forward); "
+            f"acceptance by draft position "
+            + ", ".join("-" if a is None else f"{a:.0%}" for a in s.acceptance_by_position()),
+            file=sys.stderr,
+        )
 
 
 def _expert_parallel_request(args, model, prompt) -> dict:
@@ -309,14 +429,22 @@ def _expert_parallel_request(args, model, prompt) -> dict:
     from .distributed import fingerprint
 
     images = prompt.images
-    digest = fingerprint(list(prompt.ids), list(prompt.token_types) if images else [],
-                      *(part for image in images for part in (image.start, image.patches)))
+    digest = fingerprint(
+        list(prompt.ids),
+        list(prompt.token_types) if images else [],
+        *(part for image in images for part in (image.start, image.patches)),
+    )
     config = [(f.name, getattr(model.cfg, f.name)) for f in dataclasses.fields(model.cfg) if f.compare]
-    request = {"--checkpoint": f"config {fingerprint(config)}", "--numerics": args.numerics,
-               "--fix-stale-index-keys": str(args.fix_stale_index_keys),
-               "--prompt": f"{len(prompt)} tokens{f' with {len(images)} images' if images else ''}, {digest}",
-               "--max-new-tokens": str(args.max_new_tokens), "--temperature": repr(args.temperature),
-               "--prefill-chunk": str(args.prefill_chunk), "--speculative": str(args.speculative)}
+    request = {
+        "--checkpoint": f"config {fingerprint(config)}",
+        "--numerics": args.numerics,
+        "--fix-stale-index-keys": str(args.fix_stale_index_keys),
+        "--prompt": f"{len(prompt)} tokens{f' with {len(images)} images' if images else ''}, {digest}",
+        "--max-new-tokens": str(args.max_new_tokens),
+        "--temperature": repr(args.temperature),
+        "--prefill-chunk": str(args.prefill_chunk),
+        "--speculative": str(args.speculative),
+    }
     if args.temperature > 0:
         request["--seed"] = str(args.seed)
     if args.speculative:
@@ -327,27 +455,45 @@ def _expert_parallel_request(args, model, prompt) -> dict:
 
 # ---------------------------------------------------------------------- dsv41 chat
 def chat_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dsv41 chat", description=(
-        "Chat with a checkpoint in the V4.1 chat format (default: the embedded miniature, which learned Python "
-        "source, not conversation, so its replies read like code). One message per line; /reset forgets the conversation, /save FILE writes it as "
-        "JSON (never over an existing file; /save! FILE replaces one), Ctrl-D quits. Each reply is printed as text, "
-        "its line breaks kept (piped, it follows 'assistant: '). Each turn continues from the positions the "
-        "previous one left in the caches."))
+    parser = argparse.ArgumentParser(
+        prog="dsv41 chat",
+        description=(
+            "Chat with a checkpoint in the V4.1 chat format (default: the embedded miniature, which learned Python "
+            "source, not conversation, so its replies read like code). One message per line; "
+            "/reset forgets the conversation, /save FILE writes it as "
+            "JSON (never over an existing file; /save! FILE replaces one), Ctrl-D quits. "
+            "Each reply is printed as text, "
+            "its line breaks kept (piped, it follows 'assistant: '). Each turn continues from the positions the "
+            "previous one left in the caches."
+        ),
+    )
     parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded miniature)")
     parser.add_argument("--thinking", action="store_true", help="the model reasons before it answers (shown dimmed)")
-    parser.add_argument("--reasoning-effort", default=None, metavar="N|low|high|max",
-                        help="with --thinking: 1-100, or low (50), high (75, the default), max (100)")
+    parser.add_argument(
+        "--reasoning-effort",
+        default=None,
+        metavar="N|low|high|max",
+        help="with --thinking: 1-100, or low (50), high (75, the default), max (100)",
+    )
     parser.add_argument("--system", default=None, metavar="TEXT", help="a system message to start the conversation")
-    parser.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="most tokens per reply (default 256)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=256, metavar="N", help="most tokens per reply (default 256)"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default) is greedy")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (temperature > 0)")
-    parser.add_argument("--max-seq-len", type=int, default=None, metavar="N",
-                        help="positions the caches are sized for: the whole conversation (default: the model's "
-                             "maximum, at most 4096)")
-    parser.add_argument("--speculative", action="store_true",
-                        help="decode each reply with the DSpark draft stack (see dsv41 generate --help)")
-    _memory_args(parser, otherwise="without it each layer keeps a fixed number of its most recently used "
-                                   "experts")
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="positions the caches are sized for: the whole conversation (default: the model's maximum, at most 4096)",
+    )
+    parser.add_argument(
+        "--speculative",
+        action="store_true",
+        help="decode each reply with the DSpark draft stack (see dsv41 generate --help)",
+    )
+    _memory_args(parser, otherwise="without it each layer keeps a fixed number of its most recently used experts")
     parser.add_argument("--quiet", action="store_true", help="no load report or per-turn token counts on stderr")
     args = parser.parse_args(argv)
 
@@ -370,10 +516,19 @@ def chat_main(argv: list[str]) -> int:
     try:
         from .conversation import run_terminal
 
-        return run_terminal(model_or_code, sys.stdin, sys.stdout, system=args.system, thinking=args.thinking,
-                            reasoning_effort=args.reasoning_effort, max_new_tokens=args.max_new_tokens,
-                            temperature=args.temperature, seed=args.seed, status=False if args.quiet else None,
-                            speculative=args.speculative)
+        return run_terminal(
+            model_or_code,
+            sys.stdin,
+            sys.stdout,
+            system=args.system,
+            thinking=args.thinking,
+            reasoning_effort=args.reasoning_effort,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            status=False if args.quiet else None,
+            speculative=args.speculative,
+        )
     except KeyboardInterrupt:  # outside a read or a reply, which handle their own
         print(file=sys.stdout)
         return 130
@@ -404,8 +559,14 @@ def _chat_model(args, fail):
         problem = _audit_problem(path)
         if problem:
             raise LoadError(problem)
-        return load(path, quiet=args.quiet, max_seq_len=args.max_seq_len, memory=args.memory,
-                    expert_policy=args.expert_policy, read_ahead=args.read_ahead)
+        return load(
+            path,
+            quiet=args.quiet,
+            max_seq_len=args.max_seq_len,
+            memory=args.memory,
+            expert_policy=args.expert_policy,
+            read_ahead=args.read_ahead,
+        )
     except LoadError as exc:
         return fail(str(exc))
 
@@ -416,16 +577,28 @@ def _memory_args(parser, otherwise: str = "replaces --expert-cache") -> None:
     from .argtypes import memory_size
     from .eviction import DEFAULT_POLICY, EXPERT_POLICIES
 
-    parser.add_argument("--memory", type=memory_size, default=None, metavar="SIZE",
-                        help="a memory budget (e.g. 16GiB), at most this machine's memory: what the dense part, "
-                             f"the caches and the process leave holds routed experts read from disk ({otherwise}; "
-                             "the load report says how it was spent)")
-    parser.add_argument("--expert-policy", choices=EXPERT_POLICIES, default=DEFAULT_POLICY,
-                        help=f"which expert gives up its slot under --memory (default {DEFAULT_POLICY})")
-    parser.add_argument("--read-ahead", action="store_true",
-                        help="under --memory, read the experts the next layer will probably use while this layer "
-                             "computes (off by default: on few cores the reads slow the compute more than they "
-                             "save; `dsv41 bench whole` measures both)")
+    parser.add_argument(
+        "--memory",
+        type=memory_size,
+        default=None,
+        metavar="SIZE",
+        help="a memory budget (e.g. 16GiB), at most this machine's memory: what the dense part, "
+        f"the caches and the process leave holds routed experts read from disk ({otherwise}; "
+        "the load report says how it was spent)",
+    )
+    parser.add_argument(
+        "--expert-policy",
+        choices=EXPERT_POLICIES,
+        default=DEFAULT_POLICY,
+        help=f"which expert gives up its slot under --memory (default {DEFAULT_POLICY})",
+    )
+    parser.add_argument(
+        "--read-ahead",
+        action="store_true",
+        help="under --memory, read the experts the next layer will probably use while this layer "
+        "computes (off by default: on few cores the reads slow the compute more than they "
+        "save; `dsv41 bench whole` measures both)",
+    )
 
 
 def _threads_arg(text: str):
@@ -461,7 +634,11 @@ def _audit_problem(path: str) -> Optional[str]:
     failed = [c for c in report.checks if c.status == "fail"]
     if failed:
         first = failed[0]
-        more = f" ({len(failed) - 1} more checks fail; run `dsv41 audit --checkpoint-dir {path}`)" if len(failed) > 1 else ""
+        more = (
+            f" ({len(failed) - 1} more checks fail; run `dsv41 audit --checkpoint-dir {path}`)"
+            if len(failed) > 1
+            else ""
+        )
         return f"{path}: the checkpoint audit fails {first.id} ({first.title}): {first.detail}{more}"
     return None
 

@@ -22,18 +22,41 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
-from dsv41.errors import Dsv41Error
 
-from dsv41.config_json import (
-    MAX_CONFIG_INT_DIGITS, assign, freeze, is_finite, is_int, leaf_paths,
-    lookup, parse_int, shape_problem, shown, thaw,
-)
-from dsv41.text import LongInteger, brief, is_whole, number_text
 from dsv41.config_fields import (
-    T, V, Q, FIELDS, FLAT_ALIASES, NESTED_ONLY, VALUE_BOUNDS, LIST_BOUNDS, FLOAT_LIMITS,
-    MAX_INT64, MAX_LIST_ENTRIES, MAX_FP8_BLOCK, MAX_INVENTORY_TENSORS, MAX_ENGRAM_COLUMNS,
-    NESTED_FORMAT_DEFAULTS, FLAT_KEYS, NESTED_ONLY_KEYS, NULLABLE,
+    FIELDS,
+    FLAT_ALIASES,
+    FLAT_KEYS,
+    FLOAT_LIMITS,
+    LIST_BOUNDS,
+    MAX_ENGRAM_COLUMNS,
+    MAX_FP8_BLOCK,
+    MAX_INT64,
+    MAX_INVENTORY_TENSORS,
+    MAX_LIST_ENTRIES,
+    NESTED_FORMAT_DEFAULTS,
+    NESTED_ONLY,
+    NESTED_ONLY_KEYS,
+    NULLABLE,
+    VALUE_BOUNDS,
+    Q,
+    T,
+    V,
 )
+from dsv41.config_json import (
+    MAX_CONFIG_INT_DIGITS,
+    assign,
+    freeze,
+    is_finite,
+    leaf_paths,
+    lookup,
+    parse_int,
+    shape_problem,
+    shown,
+    thaw,
+)
+from dsv41.errors import Dsv41Error
+from dsv41.text import LongInteger, brief, is_whole, number_text
 
 
 class ConfigError(Dsv41Error, ValueError):
@@ -255,8 +278,10 @@ class Config:
         _check_types(values, source)
         block = dict(fmt).get((Q, "weight_block_size"), [32, 32])
         if not (isinstance(block, list) and len(block) == 2 and all(is_whole(b) for b in block)):
-            raise ConfigError(f"{source or 'config'}: field {Q}.weight_block_size is {brief(block, as_json=True)}, "
-                              "expected a list of two integers")
+            raise ConfigError(
+                f"{source or 'config'}: field {Q}.weight_block_size is {brief(block, as_json=True)}, "
+                "expected a list of two integers"
+            )
         unknown = tuple(sorted(".".join(map(str, p)) for p in leaf_paths(data) if p not in seen))
         return cls(**values, layout="nested", source=source, nested_format=tuple(fmt), unknown_keys=unknown)
 
@@ -273,8 +298,16 @@ class Config:
         fmt = dict(NESTED_FORMAT_DEFAULTS)
         fmt.update(dict(self.nested_format))
         out: dict = {}
-        top_order = ("architectures", "model_type", "dtype", "transformers_version", "bos_token_id",
-                     "eos_token_id", "pad_token_id", "image_token_id")
+        top_order = (
+            "architectures",
+            "model_type",
+            "dtype",
+            "transformers_version",
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+            "image_token_id",
+        )
         pairs = {path: thaw(getattr(self, name)) for name, path in FLAT_ALIASES + NESTED_ONLY}
         pairs.update(fmt)
         for key in top_order:
@@ -343,8 +376,9 @@ class Config:
         ratios = self.compress_ratios
         return [layer for layer in range(min(self.n_layers, len(ratios))) if ratios[layer] > 0]
 
-    def source_breaks(self, layers: Iterable[int] | None = None,
-                      kinds: tuple[str, ...] = ("KV", "index")) -> list[tuple[int, str, int | None]]:
+    def source_breaks(
+        self, layers: Iterable[int] | None = None, kinds: tuple[str, ...] = ("KV", "index")
+    ) -> list[tuple[int, str, int | None]]:
         """The ratio-source rule, as (layer, kind, source) for each break: a layer reads the cache
         of the latest KV source and the selection of the latest index source at or before it, and
         compresses at that source's ratio (the source writes at its own ratio; a reader at another
@@ -374,12 +408,16 @@ class Config:
         """(routed experts, activated experts) for a backbone or MTP layer."""
         if layer < self.n_layers:
             return self.n_routed_experts, self.n_activated_experts
-        return (self.dspark_n_routed_experts or self.n_routed_experts,
-                self.dspark_n_activated_experts or self.n_activated_experts)
+        return (
+            self.dspark_n_routed_experts or self.n_routed_experts,
+            self.dspark_n_activated_experts or self.n_activated_experts,
+        )
 
     def summary(self) -> str:
-        s = (f"{self.n_layers} layers + {self.n_mtp_layers} draft, dim {self.dim}, {self.n_heads} heads of "
-             f"{self.head_dim}, {self.n_routed_experts} experts ({self.n_activated_experts} active)")
+        s = (
+            f"{self.n_layers} layers + {self.n_mtp_layers} draft, dim {self.dim}, {self.n_heads} heads of "
+            f"{self.head_dim}, {self.n_routed_experts} experts ({self.n_activated_experts} active)"
+        )
         s += f"; Engram on layers {list(self.engram_layer_ids or ())}"
         s += f", vision {self.vision_n_layers} layers" if self.vision_n_layers else ", no vision"
         s += f", DSpark block {self.dspark_block_size} over layers {list(self.dspark_target_layer_ids or ())}"
@@ -421,8 +459,10 @@ class Config:
             if not isinstance(value, tuple):
                 continue
             if len(value) > MAX_LIST_ENTRIES:
-                problems.append(f"{self._label(name)} has {len(value):,} entries; no list in a config describes "
-                                f"more than {MAX_LIST_ENTRIES:,} layers")
+                problems.append(
+                    f"{self._label(name)} has {len(value):,} entries; no list in a config describes "
+                    f"more than {MAX_LIST_ENTRIES:,} layers"
+                )
             elif (bad := next((v for v in value if is_whole(v) and not -MAX_INT64 <= v <= high), None)) is not None:
                 limit = f"above {high:,}" if bad > 0 and high < MAX_INT64 else "beyond a 64-bit integer"
                 problems.append(f"{self._label(name)} holds {number_text(bad)}, {limit}")
@@ -440,20 +480,26 @@ class Config:
         fmt = dict(self.nested_format)
         block = fmt.get((Q, "weight_block_size"), [32, 32])
         if not _block_ok(block):
-            problems.append(f"quantization_config.weight_block_size {brief(block, as_json=True)} is not two integers in "
-                            f"[1, {MAX_FP8_BLOCK:,}]")
+            problems.append(
+                f"quantization_config.weight_block_size {brief(block, as_json=True)} is not two integers in "
+                f"[1, {MAX_FP8_BLOCK:,}]"
+            )
         if problems:
             return problems  # the joint bounds below multiply these
         tensors = self.inventory_tensor_bound()
         if tensors is not None and tensors > MAX_INVENTORY_TENSORS:
-            problems.append(f"these counts imply up to {tensors:,} tensors (n_layers {self.n_layers:,} + n_mtp_layers "
-                            f"{self.n_mtp_layers:,} layers of {self.n_routed_experts:,} routed experts); an inventory "
-                            f"holds at most {MAX_INVENTORY_TENSORS:,}")
+            problems.append(
+                f"these counts imply up to {tensors:,} tensors (n_layers {self.n_layers:,} + n_mtp_layers "
+                f"{self.n_mtp_layers:,} layers of {self.n_routed_experts:,} routed experts); an inventory "
+                f"holds at most {MAX_INVENTORY_TENSORS:,}"
+            )
         columns = self.engram_column_count()
         if columns is not None and columns > MAX_ENGRAM_COLUMNS:
-            problems.append(f"{len(self.engram_layer_ids)} Engram layers x (engram_max_ngram_size - 1) x "
-                            f"engram_n_heads = {columns:,} hash columns, above the {MAX_ENGRAM_COLUMNS:,} "
-                            "whose primes can be derived promptly")
+            problems.append(
+                f"{len(self.engram_layer_ids)} Engram layers x (engram_max_ngram_size - 1) x "
+                f"engram_n_heads = {columns:,} hash columns, above the {MAX_ENGRAM_COLUMNS:,} "
+                "whose primes can be derived promptly"
+            )
         return problems
 
     def inventory_tensor_bound(self) -> int | None:
@@ -467,14 +513,16 @@ class Config:
         n, mtp, experts, vision = counts
         mtp_experts = self.dspark_n_routed_experts if is_whole(self.dspark_n_routed_experts) else 0
         engram = len(self.engram_layer_ids) if isinstance(self.engram_layer_ids, tuple) else 0
-        return (6 * (n * experts + mtp * (mtp_experts or experts)) + 48 * (n + mtp) + 8 * vision
-                + 6 * engram + 16)
+        return 6 * (n * experts + mtp * (mtp_experts or experts)) + 48 * (n + mtp) + 8 * vision + 6 * engram + 16
 
     def engram_column_count(self) -> int | None:
         """Hash columns over all Engram layers, each of which owns one prime: the prime search that
         lays the tables out grows with the square of this."""
-        if not (isinstance(self.engram_layer_ids, tuple) and is_whole(self.engram_max_ngram_size)
-                and is_whole(self.engram_n_heads)):
+        if not (
+            isinstance(self.engram_layer_ids, tuple)
+            and is_whole(self.engram_max_ngram_size)
+            and is_whole(self.engram_n_heads)
+        ):
             return None
         return len(self.engram_layer_ids) * max(self.engram_max_ngram_size - 1, 0) * self.engram_n_heads
 
@@ -497,7 +545,9 @@ class Config:
         if any(r < 0 for r in ratios) or not any(ratios):
             problems.append("compress_ratios must be non-negative and not all zero")
         if any(ratios[n:]):
-            problems.append(f"MTP layers must not read compressed positions: compress_ratios[{n}:] = {list(ratios[n:])}")
+            problems.append(
+                f"MTP layers must not read compressed positions: compress_ratios[{n}:] = {list(ratios[n:])}"
+            )
 
         for name in ("kv_source_layers", "index_source_layers", "engram_layer_ids", "dspark_target_layer_ids"):
             ids = getattr(self, name)
@@ -513,9 +563,13 @@ class Config:
         for layer, kind, src in self.source_breaks():
             r = ratios[layer]
             if src is None:
-                problems.append(f"layer {layer} reads compressed positions (ratio {r}) but no {kind} source is at or before it")
+                problems.append(
+                    f"layer {layer} reads compressed positions (ratio {r}) but no {kind} source is at or before it"
+                )
             else:
-                problems.append(f"layer {layer} (ratio {r}) reads the {kind} source {src}, which compresses at ratio {ratios[src]}")
+                problems.append(
+                    f"layer {layer} (ratio {r}) reads the {kind} source {src}, which compresses at ratio {ratios[src]}"
+                )
         return problems
 
     def verify(self) -> list[str]:
@@ -538,39 +592,59 @@ class Config:
             if self.candidate_source_layer not in self.index_source_layers:
                 problems.append(f"candidate_source_layer {self.candidate_source_layer} is not an index source")
             if self.candidate_topk_blocks <= 0 or self.candidate_block_size <= 0:
-                problems.append("candidate_topk_blocks and candidate_block_size must be positive when a candidate source is set")
+                problems.append(
+                    "candidate_topk_blocks and candidate_block_size must be positive when a candidate source is set"
+                )
         if self.index_topk <= 0 or self.window_size <= 0:
             problems.append("index_topk and window_size must be positive")
 
         expected_targets = self.expected_dspark_targets
         if self.n_mtp_layers and self.dspark_target_layer_ids != expected_targets:
-            problems.append(f"dspark_target_layer_ids {list(self.dspark_target_layer_ids)} are not the last "
-                            f"{self.n_mtp_layers} backbone layers {list(expected_targets)}")
+            problems.append(
+                f"dspark_target_layer_ids {list(self.dspark_target_layer_ids)} are not the last "
+                f"{self.n_mtp_layers} backbone layers {list(expected_targets)}"
+            )
 
         if len(self.engram_num_embeddings) != len(self.engram_layer_ids):
-            problems.append(f"{len(self.engram_num_embeddings)} Engram row counts for {len(self.engram_layer_ids)} Engram layers")
-        if self.engram_layer_ids and (self.engram_compressed_vocab_size <= 0 or self.engram_max_ngram_size < 2
-                                      or self.engram_n_heads <= 0):
-            problems.append("Engram layers need a positive compressed vocabulary, n_heads and an n-gram size of at least 2")
+            problems.append(
+                f"{len(self.engram_num_embeddings)} Engram row counts for {len(self.engram_layer_ids)} Engram layers"
+            )
+        if self.engram_layer_ids and (
+            self.engram_compressed_vocab_size <= 0 or self.engram_max_ngram_size < 2 or self.engram_n_heads <= 0
+        ):
+            problems.append(
+                "Engram layers need a positive compressed vocabulary, n_heads and an n-gram size of at least 2"
+            )
 
-        token_ids = {"image_token_id": self.image_token_id, "dspark_noise_token_id": self.dspark_noise_token_id,
-                     "engram_pad_id": self.engram_pad_id, "bos_token_id": self.bos_token_id,
-                     "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id}
+        token_ids = {
+            "image_token_id": self.image_token_id,
+            "dspark_noise_token_id": self.dspark_noise_token_id,
+            "engram_pad_id": self.engram_pad_id,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
         for name, value in token_ids.items():
             if value is not None and not 0 <= value < self.vocab_size:
                 problems.append(f"{name} {value} is outside the vocabulary [0, {self.vocab_size})")
         if self.pad_token_id is not None and self.engram_pad_id != self.pad_token_id:
-            problems.append(f"engram_pad_id {self.engram_pad_id} differs from the tokenizer's pad_token_id {self.pad_token_id}")
+            problems.append(
+                f"engram_pad_id {self.engram_pad_id} differs from the tokenizer's pad_token_id {self.pad_token_id}"
+            )
 
         if self.rope_head_dim > self.head_dim or self.rope_head_dim % 2:
             problems.append(f"rope_head_dim {self.rope_head_dim} must be even and at most head_dim {self.head_dim}")
         if (self.n_heads * self.head_dim) % self.o_groups:
-            problems.append(f"n_heads * head_dim = {self.n_heads * self.head_dim} is not divisible by o_groups {self.o_groups}")
+            problems.append(
+                f"n_heads * head_dim = {self.n_heads * self.head_dim} is not divisible by o_groups {self.o_groups}"
+            )
         if self.n_activated_experts > self.n_routed_experts:
             problems.append("n_activated_experts exceeds n_routed_experts")
         if self.vision_n_layers:
             if self.vision_dim % self.vision_n_heads:
-                problems.append(f"vision_dim {self.vision_dim} is not divisible by vision_n_heads {self.vision_n_heads}")
+                problems.append(
+                    f"vision_dim {self.vision_dim} is not divisible by vision_n_heads {self.vision_n_heads}"
+                )
             elif (self.vision_dim // self.vision_n_heads) % 4:
                 problems.append("the vision head dim must divide by 4 for its 2D rotary embedding")
         if self.dtype not in ("fp8", "bf16"):
@@ -587,26 +661,82 @@ class Config:
 
 # ---------------------------------------------------------------------- presets
 RELEASED = Config(
-    vocab_size=129280, dim=5120, moe_inter_dim=2304, n_layers=40, n_mtp_layers=3,
-    dspark_block_size=5, dspark_noise_token_id=128799, dspark_target_layer_ids=(37, 38, 39),
-    dspark_markov_rank=256, dspark_n_routed_experts=128, dspark_n_activated_experts=3,
-    n_heads=64, n_routed_experts=384, n_shared_experts=1, n_activated_experts=6,
-    score_func="sqrtsoftplus", route_scale=1.5, swiglu_limit=10.0, q_lora_rank=1280, head_dim=512,
-    rope_head_dim=64, norm_eps=1e-20, o_groups=8, o_lora_rank=1024, window_size=128,
-    kv_source_layers=(2, 8, 14, 20), index_source_layers=(2, 8, 14, 20, 24, 28, 32, 36),
-    original_seq_len=65536, rope_theta=10000, rope_factor=16, beta_fast=32, beta_slow=1,
-    index_n_heads=32, index_head_dim=128, index_topk=512, candidate_source_layer=20,
-    candidate_topk_blocks=2048, candidate_block_size=8, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-06,
-    engram_layer_ids=(1, 14), engram_vocab_size=16000000, engram_num_embeddings=(384006168, 384016682),
-    engram_max_ngram_size=4, engram_pad_id=2, engram_compressed_vocab_size=99092,
-    dtype="fp8", expert_dtype="fp4", compress_rope_theta=160000,
+    vocab_size=129280,
+    dim=5120,
+    moe_inter_dim=2304,
+    n_layers=40,
+    n_mtp_layers=3,
+    dspark_block_size=5,
+    dspark_noise_token_id=128799,
+    dspark_target_layer_ids=(37, 38, 39),
+    dspark_markov_rank=256,
+    dspark_n_routed_experts=128,
+    dspark_n_activated_experts=3,
+    n_heads=64,
+    n_routed_experts=384,
+    n_shared_experts=1,
+    n_activated_experts=6,
+    score_func="sqrtsoftplus",
+    route_scale=1.5,
+    swiglu_limit=10.0,
+    q_lora_rank=1280,
+    head_dim=512,
+    rope_head_dim=64,
+    norm_eps=1e-20,
+    o_groups=8,
+    o_lora_rank=1024,
+    window_size=128,
+    kv_source_layers=(2, 8, 14, 20),
+    index_source_layers=(2, 8, 14, 20, 24, 28, 32, 36),
+    original_seq_len=65536,
+    rope_theta=10000,
+    rope_factor=16,
+    beta_fast=32,
+    beta_slow=1,
+    index_n_heads=32,
+    index_head_dim=128,
+    index_topk=512,
+    candidate_source_layer=20,
+    candidate_topk_blocks=2048,
+    candidate_block_size=8,
+    hc_mult=4,
+    hc_sinkhorn_iters=20,
+    hc_eps=1e-06,
+    engram_layer_ids=(1, 14),
+    engram_vocab_size=16000000,
+    engram_num_embeddings=(384006168, 384016682),
+    engram_max_ngram_size=4,
+    engram_pad_id=2,
+    engram_compressed_vocab_size=99092,
+    dtype="fp8",
+    expert_dtype="fp4",
+    compress_rope_theta=160000,
     compress_ratios=(0, 0) + (2,) * 18 + (1,) * 20 + (0, 0, 0),
-    vision_n_layers=32, vision_dim=1024, vision_n_heads=16, vision_inter_dim=2816, vision_patch_size=14,
-    vision_downsample_ratio=3, vision_max_n_token=1024, vision_min_pixels=295936, vision_max_wh_ratio=None,
-    image_token_id=129264, engram_n_heads=8, engram_head_dim=256, vision_rope_theta=10000,
-    model_type="deepseek_v41", architectures=("DeepseekV41ForCausalLM",), param_dtype="bfloat16",
-    bos_token_id=0, eos_token_id=1, pad_token_id=2, hidden_act="silu", max_position_embeddings=1048576,
-    num_key_value_heads=1, tie_word_embeddings=False, topk_method="noaux_tc", norm_topk_prob=True,
+    vision_n_layers=32,
+    vision_dim=1024,
+    vision_n_heads=16,
+    vision_inter_dim=2816,
+    vision_patch_size=14,
+    vision_downsample_ratio=3,
+    vision_max_n_token=1024,
+    vision_min_pixels=295936,
+    vision_max_wh_ratio=None,
+    image_token_id=129264,
+    engram_n_heads=8,
+    engram_head_dim=256,
+    vision_rope_theta=10000,
+    model_type="deepseek_v41",
+    architectures=("DeepseekV41ForCausalLM",),
+    param_dtype="bfloat16",
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+    hidden_act="silu",
+    max_position_embeddings=1048576,
+    num_key_value_heads=1,
+    tie_word_embeddings=False,
+    topk_method="noaux_tc",
+    norm_topk_prob=True,
     layout="nested",
 )
 
@@ -617,26 +747,82 @@ RELEASED = Config(
 # engram_num_embeddings and engram_compressed_vocab_size are derived when the checkpoint is
 # written (from the prime layout and the tokenizer), so the preset leaves them unset.
 TINY = Config(
-    vocab_size=1024, dim=128, moe_inter_dim=64, n_layers=8, n_mtp_layers=3,
-    dspark_block_size=5, dspark_noise_token_id=1000, dspark_target_layer_ids=(5, 6, 7),
-    dspark_markov_rank=32, dspark_n_routed_experts=8, dspark_n_activated_experts=2,
-    n_heads=4, n_routed_experts=16, n_shared_experts=1, n_activated_experts=4,
-    score_func="sqrtsoftplus", route_scale=1.5, swiglu_limit=10.0, q_lora_rank=64, head_dim=64,
-    rope_head_dim=32, norm_eps=1e-20, o_groups=2, o_lora_rank=32, window_size=8,
-    kv_source_layers=(2, 4), index_source_layers=(2, 4, 6),
-    original_seq_len=256, rope_theta=10000, rope_factor=16, beta_fast=32, beta_slow=1,
-    index_n_heads=2, index_head_dim=32, index_topk=8, candidate_source_layer=4,
-    candidate_topk_blocks=4, candidate_block_size=2, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-06,
-    engram_layer_ids=(1, 2), engram_vocab_size=1000, engram_num_embeddings=None,
-    engram_max_ngram_size=4, engram_pad_id=2, engram_compressed_vocab_size=None,
-    dtype="fp8", expert_dtype="fp4", compress_rope_theta=160000,
+    vocab_size=1024,
+    dim=128,
+    moe_inter_dim=64,
+    n_layers=8,
+    n_mtp_layers=3,
+    dspark_block_size=5,
+    dspark_noise_token_id=1000,
+    dspark_target_layer_ids=(5, 6, 7),
+    dspark_markov_rank=32,
+    dspark_n_routed_experts=8,
+    dspark_n_activated_experts=2,
+    n_heads=4,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    n_activated_experts=4,
+    score_func="sqrtsoftplus",
+    route_scale=1.5,
+    swiglu_limit=10.0,
+    q_lora_rank=64,
+    head_dim=64,
+    rope_head_dim=32,
+    norm_eps=1e-20,
+    o_groups=2,
+    o_lora_rank=32,
+    window_size=8,
+    kv_source_layers=(2, 4),
+    index_source_layers=(2, 4, 6),
+    original_seq_len=256,
+    rope_theta=10000,
+    rope_factor=16,
+    beta_fast=32,
+    beta_slow=1,
+    index_n_heads=2,
+    index_head_dim=32,
+    index_topk=8,
+    candidate_source_layer=4,
+    candidate_topk_blocks=4,
+    candidate_block_size=2,
+    hc_mult=4,
+    hc_sinkhorn_iters=20,
+    hc_eps=1e-06,
+    engram_layer_ids=(1, 2),
+    engram_vocab_size=1000,
+    engram_num_embeddings=None,
+    engram_max_ngram_size=4,
+    engram_pad_id=2,
+    engram_compressed_vocab_size=None,
+    dtype="fp8",
+    expert_dtype="fp4",
+    compress_rope_theta=160000,
     compress_ratios=(0, 0, 2, 2, 1, 1, 1, 0, 0, 0, 0),
-    vision_n_layers=2, vision_dim=64, vision_n_heads=2, vision_inter_dim=96, vision_patch_size=14,
-    vision_downsample_ratio=3, vision_max_n_token=64, vision_min_pixels=3136, vision_max_wh_ratio=None,
-    image_token_id=1001, engram_n_heads=2, engram_head_dim=32, vision_rope_theta=10000,
-    model_type="deepseek_v41", architectures=("DeepseekV41ForCausalLM",), param_dtype="bfloat16",
-    bos_token_id=0, eos_token_id=1, pad_token_id=2, hidden_act="silu", max_position_embeddings=4096,
-    num_key_value_heads=1, tie_word_embeddings=False, topk_method="noaux_tc", norm_topk_prob=True,
+    vision_n_layers=2,
+    vision_dim=64,
+    vision_n_heads=2,
+    vision_inter_dim=96,
+    vision_patch_size=14,
+    vision_downsample_ratio=3,
+    vision_max_n_token=64,
+    vision_min_pixels=3136,
+    vision_max_wh_ratio=None,
+    image_token_id=1001,
+    engram_n_heads=2,
+    engram_head_dim=32,
+    vision_rope_theta=10000,
+    model_type="deepseek_v41",
+    architectures=("DeepseekV41ForCausalLM",),
+    param_dtype="bfloat16",
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+    hidden_act="silu",
+    max_position_embeddings=4096,
+    num_key_value_heads=1,
+    tie_word_embeddings=False,
+    topk_method="noaux_tc",
+    norm_topk_prob=True,
     layout="nested",
 )
 
@@ -667,10 +853,14 @@ def load_config(path: str) -> Config:
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a UTF-8 text file") from None
     except LongInteger as exc:
-        raise ConfigError(f"{path}: holds an integer of {exc.digits:,} digits; no config value needs more "
-                          f"than {MAX_CONFIG_INT_DIGITS}, so the file is damaged") from None
+        raise ConfigError(
+            f"{path}: holds an integer of {exc.digits:,} digits; no config value needs more "
+            f"than {MAX_CONFIG_INT_DIGITS}, so the file is damaged"
+        ) from None
     except RecursionError:
-        raise ConfigError(f"{path}: nests too deep to read (a config nests three levels), so the file is damaged") from None
+        raise ConfigError(
+            f"{path}: nests too deep to read (a config nests three levels), so the file is damaged"
+        ) from None
     except MemoryError:
         raise ConfigError(f"{path}: too large to read as a config") from None
     except OSError as exc:
@@ -702,8 +892,10 @@ def compare_layouts(directory: str) -> dict:
     with open(flat_path, encoding="utf-8") as f:
         flat_file = json.load(f)
     return {
-        "nested": nested.layout, "flat": flat.layout,
-        "dtype (quantization)": nested.dtype, "param_dtype (storage)": nested.param_dtype,
+        "nested": nested.layout,
+        "flat": flat.layout,
+        "dtype (quantization)": nested.dtype,
+        "param_dtype (storage)": nested.param_dtype,
         "flat file from nested": nested.as_reference_dict() == flat_file,
         "flat file from flat": flat.as_reference_dict() == flat_file,
         "nested round trip": Config.from_dict(nested.as_nested_dict()) == nested,
@@ -717,8 +909,11 @@ _NESTED_PATHS = {f.name: f.nested for f in FIELDS}
 
 
 def _block_ok(block) -> bool:
-    return (isinstance(block, (list, tuple)) and len(block) == 2
-            and all(is_whole(b) and 1 <= b <= MAX_FP8_BLOCK for b in block))
+    return (
+        isinstance(block, (list, tuple))
+        and len(block) == 2
+        and all(is_whole(b) and 1 <= b <= MAX_FP8_BLOCK for b in block)
+    )
 
 
 def distinct_ascending(ids) -> bool:
@@ -734,15 +929,17 @@ def _type_ok(value, annotation: str) -> bool:
     """Whether a JSON value fits a field annotation such as 'int | None' or 'tuple[int, ...] | None'."""
     if value is None:
         return True
+
     def scalar(v, kind: str) -> bool:
         if kind == "int":
             return is_whole(v)
         if kind == "float":
             return isinstance(v, (int, float)) and not isinstance(v, bool)
         return isinstance(v, {"str": str, "bool": bool}[kind])
+
     kind = annotation.split(" | ")[0]
     if kind.startswith("tuple["):
-        inner = kind[len("tuple["):].split(",")[0]
+        inner = kind[len("tuple[") :].split(",")[0]
         return isinstance(value, tuple) and all(scalar(v, inner) for v in value)
     return scalar(value, kind)
 
@@ -754,16 +951,24 @@ def _check_types(values: dict, source: str | None) -> None:
     for name, value in values.items():
         if not _type_ok(value, _ANNOTATIONS[name]):
             expected = _ANNOTATIONS[name].replace(" | None", "").replace("tuple[", "list of ").replace(", ...]", "")
-            raise ConfigError(f"{source or 'config'}: field {name} is {brief(value, as_json=True)}, expected {expected}")
+            raise ConfigError(
+                f"{source or 'config'}: field {name} is {brief(value, as_json=True)}, expected {expected}"
+            )
 
 
 # ---------------------------------------------------------------------- CLI
 def cli_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dsv41 config", description=(
-        "Read a config in either released layout (a directory resolves to config.json, then "
-        "inference/config.json), print its shape and check its internal relationships."))
+    parser = argparse.ArgumentParser(
+        prog="dsv41 config",
+        description=(
+            "Read a config in either released layout (a directory resolves to config.json, then "
+            "inference/config.json), print its shape and check its internal relationships."
+        ),
+    )
     parser.add_argument("path", help="config file or checkpoint directory")
-    parser.add_argument("--json", metavar="OUT", help="write the flat form, the nested-only fields and the problems here")
+    parser.add_argument(
+        "--json", metavar="OUT", help="write the flat form, the nested-only fields and the problems here"
+    )
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.path)
@@ -780,14 +985,22 @@ def cli_main(argv: list[str]) -> int:
         print(f"  [problem] {p}")
     print("  [ok] the config is self-consistent" if not problems else f"  [fail] {len(problems)} problem(s)")
     if args.json:
-        report = {"source": cfg.source, "layout": cfg.layout, "flat": cfg.as_reference_dict(),
-                  "nested_only": {k: thaw(getattr(cfg, k)) for k in NESTED_ONLY_KEYS},
-                  "unknown_keys": list(cfg.unknown_keys), "problems": problems}
+        report = {
+            "source": cfg.source,
+            "layout": cfg.layout,
+            "flat": cfg.as_reference_dict(),
+            "nested_only": {k: thaw(getattr(cfg, k)) for k in NESTED_ONLY_KEYS},
+            "unknown_keys": list(cfg.unknown_keys),
+            "problems": problems,
+        }
         try:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(report, f, indent=2)
         except OSError as exc:
-            print(f"dsv41 config: cannot write {args.json} ({exc.strerror or exc}); pass --json a path in an "
-                  "existing, writable folder", file=sys.stderr)
+            print(
+                f"dsv41 config: cannot write {args.json} ({exc.strerror or exc}); pass --json a path in an "
+                "existing, writable folder",
+                file=sys.stderr,
+            )
             return 1
     return 1 if problems else 0

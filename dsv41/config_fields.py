@@ -14,6 +14,7 @@ from typing import Any
 
 T, V, Q = "text_config", "vision_config", "quantization_config"
 
+
 # ---------------------------------------------------------------------- the field table
 @dataclass(frozen=True)
 class Field:

@@ -47,7 +47,9 @@ def shape_problem(data) -> str | None:
             try:
                 node.encode("utf-8")
             except UnicodeEncodeError:
-                return f"holds the string {ascii(node)[:40]} with an unpaired surrogate escape, which is not Unicode text"
+                return (
+                    f"holds the string {ascii(node)[:40]} with an unpaired surrogate escape, which is not Unicode text"
+                )
         elif isinstance(node, (dict, list, tuple)):
             if level > MAX_CONFIG_DEPTH:
                 return f"nests more than {MAX_CONFIG_DEPTH} levels deep (a config nests three), so it is not a config"

@@ -35,8 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from . import chat as chat_format
-from . import chat_reply
-from . import vision
+from . import chat_reply, vision
 from .generate import GenerationResult, generate
 from .tokenizer import ASSISTANT_TOKEN, THINK_START_TOKEN
 
@@ -73,11 +72,26 @@ def reply_text(model: Model, ids) -> str:
     return model.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-def chat(model: Model, messages, *, tools=None, thinking: bool = False, reasoning_effort=None,
-         drop_thinking: bool = True, max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0,
-         trace: bool = False, callback: Optional[Callable] = None, reuse_prefix: bool = True, resume=None,
-         keep_resume: bool = True, prefill_chunk: Optional[int] = None, progress: bool = False,
-         speculative: bool = False) -> ChatResult:
+def chat(
+    model: Model,
+    messages,
+    *,
+    tools=None,
+    thinking: bool = False,
+    reasoning_effort=None,
+    drop_thinking: bool = True,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    seed: int = 0,
+    trace: bool = False,
+    callback: Optional[Callable] = None,
+    reuse_prefix: bool = True,
+    resume=None,
+    keep_resume: bool = True,
+    prefill_chunk: Optional[int] = None,
+    progress: bool = False,
+    speculative: bool = False,
+) -> ChatResult:
     """Answer `messages` (OpenAI-style; see `dsv41.chat.render` for `tools`, `thinking`,
     `reasoning_effort`, `drop_thinking`) -> ChatResult with the parsed reply.
 
@@ -88,11 +102,18 @@ def chat(model: Model, messages, *, tools=None, thinking: bool = False, reasonin
     `keep_resume`: take this turn's snapshot (a copy of the caches). When the prompt is run as two
     calls (thinking), the trace and timings of `generation` cover its last token and the reply;
     `ChatResult.timings` covers both calls."""
-    prompt = chat_format.render(messages, tools=tools, thinking=thinking, reasoning_effort=reasoning_effort,
-                                drop_thinking=drop_thinking)
+    prompt = chat_format.render(
+        messages, tools=tools, thinking=thinking, reasoning_effort=reasoning_effort, drop_thinking=drop_thinking
+    )
     ids = prompt_ids(model, prompt)
-    options = dict(temperature=temperature, seed=seed, trace=trace, callback=callback, prefill_chunk=prefill_chunk,
-                   progress=progress)
+    options = dict(
+        temperature=temperature,
+        seed=seed,
+        trace=trace,
+        callback=callback,
+        prefill_chunk=prefill_chunk,
+        progress=progress,
+    )
     if speculative:
         options["speculative"] = True
     # the vision path puts each image's span at its placeholder; every image is read before anything runs
@@ -101,14 +122,21 @@ def chat(model: Model, messages, *, tools=None, thinking: bool = False, reasonin
         _resume(model, resume, ids)
 
     # the next turn renders this reply without its reasoning: it parts from this prompt at the `<think>`
-    split = (reuse_prefix and thinking and not prompt.keeps_reasoning and not prompt.images and len(ids) > 1
-             and _ends_with_markup(prompt, ASSISTANT_TOKEN + THINK_START_TOKEN)
-             and ids[-1] == model.tokenizer.token_to_id(THINK_START_TOKEN)
-             and len(ids) + max_new_tokens - 1 <= model.max_seq_len)  # else generate's own refusal, unsplit
+    split = (
+        reuse_prefix
+        and thinking
+        and not prompt.keeps_reasoning
+        and not prompt.images
+        and len(ids) > 1
+        and _ends_with_markup(prompt, ASSISTANT_TOKEN + THINK_START_TOKEN)
+        and ids[-1] == model.tokenizer.token_to_id(THINK_START_TOKEN)
+        and len(ids) + max_new_tokens - 1 <= model.max_seq_len
+    )  # else generate's own refusal, unsplit
     head = None
     if split:  # everything before `<think>` first: the next turn continues from there
-        head = generate(model, ids[:-1], max_new_tokens=0, reuse_prefix=True, prefill_chunk=prefill_chunk,
-                        progress=progress)
+        head = generate(
+            model, ids[:-1], max_new_tokens=0, reuse_prefix=True, prefill_chunk=prefill_chunk, progress=progress
+        )
         reused = head.timings["reused_positions"]
         snapshot = model.snapshot() if keep_resume else None
         options.pop("prefill_chunk")
@@ -120,9 +148,15 @@ def chat(model: Model, messages, *, tools=None, thinking: bool = False, reasonin
     prefill_s = result.timings["prefill_s"] + (head.timings["prefill_s"] if head is not None else 0.0)
     raw = reply_text(model, result.ids)
     reply = chat_reply.parse(raw, thinking=_ends_with_markup(prompt, THINK_START_TOKEN))
-    timings = {"prompt_tokens": len(ids), "reused_positions": reused, "prefilled": len(ids) - reused,
-               "prefill_s": prefill_s, "decode_s": result.timings["decode_s"],
-               "tokens_per_s": result.timings["tokens_per_s"], "new_tokens": len(result.ids)}
+    timings = {
+        "prompt_tokens": len(ids),
+        "reused_positions": reused,
+        "prefilled": len(ids) - reused,
+        "prefill_s": prefill_s,
+        "decode_s": result.timings["decode_s"],
+        "tokens_per_s": result.timings["tokens_per_s"],
+        "new_tokens": len(result.ids),
+    }
     return ChatResult(reply, raw, result, prompt.text, ids, reused, timings, prompt.images, snapshot)
 
 
@@ -151,12 +185,13 @@ def image_source(record: dict):
         return _base64(data, "an image block's data")
     url = record.get("url") or record.get("path") or ""
     if not isinstance(url, str) or not url:
-        raise chat_format.ChatFormatError("an image record needs a path, a url or base64 data, and this one has "
-                                          "none of them as text")
+        raise chat_format.ChatFormatError(
+            "an image record needs a path, a url or base64 data, and this one has none of them as text"
+        )
     if url.startswith("data:"):
         return _base64(url.partition(",")[2], "an image's data: URL")
     if url.startswith("file://"):
-        return url[len("file://"):]
+        return url[len("file://") :]
     if "://" in url:
         raise chat_format.ChatFormatError(f"the image {url[:80]!r} is a web address; download it and pass its path")
     return url
@@ -180,8 +215,9 @@ def _with_images(model, ids: list[int], records: list[dict]) -> vision.Prompt:
     so that a message cannot probe which local paths exist."""
     cfg = model.cfg
     if not cfg.vision_n_layers:
-        raise chat_format.ChatFormatError("the conversation holds images, but this model's config has no vision "
-                                          "tower (vision_n_layers is 0)")
+        raise chat_format.ChatFormatError(
+            "the conversation holds images, but this model's config has no vision tower (vision_n_layers is 0)"
+        )
     sources = [image_source(record) for record in records]
     try:
         return vision.prepare(cfg, ids, sources)
@@ -190,8 +226,9 @@ def _with_images(model, ids: list[int], records: list[dict]) -> vision.Prompt:
             raise chat_format.ChatFormatError(str(exc)) from None
         source = sources[exc.number - 1]
         if isinstance(source, str):
-            raise chat_format.ChatFormatError(f"image {exc.number} of the conversation ({source[:80]!r}) cannot be "
-                                              f"read as an image file") from None
+            raise chat_format.ChatFormatError(
+                f"image {exc.number} of the conversation ({source[:80]!r}) cannot be read as an image file"
+            ) from None
         raise chat_format.ChatFormatError(f"image {exc.number} of the conversation cannot be used: {exc}") from None
 
 
@@ -212,9 +249,19 @@ class Conversation:
     """The messages so far and the options of a chat over `model`; `send` adds a user message and
     the reply, continuing from the previous turn's positions."""
 
-    def __init__(self, model: Model, *, system: Optional[str] = None, tools=None, thinking: bool = False,
-                 reasoning_effort=None, max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0,
-                 speculative: bool = False):
+    def __init__(
+        self,
+        model: Model,
+        *,
+        system: Optional[str] = None,
+        tools=None,
+        thinking: bool = False,
+        reasoning_effort=None,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        seed: int = 0,
+        speculative: bool = False,
+    ):
         self.model, self.system, self.tools = model, system, tools
         self.speculative = speculative
         self.thinking, self.reasoning_effort = thinking, reasoning_effort
@@ -238,9 +285,16 @@ class Conversation:
     def add(self, message: dict, **options) -> ChatResult:
         """Add any message (a tool result, a mid-conversation system message) and answer it."""
         self.messages.append(message)
-        settings = dict(tools=self.tools, thinking=self.thinking, reasoning_effort=self.reasoning_effort,
-                        max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed,
-                        speculative=self.speculative, resume=self.last.resume if self.last is not None else None)
+        settings = dict(
+            tools=self.tools,
+            thinking=self.thinking,
+            reasoning_effort=self.reasoning_effort,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            seed=self.seed,
+            speculative=self.speculative,
+            resume=self.last.resume if self.last is not None else None,
+        )
         try:
             result = chat(self.model, self.messages, **{**settings, **options})
         except BaseException:
@@ -251,8 +305,12 @@ class Conversation:
         return result
 
     def to_json(self) -> dict:
-        return {"messages": self.messages, "tools": self.tools, "thinking": self.thinking,
-                "reasoning_effort": self.reasoning_effort}
+        return {
+            "messages": self.messages,
+            "tools": self.tools,
+            "thinking": self.thinking,
+            "reasoning_effort": self.reasoning_effort,
+        }
 
     def save(self, path, *, overwrite: bool = False) -> None:
         """The conversation as JSON: its messages (OpenAI-style) and the options that render them.
@@ -283,13 +341,27 @@ class Conversation:
 
 
 # ---------------------------------------------------------------------- the terminal
-HELP = ("/reset forgets the conversation, /save FILE writes it as JSON (/save! FILE replaces an existing file), "
-        "/help shows this, Ctrl-D quits")
+HELP = (
+    "/reset forgets the conversation, /save FILE writes it as JSON (/save! FILE replaces an existing file), "
+    "/help shows this, Ctrl-D quits"
+)
 
 
-def run_terminal(model: Model, stdin=None, stdout=None, *, system: Optional[str] = None, thinking: bool = False,
-                 reasoning_effort=None, tools=None, max_new_tokens: int = 256, temperature: float = 0.0,
-                 seed: int = 0, status=None, speculative: bool = False) -> int:
+def run_terminal(
+    model: Model,
+    stdin=None,
+    stdout=None,
+    *,
+    system: Optional[str] = None,
+    thinking: bool = False,
+    reasoning_effort=None,
+    tools=None,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    seed: int = 0,
+    status=None,
+    speculative: bool = False,
+) -> int:
     """Chat on a terminal: one message per line; replies on `stdout` as text, line breaks kept
     (reasoning dimmed, tool calls as JSON; piped, each reply after `assistant: `, its reasoning after
     `thinking: `, each call on a `tool call: ` line); `/reset`, `/save FILE`, Ctrl-D (end of
@@ -306,9 +378,17 @@ def run_terminal(model: Model, stdin=None, stdout=None, *, system: Optional[str]
             import readline  # noqa: F401  (input() gains line editing and history)
         except ImportError:
             pass
-    conversation = Conversation(model, system=system, tools=tools, thinking=thinking,
-                                reasoning_effort=reasoning_effort, max_new_tokens=max_new_tokens,
-                                temperature=temperature, seed=seed, speculative=speculative)
+    conversation = Conversation(
+        model,
+        system=system,
+        tools=tools,
+        thinking=thinking,
+        reasoning_effort=reasoning_effort,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        speculative=speculative,
+    )
     if interactive:
         print(_dim(f"chat with {getattr(model, 'checkpoint', None) or 'the model'}; {HELP}", True), file=stdout)
     number = 0
@@ -331,8 +411,10 @@ def run_terminal(model: Model, stdin=None, stdout=None, *, system: Optional[str]
         except UnicodeEncodeError as exc:  # an undecodable byte, escaped by _escape_undecodable
             code = ord(text[exc.start])
             what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else "a lone surrogate"
-            print(f"not sent: line {number} is not UTF-8 text ({what} at character {exc.start + 1}); "
-                  f"nothing was added", file=stdout)
+            print(
+                f"not sent: line {number} is not UTF-8 text ({what} at character {exc.start + 1}); nothing was added",
+                file=stdout,
+            )
             continue
         if text.startswith("/"):
             _command(text, conversation, stdout)
@@ -349,8 +431,11 @@ def run_terminal(model: Model, stdin=None, stdout=None, *, system: Optional[str]
         if status:
             t = result.timings
             rate = f", {t['tokens_per_s']:.1f} tokens/s" if t["tokens_per_s"] else ""
-            print(f"({t['prompt_tokens']} prompt tokens, {t['reused_positions']} reused, {t['prefilled']} run; "
-                  f"{t['new_tokens']} generated{rate})", file=status)
+            print(
+                f"({t['prompt_tokens']} prompt tokens, {t['reused_positions']} reused, {t['prefilled']} run; "
+                f"{t['new_tokens']} generated{rate})",
+                file=status,
+            )
 
 
 def _isatty(stream) -> bool:
@@ -420,11 +505,18 @@ def _show(result: ChatResult, stdout, interactive: bool) -> None:
     if reply.content or not reply.tool_calls:
         print(("" if interactive else "assistant: ") + _printable(reply.content), file=stdout)
     for call in reply.tool_calls:
-        print("tool call: " + json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False),
-              file=stdout)
+        print(
+            "tool call: " + json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False),
+            file=stdout,
+        )
     if reply.incomplete:
-        print(_dim(f"(cut off in the {reply.incomplete.replace('_', ' ')} after {len(result.generation.ids)} tokens)",
-                   interactive), file=stdout)
+        print(
+            _dim(
+                f"(cut off in the {reply.incomplete.replace('_', ' ')} after {len(result.generation.ids)} tokens)",
+                interactive,
+            ),
+            file=stdout,
+        )
 
 
 def _dim(text: str, on: bool) -> str:

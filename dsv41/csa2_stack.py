@@ -32,15 +32,31 @@ class AttentionStack(nn.Module):
     trace.recording(stack.sites):` or `with stack.hooks({pattern: observer}):`.
     """
 
-    def __init__(self, cfg: Config, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
-                 max_seq_len: int = 4096, seed: Optional[int] = None, cache_format: str = "packed"):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        numerics: Numerics = Numerics(),
+        max_batch_size: int = 1,
+        max_seq_len: int = 4096,
+        seed: Optional[int] = None,
+        cache_format: str = "packed",
+    ):
         super().__init__()
         self.cfg, self.numerics = cfg, numerics
         self.cache_format = check_cache_format(cache_format)
         self.runtime = AttentionRuntime()
-        self.layers = nn.ModuleList(Attention(cfg, i, numerics=numerics, max_batch_size=max_batch_size,
-                                              max_seq_len=max_seq_len, cache_format=cache_format)
-                                    for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(
+            Attention(
+                cfg,
+                i,
+                numerics=numerics,
+                max_batch_size=max_batch_size,
+                max_seq_len=max_seq_len,
+                cache_format=cache_format,
+            )
+            for i in range(cfg.n_layers)
+        )
         if seed is not None:
             init_random_(self, seed)
         self.sites = name_sites(self, {f"layers.{i}": f"layers.{i}.attn" for i in range(cfg.n_layers)})

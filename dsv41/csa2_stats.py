@@ -79,11 +79,18 @@ class LayerRole:
     def table_row(self) -> dict:
         """This layer as a row of notebook 03's layer-map table: the caches it writes, and the ones it
         reads from another layer with that layer's number ("own" for its own)."""
-        reads = ", ".join(f"{name} <- {'own' if src == self.layer else src}"
-                          for name, src in self.reads.items() if name != WINDOW)
-        return {"layer": self.layer, "mode": self.mode, "ratio": self.ratio, "writes": ", ".join(self.writes),
-                "reads (<- from layer)": reads or "own window only", "RoPE base": int(self.rope_base),
-                "YaRN": self.yarn}
+        reads = ", ".join(
+            f"{name} <- {'own' if src == self.layer else src}" for name, src in self.reads.items() if name != WINDOW
+        )
+        return {
+            "layer": self.layer,
+            "mode": self.mode,
+            "ratio": self.ratio,
+            "writes": ", ".join(self.writes),
+            "reads (<- from layer)": reads or "own window only",
+            "RoPE base": int(self.rope_base),
+            "YaRN": self.yarn,
+        }
 
 
 def layer_map(cfg: Config) -> list[LayerRole]:
@@ -113,9 +120,17 @@ def layer_map(cfg: Config) -> list[LayerRole]:
                 if 0 <= cand < layer:
                     reads[CANDIDATES] = cand
             reads[TOPK] = cfg.source_at_or_before(layer, cfg.index_source_layers)
-        roles.append(LayerRole(layer=layer, mode=mode, ratio=ratio, writes=tuple(writes), reads=reads,
-                               rope_base=float(cfg.compress_rope_theta if ratio else cfg.rope_theta),
-                               yarn=bool(ratio)))
+        roles.append(
+            LayerRole(
+                layer=layer,
+                mode=mode,
+                ratio=ratio,
+                writes=tuple(writes),
+                reads=reads,
+                rope_base=float(cfg.compress_rope_theta if ratio else cfg.rope_theta),
+                yarn=bool(ratio),
+            )
+        )
     return roles
 
 
@@ -135,8 +150,13 @@ def mode_partition(cfg: Config) -> dict[str, list[int]]:
 def allocated_cache_bytes(stack: AttentionStack) -> dict[str, int]:
     """Bytes of the cache buffers a stack actually allocated (RoPE tables excluded), by kind, read
     off its named buffers (`stack.cache_bytes().components` must agree)."""
-    kinds = {"window_kv_cache": WINDOW, "compress_kv_cache": COMPRESSED, "indexer.k_cache": INDEX_KEYS,
-             "compressor.kv_state": COMPRESSOR_TAILS, "compressor.score_state": COMPRESSOR_TAILS}
+    kinds = {
+        "window_kv_cache": WINDOW,
+        "compress_kv_cache": COMPRESSED,
+        "indexer.k_cache": INDEX_KEYS,
+        "compressor.kv_state": COMPRESSOR_TAILS,
+        "compressor.score_state": COMPRESSOR_TAILS,
+    }
     out = {name: 0 for name in (WINDOW, COMPRESSED, INDEX_KEYS, COMPRESSOR_TAILS)}
     for layer in stack.layers:
         for name, buf in layer.named_buffers():
@@ -152,13 +172,17 @@ def bytes_by_kind(formula: KVCacheBytes, max_seq_len: int) -> dict[str, int]:
     reads off the buffers (its Full layers' compressed KV and index keys summed), so the two compare
     key for key."""
     parts = formula.components(max_seq_len)
-    return {WINDOW: parts[WINDOW], COMPRESSOR_TAILS: parts[COMPRESSOR_TAILS],
-            COMPRESSED: sum(v for k, v in parts.items() if k.endswith(COMPRESSED)),
-            INDEX_KEYS: sum(v for k, v in parts.items() if k.endswith(INDEX_KEYS))}
+    return {
+        WINDOW: parts[WINDOW],
+        COMPRESSOR_TAILS: parts[COMPRESSOR_TAILS],
+        COMPRESSED: sum(v for k, v in parts.items() if k.endswith(COMPRESSED)),
+        INDEX_KEYS: sum(v for k, v in parts.items() if k.endswith(INDEX_KEYS)),
+    }
 
 
-def measured_cache_bytes(cfg: Config, max_seq_len: int, *, cache_format: str = "packed",
-                         max_batch_size: int = 1) -> CacheBytes:
+def measured_cache_bytes(
+    cfg: Config, max_seq_len: int, *, cache_format: str = "packed", max_batch_size: int = 1
+) -> CacheBytes:
     """`CacheBytes` of an AttentionStack of `cfg` sized for `max_seq_len` positions, measured from
     the buffers it allocates. The stack is built on the meta device: every buffer has its shape
     and dtype, so its byte count, and no memory is taken (the released geometry at a million
@@ -170,8 +194,14 @@ def measured_cache_bytes(cfg: Config, max_seq_len: int, *, cache_format: str = "
 
 
 # ---------------------------------------------------------------------------------- weights
-def attention_stack(model: Model, *, numerics: Numerics = Numerics(), max_seq_len: Optional[int] = None,
-                    cache_format: Optional[str] = None, **config_changes) -> AttentionStack:
+def attention_stack(
+    model: Model,
+    *,
+    numerics: Numerics = Numerics(),
+    max_seq_len: Optional[int] = None,
+    cache_format: Optional[str] = None,
+    **config_changes,
+) -> AttentionStack:
     """An AttentionStack holding the attention weights of a loaded `dsv41.load` model, over
     `model.cfg` with `config_changes` (e.g. index_topk=4, window_size=72); changes that alter a
     weight's shape are refused by the state-dict copy. `numerics` is the stack's (the reference's
@@ -179,10 +209,18 @@ def attention_stack(model: Model, *, numerics: Numerics = Numerics(), max_seq_le
     model's."""
     cfg = model.cfg.replace(**config_changes) if config_changes else model.cfg
     with parameters_on_meta():  # the stack shares the model's weights: no copy of them
-        stack = AttentionStack(cfg, numerics=numerics, max_seq_len=max_seq_len or model.max_seq_len,
-                               cache_format=cache_format or getattr(model, "cache_format", "packed"))
-    weights = {f"layers.{i}.{name}": t for i, block in enumerate(model.backbone.layers)
-               for name, t in block.attn.named_parameters() if name in dict(stack.layers[i].named_parameters())}
+        stack = AttentionStack(
+            cfg,
+            numerics=numerics,
+            max_seq_len=max_seq_len or model.max_seq_len,
+            cache_format=cache_format or getattr(model, "cache_format", "packed"),
+        )
+    weights = {
+        f"layers.{i}.{name}": t
+        for i, block in enumerate(model.backbone.layers)
+        for name, t in block.attn.named_parameters()
+        if name in dict(stack.layers[i].named_parameters())
+    }
     with torch.no_grad():
         stack.load_state_dict(weights, strict=True, assign=True)
     return stack
@@ -217,8 +255,9 @@ class CompressorTrace:
         return self.calls[0]["held"]
 
 
-def _rotated_matches(row: torch.Tensor, pre_rope: torch.Tensor, freqs: torch.Tensor, positions, rd: int,
-                     block: int, scale_dtype) -> list[int]:
+def _rotated_matches(
+    row: torch.Tensor, pre_rope: torch.Tensor, freqs: torch.Tensor, positions, rd: int, block: int, scale_dtype
+) -> list[int]:
     """Positions p at which rotating `pre_rope` [dim] and FP4-quantizing it gives `row` exactly."""
     hits = []
     for p in positions:
@@ -254,11 +293,20 @@ def compressor_trace(layer: Attention, x: torch.Tensor, prefill: int) -> Compres
             held_ok = True
             if held:  # the tail holds exactly the un-pooled projections of those tokens
                 kv = layer.compressor.wkv(x[:, held].float())[0]
-                held_ok = torch.allclose(layer.compressor.kv_state[0, [p % ratio for p in held]], kv,
-                                         rtol=1e-5, atol=1e-6)
-            out.calls.append({"call": k, "start_pos": start, "tokens": length, "emitted_groups": changed,
-                              "wrote_compressed": wrote[-1], "held": held,
-                              "held_state_matches": held_ok})
+                held_ok = torch.allclose(
+                    layer.compressor.kv_state[0, [p % ratio for p in held]], kv, rtol=1e-5, atol=1e-6
+                )
+            out.calls.append(
+                {
+                    "call": k,
+                    "start_pos": start,
+                    "tokens": length,
+                    "emitted_groups": changed,
+                    "wrote_compressed": wrote[-1],
+                    "held": held,
+                    "held_state_matches": held_ok,
+                }
+            )
             for g in changed:
                 emitted_by[g] = (k, end - 1)
 
@@ -274,14 +322,21 @@ def compressor_trace(layer: Attention, x: torch.Tensor, prefill: int) -> Compres
     for g in range(n_groups):
         tokens = list(range(g * ratio, (g + 1) * ratio))
         candidates = range(g * ratio, min(n, (g + 1) * ratio + 1))  # the group's tokens and the next
-        out.groups.append({
-            "group": g, "tokens": tokens, "gate_weights": [float(w) for w in gate[g]],
-            "emitted_at_call": emitted_by.get(g, (None, None))[0], "emitted_at_position": emitted_by.get(g, (None, None))[1],
-            "kv_rotated_at": _rotated_matches(cached_kv[g], latents[0, g], layer.freqs_cis, candidates,
-                                              rd, KV_FP4_BLOCK, torch.float8_e4m3fn),
-            "key_rotated_at": _rotated_matches(cached_keys[g], keys[0, g], layer.freqs_cis, candidates,
-                                               rd, INDEX_FP4_BLOCK, torch.float8_e8m0fnu),
-        })
+        out.groups.append(
+            {
+                "group": g,
+                "tokens": tokens,
+                "gate_weights": [float(w) for w in gate[g]],
+                "emitted_at_call": emitted_by.get(g, (None, None))[0],
+                "emitted_at_position": emitted_by.get(g, (None, None))[1],
+                "kv_rotated_at": _rotated_matches(
+                    cached_kv[g], latents[0, g], layer.freqs_cis, candidates, rd, KV_FP4_BLOCK, torch.float8_e4m3fn
+                ),
+                "key_rotated_at": _rotated_matches(
+                    cached_keys[g], keys[0, g], layer.freqs_cis, candidates, rd, INDEX_FP4_BLOCK, torch.float8_e8m0fnu
+                ),
+            }
+        )
     layer.reset_state()
     return out
 
@@ -313,8 +368,19 @@ def candidate_pin_effect(scores: torch.Tensor, reachable, topk_blocks: int, bloc
     n_blocks = raw.size(-1)
     top = raw.topk(min(topk_blocks, n_blocks), dim=-1)
     unpinned = torch.zeros_like(raw, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
-    out = {k: [] for k in ("reachable", "newest_block", "filling", "kept", "kept_unpinned", "pin_mattered",
-                           "displaced", "block_scores")}
+    out = {
+        k: []
+        for k in (
+            "reachable",
+            "newest_block",
+            "filling",
+            "kept",
+            "kept_unpinned",
+            "pin_mattered",
+            "displaced",
+            "block_scores",
+        )
+    }
     for q in range(scores.size(0)):
         r = int(reach[q])
         newest = (r - 1) // block_size if r > 0 else None
@@ -419,11 +485,17 @@ class Divergence:
         return sorted({p for r in self.layers if r["layer"] in layers for p, v in enumerate(r["output_diff"]) if v > 0})
 
     def summary(self) -> dict:
-        return {"index_topk": self.index_topk, "n_tokens": self.n_tokens, **self.numerics,
-                "n_truncated": self.n_truncated,
-                "n_differ": self.n_differ, "n_ties": self.n_ties, "max_output_diff": self.max_output_diff,
-                "n_output_differ_without_selection": self.n_output_differ_without_selection,
-                "identical": self.identical}
+        return {
+            "index_topk": self.index_topk,
+            "n_tokens": self.n_tokens,
+            **self.numerics,
+            "n_truncated": self.n_truncated,
+            "n_differ": self.n_differ,
+            "n_ties": self.n_ties,
+            "max_output_diff": self.max_output_diff,
+            "n_output_differ_without_selection": self.n_output_differ_without_selection,
+            "identical": self.identical,
+        }
 
 
 def _ranked_rows(trace: Trace, layer: int) -> list[Optional[torch.Tensor]]:
@@ -499,16 +571,27 @@ def prefill_decode_divergence(stack: AttentionStack, x: torch.Tensor) -> Diverge
         sp, sd = (r[q] for r in rows(src))
         return all(_at(sp, t) == _at(sd, t) for t in range(int(a[src]["reachable"][q])) if t not in apart)
 
-    result = Divergence(index_topk=cfg.index_topk, n_tokens=x.size(1),
-                        numerics={"window_layout": stack.numerics.window_layout,
-                                  "pad_f32_rows": stack.numerics.pad_f32_rows})
+    result = Divergence(
+        index_topk=cfg.index_topk,
+        n_tokens=x.size(1),
+        numerics={"window_layout": stack.numerics.window_layout, "pad_f32_rows": stack.numerics.pad_f32_rows},
+    )
     for layer in range(cfg.n_layers):
         ratio = cfg.compress_ratios[layer]
         out_diff = (pre[layer, 0].float() - dec[layer, 0].float()).abs().amax(-1)  # [s]
-        row = {"layer": layer, "mode": cfg.layer_mode(layer), "ratio": ratio, "source": None,
-               "n_truncated": 0, "n_differ": 0, "n_ties": 0, "n_block_ties": 0,
-               "max_output_diff": float(out_diff.max()), "output_diff": out_diff.tolist(),
-               "n_output_differ_without_selection": int((out_diff > 0).sum())}
+        row = {
+            "layer": layer,
+            "mode": cfg.layer_mode(layer),
+            "ratio": ratio,
+            "source": None,
+            "n_truncated": 0,
+            "n_differ": 0,
+            "n_ties": 0,
+            "n_block_ties": 0,
+            "max_output_diff": float(out_diff.max()),
+            "output_diff": out_diff.tolist(),
+            "n_output_differ_without_selection": int((out_diff > 0).sum()),
+        }
         if ratio:
             src = cfg.source_at_or_before(layer, cfg.index_source_layers)
             sel_p, sel_d = a[layer]["selected"][0], b[layer]["selected"][0]  # [s, index_topk]
@@ -525,9 +608,14 @@ def prefill_decode_divergence(stack: AttentionStack, x: torch.Tensor) -> Diverge
                     n_block_ties += tie
                 n_ties += tie
                 result.differ_at.append((layer, q, bool(tie)))
-            row.update(source=src, n_truncated=int(truncated.sum()), n_differ=int(sel_diff.sum()),
-                       n_ties=int(n_ties), n_block_ties=int(n_block_ties),
-                       n_output_differ_without_selection=int(((out_diff > 0) & ~sel_diff).sum()))
+            row.update(
+                source=src,
+                n_truncated=int(truncated.sum()),
+                n_differ=int(sel_diff.sum()),
+                n_ties=int(n_ties),
+                n_block_ties=int(n_block_ties),
+                n_output_differ_without_selection=int(((out_diff > 0) & ~sel_diff).sum()),
+            )
         result.layers.append(row)
     return result
 
@@ -550,8 +638,9 @@ def untruncated_positions(cfg: Config) -> int:
     return min(limits)
 
 
-def topk_sweep(model: Model, x: torch.Tensor, widths: Sequence[int], *, numerics: Numerics = Numerics(),
-               **config_changes) -> list[Divergence]:
+def topk_sweep(
+    model: Model, x: torch.Tensor, widths: Sequence[int], *, numerics: Numerics = Numerics(), **config_changes
+) -> list[Divergence]:
     """`prefill_decode_divergence` of the model's attention weights at each index_topk in `widths`,
     under `numerics` with fix_stale_index_keys=True, so prefill and decode score the same keys:
     under `Numerics.parity()` only ties remain; with the reference's arithmetic rounding may add
@@ -568,11 +657,19 @@ def numerics_comparison(model: Model, x: torch.Tensor, **config_changes) -> dict
     """`prefill_decode_divergence` of the model's attention weights (fix_stale_index_keys=True)
     under every window_layout and pad_f32_rows, keyed (window_layout, pad_f32_rows): which of the
     two opt-ins a bit-identical prefill and decode rests on, at the geometry `config_changes` set."""
-    return {(layout, pad): prefill_decode_divergence(
-                attention_stack(model, numerics=Numerics(fix_stale_index_keys=True, window_layout=layout,
-                                                         pad_f32_rows=pad),
-                                max_seq_len=x.size(1), **config_changes), x)
-            for layout in WINDOW_LAYOUTS for pad in (False, True)}
+    return {
+        (layout, pad): prefill_decode_divergence(
+            attention_stack(
+                model,
+                numerics=Numerics(fix_stale_index_keys=True, window_layout=layout, pad_f32_rows=pad),
+                max_seq_len=x.size(1),
+                **config_changes,
+            ),
+            x,
+        )
+        for layout in WINDOW_LAYOUTS
+        for pad in (False, True)
+    }
 
 
 # ---------------------------------------------------------------------------------- stale keys
@@ -601,12 +698,16 @@ def stale_key_comparison(model: Model, x: torch.Tensor, **config_changes) -> Sta
     prefill once each) over the model's attention weights; see `StaleKeys`."""
     runs = {}
     for fix in (False, True):
-        stack = attention_stack(model, numerics=Numerics(fix_stale_index_keys=fix), max_seq_len=x.size(1),
-                                **config_changes)
+        stack = attention_stack(
+            model, numerics=Numerics(fix_stale_index_keys=fix), max_seq_len=x.size(1), **config_changes
+        )
         runs[fix] = _both_orders(stack, x)
     cfg = stack.cfg
-    out = StaleKeys(n_tokens=x.size(1), index_topk=cfg.index_topk,
-                    prefill_identical=bool(torch.equal(runs[False][0], runs[True][0])))
+    out = StaleKeys(
+        n_tokens=x.size(1),
+        index_topk=cfg.index_topk,
+        prefill_identical=bool(torch.equal(runs[False][0], runs[True][0])),
+    )
     dec_stale, dec_fix = runs[False][1], runs[True][1]
     by_stale, by_fix = runs[False][3].attention_by_layer(), runs[True][3].attention_by_layer()
     for layer in range(cfg.n_layers):

@@ -48,9 +48,9 @@ from typing import Callable, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+from .errors import Dsv41Error
 from .kernels.experts import routed_experts
 from .stores import FetchedExperts
-from .errors import Dsv41Error
 
 # How long a collective waits for a silent peer before every rank gives up.
 DEFAULT_TIMEOUT_S = 120
@@ -105,8 +105,10 @@ class RankView:
 
     def refusal(self, layer: int, foreign: Sequence[int]) -> "ExpertParallelError":
         """The error `stores.OwnedExpertStore` raises when asked for experts this rank does not own."""
-        return ExpertParallelError(f"{self.describe()} was asked for layer {layer}'s experts {list(foreign)}, "
-                                   f"which rank {foreign[0] % self.world_size} holds")
+        return ExpertParallelError(
+            f"{self.describe()} was asked for layer {layer}'s experts {list(foreign)}, "
+            f"which rank {foreign[0] % self.world_size} holds"
+        )
 
 
 @dataclass(frozen=True)
@@ -138,8 +140,9 @@ def launch_environment(environ=None) -> LaunchEnvironment:
     if missing:
         names = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
         every = ", ".join(TORCHRUN_VARIABLES[:-1]) + f" and {TORCHRUN_VARIABLES[-1]}"
-        raise _environment_error(f"{names} {'is' if len(missing) == 1 else 'are'} not set "
-                                 f"(torchrun sets {every} for every rank)")
+        raise _environment_error(
+            f"{names} {'is' if len(missing) == 1 else 'are'} not set (torchrun sets {every} for every rank)"
+        )
 
     def whole(name: str) -> int:
         text = environ[name]
@@ -180,8 +183,9 @@ def join_timeout(environ=None) -> float:
     except ValueError:
         seconds = math.nan
     if not (math.isfinite(seconds) and seconds > 0):
-        raise ExpertParallelError(f"{JOIN_TIMEOUT_VARIABLE} must be a number of seconds above 0, got {text!r}",
-                                  agreed=False)
+        raise ExpertParallelError(
+            f"{JOIN_TIMEOUT_VARIABLE} must be a number of seconds above 0, got {text!r}", agreed=False
+        )
     return seconds
 
 
@@ -200,13 +204,15 @@ def resolve_master(addr: str, port: int, timeout_s: float) -> None:
     resolver.start()
     resolver.join(timeout_s)
     if resolver.is_alive():
-        raise _environment_error(f"MASTER_ADDR {addr!r} did not resolve within {timeout_s:g} s "
-                                 f"({JOIN_TIMEOUT_VARIABLE})")
+        raise _environment_error(
+            f"MASTER_ADDR {addr!r} did not resolve within {timeout_s:g} s ({JOIN_TIMEOUT_VARIABLE})"
+        )
     error = outcome.get("error")
     if error is not None:
         reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
-        raise _environment_error(f"MASTER_ADDR {addr!r} does not resolve ({reason}): set it to rank 0's host name "
-                                 f"or address")
+        raise _environment_error(
+            f"MASTER_ADDR {addr!r} does not resolve ({reason}): set it to rank 0's host name or address"
+        )
 
 
 def _first_answer(addr: str, port: int, deadline: float) -> Optional[OSError]:
@@ -235,18 +241,30 @@ def join_store(env: LaunchEnvironment, join_timeout_s: float, timeout_s: float):
     where = f"{env.master_addr}:{env.master_port}"
 
     def failed(why: str) -> ExpertParallelError:
-        return ExpertParallelError(f"rank {env.rank} could not join the expert-parallel group within "
-                                   f"{join_timeout_s:g} s ({JOIN_TIMEOUT_VARIABLE}): {why}", agreed=False)
+        return ExpertParallelError(
+            f"rank {env.rank} could not join the expert-parallel group within "
+            f"{join_timeout_s:g} s ({JOIN_TIMEOUT_VARIABLE}): {why}",
+            agreed=False,
+        )
 
     store_timeout = timedelta(seconds=join_timeout_s)
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     if env.rank == 0 and not agent_hosts_store:
         try:  # not waiting for the workers here: the count below does, and says how many came
-            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, True, timeout=store_timeout,
-                                  wait_for_workers=False, multi_tenant=True)
+            store = dist.TCPStore(
+                env.master_addr,
+                env.master_port,
+                env.world_size,
+                True,
+                timeout=store_timeout,
+                wait_for_workers=False,
+                multi_tenant=True,
+            )
         except Exception as exc:  # the port taken, or MASTER_ADDR not this host's
-            raise ExpertParallelError(f"rank 0 could not host the group's store at {where} (MASTER_ADDR:MASTER_PORT): "
-                                      f"{one_line(exc)}", agreed=False) from None
+            raise ExpertParallelError(
+                f"rank 0 could not host the group's store at {where} (MASTER_ADDR:MASTER_PORT): {one_line(exc)}",
+                agreed=False,
+            ) from None
     else:
         unanswered = _first_answer(env.master_addr, env.master_port, deadline)
         if unanswered is not None:
@@ -273,8 +291,9 @@ def join_store(env: LaunchEnvironment, join_timeout_s: float, timeout_s: float):
     return store
 
 
-def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
-         join_timeout_s: Optional[float] = None) -> RankView:
+def init(
+    backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, join_timeout_s: Optional[float] = None
+) -> RankView:
     """The process group this process belongs to: the one already initialized, else one started
     from torchrun's environment ("auto": NCCL when every rank can have its own GPU, gloo
     otherwise). timeout_s bounds every collective; join_timeout_s (default $DSV41_JOIN_TIMEOUT_S,
@@ -287,9 +306,11 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
     if not dist.is_available():
         raise ExpertParallelError("this torch build has no torch.distributed; expert parallelism needs it")
     if not launched_by_torchrun():
-        raise ExpertParallelError("expert parallelism needs a process group: start the command under torchrun "
-                                  "(torchrun --nproc-per-node N -m dsv41 ...) or call "
-                                  "torch.distributed.init_process_group first")
+        raise ExpertParallelError(
+            "expert parallelism needs a process group: start the command under torchrun "
+            "(torchrun --nproc-per-node N -m dsv41 ...) or call "
+            "torch.distributed.init_process_group first"
+        )
     env = launch_environment()
     if join_timeout_s is None:
         join_timeout_s = join_timeout()
@@ -302,11 +323,13 @@ def init(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
         torch.cuda.set_device(env.local_rank)
     store = join_store(env, join_timeout_s, timeout_s)
     try:
-        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s)
+        )
     except Exception as exc:  # every rank reached the store, but they could not connect to each other
-        raise ExpertParallelError(f"rank {env.rank} could not start the {backend} group: {one_line(exc)}",
-                                  agreed=False) from None
+        raise ExpertParallelError(
+            f"rank {env.rank} could not start the {backend} group: {one_line(exc)}", agreed=False
+        ) from None
     return view()
 
 
@@ -314,8 +337,12 @@ def view(group=None) -> RankView:
     """This process's RankView in the initialized group (ExpertParallelError when there is none)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ExpertParallelError("no torch.distributed process group is initialized (see dsv41.distributed.init)")
-    return RankView(rank=dist.get_rank(group), world_size=dist.get_world_size(group),
-                    local_rank=int(os.environ.get("LOCAL_RANK", 0)), backend=str(dist.get_backend(group)))
+    return RankView(
+        rank=dist.get_rank(group),
+        world_size=dist.get_world_size(group),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        backend=str(dist.get_backend(group)),
+    )
 
 
 def shutdown() -> None:
@@ -352,10 +379,12 @@ def agree(step: Callable[[], T], what: str, group=None) -> T:
         dist.all_gather_object(failures, failure, group=group)
     except Exception as exc:  # the group broke (a peer exited, or is stuck past the timeout elsewhere)
         if failure is not None:
-            raise ExpertParallelError(failure if failure.startswith("rank ") else
-                                      f"rank {ranks.rank} failed {what}: {failure}", agreed=False) from None
-        raise ExpertParallelError(f"rank {ranks.rank}: the group broke while {what}: {one_line(exc)}",
-                                  agreed=False) from None
+            raise ExpertParallelError(
+                failure if failure.startswith("rank ") else f"rank {ranks.rank} failed {what}: {failure}", agreed=False
+            ) from None
+        raise ExpertParallelError(
+            f"rank {ranks.rank}: the group broke while {what}: {one_line(exc)}", agreed=False
+        ) from None
     for rank, message in enumerate(failures):
         if message is not None:
             if message.startswith("rank "):
@@ -408,13 +437,17 @@ def agree_on_request(request: dict, group=None) -> None:
     try:
         dist.all_gather_object(requests, dict(request), group=group)
     except Exception as exc:
-        raise ExpertParallelError(f"rank {ranks.rank}: the group broke while comparing requests: {one_line(exc)}",
-                                  agreed=False) from None
+        raise ExpertParallelError(
+            f"rank {ranks.rank}: the group broke while comparing requests: {one_line(exc)}", agreed=False
+        ) from None
     first = requests[0]
     for rank, other in enumerate(requests[1:], start=1):
         names = list(first) + [name for name in other if name not in first]
-        differences = [f"{name} {other.get(name, '(not given)')} against {first.get(name, '(not given)')}"
-                       for name in names if other.get(name) != first.get(name)]
+        differences = [
+            f"{name} {other.get(name, '(not given)')} against {first.get(name, '(not given)')}"
+            for name in names
+            if other.get(name) != first.get(name)
+        ]
         if differences:
             raise ExpertParallelError(f"rank {rank}'s request differs from rank 0's: " + "; ".join(differences))
 
@@ -448,8 +481,15 @@ def owned_pairs(expert_ids: torch.Tensor, ranks: RankView) -> torch.Tensor:
     return torch.nonzero(expert_ids.reshape(-1) % ranks.world_size == ranks.rank).squeeze(1)
 
 
-def pair_outputs(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, pairs: torch.Tensor,
-                 experts: dict, swiglu_limit: float, batch_invariant: bool = False) -> torch.Tensor:
+def pair_outputs(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    pairs: torch.Tensor,
+    experts: dict,
+    swiglu_limit: float,
+    batch_invariant: bool = False,
+) -> torch.Tensor:
     """The outputs of the (token, slot) pairs `pairs` (flat indices into expert_ids [n, k]), each
     on its own row: [len(pairs), dim] in x's dtype. One `routed_experts` call whose tokens are the
     pairs, each routed to its one expert: an expert sees the same tokens in the same order as in
@@ -481,8 +521,17 @@ class ExpertParallelExperts:
     experts it owns (`store` holds only those), then the pairs are exchanged and added in the single
     process's order (see the module docstring). Every rank must call it with the same routing."""
 
-    def __init__(self, layer: int, store, swiglu_limit: float, *, batch_invariant: bool = False,
-                 ranks: Optional[RankView] = None, group=None, counters: Optional[ExchangeCounters] = None):
+    def __init__(
+        self,
+        layer: int,
+        store,
+        swiglu_limit: float,
+        *,
+        batch_invariant: bool = False,
+        ranks: Optional[RankView] = None,
+        group=None,
+        counters: Optional[ExchangeCounters] = None,
+    ):
         self.layer, self.store, self.swiglu_limit = layer, store, swiglu_limit
         self.batch_invariant, self.group = batch_invariant, group
         self.ranks = ranks or view(group)
@@ -501,8 +550,9 @@ class ExpertParallelExperts:
             selected = torch.unique(expert_ids.reshape(-1)[pairs]).tolist()  # ascending, owned only
             fetched = self.store.fetch(self.layer, selected)
             self.last_fetch = fetched if isinstance(fetched, FetchedExperts) else FetchedExperts(fetched)
-            mine = pair_outputs(x, expert_ids, weights, pairs, dict(zip(selected, fetched)), self.swiglu_limit,
-                                self.batch_invariant)  # [p, dim]
+            mine = pair_outputs(
+                x, expert_ids, weights, pairs, dict(zip(selected, fetched)), self.swiglu_limit, self.batch_invariant
+            )  # [p, dim]
         except Exception as exc:  # reported to every rank below, never left to hang the others
             failure = one_line(exc)
         computed = time.perf_counter()
@@ -530,22 +580,32 @@ class ExpertParallelExperts:
         try:
             dist.all_to_all_single(received, chunk.repeat(world - 1), receive_splits, send_splits, group=self.group)
         except Exception as exc:  # a peer exited or stayed silent past the group's timeout
-            raise ExpertParallelError(f"rank {me}: layer {self.layer}'s expert exchange broke "
-                                      f"(another rank exited or timed out): {one_line(exc)}", agreed=False) from None
+            raise ExpertParallelError(
+                f"rank {me}: layer {self.layer}'s expert exchange broke "
+                f"(another rank exited or timed out): {one_line(exc)}",
+                agreed=False,
+            ) from None
         pieces = list(received.split(receive_splits))
         pieces[me] = chunk
         failed = [r for r, piece in enumerate(pieces) if piece[-1].item() != 0]
         if failed:
             messages: list = [None] * world
             dist.all_gather_object(messages, failure, group=self.group)
-            raise ExpertParallelError(f"rank {failed[0]} failed in layer {self.layer}'s routed experts: "
-                                      f"{messages[failed[0]]}")
+            raise ExpertParallelError(
+                f"rank {failed[0]} failed in layer {self.layer}'s routed experts: {messages[failed[0]]}"
+            )
         pair_rows = torch.empty(n * k, dim, dtype=x.dtype, device=x.device)  # [n * k, dim]
         for rank, piece in enumerate(pieces):
             pair_rows[(owner == rank).to(x.device)] = piece[:-1].view(counts[rank], dim).to(x.device)
         element = chunk.element_size()
-        self.counters.add(self.layer, len(pairs), sum(send_splits) * element, sum(receive_splits) * element,
-                          computed - began, time.perf_counter() - computed)
+        self.counters.add(
+            self.layer,
+            len(pairs),
+            sum(send_splits) * element,
+            sum(receive_splits) * element,
+            computed - began,
+            time.perf_counter() - computed,
+        )
         return combine_pairs(expert_ids, pair_rows)
 
     __call__ = forward

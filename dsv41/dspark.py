@@ -124,11 +124,18 @@ class DraftLayer(Block):
 
     attention_type = DraftAttention
 
-    def __init__(self, cfg: Config, stage: int, *, numerics: Numerics, max_batch_size: int, max_seq_len: int,
-                 cache_format: str):
+    def __init__(
+        self, cfg: Config, stage: int, *, numerics: Numerics, max_batch_size: int, max_seq_len: int, cache_format: str
+    ):
         # the block reaches `dspark_block_size` positions past the last committed one
-        super().__init__(cfg, cfg.n_layers + stage, numerics=numerics, max_batch_size=max_batch_size,
-                         max_seq_len=max_seq_len + cfg.dspark_block_size + 1, cache_format=cache_format)
+        super().__init__(
+            cfg,
+            cfg.n_layers + stage,
+            numerics=numerics,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len + cfg.dspark_block_size + 1,
+            cache_format=cache_format,
+        )
         act = activation_dtype(cfg)
         self.stage = stage
         if stage == 0:
@@ -148,18 +155,37 @@ class DraftStack(nn.Module):
     """The `mtp.*` stages (parameter names are the checkpoint's), sharing the target's embedding
     and head. Holds the window rings and the main hidden state of the last fed position."""
 
-    def __init__(self, cfg: Config, embed: Embedding, head: Head, *, numerics: Numerics = Numerics(),
-                 max_batch_size: int = 1, max_seq_len: int = 4096, cache_format: str = "packed"):
+    def __init__(
+        self,
+        cfg: Config,
+        embed: Embedding,
+        head: Head,
+        *,
+        numerics: Numerics = Numerics(),
+        max_batch_size: int = 1,
+        max_seq_len: int = 4096,
+        cache_format: str = "packed",
+    ):
         super().__init__()
         cfg = runtime_config(cfg)
         if cfg.n_mtp_layers == 0 or cfg.dspark_block_size == 0 or not cfg.dspark_target_layer_ids:
-            raise ValueError("this config has no DSpark draft stack (n_mtp_layers, dspark_block_size and "
-                             "dspark_target_layer_ids must all be set)")
+            raise ValueError(
+                "this config has no DSpark draft stack (n_mtp_layers, dspark_block_size and "
+                "dspark_target_layer_ids must all be set)"
+            )
         self.cfg, self.block_size, self.noise_token_id = cfg, cfg.dspark_block_size, cfg.dspark_noise_token_id
         self.hc_mult = cfg.hc_mult
-        self.mtp = nn.ModuleList(DraftLayer(cfg, stage, numerics=numerics, max_batch_size=max_batch_size,
-                                            max_seq_len=max_seq_len, cache_format=cache_format)
-                                 for stage in range(cfg.n_mtp_layers))
+        self.mtp = nn.ModuleList(
+            DraftLayer(
+                cfg,
+                stage,
+                numerics=numerics,
+                max_batch_size=max_batch_size,
+                max_seq_len=max_seq_len,
+                cache_format=cache_format,
+            )
+            for stage in range(cfg.n_mtp_layers)
+        )
         self._target = (embed, head)  # the target's own modules: a tuple, so not parameters of this stack
         self.last_main: Optional[torch.Tensor] = None  # [b, 1, dim * n_targets] of the last fed position
         self.last_fed: Optional[tuple] = None  # (start_pos, main_hidden) of the last forward, for `truncate`
@@ -198,8 +224,12 @@ class DraftStack(nn.Module):
         self.last_main = rows.last_main
 
     def truncatable(self, start: int, end: int) -> bool:
-        return (self.last_fed is not None and self.last_fed[0] == start and self.last_fed[1].size(1) == end - start
-                and all(layer.attn.truncatable(start, end) for layer in self.mtp))
+        return (
+            self.last_fed is not None
+            and self.last_fed[0] == start
+            and self.last_fed[1].size(1) == end - start
+            and all(layer.attn.truncatable(start, end) for layer in self.mtp)
+        )
 
     def truncate(self, rows: DraftRows, keep_end: int) -> None:
         """The last forward's feed cut back to [start, keep_end) (see `Attention.truncate`)."""
@@ -210,8 +240,9 @@ class DraftStack(nn.Module):
         self.last_fed = (start, self.last_fed[1][:, : keep_end - start])
 
     @torch.inference_mode()
-    def draft(self, token_id, start_pos: int, *, temperature: float = 0.0,
-              generator: Optional[torch.Generator] = None) -> DraftBlock:
+    def draft(
+        self, token_id, start_pos: int, *, temperature: float = 0.0, generator: Optional[torch.Generator] = None
+    ) -> DraftBlock:
         """A draft after the last fed position `start_pos`, starting from `token_id` (the target's
         next token; an int or [b]): greedy at temperature 0, else each proposal drawn from
         softmax(row / temperature) by Gumbel-max with `generator` (the block's `probs`)."""
@@ -251,9 +282,14 @@ class DraftStack(nn.Module):
     def describe(self) -> dict:
         cfg = self.cfg
         n_experts, topk = cfg.moe_shape(cfg.n_layers)
-        return {"stages": cfg.n_mtp_layers, "target_layers": list(cfg.dspark_target_layer_ids),
-                "block_size": self.block_size, "noise_token_id": self.noise_token_id,
-                "window": cfg.window_size, "routed_experts": n_experts, "activated_experts": topk,
-                "markov_rank": cfg.dspark_markov_rank,
-                "parameters": sum(p.numel() for p in self.parameters())}
-
+        return {
+            "stages": cfg.n_mtp_layers,
+            "target_layers": list(cfg.dspark_target_layer_ids),
+            "block_size": self.block_size,
+            "noise_token_id": self.noise_token_id,
+            "window": cfg.window_size,
+            "routed_experts": n_experts,
+            "activated_experts": topk,
+            "markov_rank": cfg.dspark_markov_rank,
+            "parameters": sum(p.numel() for p in self.parameters()),
+        }

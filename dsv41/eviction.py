@@ -142,7 +142,7 @@ class Residency:
         for j, key in enumerate(missed):
             if out.chunk:  # the hits are computed first; then only the chunks in flight are in use
                 first = (j // out.chunk - out.buffers + 1) * out.chunk
-                busy = {k for k, _ in out.misses[max(0, first):]}
+                busy = {k for k, _ in out.misses[max(0, first) :]}
             else:  # every key of the call is in use until the call is computed
                 busy = set(keys) | keep
             slot = self._take(busy)
@@ -166,8 +166,12 @@ class Residency:
         self.rule = make_rule(self.policy, getattr(self.rule, "half_life", DEFAULT_HALF_LIFE))
 
 
-def replay_calls(calls: Iterable[tuple[int, Sequence[Hashable]]], capacity: int, policy: str = DEFAULT_POLICY,
-                 half_life: float = DEFAULT_HALF_LIFE) -> list[list[int]]:
+def replay_calls(
+    calls: Iterable[tuple[int, Sequence[Hashable]]],
+    capacity: int,
+    policy: str = DEFAULT_POLICY,
+    half_life: float = DEFAULT_HALF_LIFE,
+) -> list[list[int]]:
     """[hits, misses] per call for `calls` [(tick, keys)] through one `Residency`: exactly what the
     running cache counts on the same lookups."""
     pool = Residency(capacity, policy, half_life)

@@ -26,6 +26,7 @@ from dsv41.cachedir import current_umask
 
 # the bit-level codecs are the op layer's: one E2M1 rounding rule for weights and activations
 from dsv41.kernels.codecs import E2M1_MAX, E4M3_MAX, e2m1_encode, e8m0_decode, fp4_to_float, pack_fp4
+
 FP8_BLOCK = (32, 32)
 ENGRAM_BLOCK = (1, 32)
 FP4_BLOCK = 32
@@ -110,7 +111,9 @@ def infer_fp8_block(weight_shape, scale_shape) -> tuple[int, int]:
     rows, cols = weight_shape
     srows, scols = scale_shape
     if -(-cols // 32) != scols:
-        raise ValueError(f"scale {list(scale_shape)} does not fit weight {list(weight_shape)} with 32 columns per block")
+        raise ValueError(
+            f"scale {list(scale_shape)} does not fit weight {list(weight_shape)} with 32 columns per block"
+        )
     if srows == rows:
         return ENGRAM_BLOCK
     if srows == -(-rows // 32):
@@ -118,8 +121,9 @@ def infer_fp8_block(weight_shape, scale_shape) -> tuple[int, int]:
     raise ValueError(f"scale {list(scale_shape)} does not fit weight {list(weight_shape)} with a 1x32 or 32x32 block")
 
 
-def dequantize_fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
-                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp8_blocks(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """float8_e4m3fn [R, C] with E8M0 block scales -> `dtype` [R, C] (block inferred when None)."""
     block = block or infer_fp8_block(tuple(weight.shape), tuple(scale.shape))
     values = weight.float() * _expand(e8m0_decode(scale), block, tuple(weight.shape))
@@ -131,7 +135,9 @@ def quantize_engram_table(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return quantize_fp8_blocks(table, ENGRAM_BLOCK)
 
 
-def dequantize_engram_rows(rows: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_engram_rows(
+    rows: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Gathered Engram rows [..., D] with their scales [..., D/32] -> `dtype` [..., D]."""
     values = rows.float().unflatten(-1, (-1, ENGRAM_BLOCK[1])) * e8m0_decode(scales).unsqueeze(-1)
     return values.flatten(-2).to(dtype)
@@ -158,19 +164,24 @@ def fp4_values(packed: torch.Tensor) -> torch.Tensor:
     return fp4_to_float(packed.contiguous().view(torch.uint8))
 
 
-def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, block: int = FP4_BLOCK,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp4(
+    packed: torch.Tensor, scale: torch.Tensor, block: int = FP4_BLOCK, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Packed FP4 [N, K/2] with E8M0 [N, K/block] -> `dtype` [N, K]."""
     values = fp4_values(packed)
     if values.shape[-1] != scale.shape[-1] * block:
-        raise ValueError(f"FP4 weight {list(packed.shape)} (K = {values.shape[-1]}) does not match "
-                         f"scale {list(scale.shape)} with {block} values per scale")
+        raise ValueError(
+            f"FP4 weight {list(packed.shape)} (K = {values.shape[-1]}) does not match "
+            f"scale {list(scale.shape)} with {block} values per scale"
+        )
     out = values.unflatten(-1, (-1, block)) * e8m0_decode(scale).unsqueeze(-1)
     return out.flatten(-2).to(dtype)
 
 
 # ---------------------------------------------------------------------- dispatch
-def dequantize(weight: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    weight: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Any stored weight -> `dtype`: FP4 (I8 / float4 x2) and FP8 (E4M3) use their scale; plain
     floats are only cast."""
     if weight.dtype in (torch.int8, torch.uint8, torch.float4_e2m1fn_x2):
@@ -193,7 +204,10 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict
     for name, t in tensors.items():
         if t.dtype not in DTYPE_NAMES:
             raise ValueError(f"{name}: dtype {t.dtype} is not one the release stores")
-    save_file({name: t.contiguous() for name, t in tensors.items()}, path,
-              metadata={"format": "pt"} if metadata is None else metadata)
+    save_file(
+        {name: t.contiguous() for name, t in tensors.items()},
+        path,
+        metadata={"format": "pt"} if metadata is None else metadata,
+    )
     # the library creates the file owner-only; give it the mode any other file written here gets
     os.chmod(path, 0o666 & ~current_umask())

@@ -17,7 +17,8 @@ tokens fed one at a time — and reports where the logits, the indexer selection
 routing first part, and under which of the model's numerics options. With the reference's
 arithmetic (the defaults) the two already differ by float32 rounding at the first position: the
 float32 GEMMs take another BLAS kernel for a single row, and past 64 index columns sparse_attn
-groups a decode row's sums differently. Loaded with `numerics=Numerics.parity()` they agree exactly until some top-k (indexer, candidate blocks, routing) has to break a tie or cut
+groups a decode row's sums differently. Loaded with `numerics=Numerics.parity()` they agree
+exactly until some top-k (indexer, candidate blocks, routing) has to break a tie or cut
 between values that differ by rounding; the report says at which position and layer that happened.
 """
 
@@ -31,12 +32,13 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .sampling import sample
-from .trace import ForwardTrace, GenerationTrace, StepRecord
-from .token_ids import as_token_ids
-from .vision import TEXT, Prompt, check_placeholders, image_sources
 from .errors import Dsv41Error
+from .sampling import sample
 from .text import is_whole
+from .token_ids import as_token_ids
+from .trace import ForwardTrace, GenerationTrace, StepRecord
+from .vision import TEXT, Prompt, check_placeholders, image_sources
+
 
 class NonFiniteLogits(Dsv41Error, RuntimeError):
     """A forward gave NaN or Inf logits: generation stops; the message names where it began."""
@@ -69,8 +71,9 @@ def check_sampling(max_new_tokens, temperature, seed) -> None:
         raise ValueError(f"seed must be a whole number in [0, 2**64), got {seed!r}")
 
 
-def check_length(prompt_tokens: int, max_new_tokens: int, max_seq_len: int, *, model_limit: Optional[int] = None,
-                 hint: str = "") -> None:
+def check_length(
+    prompt_tokens: int, max_new_tokens: int, max_seq_len: int, *, model_limit: Optional[int] = None, hint: str = ""
+) -> None:
     """The errors a prompt too long for the run gets, in Python and from `dsv41 generate` alike:
     longer than `model_limit` (the config's `max_seq_len`, when given), or with `max_new_tokens`
     more than the `max_seq_len` positions the caches hold (`Model.max_seq_len`). `hint` ends the
@@ -79,8 +82,10 @@ def check_length(prompt_tokens: int, max_new_tokens: int, max_seq_len: int, *, m
         raise ValueError(f"the prompt is {prompt_tokens} tokens, longer than the model's {model_limit}-token maximum")
     # the last new token is sampled, never fed back: it takes no cache position
     if prompt_tokens + max_new_tokens - 1 > max_seq_len:
-        raise ValueError(f"{prompt_tokens} prompt tokens + {max_new_tokens} new ones need "
-                         f"{prompt_tokens + max_new_tokens - 1} positions, more than max_seq_len {max_seq_len}{hint}")
+        raise ValueError(
+            f"{prompt_tokens} prompt tokens + {max_new_tokens} new ones need "
+            f"{prompt_tokens + max_new_tokens - 1} positions, more than max_seq_len {max_seq_len}{hint}"
+        )
 
 
 def check_prefill_chunk(chunk) -> None:
@@ -129,8 +134,10 @@ def locate_non_finite(model, ids) -> str:
             prompt = model.encode_images(prompt)  # the rows the generation used, when it had them
             broken = [k for k, image in enumerate(prompt.images) if not bool(torch.isfinite(image.features).all())]
             if broken:  # the tower runs before the embedding: its output is the first site
-                return (f"the first non-finite output is the vision tower's (the ViT and aligner rows of image "
-                        f"{broken[0] + 1} of {len(prompt.images)})")
+                return (
+                    f"the first non-finite output is the vision tower's (the ViT and aligner rows of image "
+                    f"{broken[0] + 1} of {len(prompt.images)})"
+                )
         model(_model_input(prompt), 0, trace=trace)
     finally:
         model.reset()
@@ -149,10 +156,11 @@ def _check_finite(model, logits: torch.Tensor, prompt: Optional[Prompt] = None) 
         held = model.token_ids[0].tolist()
         sequence = held
         if prompt is not None and prompt.images and held[: len(prompt)] == list(prompt.ids):
-            sequence = prompt.extend(held[len(prompt):])  # without its images the span reruns as text tokens
+            sequence = prompt.extend(held[len(prompt) :])  # without its images the span reruns as text tokens
         raise NonFiniteLogits(
             f"the logits at position {len(held) - 1} are NaN or Inf, so generation stops: "
-            f"{locate_non_finite(model, sequence)}; `dsv41 audit --values` finds non-finite weights")
+            f"{locate_non_finite(model, sequence)}; `dsv41 audit --values` finds non-finite weights"
+        )
 
 
 # ---------------------------------------------------------------------- what a run recorded
@@ -178,8 +186,9 @@ class GenerationResult:
 
 
 # ---------------------------------------------------------------------- the three verbs
-def prefill(model, prompt_ids, *, trace=None, start_pos: int = 0, chunk: Optional[int] = None,
-            progress: bool = False) -> torch.Tensor:
+def prefill(
+    model, prompt_ids, *, trace=None, start_pos: int = 0, chunk: Optional[int] = None, progress: bool = False
+) -> torch.Tensor:
     """Run the prompt [b, s] (or [s]) from `start_pos` (0: a new sequence) -> float32 logits
     [b, vocab] of its last position. `chunk`: at most that many tokens per forward (the same
     logits as one call under Numerics.parity()); `progress`: a tqdm bar on stderr (tokens, tokens/s)."""
@@ -195,13 +204,13 @@ def prefill(model, prompt_ids, *, trace=None, start_pos: int = 0, chunk: Optiona
 
         def part(at: int, stop: int):
             return ids[:, at:stop]
+
     if chunk is None:
         return model(part(0, length), start_pos, trace=trace)
     check_prefill_chunk(chunk)
     from tqdm import tqdm
 
-    with tqdm(total=length, desc="prefill", unit="tok", file=sys.stderr, disable=not progress,
-              leave=False) as bar:
+    with tqdm(total=length, desc="prefill", unit="tok", file=sys.stderr, disable=not progress, leave=False) as bar:
         for at in range(0, length, chunk):
             logits = model(part(at, at + chunk), start_pos + at, trace=trace)
             bar.update(min(chunk, length - at))
@@ -214,10 +223,19 @@ def decode_one(model, token_id, *, trace=None) -> torch.Tensor:
     return model(ids, model.position, trace=trace)
 
 
-def decode_n(model, token_id, n: int, *, temperature: float = 0.0, generator: Optional[torch.Generator] = None,
-             callback: Optional[Callable[[int, int, torch.Tensor], Optional[bool]]] = None,
-             stop_ids: Sequence[int] = (), trace=None, steps: Optional[list] = None,
-             check_finite: Optional[Callable] = None) -> list[int]:
+def decode_n(
+    model,
+    token_id,
+    n: int,
+    *,
+    temperature: float = 0.0,
+    generator: Optional[torch.Generator] = None,
+    callback: Optional[Callable[[int, int, torch.Tensor], Optional[bool]]] = None,
+    stop_ids: Sequence[int] = (),
+    trace=None,
+    steps: Optional[list] = None,
+    check_finite: Optional[Callable] = None,
+) -> list[int]:
     """Feed `token_id` (batch 1) and keep going for up to `n` tokens, sampling each from the last
     logits. Returns the produced ids (the fed token excluded). `callback(step, token, logits)` runs
     after each token; returning False stops. A token in `stop_ids` is kept and stops the loop.
@@ -241,11 +259,25 @@ def decode_n(model, token_id, n: int, *, temperature: float = 0.0, generator: Op
     return out
 
 
-def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.0, seed: int = 0,
-             trace: bool = False, callback: Optional[Callable] = None, stop_at_eos: bool = True,
-             prefill_chunk: Optional[int] = None, reuse_prefix: bool = False,
-             progress: bool = False, speculative: bool = False, draft_tokens: Optional[int] = None,
-             min_confidence: float = 0.5, draft_source=None, images: Sequence = ()) -> GenerationResult:
+def generate(
+    model,
+    prompt,
+    *,
+    max_new_tokens: int = 16,
+    temperature: float = 0.0,
+    seed: int = 0,
+    trace: bool = False,
+    callback: Optional[Callable] = None,
+    stop_at_eos: bool = True,
+    prefill_chunk: Optional[int] = None,
+    reuse_prefix: bool = False,
+    progress: bool = False,
+    speculative: bool = False,
+    draft_tokens: Optional[int] = None,
+    min_confidence: float = 0.5,
+    draft_source=None,
+    images: Sequence = (),
+) -> GenerationResult:
     """Generate from `prompt` (text, a list of token ids, or a `vision.Prompt`) -> GenerationResult.
     `images` (paths, bytes or PIL images) go with a text prompt: each takes the place of the next
     image placeholder in the text, or without one they go first (`Model.prepare`); the vision tower
@@ -305,11 +337,26 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
     began = time.perf_counter()
     speculation = spec_module.Speculation([]) if speculative else None
     if finish == "length" and max_new_tokens > 1:
-        decode = dict(temperature=temperature, generator=generator, stop_ids=stop_ids, trace=ftrace,
-                      callback=shifted if callback is not None else None, check_finite=check_finite)
+        decode = dict(
+            temperature=temperature,
+            generator=generator,
+            stop_ids=stop_ids,
+            trace=ftrace,
+            callback=shifted if callback is not None else None,
+            check_finite=check_finite,
+        )
         if speculative:
-            more, speculation = _decode_speculative(spec_module, model, ids[-1], max_new_tokens - 1, steps,
-                                                    draft_tokens, min_confidence, draft_source, decode)
+            more, speculation = _decode_speculative(
+                spec_module,
+                model,
+                ids[-1],
+                max_new_tokens - 1,
+                steps,
+                draft_tokens,
+                min_confidence,
+                draft_source,
+                decode,
+            )
         else:
             more = decode_n(model, ids[-1], max_new_tokens - 1, steps=steps, **decode)
         ids += more
@@ -319,13 +366,25 @@ def generate(model, prompt, *, max_new_tokens: int = 16, temperature: float = 0.
             finish = "callback"
     decode_s = time.perf_counter() - began
 
-    timings = {"prefill_s": prefill_s, "decode_s": decode_s, "per_token_s": [s.seconds for s in steps],
-               "tokens_per_s": (len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else None,
-               "prompt_tokens": len(prompt), "reused_positions": reused, "vision_s": vision_s}
+    timings = {
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "per_token_s": [s.seconds for s in steps],
+        "tokens_per_s": (len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else None,
+        "prompt_tokens": len(prompt),
+        "reused_positions": reused,
+        "vision_s": vision_s,
+    }
     gtrace = None
     if trace:
-        gtrace = GenerationTrace(ftrace, steps, [dict(s, layers={k: list(v) for k, v in s["layers"].items()})
-                                                 for s in model.experts.counters.steps[steps_before:]])
+        gtrace = GenerationTrace(
+            ftrace,
+            steps,
+            [
+                dict(s, layers={k: list(v) for k, v in s["layers"].items()})
+                for s in model.experts.counters.steps[steps_before:]
+            ],
+        )
     if speculation is not None:
         timings["target_forwards"] = speculation.target_forwards
     return GenerationResult(list(prompt.ids), ids, model.decode(ids), timings, finish, gtrace, speculation)
@@ -339,16 +398,33 @@ def _finish_after(first: int, logits, callback, stop_ids) -> str:
     return "eos" if first in stop_ids else "length"
 
 
-def _decode_speculative(spec_module, model, anchor: int, n: int, steps: list, draft_tokens: int,
-                        min_confidence: float, draft_source, decode: dict):
+def _decode_speculative(
+    spec_module,
+    model,
+    anchor: int,
+    n: int,
+    steps: list,
+    draft_tokens: int,
+    min_confidence: float,
+    draft_source,
+    decode: dict,
+):
     """`decode_n`'s speculative counterpart for `generate` -> (ids, Speculation); every committed
     token is recorded in `steps` as plain decoding records it."""
+
     def record(position, token, row, seconds):
         steps.append(StepRecord(position, token, top2_margin(row), seconds))
 
     more, spec_steps = spec_module.decode_speculative(
-        model, anchor, n, draft_tokens=draft_tokens, min_confidence=min_confidence, draft_source=draft_source,
-        step_record=record, **decode)
+        model,
+        anchor,
+        n,
+        draft_tokens=draft_tokens,
+        min_confidence=min_confidence,
+        draft_source=draft_source,
+        step_record=record,
+        **decode,
+    )
     return more, spec_module.Speculation(spec_steps)
 
 
@@ -411,12 +487,17 @@ class PrefillDecodeComparison:
         """Where the two orders part, as plain data, with how far apart their logits are before `cut`
         (the first position where some top-k cuts; None: none does), where only rounding can part them."""
         before = self.max_abs_diff[:cut]
-        return {"first_logit_divergence": self.first_logit_divergence,
-                "first_argmax_divergence": self.first_argmax_divergence,
-                "selection_parting": {str(k): v for k, v in self.selections.items()},
-                "routing_parting": {str(k): v for k, v in self.routing.items()}, "numerics": self.numerics,
-                "untruncated_positions": len(before), "untruncated_max_abs_diff": max(before, default=0.0),
-                "identical_until_first_cut": all(d == 0.0 for d in before), "max_abs_logit": self.max_abs_logit}
+        return {
+            "first_logit_divergence": self.first_logit_divergence,
+            "first_argmax_divergence": self.first_argmax_divergence,
+            "selection_parting": {str(k): v for k, v in self.selections.items()},
+            "routing_parting": {str(k): v for k, v in self.routing.items()},
+            "numerics": self.numerics,
+            "untruncated_positions": len(before),
+            "untruncated_max_abs_diff": max(before, default=0.0),
+            "identical_until_first_cut": all(d == 0.0 for d in before),
+            "max_abs_logit": self.max_abs_logit,
+        }
 
     def summary(self) -> str:
         under = ", ".join(f"{k}={v!r}" for k, v in self.numerics.items())
@@ -424,16 +505,24 @@ class PrefillDecodeComparison:
         if self.identical:
             return f"prefill and decode agree bit for bit over {self.positions} positions{under}"
         worst = max(self.max_abs_diff)
-        parts = [f"logits first differ at position {self.first_logit_divergence} (max |diff| {worst:.3g}, "
-                 f"{100 * worst / max(self.max_abs_logit, 1e-30):.3g}% of max |logit|)"]
-        parts.append("greedy tokens agree everywhere" if self.first_argmax_divergence is None
-                     else f"greedy tokens first differ at position {self.first_argmax_divergence}")
+        parts = [
+            f"logits first differ at position {self.first_logit_divergence} (max |diff| {worst:.3g}, "
+            f"{100 * worst / max(self.max_abs_logit, 1e-30):.3g}% of max |logit|)"
+        ]
+        parts.append(
+            "greedy tokens agree everywhere"
+            if self.first_argmax_divergence is None
+            else f"greedy tokens first differ at position {self.first_argmax_divergence}"
+        )
         if self.selections:
-            parts.append("indexer selections part at " + ", ".join(f"layer {k}: position {v}"
-                                                                   for k, v in sorted(self.selections.items())))
+            parts.append(
+                "indexer selections part at "
+                + ", ".join(f"layer {k}: position {v}" for k, v in sorted(self.selections.items()))
+            )
         if self.routing:
-            parts.append("routing parts at " + ", ".join(f"layer {k}: position {v}"
-                                                         for k, v in sorted(self.routing.items())))
+            parts.append(
+                "routing parts at " + ", ".join(f"layer {k}: position {v}" for k, v in sorted(self.routing.items()))
+            )
         return "; ".join(parts) + under
 
 
@@ -461,13 +550,19 @@ def compare_prefill_decode(model, prompt) -> PrefillDecodeComparison:
     nonzero = torch.nonzero(diff).flatten()
     argmax_diff = torch.nonzero(full.argmax(-1) != stepwise.argmax(-1)).flatten()
     return PrefillDecodeComparison(
-        positions=len(ids), max_abs_diff=diff.tolist(), max_abs_logit=float(full.abs().max()),
+        positions=len(ids),
+        max_abs_diff=diff.tolist(),
+        max_abs_logit=float(full.abs().max()),
         first_logit_divergence=int(nonzero[0]) if len(nonzero) else None,
         first_argmax_divergence=int(argmax_diff[0]) if len(argmax_diff) else None,
         selection_partings=_partings(one.attention_by_layer(), step.attention_by_layer(), "selected"),
         routing_partings=_partings(one.routing_by_layer(), step.routing_by_layer(), "expert_ids"),
-        prefill_logits=full, decode_logits=stepwise, prefill_trace=one, decode_trace=step,
-        numerics=model.numerics.as_dict())
+        prefill_logits=full,
+        decode_logits=stepwise,
+        prefill_trace=one,
+        decode_trace=step,
+        numerics=model.numerics.as_dict(),
+    )
 
 
 def _partings(a: dict, b: dict, name: str) -> dict[int, list[int]]:
@@ -524,8 +619,10 @@ def cache_accounting(result: GenerationResult, model) -> dict:
     counters = model.experts.counters
     per_layer: dict[str, dict] = {}
     for rec in result.trace.forward.routing:
-        row = per_layer.setdefault(str(rec.layer), {
-            "hits": 0, "misses": 0, "record_hits": 0, "record_misses": 0, "lookups": 0, "token_choices": 0})
+        row = per_layer.setdefault(
+            str(rec.layer),
+            {"hits": 0, "misses": 0, "record_hits": 0, "record_misses": 0, "lookups": 0, "token_choices": 0},
+        )
         row["record_hits"] += int(rec.cache_hits)
         row["record_misses"] += int(rec.cache_misses)
         row["lookups"] += int(torch.unique(rec.expert_ids).numel())  # one lookup per distinct expert and call
@@ -537,6 +634,11 @@ def cache_accounting(result: GenerationResult, model) -> dict:
     only_this_run = len(counters.steps) == len(steps) and all(
         (a["start_pos"], a["seqlen"], {k: list(v) for k, v in a["layers"].items()})
         == (b["start_pos"], b["seqlen"], {k: list(v) for k, v in b["layers"].items()})
-        for a, b in zip(counters.steps, steps))
-    return {"capacity": model.experts.capacity, "calls": len(steps), "per_layer": per_layer,
-            "counters_only_this_run": only_this_run}
+        for a, b in zip(counters.steps, steps)
+    )
+    return {
+        "capacity": model.experts.capacity,
+        "calls": len(steps),
+        "per_layer": per_layer,
+        "counters_only_this_run": only_this_run,
+    }

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 from dsv41.config import Config
-from dsv41.inventory import DTYPE_SIZES
 from dsv41.errors import Dsv41Error
+from dsv41.inventory import DTYPE_SIZES
 from dsv41.text import LongInteger, bounded_ints, brief, is_unicode
 
 # The safetensors library refuses headers above 100 MB; anything larger is not a header.
@@ -92,14 +92,18 @@ def read_header(path: str) -> ShardHeader:
         with open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
-                raise HeaderError(f"{path}: only {size} bytes, shorter than the 8-byte header length every "
-                                  "safetensors file starts with; the file is truncated or not a safetensors file")
+                raise HeaderError(
+                    f"{path}: only {size} bytes, shorter than the 8-byte header length every "
+                    "safetensors file starts with; the file is truncated or not a safetensors file"
+                )
             (n,) = struct.unpack("<Q", prefix)
             if n < 2 or n > MAX_HEADER_BYTES:
                 raise HeaderError(f"{path}: not a safetensors file (its first 8 bytes declare a {n:,}-byte header)")
             if 8 + n > size:
-                raise HeaderError(f"{path}: header length {n:,} runs past the end of the file ({size:,} bytes); "
-                                  "the file is truncated, download it again")
+                raise HeaderError(
+                    f"{path}: header length {n:,} runs past the end of the file ({size:,} bytes); "
+                    "the file is truncated, download it again"
+                )
             raw = f.read(n)
     except OSError as exc:
         raise HeaderError(f"{path}: cannot be read ({exc.strerror})") from None
@@ -108,22 +112,32 @@ def read_header(path: str) -> ShardHeader:
     except UnicodeDecodeError:
         raise HeaderError(f"{path}: the header is not UTF-8 text, so this is not a safetensors file") from None
     except json.JSONDecodeError as exc:
-        raise HeaderError(f"{path}: the header is not valid JSON ({exc.msg} at byte {exc.pos}); "
-                          "the file is damaged or not a safetensors file") from None
+        raise HeaderError(
+            f"{path}: the header is not valid JSON ({exc.msg} at byte {exc.pos}); "
+            "the file is damaged or not a safetensors file"
+        ) from None
     except LongInteger as exc:
-        raise HeaderError(f"{path}: the header holds an integer of {exc.digits:,} digits, beyond the 64-bit "
-                          "offsets and shapes of a safetensors header; the file is damaged or not a shard") from None
+        raise HeaderError(
+            f"{path}: the header holds an integer of {exc.digits:,} digits, beyond the 64-bit "
+            "offsets and shapes of a safetensors header; the file is damaged or not a shard"
+        ) from None
     except RecursionError:
-        raise HeaderError(f"{path}: the header nests too deep to read (a safetensors header nests three "
-                          "levels); the file is damaged or not a shard") from None
+        raise HeaderError(
+            f"{path}: the header nests too deep to read (a safetensors header nests three "
+            "levels); the file is damaged or not a shard"
+        ) from None
     if not isinstance(data, dict):
         raise HeaderError(f"{path}: the header is JSON but not an object, so this is not a safetensors file")
     metadata = data.pop("__metadata__", {})
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
         raise HeaderError(f"{path}: __metadata__ must map strings to strings")
     if not all(is_unicode(k) and is_unicode(v) for k, v in metadata.items()):
-        raise HeaderError(f"{path}: __metadata__ holds a string with an unpaired surrogate escape, "
-                          "which is not Unicode text; the file is damaged")
+        raise HeaderError(
+            f"{path}: __metadata__ holds a string with an unpaired surrogate escape, "
+            "which is not Unicode text; the file is damaged"
+        )
     entries = {}
     for name, info in data.items():
         entries[name] = _entry(path, name, info)
@@ -132,29 +146,47 @@ def read_header(path: str) -> ShardHeader:
 
 def _entry(path: str, name: str, info) -> HeaderEntry:
     if not is_unicode(name):
-        raise HeaderError(f"{path}: tensor name {brief(name)} holds an unpaired surrogate escape, which is not "
-                          "Unicode text; the file is damaged")
+        raise HeaderError(
+            f"{path}: tensor name {brief(name)} holds an unpaired surrogate escape, which is not "
+            "Unicode text; the file is damaged"
+        )
     if type(info) is not dict:
         raise HeaderError(f"{path}: tensor {brief(name)} is described by {type(info).__name__}, not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     # type(dtype) is str first: a list or object there is unhashable, and `in DTYPE_SIZES` would raise
-    if (type(dtype) is str and dtype in DTYPE_SIZES and type(shape) is list and type(offsets) is list
-            and len(offsets) == 2 and type(offsets[0]) is int and type(offsets[1]) is int
-            and 0 <= offsets[0] <= offsets[1] <= MAX_OFFSET and all(type(d) is int and 0 <= d <= MAX_OFFSET for d in shape)
-            and _fits(shape, DTYPE_SIZES[dtype])):
+    if (
+        type(dtype) is str
+        and dtype in DTYPE_SIZES
+        and type(shape) is list
+        and type(offsets) is list
+        and len(offsets) == 2
+        and type(offsets[0]) is int
+        and type(offsets[1]) is int
+        and 0 <= offsets[0] <= offsets[1] <= MAX_OFFSET
+        and all(type(d) is int and 0 <= d <= MAX_OFFSET for d in shape)
+        and _fits(shape, DTYPE_SIZES[dtype])
+    ):
         return HeaderEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
     # the slow path only words the problem
     if type(dtype) is not str or dtype not in DTYPE_SIZES:
-        raise HeaderError(f"{path}: tensor {brief(name)} has unknown dtype {brief(dtype)} "
-                          f"(known: {', '.join(sorted(DTYPE_SIZES))})")
+        raise HeaderError(
+            f"{path}: tensor {brief(name)} has unknown dtype {brief(dtype)} (known: {', '.join(sorted(DTYPE_SIZES))})"
+        )
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise HeaderError(f"{path}: tensor {brief(name)} has shape {brief(shape)}, not a list of non-negative integers")
-    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets)
-            or offsets[0] > offsets[1]):
-        raise HeaderError(f"{path}: tensor {brief(name)} has data_offsets {brief(offsets)}, "
-                          "not [begin, end] with 0 <= begin <= end")
-    raise HeaderError(f"{path}: tensor {brief(name)} has shape {brief(shape)} and data_offsets {brief(offsets)}, "
-                      "beyond the 64-bit byte range a safetensors file can address")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int and o >= 0 for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise HeaderError(
+            f"{path}: tensor {brief(name)} has data_offsets {brief(offsets)}, not [begin, end] with 0 <= begin <= end"
+        )
+    raise HeaderError(
+        f"{path}: tensor {brief(name)} has shape {brief(shape)} and data_offsets {brief(offsets)}, "
+        "beyond the 64-bit byte range a safetensors file can address"
+    )
 
 
 # safetensors stores offsets and dimensions as 64-bit unsigned integers (usize)
@@ -195,8 +227,9 @@ def tiling_problems(header: ShardHeader, header_prefix: bool = False) -> list[Ti
     shape first, then walking the tensors by offset, gaps and overlaps, then the end of the file
     (skipped with header_prefix, where the file is known to stop early). Empty when they tile it.
     The audit words all of them (`layout_problems`), the loader the first."""
-    problems = [TilingProblem("span", e, None, e.begin) for e in header.entries.values()
-                if e.nbytes != e.expected_nbytes]
+    problems = [
+        TilingProblem("span", e, None, e.begin) for e in header.entries.values() if e.nbytes != e.expected_nbytes
+    ]
     position, previous = 0, None
     for e in sorted(header.entries.values(), key=lambda e: (e.begin, e.end)):
         if e.begin < position:
@@ -221,17 +254,21 @@ def layout_problems(header: ShardHeader, header_prefix: bool = False) -> list[st
     for p in tiling_problems(header, header_prefix):
         e = p.entry
         if p.kind == "span":
-            out.append(f"{e.name}: data_offsets span {e.nbytes:,} bytes but {e.dtype} {list(e.shape)} "
-                       f"needs {e.expected_nbytes:,}")
+            out.append(
+                f"{e.name}: data_offsets span {e.nbytes:,} bytes but {e.dtype} {list(e.shape)} "
+                f"needs {e.expected_nbytes:,}"
+            )
         elif p.kind == "overlap":
             out.append(f"{e.name}: bytes {e.begin:,}-{e.end:,} overlap {p.previous} (which ends at {p.position:,})")
         elif p.kind == "gap":
             where = f"after {p.previous}" if p.previous else "at the start of the data area"
             out.append(f"{e.name}: a gap of {e.begin - p.position:,} unreferenced bytes {where}")
         elif p.kind == "past_end":
-            out.append(f"{e.name} ends at byte {p.position:,} of the data area but the file holds only "
-                       f"{max(header.data_size, 0):,}: the file is truncated (or a header prefix: "
-                       "pass --header-prefix)")
+            out.append(
+                f"{e.name} ends at byte {p.position:,} of the data area but the file holds only "
+                f"{max(header.data_size, 0):,}: the file is truncated (or a header prefix: "
+                "pass --header-prefix)"
+            )
         else:
             out.append(f"{header.data_size - p.position:,} bytes after the last tensor are referenced by no tensor")
     return out
@@ -259,8 +296,9 @@ def encode_header(tensors, metadata: dict[str, str] | None = None) -> tuple[byte
     return struct.pack("<Q", len(body)) + body, entries
 
 
-def write_shard(path: str, tensors, payloads: dict[str, bytes] | None = None,
-                metadata: dict[str, str] | None = None) -> int:
+def write_shard(
+    path: str, tensors, payloads: dict[str, bytes] | None = None, metadata: dict[str, str] | None = None
+) -> int:
     """Write a safetensors file for (name, dtype, shape) triples. With payloads (name -> raw
     little-endian bytes, one per tensor) the file is complete; without, only the header is written,
     which is how a header prefix looks. Returns the bytes written."""
@@ -272,8 +310,9 @@ def write_shard(path: str, tensors, payloads: dict[str, bytes] | None = None,
             for e in entries:
                 data = payloads[e.name]
                 if len(data) != e.nbytes:
-                    raise ValueError(f"{e.name}: payload of {len(data):,} bytes for {e.dtype} {list(e.shape)} "
-                                     f"({e.nbytes:,} bytes)")
+                    raise ValueError(
+                        f"{e.name}: payload of {len(data):,} bytes for {e.dtype} {list(e.shape)} ({e.nbytes:,} bytes)"
+                    )
                 f.write(data)
                 written += len(data)
     return written
@@ -282,8 +321,10 @@ def write_shard(path: str, tensors, payloads: dict[str, bytes] | None = None,
 def write_index(directory: str, specs) -> str:
     """model.safetensors.index.json for TensorSpecs: total payload bytes and name -> shard file."""
     specs = list(specs)
-    doc = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
-           "weight_map": {s.name: s.shard for s in sorted(specs, key=lambda s: s.name)}}
+    doc = {
+        "metadata": {"total_size": sum(s.nbytes for s in specs)},
+        "weight_map": {s.name: s.shard for s in sorted(specs, key=lambda s: s.name)},
+    }
     path = os.path.join(directory, INDEX_NAME)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=2)
@@ -336,13 +377,18 @@ def write_release_headers(out_dir: str, config: Config | None = None, shards: li
 
 
 def cli_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dsv41 make-headers", description=(
-        "Write the released checkpoint's shard headers (no payload) from the released geometry, with "
-        "config.json, inference/config.json and model.safetensors.index.json beside them, so the "
-        "header audit runs on the real inventory without a download."))
+    parser = argparse.ArgumentParser(
+        prog="dsv41 make-headers",
+        description=(
+            "Write the released checkpoint's shard headers (no payload) from the released geometry, with "
+            "config.json, inference/config.json and model.safetensors.index.json beside them, so the "
+            "header audit runs on the real inventory without a download."
+        ),
+    )
     parser.add_argument("out_dir", help="directory to write into (created if needed)")
-    parser.add_argument("--shards", metavar="LIST",
-                        help="write only these shards, e.g. 1-20,44, to stand for a partial download")
+    parser.add_argument(
+        "--shards", metavar="LIST", help="write only these shards, e.g. 1-20,44, to stand for a partial download"
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
@@ -362,7 +408,9 @@ def cli_main(argv: list[str]) -> int:
         print(f"dsv41 make-headers: cannot write {exc.filename or args.out_dir}: {exc.strerror}", file=sys.stderr)
         return 1
     size = sum(os.path.getsize(p) for p in written)
-    print(f"wrote {len(written)} of {total} shard headers ({size:,} bytes, no payload), config.json, "
-          f"inference/config.json and {INDEX_NAME} to {args.out_dir}")
+    print(
+        f"wrote {len(written)} of {total} shard headers ({size:,} bytes, no payload), config.json, "
+        f"inference/config.json and {INDEX_NAME} to {args.out_dir}"
+    )
     print(f"audit them with: dsv41 audit --checkpoint-dir {args.out_dir} --header-prefix")
     return 0

@@ -130,8 +130,10 @@ class _PrivateContext(Mapping):
         if key not in self._copied:
             value = self._shared[key]
             if value is _GONE:
-                raise HookError(f"context[{key!r}] of site {self._site} was read after its observer returned; "
-                                f"read the context inside the call (keep dict(context) to use it later)")
+                raise HookError(
+                    f"context[{key!r}] of site {self._site} was read after its observer returned; "
+                    f"read the context inside the call (keep dict(context) to use it later)"
+                )
             self._copied[key] = _private(value)
         return self._copied[key]
 
@@ -164,9 +166,11 @@ def _subscription(pattern: str, observer) -> Subscription:
         return Subscription(observer, None, observer)
     if (enter is not None or exit_ is not None) and all(f is None or callable(f) for f in (enter, exit_)):
         return Subscription(observer, enter, exit_)
-    raise HookError(f"the observer for {pattern!r} is neither a callable fn(name, value, context) nor an object with "
-                    f"enter(name) and/or exit(name, value, context) methods: got {brief(observer)} "
-                    f"({type(observer).__name__})")
+    raise HookError(
+        f"the observer for {pattern!r} is neither a callable fn(name, value, context) nor an object with "
+        f"enter(name) and/or exit(name, value, context) methods: got {brief(observer)} "
+        f"({type(observer).__name__})"
+    )
 
 
 class _Handle:
@@ -191,14 +195,17 @@ class Sites(dict):
         """The sites `pattern` names; none is an error unless not `strict` (a pattern for a kind
         of layer this model may not have)."""
         if not isinstance(pattern, str):
-            raise HookError(f"a site pattern is a site name or an fnmatch pattern (a str such as 'layers.*.ffn'), "
-                            f"got {brief(pattern)}; list(model.sites) gives the names")
+            raise HookError(
+                f"a site pattern is a site name or an fnmatch pattern (a str such as 'layers.*.ffn'), "
+                f"got {brief(pattern)}; list(model.sites) gives the names"
+            )
         if pattern in self:
             return [self[pattern]]
         found = [site for name, site in self.items() if fnmatch.fnmatchcase(name, pattern)]
         if not found and strict:
-            raise UnknownSiteError(f"no site matches {pattern!r}; the sites are listed by model.sites "
-                                   f"(e.g. {', '.join(list(self)[:4])})")
+            raise UnknownSiteError(
+                f"no site matches {pattern!r}; the sites are listed by model.sites (e.g. {', '.join(list(self)[:4])})"
+            )
         return found
 
     def subscribe(self, pattern: str, observer, strict: bool = True) -> _Handle:
@@ -210,8 +217,9 @@ class Sites(dict):
         """{pattern: observer} subscribed for the block, removed after it (also on an error); every
         pattern and observer is checked before any is added."""
         if not isinstance(observers, Mapping):
-            raise HookError(f"hooks takes a mapping {{site pattern: observer}}, got {brief(observers)} "
-                            f"({type(observers).__name__})")
+            raise HookError(
+                f"hooks takes a mapping {{site pattern: observer}}, got {brief(observers)} ({type(observers).__name__})"
+            )
         with self._subscribed(list(observers.items()), strict):
             yield self
 
@@ -280,7 +288,7 @@ def name_sites(root, renamed: Optional[Mapping[str, str]] = None) -> Sites:
 def _renamed(path: str, renamed: Mapping[str, str]) -> str:
     for old, new in renamed.items():
         if path == old or path.startswith(old + "."):
-            return new + path[len(old):]
+            return new + path[len(old) :]
     return path
 
 
@@ -332,19 +340,30 @@ def _patterns(names) -> list[str]:
         return [names]
     if isinstance(names, Iterable) and not isinstance(names, (bytes, Mapping)):
         return list(names)
-    raise HookError(f"names takes a site pattern or a list of them (e.g. ['layers.*.ffn.routed', 'head']), "
-                    f"got {brief(names)} ({type(names).__name__})")
+    raise HookError(
+        f"names takes a site pattern or a list of them (e.g. ['layers.*.ffn.routed', 'head']), "
+        f"got {brief(names)} ({type(names).__name__})"
+    )
 
 
-def run_with_hooks(model, input_ids, start_pos: int = 0, *, names: Union[str, Iterable[str]] = ("*",),
-                   observers: Optional[Mapping[str, Any]] = None, to_cpu: bool = False, **call_kw):
+def run_with_hooks(
+    model,
+    input_ids,
+    start_pos: int = 0,
+    *,
+    names: Union[str, Iterable[str]] = ("*",),
+    observers: Optional[Mapping[str, Any]] = None,
+    to_cpu: bool = False,
+    **call_kw,
+):
     """`model(input_ids, start_pos, **call_kw)` with an `ActivationCache` subscribed at every site
     a pattern in `names` matches (all by default; one str is one pattern) and `observers`
     ({pattern: observer}) for the call -> (logits, cache). Every pattern is checked before anything
     is subscribed. The call advances the sequence as any call does."""
     if observers is not None and not isinstance(observers, Mapping):
-        raise HookError(f"observers takes a mapping {{site pattern: observer}}, got {brief(observers)} "
-                        f"({type(observers).__name__})")
+        raise HookError(
+            f"observers takes a mapping {{site pattern: observer}}, got {brief(observers)} ({type(observers).__name__})"
+        )
     cache = ActivationCache(to_cpu)
     pairs = [*(observers or {}).items(), *((pattern, cache) for pattern in _patterns(names))]
     with model.sites._subscribed(pairs, strict=True):

@@ -31,10 +31,22 @@ from dsv41.config import Config, ConfigError
 # Bytes per element of each safetensors dtype name. I8 holds two packed FP4 values; its element
 # count is the stored (packed) shape, so no special case is needed here.
 DTYPE_SIZES: dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
 }
 FP8, SCALE, PACKED_FP4, F32 = "F8_E4M3", "F8_E8M0", "I8", "F32"
 FP4_BLOCK = 32  # one E8M0 scale per 32 FP4 values along the input dim
@@ -42,20 +54,55 @@ ENGRAM_ROW_BLOCK = 32  # one E8M0 scale per 32 columns of an Engram table row
 
 # Report categories, in the order the release's inventory table lists them (largest first).
 ROUTED, ENGRAM, ATTENTION, EMBED_HEAD, SHARED, VISION, MTP, NORMS_HC = (
-    "routed experts", "Engram", "attention", "embedding and head", "shared experts",
-    "vision and aligner", "MTP / DSpark", "norms and hyper-connections")
+    "routed experts",
+    "Engram",
+    "attention",
+    "embedding and head",
+    "shared experts",
+    "vision and aligner",
+    "MTP / DSpark",
+    "norms and hyper-connections",
+)
 CATEGORIES = (ROUTED, ENGRAM, ATTENTION, EMBED_HEAD, SHARED, VISION, MTP, NORMS_HC)
 OTHER = "other"
 
 # The config fields the inventory (and so the audit) is derived from.
 REQUIRED_KEYS = (
-    "vocab_size", "dim", "moe_inter_dim", "n_layers", "n_mtp_layers", "dspark_target_layer_ids",
-    "dspark_markov_rank", "dspark_n_routed_experts", "n_heads", "n_routed_experts",
-    "n_shared_experts", "q_lora_rank", "head_dim", "o_groups", "o_lora_rank", "kv_source_layers",
-    "index_source_layers", "index_n_heads", "index_head_dim", "candidate_source_layer", "hc_mult",
-    "engram_layer_ids", "engram_vocab_size", "engram_num_embeddings", "engram_max_ngram_size",
-    "engram_n_heads", "engram_head_dim", "engram_compressed_vocab_size", "dtype", "expert_dtype",
-    "compress_ratios", "vision_n_layers", "vision_dim", "vision_inter_dim", "vision_patch_size",
+    "vocab_size",
+    "dim",
+    "moe_inter_dim",
+    "n_layers",
+    "n_mtp_layers",
+    "dspark_target_layer_ids",
+    "dspark_markov_rank",
+    "dspark_n_routed_experts",
+    "n_heads",
+    "n_routed_experts",
+    "n_shared_experts",
+    "q_lora_rank",
+    "head_dim",
+    "o_groups",
+    "o_lora_rank",
+    "kv_source_layers",
+    "index_source_layers",
+    "index_n_heads",
+    "index_head_dim",
+    "candidate_source_layer",
+    "hc_mult",
+    "engram_layer_ids",
+    "engram_vocab_size",
+    "engram_num_embeddings",
+    "engram_max_ngram_size",
+    "engram_n_heads",
+    "engram_head_dim",
+    "engram_compressed_vocab_size",
+    "dtype",
+    "expert_dtype",
+    "compress_ratios",
+    "vision_n_layers",
+    "vision_dim",
+    "vision_inter_dim",
+    "vision_patch_size",
     "vision_downsample_ratio",
 )
 
@@ -87,8 +134,10 @@ def _refuse_absurd(cfg: Config) -> None:
     problems = cfg.value_problems()
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise ConfigError(f"{cfg.source or 'the config'}: {problems[0]}{more}; no tensor inventory is derived "
-                          "from it until it is fixed")
+        raise ConfigError(
+            f"{cfg.source or 'the config'}: {problems[0]}{more}; no tensor inventory is derived "
+            "from it until it is fixed"
+        )
 
 
 def shard_contents(cfg: Config) -> list[tuple[str, str]]:
@@ -169,8 +218,9 @@ def expected_tensors(cfg: Config) -> list[TensorSpec]:
         raise ValueError(f"the config does not state {', '.join(missing)}, which the tensor inventory needs")
     _refuse_absurd(cfg)
     if len(cfg.engram_num_embeddings) != len(cfg.engram_layer_ids):
-        raise ValueError(f"{len(cfg.engram_num_embeddings)} Engram row counts for "
-                         f"{len(cfg.engram_layer_ids)} Engram layers")
+        raise ValueError(
+            f"{len(cfg.engram_num_embeddings)} Engram row counts for {len(cfg.engram_layer_ids)} Engram layers"
+        )
     try:
         # fp8_block is read from a field that takes no part in Config equality, so it joins the key
         key = (cfg, cfg.fp8_block)
@@ -336,7 +386,7 @@ class _Builder:
         # The vision RMSNorm weights are BF16 on disk although the module declares FP32: with FP32
         # the released total comes out 133,120 bytes over 510,286,023,000, exactly their
         # 65 x 1024 x 2 extra bytes, and nothing else in the tree accounts for that difference.
-        self.add("vision.patch_embed.proj.weight", dense, (v, 3 * cfg.vision_patch_size ** 2))
+        self.add("vision.patch_embed.proj.weight", dense, (v, 3 * cfg.vision_patch_size**2))
         self.add("vision.patch_embed.proj.bias", dense, (v,))
         for b in range(cfg.vision_n_layers):
             p = f"vision.blocks.{b}."
@@ -349,7 +399,7 @@ class _Builder:
             self.add(f"{p}mlp.w1.weight", dense, (2 * cfg.vision_inter_dim, v))  # gate and up, fused
             self.add(f"{p}mlp.w2.weight", dense, (v, cfg.vision_inter_dim))
         self.add("vision.norm.weight", dense, (v,))
-        unshuffled = v * cfg.vision_downsample_ratio ** 2
+        unshuffled = v * cfg.vision_downsample_ratio**2
         self.add("aligner.w1.weight", dense, (cfg.dim, unshuffled))
         self.add("aligner.w1.bias", dense, (cfg.dim,))
         self.add("aligner.w2.weight", dense, (cfg.dim, cfg.dim))

@@ -83,8 +83,8 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 # The parameters cell's default output folder is relative to the notebook: the repository's
 # `../outputs/interactive` would land in outputs/outputs/ from outputs/lab, so a copy writes beside itself.
-_REPO_OUTPUT_DIR = rb'output_dir = \"../outputs/interactive\"'
-_LAB_OUTPUT_DIR = rb'output_dir = \"interactive\"'
+_REPO_OUTPUT_DIR = rb"output_dir = \"../outputs/interactive\""
+_LAB_OUTPUT_DIR = rb"output_dir = \"interactive\""
 
 
 def _as_lab_copy(data: bytes) -> bytes:
@@ -100,8 +100,9 @@ def _probe_creatable(folder: Path) -> None:
     os.rmdir(tempfile.mkdtemp(prefix=".dsv41-lab-probe-", dir=parent))
 
 
-def prepare_lab(folder: str | os.PathLike = DEFAULT_DIR, notebooks_dir: str | os.PathLike | None = None,
-                dry_run: bool = False) -> list[Action]:
+def prepare_lab(
+    folder: str | os.PathLike = DEFAULT_DIR, notebooks_dir: str | os.PathLike | None = None, dry_run: bool = False
+) -> list[Action]:
     """Bring the lab folder's copies of the numbered notebooks up to date (see the module
     docstring) and return one Action per notebook, in order. `dry_run`: decide, write nothing."""
     from .notebooks import NotebookRunError, default_notebooks_dir, find_notebooks
@@ -139,18 +140,27 @@ def prepare_lab(folder: str | os.PathLike = DEFAULT_DIR, notebooks_dir: str | os
         elif here == new:
             action = Action(CURRENT, name, f"{name} is current")
         elif manifest.get(name) == here:
-            action = Action(UPDATED, name, f"updated {name}: the repository's notebook changed and this copy was "
-                                           f"not edited")
+            action = Action(
+                UPDATED, name, f"updated {name}: the repository's notebook changed and this copy was not edited"
+            )
         elif manifest.get(name) == new:
             action = Action(KEPT, name, f"kept {name}: edited here since dsv41 lab copied it")
         elif name in manifest:
-            action = Action(KEPT, name, f"kept {name}: edited here since dsv41 lab copied it, and the repository's "
-                                        f"notebook has changed since (move this copy aside to get the new one)")
+            action = Action(
+                KEPT,
+                name,
+                f"kept {name}: edited here since dsv41 lab copied it, and the repository's "
+                f"notebook has changed since (move this copy aside to get the new one)",
+            )
         else:
-            action = Action(KEPT, name, f"kept {name}: differs from the repository's notebook and was not written "
-                                        f"by dsv41 lab (move it aside to get the repository's)")
+            action = Action(
+                KEPT,
+                name,
+                f"kept {name}: differs from the repository's notebook and was not written "
+                f"by dsv41 lab (move it aside to get the repository's)",
+            )
         if dry_run and action.kind in _WOULD:
-            action = Action(action.kind, name, _WOULD[action.kind] + action.message[len(action.kind):])
+            action = Action(action.kind, name, _WOULD[action.kind] + action.message[len(action.kind) :])
         if action.kind in (COPIED, UPDATED) and not dry_run:
             try:
                 _write_atomically(target, data)
@@ -160,9 +170,12 @@ def prepare_lab(folder: str | os.PathLike = DEFAULT_DIR, notebooks_dir: str | os
             written[name] = new
         actions.append(action)
     if not dry_run and written != manifest:
-        doc = {"format": MANIFEST_FORMAT, "source": str(sources[0].parent.resolve()),
-               "note": "sha256 of each notebook as dsv41 lab last wrote it; a copy that differs was edited here",
-               "notebooks": dict(sorted(written.items()))}
+        doc = {
+            "format": MANIFEST_FORMAT,
+            "source": str(sources[0].parent.resolve()),
+            "note": "sha256 of each notebook as dsv41 lab last wrote it; a copy that differs was edited here",
+            "notebooks": dict(sorted(written.items())),
+        }
         try:
             _write_atomically(folder / MANIFEST_NAME, (json.dumps(doc, indent=1) + "\n").encode())
         except OSError as exc:
@@ -183,9 +196,12 @@ def kernel_path() -> Path:
     tag = _sha256(sys.executable.encode())[:12]
     root = cache_dir("lab-kernel", tag)
     spec_dir = root / "kernels" / "python3"
-    spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-            "display_name": "Python 3 (ipykernel)", "language": "python",
-            "metadata": {"dsv41": "pinned by dsv41 lab to the interpreter dsv41 runs in"}}
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (ipykernel)",
+        "language": "python",
+        "metadata": {"dsv41": "pinned by dsv41 lab to the interpreter dsv41 runs in"},
+    }
     text = json.dumps(spec, indent=1) + "\n"
     file = spec_dir / "kernel.json"
     if not file.is_file() or file.read_text(encoding="utf-8") != text:
@@ -214,16 +230,30 @@ def start_lab(cmd: list[str], env: dict[str, str]) -> None:
 
 
 def cli_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dsv41 lab", description=(
-        "Copy the numbered notebooks into a working folder (default outputs/lab under the current directory) "
-        "and start JupyterLab there. A copy edited in the folder is never overwritten (one line says it is "
-        "kept); an unedited copy of an older version is updated. The tracked notebooks/ stay untouched, so "
-        "their outputs never land in the repository."))
+    parser = argparse.ArgumentParser(
+        prog="dsv41 lab",
+        description=(
+            "Copy the numbered notebooks into a working folder (default outputs/lab under the current directory) "
+            "and start JupyterLab there. A copy edited in the folder is never overwritten (one line says it is "
+            "kept); an unedited copy of an older version is updated. The tracked notebooks/ stay untouched, so "
+            "their outputs never land in the repository."
+        ),
+    )
     parser.add_argument("--dir", metavar="DIR", default=DEFAULT_DIR, help="the working folder (default outputs/lab)")
-    parser.add_argument("--port", type=whole_number(1, 65535, "the port"), metavar="N", help="the server's port (default: JupyterLab's, 8888 or the next free one)")
-    parser.add_argument("--no-browser", action="store_true", help="do not open a browser (the URL with its token is printed)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="say what would be copied and the command that would start, and stop there")
+    parser.add_argument(
+        "--port",
+        type=whole_number(1, 65535, "the port"),
+        metavar="N",
+        help="the server's port (default: JupyterLab's, 8888 or the next free one)",
+    )
+    parser.add_argument(
+        "--no-browser", action="store_true", help="do not open a browser (the URL with its token is printed)"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="say what would be copied and the command that would start, and stop there",
+    )
     parser.add_argument("--notebooks", metavar="DIR", help=argparse.SUPPRESS)  # another source folder (tests)
     args = parser.parse_args(argv)
 
@@ -258,7 +288,9 @@ def cli_main(argv: list[str]) -> int:
     try:
         start_lab(cmd, env)
     except OSError as exc:
-        print(f"dsv41 lab: cannot start JupyterLab ({exc.strerror or exc}); `pip install -e .` installs it",
-              file=sys.stderr)
+        print(
+            f"dsv41 lab: cannot start JupyterLab ({exc.strerror or exc}); `pip install -e .` installs it",
+            file=sys.stderr,
+        )
         return 1
     return 0  # not reached: start_lab replaces this process

@@ -23,7 +23,6 @@ from .kernels import linear
 WEIGHT_BLOCK = 32
 
 
-
 def param(t: torch.Tensor) -> nn.Parameter:
     """An inference-only parameter (no gradient)."""
     return nn.Parameter(t, requires_grad=False)
@@ -85,8 +84,14 @@ class Linear(nn.Module):
     activation to FP8 over blocks of 32 first, as the reference runtime does; FP32 weights go
     through `f32_linear`, padding their rows when `pad_f32_rows` is set."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float8_e4m3fn, *,
-                 pad_f32_rows: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        dtype: torch.dtype = torch.float8_e4m3fn,
+        *,
+        pad_f32_rows: bool = False,
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.pad_f32_rows = pad_f32_rows  # read only when the weight is float32 (see f32_linear)
@@ -218,8 +223,9 @@ def init_random_(module: nn.Module, seed: int) -> nn.Module:
 
 
 # ---------------------------------------------------------------------------------- rotary
-def yarn_inv_freq(dim: int, original_seq_len: int, base: float, factor: float,
-                  beta_fast: float, beta_slow: float) -> torch.Tensor:
+def yarn_inv_freq(
+    dim: int, original_seq_len: int, base: float, factor: float, beta_fast: float, beta_slow: float
+) -> torch.Tensor:
     """float32 [dim/2] rotary frequencies; YaRN-corrected when original_seq_len > 0.
 
     Dimensions that turn more than beta_fast times over the training context keep their
@@ -241,8 +247,9 @@ def yarn_inv_freq(dim: int, original_seq_len: int, base: float, factor: float,
     return inv_freq / factor * (1 - keep) + inv_freq * keep
 
 
-def precompute_freqs_cis(dim: int, seqlen: int, original_seq_len: int, base: float, factor: float,
-                         beta_fast: float, beta_slow: float) -> torch.Tensor:
+def precompute_freqs_cis(
+    dim: int, seqlen: int, original_seq_len: int, base: float, factor: float, beta_fast: float, beta_slow: float
+) -> torch.Tensor:
     """complex64 [seqlen, dim/2]: e^(i * position * inv_freq), one row per position."""
     inv_freq = yarn_inv_freq(dim, original_seq_len, base, factor, beta_fast, beta_slow)
     angles = torch.outer(torch.arange(seqlen, dtype=torch.float32), inv_freq)  # [seqlen, dim/2]

@@ -7,11 +7,12 @@ side. Everything returned is numbers and lists (JSON-ready); the arithmetic a fi
 small pure functions here (`spread`, `mutual_information`, `index_recall`, `frequency_bins`,
 `token_class`) so tests hold it on crafted inputs, and so are the chance levels a figure reads a
 number against (`shuffled_mutual_information`, `uniform_routing_loads`: fixed seeds). Input a study
-cannot measure (no texts, no tokens, an empty count table) is a `LearnedError` in one sentence. Observation goes through the model's sites and
-traces; the measurements the package already owns are called, not redone: the expert-cache replay
-(`cache_policy.policy_data`), speculative decoding's acceptance and calibration
-(`speculative.Speculation`), the prefill / decode comparison (`generate.compare_prefill_decode`)
-and the indexer's distillation target (`train.twin`, the differentiable twin's exact forward).
+cannot measure (no texts, no tokens, an empty count table) is a `LearnedError` in one sentence.
+Observation goes through the model's sites and traces; the measurements the package already owns
+are called, not redone: the expert-cache replay (`cache_policy.policy_data`), speculative
+decoding's acceptance and calibration (`speculative.Speculation`), the prefill / decode comparison
+(`generate.compare_prefill_decode`) and the indexer's distillation target (`train.twin`, the
+differentiable twin's exact forward).
 """
 
 from __future__ import annotations
@@ -100,8 +101,10 @@ def prompt_ids(model: Model, text: str, tokens: int, at_least: int = 1) -> list[
         raise LearnedError(f"the text is {brief(text)}; a study needs a non-empty string")
     ids = as_prompt(model, text).ids[:tokens]
     if len(ids) < at_least:
-        raise LearnedError(f"the text {brief(text)} gives {len(ids)} token id(s); this study needs at least "
-                           f"{at_least}: give a longer text")
+        raise LearnedError(
+            f"the text {brief(text)} gives {len(ids)} token id(s); this study needs at least "
+            f"{at_least}: give a longer text"
+        )
     return ids
 
 
@@ -151,8 +154,10 @@ def spread(p: np.ndarray) -> np.ndarray:
         raise LearnedError("spread's rows sum past the float64 range; scale the weights down")
     empty = int((total == 0).sum())
     if empty:
-        raise LearnedError(f"{empty} of {total.size} rows given to spread are all zero: an empty row has no "
-                           "distribution, so its spread is undefined; drop it or count something into it")
+        raise LearnedError(
+            f"{empty} of {total.size} rows given to spread are all zero: an empty row has no "
+            "distribution, so its spread is undefined; drop it or count something into it"
+        )
     p = p / total
     # 0.0 minus the sum: a one-entry row gives +0.0, not -0.0; the same bits otherwise
     h = 0.0 - np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0).sum(axis=-1)
@@ -166,13 +171,16 @@ def mutual_information(counts: np.ndarray) -> float:
     if joint.ndim != 2:
         raise LearnedError(f"mutual_information takes a 2-D count table [classes, experts], got shape {joint.shape}")
     if not np.isfinite(joint).all() or (joint < 0).any():
-        raise LearnedError("mutual_information takes finite non-negative counts; this table has a negative, NaN or "
-                           "infinite entry")
+        raise LearnedError(
+            "mutual_information takes finite non-negative counts; this table has a negative, NaN or infinite entry"
+        )
     with np.errstate(over="ignore"):  # an overflowing sum is refused just below, not warned about
         total = joint.sum()
     if total == 0:
-        raise LearnedError(f"the {joint.shape[0]} x {joint.shape[1]} count table holds no counts: with nothing "
-                           "counted the mutual information is undefined")
+        raise LearnedError(
+            f"the {joint.shape[0]} x {joint.shape[1]} count table holds no counts: with nothing "
+            "counted the mutual information is undefined"
+        )
     if not np.isfinite(total):
         raise LearnedError("the count table sums past the float64 range; scale the counts down")
     joint = joint / total
@@ -187,8 +195,10 @@ def class_expert_counts(classes: Sequence[int], chosen: np.ndarray, n_classes: i
     classes = np.asarray(classes, dtype=np.int64).reshape(-1)
     chosen = np.asarray(chosen, dtype=np.int64)
     if chosen.ndim != 2 or len(chosen) != len(classes):
-        raise LearnedError(f"{len(classes)} token classes but chosen experts of shape {chosen.shape}; "
-                           "give one row of chosen experts per token")
+        raise LearnedError(
+            f"{len(classes)} token classes but chosen experts of shape {chosen.shape}; "
+            "give one row of chosen experts per token"
+        )
     if len(classes) and not (0 <= classes.min() and classes.max() < n_classes):
         raise LearnedError(f"a token class lies outside 0..{n_classes - 1}")
     if chosen.size and not (0 <= chosen.min() and chosen.max() < n_experts):
@@ -198,8 +208,14 @@ def class_expert_counts(classes: Sequence[int], chosen: np.ndarray, n_classes: i
     return table
 
 
-def shuffled_mutual_information(classes: Sequence[int], chosen: np.ndarray, n_classes: int, n_experts: int,
-                                shuffles: int = MI_SHUFFLES, seed: int = CHANCE_SEED) -> float:
+def shuffled_mutual_information(
+    classes: Sequence[int],
+    chosen: np.ndarray,
+    n_classes: int,
+    n_experts: int,
+    shuffles: int = MI_SHUFFLES,
+    seed: int = CHANCE_SEED,
+) -> float:
     """Mean I(class; expert) in bits over `shuffles` random pairings of the tokens' classes with
     their chosen experts (the classes permuted, fixed seed): what the plug-in estimate shows for a
     router that ignores the class, on this many tokens: its small-sample bias, the level an
@@ -207,12 +223,19 @@ def shuffled_mutual_information(classes: Sequence[int], chosen: np.ndarray, n_cl
     shuffles = _count(shuffles, "shuffles", 1)
     classes = np.asarray(classes, dtype=np.int64).reshape(-1)
     rng = np.random.default_rng(seed)
-    return float(np.mean([mutual_information(class_expert_counts(rng.permutation(classes), chosen, n_classes,
-                                                                 n_experts)) for _ in range(shuffles)]))
+    return float(
+        np.mean(
+            [
+                mutual_information(class_expert_counts(rng.permutation(classes), chosen, n_classes, n_experts))
+                for _ in range(shuffles)
+            ]
+        )
+    )
 
 
-def uniform_routing_loads(n_tokens: int, n_experts: int, top_k: int, draws: int = CHANCE_DRAWS,
-                          seed: int = CHANCE_SEED) -> np.ndarray:
+def uniform_routing_loads(
+    n_tokens: int, n_experts: int, top_k: int, draws: int = CHANCE_DRAWS, seed: int = CHANCE_SEED
+) -> np.ndarray:
     """Expert loads [draws, n_experts] of `n_tokens` tokens each sending to `top_k` distinct experts
     picked uniformly at random (fixed seed): the balance a router shows by chance on that many tokens."""
     n_tokens, draws = _count(n_tokens, "n_tokens", 1), _count(draws, "draws", 1)
@@ -244,10 +267,16 @@ def index_recall(target: torch.Tensor, selected: torch.Tensor, reachable: torch.
     top-k the selection holds; mass, the target's probability on the selection; chance, k /
     reachable (a random k of the reachable positions: its expected recall and mass alike)."""
     k = _count(k, "k (positions an indexer keeps)", 1)
-    if not (target.dim() == 2 and selected.dim() == 2 and reachable.dim() == 1
-            and target.size(0) == selected.size(0) == reachable.size(0)):
-        raise LearnedError(f"index_recall takes target [s, T], selected [s, k'] and reachable [s] over the same "
-                           f"queries, got {tuple(target.shape)}, {tuple(selected.shape)} and {tuple(reachable.shape)}")
+    if not (
+        target.dim() == 2
+        and selected.dim() == 2
+        and reachable.dim() == 1
+        and target.size(0) == selected.size(0) == reachable.size(0)
+    ):
+        raise LearnedError(
+            f"index_recall takes target [s, T], selected [s, k'] and reachable [s] over the same "
+            f"queries, got {tuple(target.shape)}, {tuple(selected.shape)} and {tuple(reachable.shape)}"
+        )
     rows = torch.nonzero(reachable > k).flatten()
     recall, mass, chance = [], [], []
     for q in rows.tolist():
@@ -301,8 +330,9 @@ class _Router:
         self.logit_std.setdefault(layer, []).append(logits.double().std(dim=-1).numpy())
 
 
-def expected_affinity_spread(sigmas: Sequence[float], n_experts: int, score_func: str, samples: int = 4096,
-                             seed: int = 0) -> list[float]:
+def expected_affinity_spread(
+    sigmas: Sequence[float], n_experts: int, score_func: str, samples: int = 4096, seed: int = 0
+) -> list[float]:
     """The affinity spread a router would show whose logits over the `n_experts` were independent
     normal draws of standard deviation sigma, through the score function `score_func`: a curve to read
     the measured spread against its logit scale (fixed seed, `samples` tokens per sigma)."""
@@ -315,7 +345,9 @@ def expected_affinity_spread(sigmas: Sequence[float], n_experts: int, score_func
     return [float(spread(expert_scores(unit * float(s), score_func).numpy()).mean()) for s in sigmas]
 
 
-def spread_given_token(ids: Sequence[int], chosen: np.ndarray, n_experts: int, min_count: int) -> tuple[Optional[float], int]:
+def spread_given_token(
+    ids: Sequence[int], chosen: np.ndarray, n_experts: int, min_count: int
+) -> tuple[Optional[float], int]:
     """Mean over the token ids seen at least `min_count` times of the spread of the experts that id
     chose (its positions pooled), with how many ids counted (None and 0 when none is that frequent).
     `chosen` [positions, k]. A router that sends every occurrence of an id to the same k experts
@@ -371,38 +403,53 @@ def routing_study(model: Model, texts: Sequence[str], tokens: int) -> dict:
             load_spread.setdefault(layer, []).append(float(spread(load)))
     layers = sorted(chosen_by_layer)
     if not layers:
-        raise LearnedError("the model routed no token through an MoE layer; routing_study needs a model with MoE layers")
+        raise LearnedError(
+            "the model routed no token through an MoE layer; routing_study needs a model with MoE layers"
+        )
     chosen = {layer: np.concatenate(chosen_by_layer[layer]) for layer in layers}  # [all positions, k]
     classed = np.array([c is not None for c in all_classes])  # special tokens decode to nothing: no class
     classes = np.array([c for c in all_classes if c is not None], dtype=np.int64)
     class_tokens = np.bincount(classes, minlength=len(TOKEN_CLASSES))
-    joint = {layer: class_expert_counts(classes, chosen[layer][classed], len(TOKEN_CLASSES), n_experts)
-             for layer in layers}
+    joint = {
+        layer: class_expert_counts(classes, chosen[layer][classed], len(TOKEN_CLASSES), n_experts) for layer in layers
+    }
     given = {layer: spread_given_token(all_ids, chosen[layer], n_experts, MIN_CLASS_TOKENS) for layer in layers}
     share = {layer: joint[layer] / np.maximum(class_tokens[:, None], 1) for layer in layers}
     counted = class_tokens >= MIN_CLASS_TOKENS  # a class of a few tokens would show a share of 1 by chance
-    best = {layer: np.unravel_index(int(np.where(counted[:, None], share[layer], -1).argmax()), share[layer].shape)
-            for layer in layers}
+    best = {
+        layer: np.unravel_index(int(np.where(counted[:, None], share[layer], -1).argmax()), share[layer].shape)
+        for layer in layers
+    }
     # one expected value per distinct text length, averaged over the texts as load_spread is
     chance = {n: float(spread(uniform_routing_loads(n, n_experts, top_k)).mean()) for n in sorted(set(lengths))}
     return {
-        "layers": layers, "n_experts": n_experts, "top_k": top_k, "texts": len(texts), "tokens": tokens,
-        "classes": list(TOKEN_CLASSES), "class_tokens": class_tokens.tolist(),
+        "layers": layers,
+        "n_experts": n_experts,
+        "top_k": top_k,
+        "texts": len(texts),
+        "tokens": tokens,
+        "classes": list(TOKEN_CLASSES),
+        "class_tokens": class_tokens.tolist(),
         "affinity_spread": [float(np.concatenate(router.spread[layer]).mean()) for layer in layers],
         "logit_std": [float(np.concatenate(router.logit_std[layer]).mean()) for layer in layers],
-        "token_spread": [given[layer][0] for layer in layers], "token_spread_ids": [given[layer][1] for layer in layers],
+        "token_spread": [given[layer][0] for layer in layers],
+        "token_spread_ids": [given[layer][1] for layer in layers],
         "token_spread_floor": math.log(top_k) / math.log(n_experts),
         "load_spread": [float(np.mean(load_spread[layer])) for layer in layers],
-        "load_spread_chance": float(np.mean([chance[n] for n in lengths])), "text_tokens": lengths,
+        "load_spread_chance": float(np.mean([chance[n] for n in lengths])),
+        "text_tokens": lengths,
         "class_share": [share[layer].tolist() for layer in layers],
         "mutual_information_bits": [mutual_information(joint[layer]) for layer in layers],
         "mutual_information_shuffled_bits": [
             shuffled_mutual_information(classes, chosen[layer][classed], len(TOKEN_CLASSES), n_experts)
-            for layer in layers],
+            for layer in layers
+        ],
         "max_class_share": [float(share[layer][best[layer]]) for layer in layers],
         "max_class_share_at": [[TOKEN_CLASSES[int(best[layer][0])], int(best[layer][1])] for layer in layers],
-        "uniform_class_share": top_k / n_experts, "min_class_tokens": MIN_CLASS_TOKENS,
-        "chance": {"shuffles": MI_SHUFFLES, "draws": CHANCE_DRAWS, "seed": CHANCE_SEED}}
+        "uniform_class_share": top_k / n_experts,
+        "min_class_tokens": MIN_CLASS_TOKENS,
+        "chance": {"shuffles": MI_SHUFFLES, "draws": CHANCE_DRAWS, "seed": CHANCE_SEED},
+    }
 
 
 # ---------------------------------------------------------------------- b: Engram gates
@@ -454,8 +501,10 @@ def engram_study(model: Model, texts: Sequence[str], tokens: int, stream: np.nda
     texts = _texts(texts)
     stream = np.asarray(stream, dtype=np.int64).reshape(-1)
     if len(stream) < 2:
-        raise LearnedError(f"the counting stream holds {len(stream)} token(s); bigram counts need at least 2 "
-                           "(learned.counting_stream of a non-empty corpus)")
+        raise LearnedError(
+            f"the counting stream holds {len(stream)} token(s); bigram counts need at least 2 "
+            "(learned.counting_stream of a non-empty corpus)"
+        )
     base = max(int(np.max(stream)) + 1, model.cfg.vocab_size)
     table = ngram_counts(stream, base, 2)
     gates: dict[int, list[np.ndarray]] = {}
@@ -473,8 +522,15 @@ def engram_study(model: Model, texts: Sequence[str], tokens: int, stream: np.nda
     layers = sorted(gates)
     if not layers:
         raise LearnedError("the model has no Engram layer; engram_study needs one")
-    out = {"layers": layers, "ngram": 2, "counted_tokens": int(len(stream)), "tokens": int(len(count)),
-           "bins": {}, "correlation_with_log_count": [], "mean_gate": []}
+    out = {
+        "layers": layers,
+        "ngram": 2,
+        "counted_tokens": int(len(stream)),
+        "tokens": int(len(count)),
+        "bins": {},
+        "correlation_with_log_count": [],
+        "mean_gate": [],
+    }
     for layer in layers:
         g = np.concatenate(gates[layer])
         out["bins"][str(layer)] = frequency_bins(count, g)
@@ -513,11 +569,17 @@ def indexer_study(model: Model, checkpoint: str, texts: Sequence[str], tokens: i
             for name in row:
                 row[name] += got[name]
     layers = sorted(per)
-    return {"layers": layers, "k": k, "modes": [model.cfg.layer_mode(layer) for layer in layers],
-            "compress_ratios": [model.cfg.compress_ratios[layer] for layer in layers],
-            "queries": [len(per[layer]["recall"]) for layer in layers],
-            **{name: [float(np.mean(per[layer][name])) if per[layer][name] else None for layer in layers]
-               for name in ("recall", "mass", "chance")}}
+    return {
+        "layers": layers,
+        "k": k,
+        "modes": [model.cfg.layer_mode(layer) for layer in layers],
+        "compress_ratios": [model.cfg.compress_ratios[layer] for layer in layers],
+        "queries": [len(per[layer]["recall"]) for layer in layers],
+        **{
+            name: [float(np.mean(per[layer][name])) if per[layer][name] else None for layer in layers]
+            for name in ("recall", "mass", "chance")
+        },
+    }
 
 
 # ---------------------------------------------------------------------- d: DSpark
@@ -538,36 +600,55 @@ def speculative_study(model: Model, texts: Sequence[str], prompt_tokens: int, ne
         steps += spec.speculation.steps
     pooled = Speculation(steps)
     judged, accepted = pooled.judged_by_position()
-    return {"prompts": len(texts), "new_tokens": new_tokens, "equal_to_plain": equal, "steps": len(steps),
-            "tokens": pooled.tokens, "target_forwards": pooled.target_forwards,
-            "tokens_per_forward": pooled.tokens_per_forward, "mean_accepted": pooled.mean_accepted,
-            "judged_by_position": judged, "accepted_by_position": accepted,
-            "acceptance_by_position": pooled.acceptance_by_position(), "calibration": pooled.calibration(bins),
-            "block_size": model.cfg.dspark_block_size}
+    return {
+        "prompts": len(texts),
+        "new_tokens": new_tokens,
+        "equal_to_plain": equal,
+        "steps": len(steps),
+        "tokens": pooled.tokens,
+        "target_forwards": pooled.target_forwards,
+        "tokens_per_forward": pooled.tokens_per_forward,
+        "mean_accepted": pooled.mean_accepted,
+        "judged_by_position": judged,
+        "accepted_by_position": accepted,
+        "acceptance_by_position": pooled.acceptance_by_position(),
+        "calibration": pooled.calibration(bins),
+        "block_size": model.cfg.dspark_block_size,
+    }
 
 
 # ---------------------------------------------------------------------- e: expert cache
-def cache_study(model: Model, text: str, prompt_tokens: int, new_tokens: int,
-                capacities: Sequence[int] = CACHE_CAPACITIES) -> dict:
+def cache_study(
+    model: Model, text: str, prompt_tokens: int, new_tokens: int, capacities: Sequence[int] = CACHE_CAPACITIES
+) -> dict:
     """A greedy generation from `text`'s first `prompt_tokens` ids with a trace, its routing
     replayed through LRU, LFU, static top-N and Belady at `capacities` (`cache_policy.policy_data`):
     the hit rate over all layers per policy and size, and the compulsory limit (every size)."""
     prompt_tokens, new_tokens = _count(prompt_tokens, "prompt_tokens", 1), _count(new_tokens, "new_tokens", 1)
     n_experts = model.cfg.n_routed_experts
     capacities = list(capacities)
-    if not capacities or not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) and 0 <= c <= n_experts
-                                 for c in capacities):
-        raise LearnedError(f"capacities must be one or more whole cache sizes from 0 to {n_experts} experts, "
-                           f"got {brief(capacities)}")
-    result = model.generate(prompt_ids(model, text, prompt_tokens), max_new_tokens=new_tokens,
-                            stop_at_eos=False, trace=True)
+    if not capacities or not all(
+        isinstance(c, (int, np.integer)) and not isinstance(c, bool) and 0 <= c <= n_experts for c in capacities
+    ):
+        raise LearnedError(
+            f"capacities must be one or more whole cache sizes from 0 to {n_experts} experts, got {brief(capacities)}"
+        )
+    result = model.generate(
+        prompt_ids(model, text, prompt_tokens), max_new_tokens=new_tokens, stop_at_eos=False, trace=True
+    )
     data = policy_data(result, capacities=sorted({*capacities, n_experts}), n_experts=n_experts, cfg=model.cfg)
     wanted = [data["capacities"].index(c) for c in capacities]
-    return {"capacities": list(capacities), "policies": data["policies"], "policy_names": data["policy_names"],
-            "hit_rate": {p: [data["hit_rate"][p][i] for i in wanted] for p in data["policies"]},
-            "all_experts_hit_rate": data["hit_rate"]["lru"][data["capacities"].index(n_experts)],
-            "lookups": sum(data["lookups"]), "distinct": sum(data["distinct"]), "tokens": data["tokens"],
-            "generated": result.ids}
+    return {
+        "capacities": list(capacities),
+        "policies": data["policies"],
+        "policy_names": data["policy_names"],
+        "hit_rate": {p: [data["hit_rate"][p][i] for i in wanted] for p in data["policies"]},
+        "all_experts_hit_rate": data["hit_rate"]["lru"][data["capacities"].index(n_experts)],
+        "lookups": sum(data["lookups"]),
+        "distinct": sum(data["distinct"]),
+        "tokens": data["tokens"],
+        "generated": result.ids,
+    }
 
 
 # ---------------------------------------------------------------------- f: prefill vs decode
@@ -592,15 +673,20 @@ def tie_study(model: Model, ids: Sequence[int]) -> dict:
         truncated += int(cut.sum())
         ties += int((kth[cut] == nxt[cut]).sum())
         gaps += ((kth[cut] - nxt[cut]).abs() / kth[cut].abs().clamp_min(1e-30)).tolist()
-    return {"positions": cmp.positions, "numerics": cmp.numerics,
-            "first_logit_divergence": cmp.first_logit_divergence,
-            "first_argmax_divergence": cmp.first_argmax_divergence,
-            "selection_parting": {str(k): v for k, v in cmp.selections.items()},
-            "routing_parting": {str(k): v for k, v in cmp.routing.items()},
-            "max_abs_diff": max(cmp.max_abs_diff), "max_abs_logit": cmp.max_abs_logit,
-            "truncated_queries": truncated, "ties_at_cut": ties,
-            "min_relative_gap": min(gaps) if gaps else None,
-            "median_relative_gap": float(np.median(gaps)) if gaps else None}
+    return {
+        "positions": cmp.positions,
+        "numerics": cmp.numerics,
+        "first_logit_divergence": cmp.first_logit_divergence,
+        "first_argmax_divergence": cmp.first_argmax_divergence,
+        "selection_parting": {str(k): v for k, v in cmp.selections.items()},
+        "routing_parting": {str(k): v for k, v in cmp.routing.items()},
+        "max_abs_diff": max(cmp.max_abs_diff),
+        "max_abs_logit": cmp.max_abs_logit,
+        "truncated_queries": truncated,
+        "ties_at_cut": ties,
+        "min_relative_gap": min(gaps) if gaps else None,
+        "median_relative_gap": float(np.median(gaps)) if gaps else None,
+    }
 
 
 def lookahead_study(model: Model, texts: Sequence[str], tokens: int) -> dict:
@@ -620,7 +706,9 @@ def lookahead_study(model: Model, texts: Sequence[str], tokens: int) -> dict:
     blocks = list(model.backbone.layers)
     cfg = model.cfg
     k = cfg.n_activated_experts
-    names = [f"layers.{b.layer}.{site}" for b in blocks for site in ("resid_pre", "resid_mid", "resid_post", "ffn.gate")]
+    names = [
+        f"layers.{b.layer}.{site}" for b in blocks for site in ("resid_pre", "resid_mid", "resid_post", "ffn.gate")
+    ]
     early: dict[int, list[float]] = {}
     late: dict[int, list[float]] = {}
     exact: list[float] = []
@@ -654,10 +742,16 @@ def lookahead_study(model: Model, texts: Sequence[str], tokens: int) -> dict:
                 h_late = after.ffn_norm(hc_pre(stream, ffn_pre)).flatten(0, 1)
                 late.setdefault(after.layer, []).append(overlap(after.ffn.gate(h_late)[1], chosen[after.layer]))
     layers = sorted(early)
-    return {"layers": layers, "early": [float(np.mean(early[i])) for i in layers],
-            "late": [float(np.mean(late[i])) for i in layers], "exact_check": float(np.mean(exact)),
-            "chance": k / cfg.n_routed_experts, "k": k, "n_experts": cfg.n_routed_experts,
-            "tokens": n_tokens}
+    return {
+        "layers": layers,
+        "early": [float(np.mean(early[i])) for i in layers],
+        "late": [float(np.mean(late[i])) for i in layers],
+        "exact_check": float(np.mean(exact)),
+        "chance": k / cfg.n_routed_experts,
+        "k": k,
+        "n_experts": cfg.n_routed_experts,
+        "tokens": n_tokens,
+    }
 
 
 def check_side_by_side(paths: Sequence[str], memory) -> None:
@@ -675,6 +769,8 @@ def check_side_by_side(paths: Sequence[str], memory) -> None:
     budget = byte_size(memory)
     held = sum(predict_retained_bytes(load_config(p))["bytes"] for p in paths)
     if held > budget:
-        raise LearnedError(f"notebook 08 holds {len(paths)} checkpoints side by side: {held / 2**30:.2f} GiB of "
-                           f"dense weights at once, more than the memory budget of {budget / 2**30:.2f} GiB; give "
-                           "one of them as the comparison only where both fit, or run without a budget")
+        raise LearnedError(
+            f"notebook 08 holds {len(paths)} checkpoints side by side: {held / 2**30:.2f} GiB of "
+            f"dense weights at once, more than the memory budget of {budget / 2**30:.2f} GiB; give "
+            "one of them as the comparison only where both fit, or run without a budget"
+        )

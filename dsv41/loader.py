@@ -30,20 +30,35 @@ from typing import Any, Optional
 import torch
 
 from .attention import check_cache_format
+from .budget import budget_bytes, check_machine, plan_budget
 from .checkpoint import Checkpoint, LoadError, read_json
 from .config import Config, ConfigError, load_config
+from .eviction import DEFAULT_POLICY, EXPERT_POLICIES
 from .formats import DTYPE_NAMES, SAFETENSORS_DTYPES, dequantize
 from .inventory import expected_tensors, is_vision_name
 from .kernels.experts import expert_devices
 from .miniature import describe as describe_embedded
 from .model import Model
 from .numerics import Numerics
-from .budget import budget_bytes, check_machine, plan_budget
-from .eviction import DEFAULT_POLICY, EXPERT_POLICIES
-from .report import (MTP, ROUTED, UNEXPECTED, LoadReport, disposition, predict_draft_bytes, predict_retained_bytes,
-                     settle_buckets, unique_bytes)
-from .stores import (DEFAULT_EXPERT_CACHE, ExpertCache, OnDiskEngramTable, OwnedExpertStore, ResidentEngramTable,
-                     SlotCache)
+from .report import (
+    MTP,
+    ROUTED,
+    UNEXPECTED,
+    LoadReport,
+    disposition,
+    predict_draft_bytes,
+    predict_retained_bytes,
+    settle_buckets,
+    unique_bytes,
+)
+from .stores import (
+    DEFAULT_EXPERT_CACHE,
+    ExpertCache,
+    OnDiskEngramTable,
+    OwnedExpertStore,
+    ResidentEngramTable,
+    SlotCache,
+)
 from .text import brief, is_whole, json_kind, named
 from .threads import apply_threads, check_threads
 
@@ -103,12 +118,25 @@ class Placement:
     read_ahead: bool = False
 
 
-def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
-         max_seq_len: Optional[int] = None, max_batch_size: int = 1, undo_calls: int = 64,
-         cache_format: str = "packed", expert_device: Any = "cpu", expert_cache: int = DEFAULT_EXPERT_CACHE,
-         expert_parallel: bool = False, resident_engram: bool = False, memory: Any = None,
-         expert_policy: str = DEFAULT_POLICY, read_ahead: bool = False, threads="auto", dspark: bool = True,
-         quiet: bool = False) -> Model:
+def load(
+    path: Optional[str] = None,
+    *,
+    numerics: Optional[Numerics] = None,
+    max_seq_len: Optional[int] = None,
+    max_batch_size: int = 1,
+    undo_calls: int = 64,
+    cache_format: str = "packed",
+    expert_device: Any = "cpu",
+    expert_cache: int = DEFAULT_EXPERT_CACHE,
+    expert_parallel: bool = False,
+    resident_engram: bool = False,
+    memory: Any = None,
+    expert_policy: str = DEFAULT_POLICY,
+    read_ahead: bool = False,
+    threads="auto",
+    dspark: bool = True,
+    quiet: bool = False,
+) -> Model:
     """Load a checkpoint directory (default: the embedded one) -> `model.Model`, its `report` the
     LoadReport.
 
@@ -131,11 +159,18 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
 
     Raises LoadError (one sentence) on a bad checkpoint or a bad argument, and
     `distributed.ExpertParallelError` when the expert-parallel group cannot start."""
-    caches = CacheOptions(max_seq_len=max_seq_len, max_batch_size=max_batch_size, undo_calls=undo_calls,
-                          cache_format=cache_format)
-    placement = Placement(expert_device=expert_device, expert_cache=expert_cache, expert_parallel=expert_parallel,
-                          resident_engram=resident_engram, memory=memory, expert_policy=expert_policy,
-                          read_ahead=read_ahead)
+    caches = CacheOptions(
+        max_seq_len=max_seq_len, max_batch_size=max_batch_size, undo_calls=undo_calls, cache_format=cache_format
+    )
+    placement = Placement(
+        expert_device=expert_device,
+        expert_cache=expert_cache,
+        expert_parallel=expert_parallel,
+        resident_engram=resident_engram,
+        memory=memory,
+        expert_policy=expert_policy,
+        read_ahead=read_ahead,
+    )
     began = time.perf_counter()
     numerics = _checked_numerics(numerics)
     _check_threads(threads)
@@ -156,17 +191,25 @@ def load(path: Optional[str] = None, *, numerics: Optional[Numerics] = None,
     tokenizer, tok_meta = load_tokenizer(path, cfg)
     hasher = _hasher(cfg, tokenizer, path)
     n_threads, threads_choice = apply_threads(threads, cfg)  # once the checkpoint checks out; before the fill
-    report = LoadReport(checkpoint=ckpt.path, threads=n_threads, threads_choice=threads_choice,
-                        embedded=describe_embedded(path))
+    report = LoadReport(
+        checkpoint=ckpt.path, threads=n_threads, threads_choice=threads_choice, embedded=describe_embedded(path)
+    )
     if budget is not None:
-        report.budget = (f"{budget.line()}; expert policy {experts.policy}, misses read with {experts.reader} "
-                         f"on {experts.io_threads} threads, {experts.page_cache}")
+        report.budget = (
+            f"{budget.line()}; expert policy {experts.policy}, misses read with {experts.reader} "
+            f"on {experts.io_threads} threads, {experts.page_cache}"
+        )
         report.budget_plan = budget.as_dict()
-    sizing = dict(numerics=numerics, max_batch_size=caches.max_batch_size, max_seq_len=max_seq_len,
-                  cache_format=caches.cache_format)
+    sizing = dict(
+        numerics=numerics,
+        max_batch_size=caches.max_batch_size,
+        max_seq_len=max_seq_len,
+        cache_format=caches.cache_format,
+    )
     with torch.no_grad():
-        model = Model(cfg, **sizing, tokenizer=tokenizer, tokenizer_meta=tok_meta, hasher=hasher,
-                      undo_calls=caches.undo_calls)
+        model = Model(
+            cfg, **sizing, tokenizer=tokenizer, tokenizer_meta=tok_meta, hasher=hasher, undo_calls=caches.undo_calls
+        )
         read = fill_parameters(model.backbone, ckpt, report, quiet)
         stack = None
         if dspark and cfg.n_mtp_layers and cfg.dspark_block_size:
@@ -198,12 +241,19 @@ def sibling(model: Model, numerics: Optional[Numerics] = None) -> Model:
     if isinstance(model.experts, OwnedExpertStore):
         raise LoadError("sibling() cannot share an expert-parallel rank's store; load the model again instead")
     bb = model.backbone
-    sizing = dict(numerics=numerics, max_batch_size=bb.max_batch_size, max_seq_len=bb.max_seq_len,
-                  cache_format=bb.cache_format)
+    sizing = dict(
+        numerics=numerics, max_batch_size=bb.max_batch_size, max_seq_len=bb.max_seq_len, cache_format=bb.cache_format
+    )
     with torch.no_grad():
         with parameters_on_meta():  # built without weights: they are assigned from `model` below
-            twin = Model(model.cfg, **sizing, tokenizer=model.tokenizer, tokenizer_meta=model.tokenizer_meta,
-                         hasher=model.hasher, undo_calls=model.undo_records.maxlen)
+            twin = Model(
+                model.cfg,
+                **sizing,
+                tokenizer=model.tokenizer,
+                tokenizer_meta=model.tokenizer_meta,
+                hasher=model.hasher,
+                undo_calls=model.undo_records.maxlen,
+            )
         twin.backbone.load_state_dict(dict(bb.named_parameters()), strict=True, assign=True)
         if model.draft_stack is not None:
             from .dspark import DraftStack
@@ -222,8 +272,9 @@ def _checked_numerics(numerics) -> Numerics:
     if numerics is None:
         return Numerics()
     if not isinstance(numerics, Numerics):
-        raise LoadError(f"numerics must be a Numerics value (Numerics(), Numerics.parity(), "
-                        f"Numerics(...)), got {brief(numerics)}")
+        raise LoadError(
+            f"numerics must be a Numerics value (Numerics(), Numerics.parity(), Numerics(...)), got {brief(numerics)}"
+        )
     return numerics
 
 
@@ -257,7 +308,8 @@ def start_expert_parallel():
         raise
     except (RuntimeError, ValueError) as exc:  # the group could not start (rendezvous, backend)
         raise distributed.ExpertParallelError(
-            f"the expert-parallel group did not start: {distributed.one_line(exc)}") from None
+            f"the expert-parallel group did not start: {distributed.one_line(exc)}"
+        ) from None
 
 
 def expert_placement(expert_device, ranks=None, *, option: str = "expert_device") -> list[torch.device]:
@@ -270,8 +322,9 @@ def expert_placement(expert_device, ranks=None, *, option: str = "expert_device"
     try:
         return expert_devices(expert_device)
     except RuntimeError:  # torch.device's own refusal of the string
-        raise LoadError(f"{option} {expert_device!r} is not a torch device name (try cpu, cuda or "
-                        "cuda:0,cuda:1)") from None
+        raise LoadError(
+            f"{option} {expert_device!r} is not a torch device name (try cpu, cuda or cuda:0,cuda:1)"
+        ) from None
     except ValueError as exc:
         raise LoadError(f"{option} {expert_device!r} is not usable: {exc}") from None
 
@@ -308,8 +361,10 @@ def read_config(path: str) -> Config:
         raise LoadError(str(exc)) from None
     problems = cfg.verify()
     if problems:
-        raise LoadError(named(str(cfg.source), problems[0]) + (f" (and {len(problems) - 1} more problems)"
-                                                               if len(problems) > 1 else ""))
+        raise LoadError(
+            named(str(cfg.source), problems[0])
+            + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else "")
+        )
     return cfg
 
 
@@ -317,8 +372,9 @@ def cache_length(max_seq_len: Optional[int], cfg: Config) -> int:
     """The positions the attention caches are sized for: `max_seq_len`, at most the config's
     (a length past it would allocate for nothing), by default min(config, DEFAULT_MAX_SEQ_LEN)."""
     if max_seq_len is not None and not (is_whole(max_seq_len) and 1 <= max_seq_len <= cfg.max_seq_len):
-        raise LoadError(f"max_seq_len must lie in [1, {cfg.max_seq_len}] (the config's max_position_embeddings), "
-                        f"got {max_seq_len}")
+        raise LoadError(
+            f"max_seq_len must lie in [1, {cfg.max_seq_len}] (the config's max_position_embeddings), got {max_seq_len}"
+        )
     return int(max_seq_len or min(cfg.max_seq_len, DEFAULT_MAX_SEQ_LEN))
 
 
@@ -329,18 +385,28 @@ def _expert_cache(ckpt: Checkpoint, capacity: int, devices, cfg: Config) -> Expe
         raise LoadError(str(exc)) from None
 
 
-def _slot_cache(ckpt: Checkpoint, placement: Placement, devices, cfg: Config, caches: CacheOptions,
-                max_seq_len: int, dspark: bool):
+def _slot_cache(
+    ckpt: Checkpoint, placement: Placement, devices, cfg: Config, caches: CacheOptions, max_seq_len: int, dspark: bool
+):
     """(the budget plan, the SlotCache it sizes) for `placement.memory`."""
     if any(d.type != "cpu" for d in devices):
-        raise LoadError("memory= sizes a host-memory expert cache; use expert_device='cpu' with it, or "
-                        "expert_cache=N for experts on a GPU")
-    plan = plan_budget(cfg, placement.memory, max_seq_len=max_seq_len, max_batch_size=caches.max_batch_size,
-                       dspark=dspark, cache_format=caches.cache_format)
+        raise LoadError(
+            "memory= sizes a host-memory expert cache; use expert_device='cpu' with it, or "
+            "expert_cache=N for experts on a GPU"
+        )
+    plan = plan_budget(
+        cfg,
+        placement.memory,
+        max_seq_len=max_seq_len,
+        max_batch_size=caches.max_batch_size,
+        dspark=dspark,
+        cache_format=caches.cache_format,
+    )
     if not isinstance(placement.read_ahead, bool):
         raise LoadError(f"read_ahead must be True or False, got {placement.read_ahead!r}")
-    return plan, SlotCache(ckpt, plan.slots, policy=placement.expert_policy, n_layers=cfg.n_layers,
-                           read_ahead=placement.read_ahead)
+    return plan, SlotCache(
+        ckpt, plan.slots, policy=placement.expert_policy, n_layers=cfg.n_layers, read_ahead=placement.read_ahead
+    )
 
 
 def _hasher(cfg: Config, tokenizer, path: str):
@@ -366,8 +432,10 @@ def check_tensors(cfg: Config, ckpt: Checkpoint) -> dict[str, str]:
         if spec.name not in ckpt:
             problems.append(f"tensor {spec.name} is missing (expected in {spec.shard})")
         elif ckpt.shape(spec.name) != spec.shape or ckpt.dtype(spec.name) != spec.dtype:
-            problems.append(f"tensor {spec.name} is {ckpt.dtype(spec.name)} {list(ckpt.shape(spec.name))}, "
-                            f"the config implies {spec.dtype} {list(spec.shape)}")
+            problems.append(
+                f"tensor {spec.name} is {ckpt.dtype(spec.name)} {list(ckpt.shape(spec.name))}, "
+                f"the config implies {spec.dtype} {list(spec.shape)}"
+            )
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise LoadError(f"{ckpt.path}: " + "; ".join(problems[:3]) + more)
@@ -381,36 +449,45 @@ def load_tokenizer(path: str, cfg: Config):
 
     file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(file):
-        raise LoadError(f"{path}: no tokenizer.json beside the shards; the Engram hash needs the checkpoint's tokenizer")
+        raise LoadError(
+            f"{path}: no tokenizer.json beside the shards; the Engram hash needs the checkpoint's tokenizer"
+        )
     try:
         tok = Tokenizer.from_file(file)
     except Exception as exc:  # the tokenizers library raises its own exception types
         raise LoadError(f"{file}: not a tokenizer this tokenizers version can read ({exc})") from None
     size = tok.get_vocab_size(with_added_tokens=True)
     if size > cfg.vocab_size:
-        raise LoadError(f"{file}: the tokenizer has {size} ids but the config's vocab_size is {cfg.vocab_size}; "
-                        f"they belong to different models")
+        raise LoadError(
+            f"{file}: the tokenizer has {size} ids but the config's vocab_size is {cfg.vocab_size}; "
+            f"they belong to different models"
+        )
     meta = {}
     meta_file = os.path.join(path, "tokenizer_config.json")
     if os.path.isfile(meta_file):
         meta = read_json(meta_file)
         if not isinstance(meta, dict):
-            raise LoadError(f"{meta_file}: holds {json_kind(meta)}, not an object of tokenizer settings; "
-                            "download it again")
+            raise LoadError(
+                f"{meta_file}: holds {json_kind(meta)}, not an object of tokenizer settings; download it again"
+            )
     for role in ("bos", "eos", "pad"):
         key = f"{role}_token"
         text, want = meta.get(key), getattr(cfg, f"{role}_token_id")
         if isinstance(text, dict):
             text = text.get("content")
         if text is not None and not isinstance(text, str):
-            raise LoadError(f"{meta_file}: {key} is {json_kind(text)} ({brief(text)}), not the token's "
-                            f"text; write it as a string (or {{\"content\": string}}) as tokenizer.json spells it")
+            raise LoadError(
+                f"{meta_file}: {key} is {json_kind(text)} ({brief(text)}), not the token's "
+                f'text; write it as a string (or {{"content": string}}) as tokenizer.json spells it'
+            )
         if text is None or want is None:
             continue
         got = tok.token_to_id(text)
         if got != want:
-            raise LoadError(f"{meta_file}: the {role} token {text!r} has id {got} in tokenizer.json but the config "
-                            f"says {role}_token_id {want}; the tokenizer and the config disagree")
+            raise LoadError(
+                f"{meta_file}: the {role} token {text!r} has id {got} in tokenizer.json but the config "
+                f"says {role}_token_id {want}; the tokenizer and the config disagree"
+            )
     return tok, meta
 
 
@@ -470,11 +547,14 @@ def _fill_one(name: str, param, params: dict, ckpt: Checkpoint, report: LoadRepo
             stored = stored.to(param.dtype)  # a promotion (bf16 -> float32), exact
             report.dequantized.append((name, ckpt.dtype(name), DTYPE_NAMES[param.dtype]))
         else:
-            raise LoadError(f"{ckpt.path}: tensor {name} is {ckpt.dtype(name)} but the model holds it as "
-                            f"{param.dtype}, and there is no conversion between them")
+            raise LoadError(
+                f"{ckpt.path}: tensor {name} is {ckpt.dtype(name)} but the model holds it as "
+                f"{param.dtype}, and there is no conversion between them"
+            )
     if tuple(stored.shape) != tuple(param.shape):
-        raise LoadError(f"{ckpt.path}: tensor {name} has shape {list(stored.shape)}, the model "
-                        f"expects {list(param.shape)}")
+        raise LoadError(
+            f"{ckpt.path}: tensor {name} has shape {list(stored.shape)}, the model expects {list(param.shape)}"
+        )
     param.copy_(stored)
     report.parameters_filled += 1
 
@@ -489,12 +569,16 @@ def _copy_in_slabs(ckpt: Checkpoint, name: str, param) -> bool:
     either the same dtype or a floating promotion (bf16 -> float32); False leaves it to the plain path."""
     stored = SAFETENSORS_DTYPES.get(ckpt.dtype(name))
     promotion = stored in (torch.bfloat16, torch.float16) and param.dtype == torch.float32
-    if (ckpt.nbytes(name) <= SLAB_BYTES or len(ckpt.shape(name)) != 2 or tuple(ckpt.shape(name)) != tuple(param.shape)
-            or not (stored == param.dtype or promotion)):
+    if (
+        ckpt.nbytes(name) <= SLAB_BYTES
+        or len(ckpt.shape(name)) != 2
+        or tuple(ckpt.shape(name)) != tuple(param.shape)
+        or not (stored == param.dtype or promotion)
+    ):
         return False
     rows = max(1, SLAB_BYTES // max(1, ckpt.nbytes(name) // param.shape[0]))
     for r0 in range(0, param.shape[0], rows):
-        param[r0:r0 + rows].copy_(ckpt.read_slab(name, r0, min(param.shape[0], r0 + rows)))  # exact: same or wider
+        param[r0 : r0 + rows].copy_(ckpt.read_slab(name, r0, min(param.shape[0], r0 + rows)))  # exact: same or wider
     return True
 
 
@@ -538,8 +622,7 @@ def _expert_parallel(experts: ExpertCache, ranks, buckets: dict[str, str], ckpt:
     from . import distributed
 
     report.count_routed_share(ranks, buckets, ckpt.nbytes)
-    routed = functools.partial(distributed.ExpertParallelExperts, ranks=ranks,
-                               counters=distributed.ExchangeCounters())
+    routed = functools.partial(distributed.ExpertParallelExperts, ranks=ranks, counters=distributed.ExchangeCounters())
     return OwnedExpertStore(experts, ranks), routed
 
 
@@ -549,8 +632,9 @@ def _measure(report: LoadReport, model: Model, stack, buckets: dict[str, str], r
     report.tensors = buckets
     report.tensors_read = len(read)
     report.bytes_retained = unique_bytes(model.backbone.parameters())
-    report.vision_bytes_retained = unique_bytes(p for name, p in model.backbone.named_parameters()
-                                                if is_vision_name(name))
+    report.vision_bytes_retained = unique_bytes(
+        p for name, p in model.backbone.named_parameters() if is_vision_name(name)
+    )
     report.draft_bytes_retained = 0 if stack is None else unique_bytes(stack.parameters())
     report.predicted_draft_bytes = 0 if stack is None else predict_draft_bytes(cfg)
     report.predicted_bytes_retained = predict_retained_bytes(cfg)["bytes"]

@@ -63,8 +63,7 @@ def read_manifest(folder) -> dict | None:
         raise MiniatureError(f"{path} is not readable JSON; restore it from where the checkpoint came from") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         found = brief(manifest.get("format")) if isinstance(manifest, dict) else json_kind(manifest)
-        raise MiniatureError(f"{path} is not a miniature manifest (format {MANIFEST_FORMAT!r} expected, "
-                             f"got {found})")
+        raise MiniatureError(f"{path} is not a miniature manifest (format {MANIFEST_FORMAT!r} expected, got {found})")
     problem = manifest_problem(manifest)
     if problem:
         raise MiniatureError(f"{path}: {problem}")
@@ -90,20 +89,35 @@ def manifest_problem(manifest: dict) -> str | None:
         parts = rel.split("/")
         if rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts) or rel == MANIFEST_NAME:
             return f"files names {brief(rel)}, which is not a file inside the checkpoint"
-        if not (isinstance(entry, dict) and _count(entry.get("size")) and isinstance(entry.get("sha256"), str)
-                and _SHA256.fullmatch(entry["sha256"])):
+        if not (
+            isinstance(entry, dict)
+            and _count(entry.get("size"))
+            and isinstance(entry.get("sha256"), str)
+            and _SHA256.fullmatch(entry["sha256"])
+        ):
             return f"files[{brief(rel)}] must be an object with a size (bytes) and a sha256 (64 hex digits)"
-    for key, ok, kind in (("steps", _count, "a whole number"), ("seed", _count, "a whole number"),
-                          ("training_seconds", lambda v: _number(v) and v >= 0, "a number of seconds"),
-                          ("tokens_seen", lambda v: v is None or _count(v), "a whole number or null"),
-                          ("final_train_loss", lambda v: v is None or _number(v), "a number or null"),
-                          ("corpus", lambda v: isinstance(v, dict) and isinstance(v.get("python", ""), str),
-                           "an object naming its Python"),
-                          ("settings", lambda v: isinstance(v, dict) and all(_count(x) for x in v.values()
-                                                                             if not isinstance(x, float)),
-                           "an object of numbers"),
-                          ("held_out", lambda v: isinstance(v, dict) and _bits_per_byte(v) is not False,
-                           "an object with release_format.bits_per_byte a number")):
+    for key, ok, kind in (
+        ("steps", _count, "a whole number"),
+        ("seed", _count, "a whole number"),
+        ("training_seconds", lambda v: _number(v) and v >= 0, "a number of seconds"),
+        ("tokens_seen", lambda v: v is None or _count(v), "a whole number or null"),
+        ("final_train_loss", lambda v: v is None or _number(v), "a number or null"),
+        (
+            "corpus",
+            lambda v: isinstance(v, dict) and isinstance(v.get("python", ""), str),
+            "an object naming its Python",
+        ),
+        (
+            "settings",
+            lambda v: isinstance(v, dict) and all(_count(x) for x in v.values() if not isinstance(x, float)),
+            "an object of numbers",
+        ),
+        (
+            "held_out",
+            lambda v: isinstance(v, dict) and _bits_per_byte(v) is not False,
+            "an object with release_format.bits_per_byte a number",
+        ),
+    ):
         if key in manifest and not ok(manifest[key]):
             return f"{key} must be {kind}, got {brief(manifest[key])}"
     return None
@@ -131,8 +145,11 @@ def _signature(folder: str, manifest_stat: os.stat_result, files: dict) -> tuple
 
 
 def _fix(folder: str) -> str:
-    return "reinstall dsv41" if folder == os.path.realpath(packaged_folder()) else \
-        "copy the checkpoint again from its source"
+    return (
+        "reinstall dsv41"
+        if folder == os.path.realpath(packaged_folder())
+        else "copy the checkpoint again from its source"
+    )
 
 
 def check_files(folder, manifest: dict) -> None:
@@ -144,8 +161,9 @@ def check_files(folder, manifest: dict) -> None:
         if not os.path.isfile(path):
             raise MiniatureError(f"{path} is missing, which {MANIFEST_NAME} lists; {_fix(folder)}")
         if os.path.getsize(path) != entry["size"] or file_sha256(path) != entry["sha256"]:
-            raise MiniatureError(f"{path} does not match its size and sha256 in {MANIFEST_NAME}: the file was "
-                                 f"changed; {_fix(folder)}")
+            raise MiniatureError(
+                f"{path} does not match its size and sha256 in {MANIFEST_NAME}: the file was changed; {_fix(folder)}"
+            )
 
 
 def verify(folder) -> dict | None:
@@ -196,10 +214,11 @@ def describe(path) -> str:
             what = f"a miniature written by dsv41 train at {path}"
         bpb = _bits_per_byte(manifest.get("held_out", {}))
         python = manifest.get("corpus", {}).get("python")
-        return (f"{what}: trained {manifest.get('steps', '?')} steps "
-                f"({manifest.get('training_seconds', 0) / 60:.0f} min) on the Python {python or '?'} "
-                f"standard library, seed {manifest.get('seed', '?')}"
-                + (f", held-out {bpb:.3f} bits/byte" if bpb else ""))
+        return (
+            f"{what}: trained {manifest.get('steps', '?')} steps "
+            f"({manifest.get('training_seconds', 0) / 60:.0f} min) on the Python {python or '?'} "
+            f"standard library, seed {manifest.get('seed', '?')}" + (f", held-out {bpb:.3f} bits/byte" if bpb else "")
+        )
     from .tiny import MANIFEST_NAME as TINY_MANIFEST
 
     if os.path.isfile(os.path.join(path, TINY_MANIFEST)):

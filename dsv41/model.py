@@ -95,7 +95,9 @@ class Engram(nn.Module):
         self.table: Optional[EngramTable] = None  # attached by the loader (not a parameter)
         self.pad_f32_rows = False  # the block's Numerics.pad_f32_rows, set by the block
 
-    def forward(self, x: torch.Tensor, hash_ids: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, hash_ids: torch.Tensor, token_mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """x [b, s, hc, dim]; hash_ids [b, s, n_hash_cols]; token_mask [b, s] (False: no update)."""
         own = site(self, "")
         if own:
@@ -107,8 +109,9 @@ class Engram(nn.Module):
         kv = self.wkv(emb.flatten(-2))  # [b, s, (hc + 1) * dim] bf16
         key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc_mult, self.dim))  # [b, s, hc, dim]
-        gate = engram_gate(x, key, self.q_weight.float() * self.k_weight.float(), self.eps,
-                           pad_f32_rows=self.pad_f32_rows)  # [b, s, hc]
+        gate = engram_gate(
+            x, key, self.q_weight.float() * self.k_weight.float(), self.eps, pad_f32_rows=self.pad_f32_rows
+        )  # [b, s, hc]
         if token_mask is not None:
             gate = gate.masked_fill(~token_mask.unsqueeze(-1), 0)
         out = (x.float() + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(x.dtype)
@@ -117,21 +120,34 @@ class Engram(nn.Module):
         return out
 
 
-def engram_gate(x: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                pad_f32_rows: bool = False) -> torch.Tensor:
+def engram_gate(
+    x: torch.Tensor, key: torch.Tensor, weight: torch.Tensor, eps: float, *, pad_f32_rows: bool = False
+) -> torch.Tensor:
     """x, key [b, s, hc, dim], weight [hc, dim] -> gate [b, s, hc] float32 (pad_f32_rows: the
     sigmoid over a token's hc values as layers.rowwise runs it)."""
     h = x.float()
     dim = h.size(-1)
     rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)  # [b, s, hc]
-    dot = (h * weight * key).sum(-1) * rstd * dim ** -0.5
-    return rowwise(torch.sigmoid, torch.copysign(dot.abs().clamp_min(ENGRAM_GATE_FLOOR).sqrt(), dot),
-                   pad_f32_rows=pad_f32_rows)
+    dot = (h * weight * key).sum(-1) * rstd * dim**-0.5
+    return rowwise(
+        torch.sigmoid, torch.copysign(dot.abs().clamp_min(ENGRAM_GATE_FLOOR).sqrt(), dot), pad_f32_rows=pad_f32_rows
+    )
 
 
 # ---------------------------------------------------------------------- hyper-connections
-def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
-             iters: int, hc_eps: float, norm_eps: float, *, pad_f32_rows: bool, split=hc_split_sinkhorn):
+def hc_mixes(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    hc_mult: int,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    *,
+    pad_f32_rows: bool,
+    split=hc_split_sinkhorn,
+):
     """x [b, s, hc, dim] -> float32 (pre [b, s, hc], post [b, s, hc], comb [b, s, hc, hc]).
 
     One projection of the whole flattened stream, RMS-normalized with one statistic per token
@@ -176,16 +192,30 @@ class Block(nn.Module):
 
     attention_type = Attention  # a draft stage's block attends another way (dspark.DraftAttention)
 
-    def __init__(self, cfg: Config, layer: int, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
-                 max_seq_len: int = 4096, cache_format: str = "packed"):
+    def __init__(
+        self,
+        cfg: Config,
+        layer: int,
+        *,
+        numerics: Numerics = Numerics(),
+        max_batch_size: int = 1,
+        max_seq_len: int = 4096,
+        cache_format: str = "packed",
+    ):
         super().__init__()
         self.layer, self.hc_mult = layer, cfg.hc_mult
         self.norm_eps, self.hc_eps, self.hc_iters = cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
         self.pad_f32_rows = numerics.pad_f32_rows
         self.feeds_draft = False  # a DSpark target layer (set by Model.attach_draft)
         act = activation_dtype(cfg)
-        self.attn = self.attention_type(cfg, layer, numerics=numerics, max_batch_size=max_batch_size,
-                                        max_seq_len=max_seq_len, cache_format=cache_format)
+        self.attn = self.attention_type(
+            cfg,
+            layer,
+            numerics=numerics,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            cache_format=cache_format,
+        )
         self.ffn = MoE(cfg, layer, numerics=numerics)
         engram_layers = cfg.engram_layer_ids
         self.engram = None
@@ -196,19 +226,33 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=act)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=act)
         mix, width = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.dim
-        for site in ("attn", "ffn"):
-            setattr(self, f"hc_{site}_fn", param(torch.zeros(mix, width, dtype=torch.float32)))
-            setattr(self, f"hc_{site}_base", param(torch.zeros(mix, dtype=torch.float32)))
-            setattr(self, f"hc_{site}_scale", param(torch.zeros(3, dtype=torch.float32)))
+        for branch in ("attn", "ffn"):
+            setattr(self, f"hc_{branch}_fn", param(torch.zeros(mix, width, dtype=torch.float32)))
+            setattr(self, f"hc_{branch}_base", param(torch.zeros(mix, dtype=torch.float32)))
+            setattr(self, f"hc_{branch}_scale", param(torch.zeros(3, dtype=torch.float32)))
 
     def mixes(self, x: torch.Tensor, site: str):
-        return hc_mixes(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
-                        getattr(self, f"hc_{site}_base"), self.hc_mult, self.hc_iters, self.hc_eps, self.norm_eps,
-                        pad_f32_rows=self.pad_f32_rows)
+        return hc_mixes(
+            x,
+            getattr(self, f"hc_{site}_fn"),
+            getattr(self, f"hc_{site}_scale"),
+            getattr(self, f"hc_{site}_base"),
+            self.hc_mult,
+            self.hc_iters,
+            self.hc_eps,
+            self.norm_eps,
+            pad_f32_rows=self.pad_f32_rows,
+        )
 
-    def forward(self, x: torch.Tensor, start_pos: int, pre: torch.Tensor, runtime: AttentionRuntime,
-                hash_ids: Optional[torch.Tensor] = None,
-                image_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        start_pos: int,
+        pre: torch.Tensor,
+        runtime: AttentionRuntime,
+        hash_ids: Optional[torch.Tensor] = None,
+        image_mask: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, s, hc, dim], pre [b, s, hc] (from the previous block) -> (x, the next block's pre).
 
         hash_ids [b, s, n_hash_cols] for an Engram layer; image_mask [b, s] True inside image spans
@@ -222,8 +266,9 @@ class Block(nn.Module):
             resid_pre.exit(x)
         return self.sublayers(x, pre, lambda h: self.attn(h, start_pos, runtime), image_mask)
 
-    def sublayers(self, x: torch.Tensor, pre: torch.Tensor, attend,
-              image_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def sublayers(
+        self, x: torch.Tensor, pre: torch.Tensor, attend, image_mask: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention site (`attend`: [b, s, dim] -> [b, s, dim]) and the FFN site, each between a
         collapse and an expansion -> (x, the next block's pre)."""
         residual = x
@@ -295,16 +340,31 @@ class Backbone(nn.Module):
     SITES = ("embed",)
     named_sites = NO_SITES
 
-    def __init__(self, cfg: Config, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
-                 max_seq_len: int = 4096, cache_format: str = "packed"):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        numerics: Numerics = Numerics(),
+        max_batch_size: int = 1,
+        max_seq_len: int = 4096,
+        cache_format: str = "packed",
+    ):
         super().__init__()
         self.cfg, self.hc_mult, self.numerics = cfg, cfg.hc_mult, numerics
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.cache_format = check_cache_format(cache_format)
         self.embed = Embedding(cfg.vocab_size, cfg.dim, activation_dtype(cfg))
-        self.layers = nn.ModuleList(Block(cfg, i, numerics=numerics, max_batch_size=max_batch_size,
-                                          max_seq_len=max_seq_len, cache_format=cache_format)
-                                    for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(
+            Block(
+                cfg,
+                i,
+                numerics=numerics,
+                max_batch_size=max_batch_size,
+                max_seq_len=max_seq_len,
+                cache_format=cache_format,
+            )
+            for i in range(cfg.n_layers)
+        )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=activation_dtype(cfg))
         self.head = Head(cfg.vocab_size, cfg.dim, numerics=numerics)
         if cfg.vision_n_layers:  # the vision tower and the learned span delimiters, named as stored
@@ -316,9 +376,16 @@ class Backbone(nn.Module):
         self.site_registry = name_sites(self)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, start_pos: int, runtime: AttentionRuntime,
-                hash_ids: Optional[torch.Tensor] = None, image_mask: Optional[torch.Tensor] = None,
-                all_positions: bool = False, images=()) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        start_pos: int,
+        runtime: AttentionRuntime,
+        hash_ids: Optional[torch.Tensor] = None,
+        image_mask: Optional[torch.Tensor] = None,
+        all_positions: bool = False,
+        images=(),
+    ) -> torch.Tensor:
         """input_ids [b, s] -> float32 logits [b, vocab] of the last position ([b, s, vocab] with
         all_positions). hash_ids [b, s, n_engram_layers, n_hash_cols] from the n-gram hasher;
         `images` (batch 1): the `vision.ImageInput`s whose spans this call holds, written over the
@@ -340,9 +407,14 @@ class Backbone(nn.Module):
         bsz, seqlen = input_ids.shape
         h = self.embed(input_ids)  # [b, s, dim]
         if images:
-            write_spans(h, [image if image.features is not None else replace(
-                image, features=self.encode_image(image)) for image in images],
-                {IMAGE_START: self.image_start, IMAGE_NEWLINE: self.image_newline, IMAGE_END: self.image_end})
+            write_spans(
+                h,
+                [
+                    image if image.features is not None else replace(image, features=self.encode_image(image))
+                    for image in images
+                ],
+                {IMAGE_START: self.image_start, IMAGE_NEWLINE: self.image_newline, IMAGE_END: self.image_end},
+            )
         embed = site(self, "embed")
         if embed:
             embed.exit(h)
@@ -390,12 +462,27 @@ class Model:
     difference. The generation verbs (`prefill`, `decode_one`, `decode_n`, `generate`, `compare_prefill_decode`)
     are `dsv41.generate`'s functions over this object; `chat` is `dsv41.conversation.chat`."""
 
-    def __init__(self, cfg: Config, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
-                 max_seq_len: int = 4096, tokenizer=None, tokenizer_meta: Optional[dict] = None, hasher=None,
-                 undo_calls: int = 64, cache_format: str = "packed"):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        numerics: Numerics = Numerics(),
+        max_batch_size: int = 1,
+        max_seq_len: int = 4096,
+        tokenizer=None,
+        tokenizer_meta: Optional[dict] = None,
+        hasher=None,
+        undo_calls: int = 64,
+        cache_format: str = "packed",
+    ):
         self.cfg, self.numerics = cfg, numerics  # the config as loaded; the modules read runtime_config(cfg)
-        self.backbone = Backbone(runtime_config(cfg), numerics=numerics, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                 cache_format=cache_format)
+        self.backbone = Backbone(
+            runtime_config(cfg),
+            numerics=numerics,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            cache_format=cache_format,
+        )
         self.runtime = AttentionRuntime()
         self.hasher = hasher
         self.tokenizer, self.tokenizer_meta = tokenizer, dict(tokenizer_meta or {})
@@ -433,8 +520,10 @@ class Model:
         """A DSpark draft (`dspark.DraftBlock`) after the sequence's last position, starting from
         `token_id`, the target's next token (not yet fed): greedy, or sampled at `temperature`."""
         if self.draft_stack is None:
-            raise ValueError("this model has no draft stack: the checkpoint has no mtp.* stages, its "
-                             "dspark_block_size is 0, or it was loaded with dspark=False")
+            raise ValueError(
+                "this model has no draft stack: the checkpoint has no mtp.* stages, its "
+                "dspark_block_size is 0, or it was loaded with dspark=False"
+            )
         if self.position == 0:
             raise ValueError("a draft continues a sequence: run the model on a prompt first")
         if isinstance(token_id, torch.Tensor) and token_id.numel() == 1 and not token_id.dtype.is_floating_point:
@@ -497,13 +586,16 @@ class Model:
         # an observer that called back in would run a second forward over caches the first is
         # half-way through writing
         if self._in_forward:
-            raise ReentrantCallError(f"{verb} was called from an observer inside this model's own forward, and "
-                                     f"re-entrancy is refused; record what you need in the observer and call the "
-                                     f"model after its call returns")
+            raise ReentrantCallError(
+                f"{verb} was called from an observer inside this model's own forward, and "
+                f"re-entrancy is refused; record what you need in the observer and call the "
+                f"model after its call returns"
+            )
 
     @_any_grad_mode
-    def __call__(self, input_ids, start_pos: int = 0, *, trace=None, image_mask=None,
-                 all_positions: bool = False) -> torch.Tensor:
+    def __call__(
+        self, input_ids, start_pos: int = 0, *, trace=None, image_mask=None, all_positions: bool = False
+    ) -> torch.Tensor:
         self._refuse_inside_forward("model(...)")
         prompt = input_ids if isinstance(input_ids, Prompt) else None  # ids with image spans (Model.prepare)
         if prompt is not None:
@@ -519,19 +611,27 @@ class Model:
         if not is_whole(start_pos):
             raise ValueError(f"start_pos must be a whole number, got {start_pos!r}")
         if start_pos != 0 and start_pos != self.position:
-            raise ValueError(f"start_pos {start_pos}, but this sequence has {self.position} positions; continue "
-                             f"at {self.position} or start again at 0")
+            raise ValueError(
+                f"start_pos {start_pos}, but this sequence has {self.position} positions; continue "
+                f"at {self.position} or start again at 0"
+            )
         if start_pos + seqlen > self.max_seq_len:
-            raise ValueError(f"positions {start_pos} to {start_pos + seqlen - 1} exceed max_seq_len "
-                             f"{self.max_seq_len}; load with a larger max_seq_len")
+            raise ValueError(
+                f"positions {start_pos} to {start_pos + seqlen - 1} exceed max_seq_len "
+                f"{self.max_seq_len}; load with a larger max_seq_len"
+            )
         if bsz > self.backbone.max_batch_size or (start_pos and bsz != self.token_ids.size(0)):
-            raise ValueError(f"a batch of {bsz} sequences, but the caches hold {self.backbone.max_batch_size}"
-                             + (f" and this sequence has {self.token_ids.size(0)}" if start_pos else ""))
+            raise ValueError(
+                f"a batch of {bsz} sequences, but the caches hold {self.backbone.max_batch_size}"
+                + (f" and this sequence has {self.token_ids.size(0)}" if start_pos else "")
+            )
         if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
         if trace is not None and not isinstance(trace, Trace):
-            raise TypeError(f"trace must be a dsv41.trace.Trace (a ForwardTrace records the whole forward), "
-                            f"got {type(trace).__name__}")
+            raise TypeError(
+                f"trace must be a dsv41.trace.Trace (a ForwardTrace records the whole forward), "
+                f"got {type(trace).__name__}"
+            )
         if start_pos == 0:
             self.reset()
             self.token_ids = torch.zeros(bsz, 0, dtype=torch.long)
@@ -546,8 +646,15 @@ class Model:
                 counters.begin_step(start_pos, seqlen)
             # a trace is one more set of observers, subscribed for this call
             with trace.recording(self.sites, start_pos) if trace is not None else nullcontext(), self._forward():
-                logits = self.backbone(ids, start_pos, self.runtime, hash_ids, image_mask, all_positions,
-                                       images=prompt.images if prompt is not None else ())
+                logits = self.backbone(
+                    ids,
+                    start_pos,
+                    self.runtime,
+                    hash_ids,
+                    image_mask,
+                    all_positions,
+                    images=prompt.images if prompt is not None else (),
+                )
             if self.draft_stack is not None:
                 self.draft_stack.feed(self.backbone.main_hidden, start_pos)
         except BaseException:
@@ -629,9 +736,13 @@ class Model:
     def encode_images(self, prompt: Prompt) -> Prompt:
         """The same prompt with every image's aligner rows computed (the ViT and aligner run here,
         once, rather than inside the forward that first reaches the span)."""
-        return replace(prompt, images=tuple(image if image.features is not None else
-                                            replace(image, features=self.backbone.encode_image(image))
-                                            for image in prompt.images))
+        return replace(
+            prompt,
+            images=tuple(
+                image if image.features is not None else replace(image, features=self.backbone.encode_image(image))
+                for image in prompt.images
+            ),
+        )
 
     # ------------------------------------------------------------------ generation (dsv41.generate)
     def prefill(self, prompt_ids, **kw):

@@ -33,8 +33,9 @@ def expert_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
     raise ValueError(f"unknown score_func {score_func!r}")
 
 
-def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, norm_topk_prob: bool,
-          route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    scores: torch.Tensor, bias: torch.Tensor, topk: int, norm_topk_prob: bool, route_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [n, E] float32 -> (weights [n, k] float32, expert ids [n, k] int64).
 
     The bias only chooses which experts run; the weights are the unbiased scores of the chosen
@@ -72,9 +73,15 @@ class RoutedExperts:
         selected = torch.unique(expert_ids).tolist()  # sorted ascending: each expert fetched once per call
         # the experts a store holds are computed while it reads the rest (`SlotCache`; the other
         # stores hand every expert in one batch)
-        y = routed_experts(x, expert_ids, weights.float(), None, self.swiglu_limit,
-                           batch_invariant=self.batch_invariant,
-                           batches=self.store.stream(self.layer, selected, ahead=self._guess(x)))
+        y = routed_experts(
+            x,
+            expert_ids,
+            weights.float(),
+            None,
+            self.swiglu_limit,
+            batch_invariant=self.batch_invariant,
+            batches=self.store.stream(self.layer, selected, ahead=self._guess(x)),
+        )
         self.last_fetch = FetchedExperts((), *self.store.last_counts)
         return y
 
@@ -168,8 +175,9 @@ class MoE(nn.Module):
         arguments (the expert-parallel group's `distributed.ExpertParallelExperts`); `shared`, a
         function [n, dim] -> [n, dim], computes the shared expert instead of `shared_experts` (a
         benchmark's other form of it)."""
-        self.experts = (routed or RoutedExperts)(self.layer, store, self.swiglu_limit,
-                                                 batch_invariant=self.numerics.pad_f32_rows)
+        self.experts = (routed or RoutedExperts)(
+            self.layer, store, self.swiglu_limit, batch_invariant=self.numerics.pad_f32_rows
+        )
         self.shared_forward = shared
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -182,13 +190,25 @@ class MoE(nn.Module):
         if gate_site:
             gate_site.exit((weights, ids))
         routed, shared = site(self, "routed"), site(self, "shared")
-        y = routed.around(self.experts.forward, flat, ids, weights) if routed else \
-            self.experts.forward(flat, ids, weights)  # [n, dim] float32
+        y = (
+            routed.around(self.experts.forward, flat, ids, weights)
+            if routed
+            else self.experts.forward(flat, ids, weights)
+        )  # [n, dim] float32
         shared_forward = self.shared_forward or self.shared_experts
         y = y + (shared.around(shared_forward, flat) if shared else shared_forward(flat))
         out = y.to(x.dtype).reshape(shape)
         own = site(self, "")
         if own:
-            own.exit(out, {"ids": ids, "weights": weights, "x": x, "image_mask": image_mask, "gate": self.gate,
-                           "experts": self.experts})
+            own.exit(
+                out,
+                {
+                    "ids": ids,
+                    "weights": weights,
+                    "x": x,
+                    "image_mask": image_mask,
+                    "gate": self.gate,
+                    "experts": self.experts,
+                },
+            )
         return out

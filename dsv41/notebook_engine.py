@@ -166,10 +166,16 @@ class Client(PapermillNotebookClient):
 
 class Engine(NBClientEngine):
     @classmethod
-    def execute_notebook(cls, nb, kernel_name, output_path=None, progress_bar=True, log_output=False,
-                         autosave_cell_every=30, **kwargs):
-        nb_man = Manager(nb, output_path=output_path, progress_bar=progress_bar, log_output=log_output,
-                         autosave_cell_every=autosave_cell_every)
+    def execute_notebook(
+        cls, nb, kernel_name, output_path=None, progress_bar=True, log_output=False, autosave_cell_every=30, **kwargs
+    ):
+        nb_man = Manager(
+            nb,
+            output_path=output_path,
+            progress_bar=progress_bar,
+            log_output=log_output,
+            autosave_cell_every=autosave_cell_every,
+        )
         nb_man.notebook_start()
         try:
             cls.execute_managed_notebook(nb_man, kernel_name, log_output=log_output, **kwargs)
@@ -182,15 +188,30 @@ class Engine(NBClientEngine):
         return nb_man.nb
 
     @classmethod
-    def execute_managed_notebook(cls, nb_man, kernel_name, log_output=False, stdout_file=None,
-                                 stderr_file=None, start_timeout=60, execution_timeout=None, **kwargs):
+    def execute_managed_notebook(
+        cls,
+        nb_man,
+        kernel_name,
+        log_output=False,
+        stdout_file=None,
+        stderr_file=None,
+        start_timeout=60,
+        execution_timeout=None,
+        **kwargs,
+    ):
         # NBClientEngine's, with this module's client and its quiet log
         kwargs = remove_args(["input_path"], **kwargs)
         safe_kwargs = remove_args(["timeout", "startup_timeout"], **kwargs)
         final_kwargs = merge_kwargs(
-            safe_kwargs, timeout=execution_timeout if execution_timeout else kwargs.get("timeout"),
-            startup_timeout=start_timeout, kernel_name=kernel_name, log=_CLIENT_LOG,
-            log_output=log_output, stdout_file=stdout_file, stderr_file=stderr_file)
+            safe_kwargs,
+            timeout=execution_timeout if execution_timeout else kwargs.get("timeout"),
+            startup_timeout=start_timeout,
+            kernel_name=kernel_name,
+            log=_CLIENT_LOG,
+            log_output=log_output,
+            stdout_file=stdout_file,
+            stderr_file=stderr_file,
+        )
         return Client(nb_man, **final_kwargs).execute()
 
 

@@ -57,8 +57,11 @@ class SignalState:
             return
         if self.raised:
             # os.write, not print: a handler may run in the middle of a print to stderr
-            os.write(2, f"dsv41 notebooks: {signal.Signals(signum).name} again; already stopping, "
-                        f"writing {SUMMARY_NAME}\n".encode())
+            os.write(
+                2,
+                f"dsv41 notebooks: {signal.Signals(signum).name} again; already stopping, "
+                f"writing {SUMMARY_NAME}\n".encode(),
+            )
             return
         if self.depth:
             self.pending = signum

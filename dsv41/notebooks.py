@@ -34,8 +34,16 @@ from typing import Any, Iterator
 
 from dsv41.argtypes import memory_size, whole_number
 from dsv41.errors import Dsv41Error
-from dsv41.notebook_signals import (FAILED, INTERRUPTED, RUNNING, SIGNALS, SUMMARY_NAME, RunInterrupted, as_interrupt,
-                                    stop_on_signals)
+from dsv41.notebook_signals import (
+    FAILED,
+    INTERRUPTED,
+    RUNNING,
+    SIGNALS,
+    SUMMARY_NAME,
+    RunInterrupted,
+    as_interrupt,
+    stop_on_signals,
+)
 from dsv41.outdir import creation_refused
 
 NOTEBOOK_PATTERN = re.compile(r"^\d\d_[A-Za-z0-9_\-]+\.ipynb$")
@@ -76,8 +84,10 @@ def find_notebooks(directory: str | os.PathLike, only: list[str] | None = None) 
     if only is None:
         return found
     if not only:
-        raise NotebookRunError(f"--only names no notebook (nothing between its commas); name one or more of "
-                               f"{', '.join(p.stem for p in found)}, or a number prefix such as 01")
+        raise NotebookRunError(
+            f"--only names no notebook (nothing between its commas); name one or more of "
+            f"{', '.join(p.stem for p in found)}, or a number prefix such as 01"
+        )
     chosen, unknown = [], []
     for name in only:
         name = name.strip().removesuffix(".ipynb")
@@ -86,8 +96,9 @@ def find_notebooks(directory: str | os.PathLike, only: list[str] | None = None) 
             unknown.append(name)
         chosen += [p for p in hits if p not in chosen]
     if unknown:
-        raise NotebookRunError(f"--only {', '.join(unknown)}: no such notebook; there are "
-                               f"{', '.join(p.stem for p in found)}")
+        raise NotebookRunError(
+            f"--only {', '.join(unknown)}: no such notebook; there are {', '.join(p.stem for p in found)}"
+        )
     return sorted(chosen)
 
 
@@ -98,8 +109,7 @@ def parameters_cell_problem(path: Path) -> str | None:
     nb = nbformat.read(str(path), as_version=4)
     tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.get("metadata", {}).get("tags", [])]
     if len(tagged) != 1:
-        return (f"{path.name}: {len(tagged)} cells tagged 'parameters' (cells {tagged}); "
-                f"a notebook needs exactly one")
+        return f"{path.name}: {len(tagged)} cells tagged 'parameters' (cells {tagged}); a notebook needs exactly one"
     return None
 
 
@@ -121,8 +131,9 @@ def _folder_problem(flag: str, path: Path, exc: OSError) -> NotebookRunError:
 
 
 def _unwritable(flag: str, path: Path, reason: str) -> NotebookRunError:
-    return NotebookRunError(f"{flag} {path}: cannot write into this folder ({reason}); choose a writable folder",
-                            exit_code=1)
+    return NotebookRunError(
+        f"{flag} {path}: cannot write into this folder ({reason}); choose a writable folder", exit_code=1
+    )
 
 
 def new_run_dir(root: str | os.PathLike, flag: str = "--outputs-root") -> Path:
@@ -154,12 +165,16 @@ def claim_out_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     """Create `path` for a run; refuse one that already holds anything (an earlier run)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise NotebookRunError(f"{flag} {path}: is a file, not a folder; choose a folder path that does "
-                               f"not exist yet, or leave --out out for run-NNN")
+        raise NotebookRunError(
+            f"{flag} {path}: is a file, not a folder; choose a folder path that does "
+            f"not exist yet, or leave --out out for run-NNN"
+        )
     try:
         if path.is_dir() and any(path.iterdir()):
-            raise NotebookRunError(f"{flag} {path}: already exists and is not an empty folder; an earlier "
-                                   f"run is never overwritten; choose another --out or leave it out for run-NNN")
+            raise NotebookRunError(
+                f"{flag} {path}: already exists and is not an empty folder; an earlier "
+                f"run is never overwritten; choose another --out or leave it out for run-NNN"
+            )
         created = not path.exists()
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -180,8 +195,10 @@ def check_kernel() -> None:
     import importlib.util
 
     if importlib.util.find_spec("ipykernel") is None:
-        raise NotebookRunError(f"ipykernel is not installed for {sys.executable}; "
-                               f"`pip install -e .` installs it (or `pip install ipykernel`)")
+        raise NotebookRunError(
+            f"ipykernel is not installed for {sys.executable}; "
+            f"`pip install -e .` installs it (or `pip install ipykernel`)"
+        )
 
 
 @contextlib.contextmanager
@@ -192,12 +209,24 @@ def kernel_environment(extra_env: dict[str, str] | None = None) -> Iterator[None
         spec_dir = Path(tmp) / "kernels" / KERNEL_NAME
         spec_dir.mkdir(parents=True)
         # log level ERROR: the kernel's start-up warnings would interleave with the progress lines
-        spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
-                         "--IPKernelApp.log_level=ERROR"],
-                "display_name": "Python 3 (ipykernel)", "language": "python"}
+        spec = {
+            "argv": [
+                sys.executable,
+                "-m",
+                "ipykernel_launcher",
+                "-f",
+                "{connection_file}",
+                "--IPKernelApp.log_level=ERROR",
+            ],
+            "display_name": "Python 3 (ipykernel)",
+            "language": "python",
+        }
         (spec_dir / "kernel.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
-        env = {"JUPYTER_PATH": os.pathsep.join([tmp] + [p for p in [os.environ.get("JUPYTER_PATH")] if p]),
-               "DSV41_HEADLESS": "1", **(extra_env or {})}
+        env = {
+            "JUPYTER_PATH": os.pathsep.join([tmp] + [p for p in [os.environ.get("JUPYTER_PATH")] if p]),
+            "DSV41_HEADLESS": "1",
+            **(extra_env or {}),
+        }
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -264,8 +293,7 @@ def _locate_failure(executed_path: Path, fallback_index: int | None) -> tuple[in
     index = next((statuses.index(s) for s in (FAILED, INTERRUPTED, RUNNING) if s in statuses), None)
     if index is None:
         return None, fallback_index, None
-    added_before = sum(1 for c in nb.cells[:index]
-                       if set(c.get("metadata", {}).get("tags", [])) & set(_PAPERMILL_TAGS))
+    added_before = sum(1 for c in nb.cells[:index] if set(c.get("metadata", {}).get("tags", [])) & set(_PAPERMILL_TAGS))
     return index - added_before, index, _first_line(nb.cells[index].source)
 
 
@@ -273,8 +301,9 @@ def _files_under(directory: Path) -> set[str]:
     return {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()}
 
 
-def run_notebook(path: Path, run_dir: Path, parameters: dict[str, Any],
-                 cell_timeout: int | None = None) -> NotebookResult:
+def run_notebook(
+    path: Path, run_dir: Path, parameters: dict[str, Any], cell_timeout: int | None = None
+) -> NotebookResult:
     """Execute one notebook into `run_dir`; never raises for a notebook's own failure.
 
     A signal (KeyboardInterrupt) is re-raised as RunInterrupted carrying `.result`, this notebook's
@@ -298,21 +327,32 @@ def run_notebook(path: Path, run_dir: Path, parameters: dict[str, Any],
         own = {name: value for name, value in parameters.items() if name in declared}
         try:
             papermill.execute_notebook(
-                str(path), str(executed), parameters=own, kernel_name=KERNEL_NAME, language="python",
-                progress_bar=False, log_output=False, cwd=str(path.parent), start_timeout=120,
-                execution_timeout=cell_timeout, engine_name=_engine())
+                str(path),
+                str(executed),
+                parameters=own,
+                kernel_name=KERNEL_NAME,
+                language="python",
+                progress_bar=False,
+                log_output=False,
+                cwd=str(path.parent),
+                start_timeout=120,
+                execution_timeout=cell_timeout,
+                engine_name=_engine(),
+            )
             result.status = "ok"
         except PapermillExecutionError as exc:
             result.status = "failed"
             result.error = f"{exc.ename}: {_first_line(exc.evalue)}" if exc.evalue else exc.ename
-            (result.failed_cell, result.failed_cell_executed,
-             result.failed_cell_source) = _locate_failure(executed, exc.cell_index)
+            (result.failed_cell, result.failed_cell_executed, result.failed_cell_source) = _locate_failure(
+                executed, exc.cell_index
+            )
         except Exception as exc:  # timeouts, a dead kernel, an unreadable notebook
             result.status = "failed"
             result.error = f"{type(exc).__name__}: {_first_line(str(exc))}"
             if executed.exists():
-                (result.failed_cell, result.failed_cell_executed,
-                 result.failed_cell_source) = _locate_failure(executed, None)
+                (result.failed_cell, result.failed_cell_executed, result.failed_cell_source) = _locate_failure(
+                    executed, None
+                )
         result.duration_s = round(time.perf_counter() - start, 2)
         result.outputs = sorted(_files_under(run_dir) - before - {path.name})
         return result
@@ -320,8 +360,9 @@ def run_notebook(path: Path, run_dir: Path, parameters: dict[str, Any],
         stop = as_interrupt(exc)
         result.status, result.error = "interrupted", f"interrupted by {stop.signal_name}"
         if executed.exists():
-            (result.failed_cell, result.failed_cell_executed,
-             result.failed_cell_source) = _locate_failure(executed, None)
+            (result.failed_cell, result.failed_cell_executed, result.failed_cell_source) = _locate_failure(
+                executed, None
+            )
         else:
             result.executed = None
         result.duration_s = round(time.perf_counter() - start, 2)
@@ -339,12 +380,21 @@ def _progress_line(tag: str, result: NotebookResult) -> str:
     return f"{tag} {verdict}{where}{code} after {result.duration_s:.1f} s: {result.error}"
 
 
-def _summary(run_dir: Path, notebooks: list[Path], parameters: dict[str, Any], results: list[NotebookResult],
-             duration_s: float, stop: RunInterrupted | None = None) -> dict[str, Any]:
+def _summary(
+    run_dir: Path,
+    notebooks: list[Path],
+    parameters: dict[str, Any],
+    results: list[NotebookResult],
+    duration_s: float,
+    stop: RunInterrupted | None = None,
+) -> dict[str, Any]:
     """summary.json's content; after a stop, the notebooks without a result are "not run"."""
     done = {r.source for r in results}
-    entries = results + [NotebookResult(name=p.stem, source=str(p), executed=None, status="not run")
-                         for p in notebooks if str(p) not in done]
+    entries = results + [
+        NotebookResult(name=p.stem, source=str(p), executed=None, status="not run")
+        for p in notebooks
+        if str(p) not in done
+    ]
     stopped = next((r for r in results if r.status == "interrupted"), None)
     failed = sum(r.status == "failed" for r in entries)
     return {
@@ -353,7 +403,9 @@ def _summary(run_dir: Path, notebooks: list[Path], parameters: dict[str, Any], r
         "notebooks_dir": str(notebooks[0].parent.resolve()) if notebooks else None,
         "parameters": parameters,
         "status": "interrupted" if stop is not None else "failed" if failed else "ok",
-        "interrupted": None if stop is None else {
+        "interrupted": None
+        if stop is None
+        else {
             "signal": stop.signal_name,
             "notebook": stopped.name if stopped else None,  # None: it stopped between notebooks
             "cell": stopped.failed_cell if stopped else None,
@@ -384,12 +436,16 @@ def _write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         print(json.dumps(summary, indent=2), flush=True)
-        raise NotebookRunError(f"{run_dir / SUMMARY_NAME}: cannot be written ({exc.strerror or exc}); the summary "
-                               f"is printed on stdout instead", exit_code=1) from None
+        raise NotebookRunError(
+            f"{run_dir / SUMMARY_NAME}: cannot be written ({exc.strerror or exc}); the summary "
+            f"is printed on stdout instead",
+            exit_code=1,
+        ) from None
 
 
-def run_notebooks(notebooks: list[Path], run_dir: Path, parameters: dict[str, Any],
-                  cell_timeout: int | None = None, progress=None) -> dict[str, Any]:
+def run_notebooks(
+    notebooks: list[Path], run_dir: Path, parameters: dict[str, Any], cell_timeout: int | None = None, progress=None
+) -> dict[str, Any]:
     """Execute `notebooks` in order into `run_dir` and write `summary.json`; returns the summary.
     A progress line per notebook goes to `progress` (default: stderr).
 
@@ -451,28 +507,56 @@ def parse_value(name: str, text: str) -> Any:
 
 
 def cli_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dsv41 notebooks", description=(
-        "Execute every numbered notebook (NN_*.ipynb) with papermill into a new run folder "
-        "(outputs/run-NNN, never overwritten): executed notebooks, figures, JSON sidecars and "
-        "summary.json. Defaults run on the embedded miniature. SIGINT or SIGTERM stops the run "
-        "and still writes summary.json (status interrupted); the exit code is then 130 or 143."))
+    parser = argparse.ArgumentParser(
+        prog="dsv41 notebooks",
+        description=(
+            "Execute every numbered notebook (NN_*.ipynb) with papermill into a new run folder "
+            "(outputs/run-NNN, never overwritten): executed notebooks, figures, JSON sidecars and "
+            "summary.json. Defaults run on the embedded miniature. SIGINT or SIGTERM stops the run "
+            "and still writes summary.json (status interrupted); the exit code is then 130 or 143."
+        ),
+    )
     parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded miniature)")
-    parser.add_argument("--out", metavar="DIR", help="run folder to create (must not exist or be empty); default outputs/run-NNN")
-    parser.add_argument("--outputs-root", metavar="DIR", default="outputs", help="where run-NNN folders go (default: ./outputs)")
+    parser.add_argument(
+        "--out", metavar="DIR", help="run folder to create (must not exist or be empty); default outputs/run-NNN"
+    )
+    parser.add_argument(
+        "--outputs-root", metavar="DIR", default="outputs", help="where run-NNN folders go (default: ./outputs)"
+    )
     parser.add_argument("--notebooks", metavar="DIR", help="notebooks folder (default: the repository's notebooks/)")
-    parser.add_argument("--only", metavar="NAMES", action="append", default=[],
-                        help="comma-separated notebook names or number prefixes, e.g. 01,02_engram_hashing")
-    parser.add_argument("-p", "--parameter", nargs=2, metavar=("NAME", "VALUE"), action="append", default=[],
-                        help="pass a parameter to every notebook; VALUE is read as JSON (or Python's True, False, "
-                             "None) when it parses, else as text; checkpoint, prompt and device are always text, "
-                             "smoke must be true or false")
-    parser.add_argument("--memory", type=memory_size, metavar="SIZE",
-                        help="a memory budget for every model the notebooks load, e.g. 20GiB (the `memory` "
-                             "parameter: routed experts read from disk into a pool that size); the way to run the "
-                             "notebooks on the released checkpoint on a 24-32 GB machine")
-    parser.add_argument("--cell-timeout", type=whole_number(1, MAX_CELL_TIMEOUT_S, "seconds"), metavar="SECONDS",
-                        help=f"fail a cell that runs longer than this: a whole number of seconds from 1 to "
-                             f"{MAX_CELL_TIMEOUT_S} (default: no limit)")
+    parser.add_argument(
+        "--only",
+        metavar="NAMES",
+        action="append",
+        default=[],
+        help="comma-separated notebook names or number prefixes, e.g. 01,02_engram_hashing",
+    )
+    parser.add_argument(
+        "-p",
+        "--parameter",
+        nargs=2,
+        metavar=("NAME", "VALUE"),
+        action="append",
+        default=[],
+        help="pass a parameter to every notebook; VALUE is read as JSON (or Python's True, False, "
+        "None) when it parses, else as text; checkpoint, prompt and device are always text, "
+        "smoke must be true or false",
+    )
+    parser.add_argument(
+        "--memory",
+        type=memory_size,
+        metavar="SIZE",
+        help="a memory budget for every model the notebooks load, e.g. 20GiB (the `memory` "
+        "parameter: routed experts read from disk into a pool that size); the way to run the "
+        "notebooks on the released checkpoint on a 24-32 GB machine",
+    )
+    parser.add_argument(
+        "--cell-timeout",
+        type=whole_number(1, MAX_CELL_TIMEOUT_S, "seconds"),
+        metavar="SECONDS",
+        help=f"fail a cell that runs longer than this: a whole number of seconds from 1 to "
+        f"{MAX_CELL_TIMEOUT_S} (default: no limit)",
+    )
     args = parser.parse_args(argv)
 
     run_dir: Path | None = None
@@ -495,8 +579,10 @@ def cli_main(argv: list[str]) -> int:
             declared = set().union(*(declared_parameters(p) for p in notebooks))
             unknown = sorted(set(parameters) - declared)
             if unknown:
-                raise NotebookRunError(f"-p {', '.join(unknown)}: no notebook declares this parameter; "
-                                       f"they declare {', '.join(sorted(declared))}")
+                raise NotebookRunError(
+                    f"-p {', '.join(unknown)}: no notebook declares this parameter; "
+                    f"they declare {', '.join(sorted(declared))}"
+                )
             check_kernel()  # before a run folder exists
             run_dir = claim_out_dir(args.out) if args.out else new_run_dir(args.outputs_root)
             summary = run_notebooks(notebooks, run_dir, parameters, args.cell_timeout)
@@ -511,8 +597,10 @@ def cli_main(argv: list[str]) -> int:
                 print(f"dsv41 notebooks: {problem}", file=sys.stderr)
                 return problem.exit_code
         verdict = "all ok" if summary["ok"] else f"{summary['n_failed']} failed"
-        print(f"{summary['run_dir']}: {summary['n_ok']}/{len(summary['notebooks'])} notebooks ok ({verdict}); "
-              f"summary in {SUMMARY_NAME}")
+        print(
+            f"{summary['run_dir']}: {summary['n_ok']}/{len(summary['notebooks'])} notebooks ok ({verdict}); "
+            f"summary in {SUMMARY_NAME}"
+        )
     return 0 if summary["ok"] else 1
 
 
@@ -528,8 +616,10 @@ def _report_interrupt(stop: RunInterrupted, run_dir: Path | None, notebooks: lis
             summary = _summary(run_dir.resolve(), notebooks, {}, [], 0.0, stop)
             _write_summary(run_dir, summary)
     if summary is None:
-        print(f"dsv41 notebooks: interrupted by {stop.signal_name} before any notebook ran; "
-              f"no run folder was created", file=sys.stderr)
+        print(
+            f"dsv41 notebooks: interrupted by {stop.signal_name} before any notebook ran; no run folder was created",
+            file=sys.stderr,
+        )
         return stop.exit_code
     where = summary.get("interrupted")
     if where and where["notebook"]:
@@ -537,7 +627,10 @@ def _report_interrupt(stop: RunInterrupted, run_dir: Path | None, notebooks: lis
         at = f" while running {where['notebook']}{cell}"
     else:
         at = " between notebooks" if where else " after the last notebook"
-    print(f"dsv41 notebooks: interrupted by {stop.signal_name}{at}; {summary['n_ok']} of "
-          f"{len(summary['notebooks'])} notebooks finished ok; summary in "
-          f"{Path(summary['run_dir']) / SUMMARY_NAME}", file=sys.stderr)
+    print(
+        f"dsv41 notebooks: interrupted by {stop.signal_name}{at}; {summary['n_ok']} of "
+        f"{len(summary['notebooks'])} notebooks finished ok; summary in "
+        f"{Path(summary['run_dir']) / SUMMARY_NAME}",
+        file=sys.stderr,
+    )
     return stop.exit_code

@@ -45,8 +45,9 @@ class Numerics:
 
     def __post_init__(self):
         if self.window_layout not in WINDOW_LAYOUTS:
-            raise ValueError(f"window_layout must be one of {', '.join(map(repr, WINDOW_LAYOUTS))}, "
-                             f"got {self.window_layout!r}")
+            raise ValueError(
+                f"window_layout must be one of {', '.join(map(repr, WINDOW_LAYOUTS))}, got {self.window_layout!r}"
+            )
         if self.tie_break not in TIE_BREAKS:
             raise ValueError(f"tie_break must be one of {', '.join(map(repr, TIE_BREAKS))}, got {self.tie_break!r}")
         for name in ("fix_stale_index_keys", "pad_f32_rows"):
@@ -59,7 +60,7 @@ class Numerics:
 
     @classmethod
     def named(cls, name: str) -> "Numerics":
-        """"reference" or "parity" (the CLI's --numerics)."""
+        """ "reference" or "parity" (the CLI's --numerics)."""
         presets = {"reference": cls, "parity": cls.parity}
         if name not in presets:
             raise ValueError(f"numerics must be one of {', '.join(map(repr, presets))}, got {name!r}")

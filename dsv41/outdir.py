@@ -74,8 +74,9 @@ def read_marker(folder: Path, marker: str, fmt: str) -> dict | None:
     return found if isinstance(found, dict) and found.get("format") == fmt else None
 
 
-def inspect_folder(path, *, marker: str, fmt: str, flag: str, command: str,
-                   foreign: Callable[[set[str]], str] | None = None) -> tuple[Path, dict | None]:
+def inspect_folder(
+    path, *, marker: str, fmt: str, flag: str, command: str, foreign: Callable[[set[str]], str] | None = None
+) -> tuple[Path, dict | None]:
     """(the folder at `path` resolved, its marker's contents or None when it is missing or empty)
     when `command` may write there; OutDirError when `usable_folder` refuses it or it holds
     anything without the marker `marker` of format `fmt` (`foreign(names)` may say better what
@@ -87,13 +88,16 @@ def inspect_folder(path, *, marker: str, fmt: str, flag: str, command: str,
     names = set(os.listdir(folder)) if folder.is_dir() else set()
     if names:
         what = (foreign(names) if foreign else "") or f"holds {listing(names)} and is not a folder {command} wrote"
-        raise OutDirError(f"{flag} {path} {what} (no {marker}); {command} writes only into a new or empty folder "
-                          f"or one it wrote itself: give another {flag}")
+        raise OutDirError(
+            f"{flag} {path} {what} (no {marker}); {command} writes only into a new or empty folder "
+            f"or one it wrote itself: give another {flag}"
+        )
     return folder, None
 
 
-def claim_folder(path, *, marker: str, fmt: str, flag: str, command: str,
-                 foreign: Callable[[set[str]], str] | None = None) -> tuple[Path, dict]:
+def claim_folder(
+    path, *, marker: str, fmt: str, flag: str, command: str, foreign: Callable[[set[str]], str] | None = None
+) -> tuple[Path, dict]:
     """The folder at `path` (resolved) made ready for `command` to write in, and its marker's
     contents: as `inspect_folder` allows it, created when missing, and the marker written into it
     when new or empty."""

@@ -11,8 +11,8 @@ Engram layers, the MTP stack) at tiny widths: the same path in well under a GiB,
 
 The config is the released one but for `engram_compressed_vocab_size`, which follows the
 shipped tokenizer (the tiny one at the released vocabulary): 129,138 compressed ids where the
-real tokenizer folds to 99,092. The folder's marker, `dsv41-synthetic.json`, records the options and the shards written so far; a
-folder without it is written into only when empty.
+real tokenizer folds to 99,092. The folder's marker, `dsv41-synthetic.json`, records the options
+and the shards written so far; a folder without it is written into only when empty.
 """
 
 from __future__ import annotations
@@ -36,10 +36,26 @@ MARKER_NAME = "dsv41-synthetic.json"
 MARKER_FORMAT = "dsv41-synthetic-released"
 # the widths of the small variant: the released layer plan at the benchmark's tiny dims, and a
 # two-layer vision tower (32 layers of width 1024 would be most of its bytes)
-SMALL_WIDTHS = dict(dim=128, moe_inter_dim=64, n_heads=4, head_dim=64, rope_head_dim=32, q_lora_rank=64, o_groups=2,
-                    o_lora_rank=32, window_size=8, index_n_heads=2, index_head_dim=32, index_topk=8,
-                    candidate_topk_blocks=4, candidate_block_size=2, engram_n_heads=2, engram_head_dim=32,
-                    dspark_markov_rank=32, vision_n_layers=2)
+SMALL_WIDTHS = dict(
+    dim=128,
+    moe_inter_dim=64,
+    n_heads=4,
+    head_dim=64,
+    rope_head_dim=32,
+    q_lora_rank=64,
+    o_groups=2,
+    o_lora_rank=32,
+    window_size=8,
+    index_n_heads=2,
+    index_head_dim=32,
+    index_topk=8,
+    candidate_topk_blocks=4,
+    candidate_block_size=2,
+    engram_n_heads=2,
+    engram_head_dim=32,
+    dspark_markov_rank=32,
+    vision_n_layers=2,
+)
 _SPARSE_PROBE_BYTES = 64 << 20
 _FREE_MARGIN = 1 << 30  # left free beyond what the checkpoint takes
 
@@ -51,7 +67,6 @@ class SyntheticError(Dsv41Error, RuntimeError):
 def released_synthetic_config(small: bool = False):
     """The released config (`config.RELEASED`), or its layer plan at tiny widths (`small`)."""
     from .config import RELEASED
-
     from .engram import build_compressed_token_map
     from .inventory import derived_engram_rows
     from .tokenizer import build_tiny_tokenizer
@@ -116,18 +131,28 @@ def _check_folder(folder: str, options: dict) -> dict:
     """The marker to continue from ({} for a new or empty folder); OutDirError for a path that is
     or runs through a file, refuses new files or holds what make-synthetic did not write, and
     SyntheticError for a folder it wrote with other options."""
-    _, marker = outdir.inspect_folder(folder, marker=MARKER_NAME, fmt=MARKER_FORMAT, flag="make-synthetic",
-                                      command="make-synthetic")
+    _, marker = outdir.inspect_folder(
+        folder, marker=MARKER_NAME, fmt=MARKER_FORMAT, flag="make-synthetic", command="make-synthetic"
+    )
     if marker is None:
         return {}
     if marker.get("options") != options:
-        raise SyntheticError(f"{folder}: holds a synthetic checkpoint written with other options "
-                             f"({json.dumps(marker.get('options'), sort_keys=True)}); give another folder")
+        raise SyntheticError(
+            f"{folder}: holds a synthetic checkpoint written with other options "
+            f"({json.dumps(marker.get('options'), sort_keys=True)}); give another folder"
+        )
     return marker
 
 
-def write_released_synthetic(folder: str, *, small: bool = False, real_expert_layers: Iterable[int] = (),
-                             seed: int = 0, progress: bool = True, log=print) -> dict:
+def write_released_synthetic(
+    folder: str,
+    *,
+    small: bool = False,
+    real_expert_layers: Iterable[int] = (),
+    seed: int = 0,
+    progress: bool = True,
+    log=print,
+) -> dict:
     """Write (or finish, or find already written) the synthetic released checkpoint in `folder`.
     Returns the marker: options, shards written, bytes apparent and on disk, seconds."""
     from tqdm import tqdm
@@ -141,8 +166,9 @@ def write_released_synthetic(folder: str, *, small: bool = False, real_expert_la
     layers = sorted({int(i) for i in real_expert_layers})
     bad = [i for i in layers if not 0 <= i < cfg.n_layers + cfg.n_mtp_layers]
     if bad:
-        raise SyntheticError(f"--real-experts names layer {bad[0]}, but the layers run from 0 to "
-                             f"{cfg.n_layers + cfg.n_mtp_layers - 1}")
+        raise SyntheticError(
+            f"--real-experts names layer {bad[0]}, but the layers run from 0 to {cfg.n_layers + cfg.n_mtp_layers - 1}"
+        )
     options = {"geometry": "small" if small else "released", "real_expert_layers": layers, "seed": seed}
     folder = os.path.abspath(folder)
     marker = _check_folder(folder, options)
@@ -160,24 +186,42 @@ def write_released_synthetic(folder: str, *, small: bool = False, real_expert_la
     left = sum(s.nbytes for s in specs if s.shard not in done and not is_hole(s.name, layers))
     free = shutil.disk_usage(folder).free
     if free < left + _FREE_MARGIN:
-        raise SyntheticError(f"{folder}: needs {(left + _FREE_MARGIN) / 2**30:.1f} GiB free ({left / 2**30:.1f} GiB "
-                             f"to write and 1 GiB to spare), the disk has {free / 2**30:.1f} GiB; free some or give "
-                             "a folder on another disk")
+        raise SyntheticError(
+            f"{folder}: needs {(left + _FREE_MARGIN) / 2**30:.1f} GiB free ({left / 2**30:.1f} GiB "
+            f"to write and 1 GiB to spare), the disk has {free / 2**30:.1f} GiB; free some or give "
+            "a folder on another disk"
+        )
     if not keeps_holes(folder):
-        raise SyntheticError(f"{folder}: its file system does not keep holes in sparse files, so the checkpoint "
-                             f"would take {sizes['apparent'] / 2**30:.0f} GiB of disk; give a folder on ext4, xfs, "
-                             "btrfs or tmpfs")
-    log(f"writing the {options['geometry']} synthetic checkpoint: {len(per_shard)} shards, {sizes['tensors']:,} "
+        raise SyntheticError(
+            f"{folder}: its file system does not keep holes in sparse files, so the checkpoint "
+            f"would take {sizes['apparent'] / 2**30:.0f} GiB of disk; give a folder on ext4, xfs, "
+            "btrfs or tmpfs"
+        )
+    log(
+        f"writing the {options['geometry']} synthetic checkpoint: {len(per_shard)} shards, {sizes['tensors']:,} "
         f"tensors, {sizes['apparent'] / 2**30:.2f} GiB apparent, {sizes['on_disk'] / 2**30:.2f} GiB on disk "
         f"(routed experts{'' if not layers else ' but layers ' + ','.join(map(str, layers))} and Engram tables "
-        "are holes)" + (f"; {len(done)} shards were written by an earlier run" if done else ""))
-    marker = {"format": MARKER_FORMAT, "options": options, "shards_done": sorted(done), "complete": False,
-              "apparent_bytes": sizes["apparent"], "on_disk_bytes": sizes["on_disk"],
-              "seconds": float(marker.get("seconds", 0.0))}
+        "are holes)" + (f"; {len(done)} shards were written by an earlier run" if done else "")
+    )
+    marker = {
+        "format": MARKER_FORMAT,
+        "options": options,
+        "shards_done": sorted(done),
+        "complete": False,
+        "apparent_bytes": sizes["apparent"],
+        "on_disk_bytes": sizes["on_disk"],
+        "seconds": float(marker.get("seconds", 0.0)),
+    }
     outdir.write_json(os.path.join(folder, MARKER_NAME), marker)
     began = time.perf_counter()
-    with tqdm(total=len(per_shard), initial=len(done), desc="make-synthetic", unit="shard", file=sys.stderr,
-              disable=not progress) as bar:
+    with tqdm(
+        total=len(per_shard),
+        initial=len(done),
+        desc="make-synthetic",
+        unit="shard",
+        file=sys.stderr,
+        disable=not progress,
+    ) as bar:
         for index, (shard, shard_specs) in enumerate(per_shard.items()):
             if shard in done:
                 continue
@@ -243,31 +287,51 @@ def _layer_list(text: str) -> list[int]:
 
 
 def cli_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dsv41 make-synthetic", description=(
-        "Write a checkpoint of the whole released geometry in the exact release layout (48 shards, 96,085 "
-        "tensors, 475 GiB apparent) that takes about 11 GiB of disk: dense tensors random and plausibly scaled, "
-        "routed experts and Engram tables as holes in sparse files (they read back as zeros). Run again on the "
-        "same folder, it finishes an interrupted write or reuses a finished one."))
+    parser = argparse.ArgumentParser(
+        prog="dsv41 make-synthetic",
+        description=(
+            "Write a checkpoint of the whole released geometry in the exact release layout (48 shards, 96,085 "
+            "tensors, 475 GiB apparent) that takes about 11 GiB of disk: dense tensors random and plausibly scaled, "
+            "routed experts and Engram tables as holes in sparse files (they read back as zeros). Run again on the "
+            "same folder, it finishes an interrupted write or reuses a finished one."
+        ),
+    )
     parser.add_argument("out_dir", metavar="OUT_DIR", help="folder to write: new, empty, or one make-synthetic wrote")
-    parser.add_argument("--real-experts", type=_layer_list, default=[], metavar="LAYERS",
-                        help="give these layers' routed experts random bytes on disk (e.g. 3,4: 6.9 GiB each), "
-                             "so reads of them can be measured")
-    parser.add_argument("--small", action="store_true",
-                        help="the released layer plan at tiny widths (under 0.2 GiB on disk), for tests")
+    parser.add_argument(
+        "--real-experts",
+        type=_layer_list,
+        default=[],
+        metavar="LAYERS",
+        help="give these layers' routed experts random bytes on disk (e.g. 3,4: 6.9 GiB each), "
+        "so reads of them can be measured",
+    )
+    parser.add_argument(
+        "--small", action="store_true", help="the released layer plan at tiny widths (under 0.2 GiB on disk), for tests"
+    )
     parser.add_argument("--seed", type=int, default=0, help="value seed (default 0)")
     args = parser.parse_args(argv)
     if not 0 <= args.seed < 2**31:
         parser.error(f"--seed must be a whole number from 0 to {2**31 - 1:,}")
     try:
-        marker = write_released_synthetic(args.out_dir, small=args.small, real_expert_layers=args.real_experts,
-                                          seed=args.seed, progress=sys.stderr.isatty())
+        marker = write_released_synthetic(
+            args.out_dir,
+            small=args.small,
+            real_expert_layers=args.real_experts,
+            seed=args.seed,
+            progress=sys.stderr.isatty(),
+        )
     except Dsv41Error as exc:
         print(f"dsv41 make-synthetic: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
-        print(f"dsv41 make-synthetic: cannot write {exc.filename or args.out_dir} ({exc.strerror}); run it again "
-              "to finish, or give another folder", file=sys.stderr)
+        print(
+            f"dsv41 make-synthetic: cannot write {exc.filename or args.out_dir} ({exc.strerror}); run it again "
+            "to finish, or give another folder",
+            file=sys.stderr,
+        )
         return 1
-    print(f"{os.path.abspath(args.out_dir)}: {marker['apparent_bytes'] / 2**30:.2f} GiB apparent, "
-          f"{marker['on_disk_bytes'] / 2**30:.2f} GiB on disk, written in {marker['seconds']:.0f} s")
+    print(
+        f"{os.path.abspath(args.out_dir)}: {marker['apparent_bytes'] / 2**30:.2f} GiB apparent, "
+        f"{marker['on_disk_bytes'] / 2**30:.2f} GiB on disk, written in {marker['seconds']:.0f} s"
+    )
     return 0

@@ -22,8 +22,12 @@ from .inventory import DTYPE_SIZES, expected_tensors
 from .layers import activation_dtype
 
 LOADED, ROUTED, ENGRAM, MTP, UNEXPECTED = (
-    "loaded", "routed experts (read on demand)", "Engram tables (rows gathered on demand)",
-    "MTP / DSpark (not run)", "unexpected")
+    "loaded",
+    "routed experts (read on demand)",
+    "Engram tables (rows gathered on demand)",
+    "MTP / DSpark (not run)",
+    "unexpected",
+)
 ON_DISK = (ROUTED, ENGRAM, MTP)
 
 
@@ -77,8 +81,13 @@ def predict_retained_bytes(cfg: Config) -> dict:
         total += nbytes
         count += 1
         by_category[spec.category] = by_category.get(spec.category, 0) + nbytes
-    return {"bytes": total, "tensors": count, "by_category": by_category, "on_disk_bytes": on_disk,
-            "draft_bytes": predict_draft_bytes(cfg)}
+    return {
+        "bytes": total,
+        "tensors": count,
+        "by_category": by_category,
+        "on_disk_bytes": on_disk,
+        "draft_bytes": predict_draft_bytes(cfg),
+    }
 
 
 def predict_draft_bytes(cfg: Config) -> int:
@@ -152,13 +161,14 @@ class LoadReport:
         return self.names(UNEXPECTED)
 
     def summary(self) -> str:
-        gib = 2 ** 30
-        lines = [f"{self.checkpoint}: {self.parameters_filled} parameters filled from {self.tensors_read} "
-                 f"tensors ({self.bytes_read / gib:.3f} GiB read) in {self.seconds:.1f} s",
-                 f"  retained {self.bytes_retained:,} bytes ({self.bytes_retained / gib:.3f} GiB); "
-                 f"predicted {self.predicted_bytes_retained:,}; caches {self.state_bytes:,} bytes",
-                 f"  {len(self.dequantized)} conversions at load: "
-                 + _conversion_summary(self.dequantized)]
+        gib = 2**30
+        lines = [
+            f"{self.checkpoint}: {self.parameters_filled} parameters filled from {self.tensors_read} "
+            f"tensors ({self.bytes_read / gib:.3f} GiB read) in {self.seconds:.1f} s",
+            f"  retained {self.bytes_retained:,} bytes ({self.bytes_retained / gib:.3f} GiB); "
+            f"predicted {self.predicted_bytes_retained:,}; caches {self.state_bytes:,} bytes",
+            f"  {len(self.dequantized)} conversions at load: " + _conversion_summary(self.dequantized),
+        ]
         if self.embedded:
             lines.insert(1, f"  {self.embedded}")
         if self.threads is not None:
@@ -168,20 +178,25 @@ class LoadReport:
         if self.resident_engram_bytes:
             lines.append(f"  resident Engram tables: {self.resident_engram_bytes:,} bytes")
         if self.vision_bytes_retained:
-            lines.append(f"  vision tower: {self.vision_bytes_retained:,} of the retained bytes (ViT, aligner, "
-                         f"span delimiters)")
+            lines.append(
+                f"  vision tower: {self.vision_bytes_retained:,} of the retained bytes (ViT, aligner, span delimiters)"
+            )
         if self.draft_bytes_retained:
-            lines.append(f"  DSpark draft stack: {self.draft_bytes_retained:,} bytes of dense parameters "
-                         f"(predicted {self.predicted_draft_bytes:,}; its routed experts read on demand like the "
-                         f"backbone's)")
+            lines.append(
+                f"  DSpark draft stack: {self.draft_bytes_retained:,} bytes of dense parameters "
+                f"(predicted {self.predicted_draft_bytes:,}; its routed experts read on demand like the "
+                f"backbone's)"
+            )
         if self.budget:
             lines.append(f"  {self.budget}")
         if self.rank is not None:
-            lines.append(f"  expert parallel: rank {self.rank} of {self.world_size} holds the routed experts e % "
-                         f"{self.world_size} == {self.rank}: {self.routed_tensors_held} of "
-                         f"{self.routed_tensors_total} tensors, {self.routed_bytes_held:,} of "
-                         f"{self.routed_bytes_total:,} bytes; everything else (the dense part, router, shared "
-                         f"experts, Engram tables, the draft stack and its experts) is replicated on every rank")
+            lines.append(
+                f"  expert parallel: rank {self.rank} of {self.world_size} holds the routed experts e % "
+                f"{self.world_size} == {self.rank}: {self.routed_tensors_held} of "
+                f"{self.routed_tensors_total} tensors, {self.routed_bytes_held:,} of "
+                f"{self.routed_bytes_total:,} bytes; everything else (the dense part, router, shared "
+                f"experts, Engram tables, the draft stack and its experts) is replicated on every rank"
+            )
         return "\n".join(lines)
 
 

@@ -57,8 +57,7 @@ class Snapshot:
     model_id: int
 
     def __repr__(self) -> str:
-        return (f"Snapshot(position={self.position}, batch={self.token_ids.size(0)}, "
-                f"undo_calls={len(self.undo)})")
+        return f"Snapshot(position={self.position}, batch={self.token_ids.size(0)}, undo_calls={len(self.undo)})"
 
 
 def _attention_layers(model) -> list:
@@ -67,9 +66,11 @@ def _attention_layers(model) -> list:
 
 def _capture_parts(model, start: int, end: int) -> tuple:
     """(attention rows, draft rows, hasher state) a call over [start, end) may overwrite."""
-    return (attention_state.capture(_attention_layers(model), model.runtime, start, end),
-            None if model.draft_stack is None else model.draft_stack.capture(start, end),
-            None if model.hasher is None else model.hasher.state())
+    return (
+        attention_state.capture(_attention_layers(model), model.runtime, start, end),
+        None if model.draft_stack is None else model.draft_stack.capture(start, end),
+        None if model.hasher is None else model.hasher.state(),
+    )
 
 
 def _put_back_parts(model, attention: StackRows, draft, hasher) -> None:
@@ -81,8 +82,9 @@ def _put_back_parts(model, attention: StackRows, draft, hasher) -> None:
 
 
 # ---------------------------------------------------------------------------------- undo records
-def record_call(model: Model, start: int, ids: torch.Tensor, image_mask=None,
-                prompt: Optional[Prompt] = None) -> CallRecord:
+def record_call(
+    model: Model, start: int, ids: torch.Tensor, image_mask=None, prompt: Optional[Prompt] = None
+) -> CallRecord:
     """The undo record of a forward of `ids` [b, s] at `start`, taken before it runs."""
     end = start + ids.size(1)
     return CallRecord(start, end, *_capture_parts(model, start, end), ids, image_mask, prompt)
@@ -114,8 +116,10 @@ def rollback(model: Model, n_positions: int, *, rerun: bool = True) -> bool:
         return False
     limit = rollback_limit(model)
     if target < limit:
-        raise ValueError(f"can roll back to position {limit} at the earliest (the oldest call "
-                         f"kept; load with a larger undo_calls), not to {target}")
+        raise ValueError(
+            f"can roll back to position {limit} at the earliest (the oldest call "
+            f"kept; load with a larger undo_calls), not to {target}"
+        )
     if not rerun and _truncatable(model, target):
         _truncate(model, model.undo_records[-1], target)
         return False
@@ -141,8 +145,9 @@ def _truncatable(model, target: int) -> bool:
     if last is None or not last.start < target < model.position or last.prompt is not None:
         return False
     start, end = last.start, model.position
-    return (attention_state.truncatable(_attention_layers(model), start, end)
-            and (model.draft_stack is None or model.draft_stack.truncatable(start, end)))
+    return attention_state.truncatable(_attention_layers(model), start, end) and (
+        model.draft_stack is None or model.draft_stack.truncatable(start, end)
+    )
 
 
 def _truncate(model, record: CallRecord, target: int) -> None:
@@ -163,8 +168,13 @@ def _truncate(model, record: CallRecord, target: int) -> None:
 
 # ---------------------------------------------------------------------------------- snapshots
 def snapshot(model: Model) -> Snapshot:
-    return Snapshot(model.position, model.token_ids.clone(), *_capture_parts(model, 0, model.position),
-                    tuple(model.undo_records), id(model))
+    return Snapshot(
+        model.position,
+        model.token_ids.clone(),
+        *_capture_parts(model, 0, model.position),
+        tuple(model.undo_records),
+        id(model),
+    )
 
 
 def restore(model: Model, snap: Snapshot) -> None:

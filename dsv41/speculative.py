@@ -118,39 +118,60 @@ class Speculation:
         for b in range(bins):
             lo, hi = b / bins, (b + 1) / bins
             inside = [(p, a) for p, a in pairs if lo <= p < hi or (b == bins - 1 and p == 1.0)]
-            out.append({"low": lo, "high": hi, "count": len(inside),
-                        "mean_probability": sum(p for p, _ in inside) / len(inside) if inside else None,
-                        "accepted_fraction": sum(a for _, a in inside) / len(inside) if inside else None})
+            out.append(
+                {
+                    "low": lo,
+                    "high": hi,
+                    "count": len(inside),
+                    "mean_probability": sum(p for p, _ in inside) / len(inside) if inside else None,
+                    "accepted_fraction": sum(a for _, a in inside) / len(inside) if inside else None,
+                }
+            )
         return out
 
     def as_dict(self) -> dict:
-        return {"steps": len(self.steps), "tokens": self.tokens, "target_forwards": self.target_forwards,
-                "tokens_per_forward": self.tokens_per_forward, "mean_accepted": self.mean_accepted,
-                "acceptance_by_position": self.acceptance_by_position(),
-                "per_step": [{"position": s.position, "drafted": s.drafted, "kept": s.kept,
-                              "accepted": s.accepted, "confidences": s.confidences,
-                              "target_forwards": s.target_forwards, "committed": s.committed}
-                             for s in self.steps]}
+        return {
+            "steps": len(self.steps),
+            "tokens": self.tokens,
+            "target_forwards": self.target_forwards,
+            "tokens_per_forward": self.tokens_per_forward,
+            "mean_accepted": self.mean_accepted,
+            "acceptance_by_position": self.acceptance_by_position(),
+            "per_step": [
+                {
+                    "position": s.position,
+                    "drafted": s.drafted,
+                    "kept": s.kept,
+                    "accepted": s.accepted,
+                    "confidences": s.confidences,
+                    "target_forwards": s.target_forwards,
+                    "committed": s.committed,
+                }
+                for s in self.steps
+            ],
+        }
 
 
 def check_speculation(model: Model, temperature: float, draft_tokens, min_confidence, draft_source) -> int:
     """The draft length a speculative run will use, after checking the request (one sentence each)."""
     block = model.cfg.verified().dspark_block_size
     if draft_source is None and getattr(model, "draft_stack", None) is None:
-        raise ValueError("speculative decoding needs the DSpark draft stack, and this model has none (no "
-                         "mtp.* stages, dspark_block_size 0, or loaded with dspark=False)")
+        raise ValueError(
+            "speculative decoding needs the DSpark draft stack, and this model has none (no "
+            "mtp.* stages, dspark_block_size 0, or loaded with dspark=False)"
+        )
     limit = block if draft_source is None else max(block, 1 << 16)
     n = block if draft_tokens is None else draft_tokens
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limit:
         raise ValueError(f"draft_tokens must be a whole number in [1, {limit}] (the draft block), got {draft_tokens!r}")
-    if isinstance(min_confidence, bool) or not isinstance(min_confidence, (int, float)) \
-            or not 0 <= min_confidence <= 1:
+    if isinstance(min_confidence, bool) or not isinstance(min_confidence, (int, float)) or not 0 <= min_confidence <= 1:
         raise ValueError(f"min_confidence must be a probability in [0, 1], got {min_confidence!r}")
     return n
 
 
-def judge(p: torch.Tensor, q: Optional[torch.Tensor], proposal: int,
-          generator: Optional[torch.Generator] = None) -> tuple[bool, Optional[int]]:
+def judge(
+    p: torch.Tensor, q: Optional[torch.Tensor], proposal: int, generator: Optional[torch.Generator] = None
+) -> tuple[bool, Optional[int]]:
     """The rejection rule for one proposal drawn from q (float32 [vocab]; None: a certain proposal,
     q one-hot) against the target's p: (True, None) with probability min(1, p[x] / q[x]), else
     (False, a token drawn from max(p - q, 0) normalized)."""
@@ -170,14 +191,27 @@ def stack_drafts(model: Model, anchor: int, n: int, temperature: float = 0.0, ge
     return block.proposals[:n], block.confidence[0, :n].tolist(), probs
 
 
-def decode_speculative(model: Model, anchor: int, n: int, *, draft_tokens: int, min_confidence: float = 0.5,
-                       draft_source: Optional[DraftSource] = None, stop_ids: Sequence[int] = (), trace=None,
-                       callback=None, check_finite=None, step_record=None, temperature: float = 0.0,
-                       generator: Optional[torch.Generator] = None) -> tuple[list[int], list[SpeculationStep]]:
+def decode_speculative(
+    model: Model,
+    anchor: int,
+    n: int,
+    *,
+    draft_tokens: int,
+    min_confidence: float = 0.5,
+    draft_source: Optional[DraftSource] = None,
+    stop_ids: Sequence[int] = (),
+    trace=None,
+    callback=None,
+    check_finite=None,
+    step_record=None,
+    temperature: float = 0.0,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[list[int], list[SpeculationStep]]:
     """Up to `n` tokens after `anchor` (chosen, not yet fed), `draft_tokens` proposals per step ->
     (the ids, one SpeculationStep per draft-verify step). `step_record(position, token, logits,
     seconds)` sees every token with the logits row [1, vocab] it was chosen from, as plain decoding
     records them; `callback(step, token, logits)` returning False stops after that token."""
+
     def source(m, anchor_id, k):
         if draft_source is not None:
             drafted = tuple(draft_source(m, anchor_id, k))
@@ -206,8 +240,9 @@ def decode_speculative(model: Model, anchor: int, n: int, *, draft_tokens: int, 
             accepted, following = 0, None
             for i in range(kept):
                 p = probabilities(logits[i], temperature)
-                ok, following = judge(p, None if draft_probs is None else draft_probs[i].float(), proposals[i],
-                                      generator)
+                ok, following = judge(
+                    p, None if draft_probs is None else draft_probs[i].float(), proposals[i], generator
+                )
                 if not ok:
                     break
                 accepted += 1
@@ -222,8 +257,9 @@ def decode_speculative(model: Model, anchor: int, n: int, *, draft_tokens: int, 
         committed, stop = [], False
         for i, token in enumerate(proposals[:accepted] + [following]):
             committed.append(token)
-            stop = token in stop_ids or (callback is not None
-                                         and callback(len(out) + i, token, logits[i : i + 1]) is False)
+            stop = token in stop_ids or (
+                callback is not None and callback(len(out) + i, token, logits[i : i + 1]) is False
+            )
             if stop:
                 break
         undo = len(fed) - len(committed)  # positions fed after the last token that stays
@@ -233,8 +269,9 @@ def decode_speculative(model: Model, anchor: int, n: int, *, draft_tokens: int, 
             for i, token in enumerate(committed):
                 step_record(start + i, token, logits[i : i + 1], seconds / len(committed))
         out += committed
-        spec.append(SpeculationStep(start, len(proposals), kept, accepted, confidences, 2 if reran else 1,
-                                    committed, seconds))
+        spec.append(
+            SpeculationStep(start, len(proposals), kept, accepted, confidences, 2 if reran else 1, committed, seconds)
+        )
         if stop:
             break
         anchor = committed[-1]
@@ -242,8 +279,7 @@ def decode_speculative(model: Model, anchor: int, n: int, *, draft_tokens: int, 
 
 
 # ---------------------------------------------------------------------- known acceptance, and the reference
-def scripted_source(continuation: Sequence[int], right: int, vocab_size: int,
-                    confidence: float = 8.0) -> DraftSource:
+def scripted_source(continuation: Sequence[int], right: int, vocab_size: int, confidence: float = 8.0) -> DraftSource:
     """A draft source that knows the answer, for speculation at a known acceptance: at the anchor's
     position p it proposes `continuation[p + 1:]` for `right` tokens, then a wrong one (the next
     right token + 1, mod `vocab_size`), each with `confidence`. `continuation`: the ids of a plain
@@ -271,15 +307,21 @@ def speculative_parting(model: Model, prompt, max_new_tokens: int) -> dict:
         return lambda step, token, logits: rows[name].append(logits[0].clone())
 
     plain = model.generate(prompt, max_new_tokens=max_new_tokens, stop_at_eos=False, callback=keep("plain"))
-    spec = model.generate(prompt, max_new_tokens=max_new_tokens, stop_at_eos=False, speculative=True,
-                          callback=keep("speculative"))
+    spec = model.generate(
+        prompt, max_new_tokens=max_new_tokens, stop_at_eos=False, speculative=True, callback=keep("speculative")
+    )
     first = next((i for i, (x, y) in enumerate(zip(plain.ids, spec.ids)) if x != y), None)
     agreed = zip(rows["plain"][: len(plain.ids) if first is None else first], rows["speculative"])
-    out = {"first_parting": first, "max_abs_diff_before": max((float((x - y).abs().max()) for x, y in agreed),
-                                                              default=0.0), "tokens": len(plain.ids)}
+    out = {
+        "first_parting": first,
+        "max_abs_diff_before": max((float((x - y).abs().max()) for x, y in agreed), default=0.0),
+        "tokens": len(plain.ids),
+    }
     if first is not None:
         x, y = rows["plain"][first], rows["speculative"][first]
         top2 = x.topk(2).values
         gap, delta = float(top2[0] - top2[1]), float((x - y).abs().max())
-        out.update({"plain_top2_gap": gap, "rows_max_abs_diff": delta, "gap_within_twice_the_difference": gap <= 2 * delta})
+        out.update(
+            {"plain_top2_gap": gap, "rows_max_abs_diff": delta, "gap_within_twice_the_difference": gap <= 2 * delta}
+        )
     return out

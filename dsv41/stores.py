@@ -126,8 +126,9 @@ class ExpertCache(WholeFetchStore):
     expert is placed by `kernels.experts.device_for`. Each requested expert counts as a hit or a miss
     for its layer and the current step, and `fetch` returns the call's own counts."""
 
-    def __init__(self, checkpoint: Checkpoint, capacity: int = DEFAULT_EXPERT_CACHE, device="cpu",
-                 n_layers: Optional[int] = None):
+    def __init__(
+        self, checkpoint: Checkpoint, capacity: int = DEFAULT_EXPERT_CACHE, device="cpu", n_layers: Optional[int] = None
+    ):
         if capacity < 0:
             raise ValueError(f"expert cache capacity must be >= 0, got {capacity}")
         specs = [device] if isinstance(device, (str, torch.device)) else list(device)
@@ -209,9 +210,14 @@ class StreamStats:
     read_ahead_used: int = 0
 
     def as_dict(self) -> dict:
-        return dict(bytes_read=self.bytes_read, reads=self.reads, read_seconds=self.read_seconds,
-                    wait_seconds=self.wait_seconds, read_ahead=self.read_ahead,
-                    read_ahead_used=self.read_ahead_used)
+        return dict(
+            bytes_read=self.bytes_read,
+            reads=self.reads,
+            read_seconds=self.read_seconds,
+            wait_seconds=self.wait_seconds,
+            read_ahead=self.read_ahead,
+            read_ahead_used=self.read_ahead_used,
+        )
 
 
 class _Layout(list):
@@ -246,17 +252,27 @@ class SlotCache:
     arithmetic is the same as `ExpertCache`'s. Counts go to `counters` (hits, misses, bytes per
     step) and the read timing to `stats`. Host memory only.
 
-    `read_ahead` (off by default; `load(read_ahead=True)`): a call may name the experts the next layer will probably want
-    (`stream(..., ahead=(layer, ids))`, the next layer's router applied to this layer's input);
-    those not held start reading once this call's own misses are queued, so they arrive while this
-    layer computes. Only which slots fill and when changes, never the arithmetic; an expert read
-    ahead counts as a miss of the call that uses it (it was not held before), and a wrong guess
-    costs its read and a slot. A guess larger than `slots // READ_AHEAD_SHARE` is not read ahead
-    (`RoutedExperts` guesses on one-token calls only)."""
+    `read_ahead` (off by default; `load(read_ahead=True)`): a call may name the experts the next
+    layer will probably want (`stream(..., ahead=(layer, ids))`, the next layer's router applied to
+    this layer's input); those not held start reading once this call's own misses are queued, so
+    they arrive while this layer computes. Only which slots fill and when changes, never the
+    arithmetic; an expert read ahead counts as a miss of the call that uses it (it was not held
+    before), and a wrong guess costs its read and a slot. A guess larger than
+    `slots // READ_AHEAD_SHARE` is not read ahead (`RoutedExperts` guesses on one-token calls only)."""
 
-    def __init__(self, checkpoint: Checkpoint, slots: int, *, policy: str = DEFAULT_POLICY,
-                 half_life: float = DEFAULT_HALF_LIFE, n_layers: Optional[int] = None, io_threads: int = DEFAULT_IO_THREADS,
-                 reader: str = "preadv", drop_pages="auto", read_ahead: bool = False):
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        slots: int,
+        *,
+        policy: str = DEFAULT_POLICY,
+        half_life: float = DEFAULT_HALF_LIFE,
+        n_layers: Optional[int] = None,
+        io_threads: int = DEFAULT_IO_THREADS,
+        reader: str = "preadv",
+        drop_pages="auto",
+        read_ahead: bool = False,
+    ):
         if reader not in READERS:
             raise ValueError(f"reader must be one of {', '.join(READERS)}, got {reader!r}")
         if reader == "preadv" and not hasattr(os, "preadv"):
@@ -271,16 +287,21 @@ class SlotCache:
         self.stats = StreamStats()
         can_drop = hasattr(os, "posix_fadvise")
         self.drop_pages = can_drop if drop_pages == "auto" else bool(drop_pages) and can_drop
-        self.page_cache = ("each read range dropped from the page cache (posix_fadvise DONTNEED)" if self.drop_pages
-                           else "page cache left as the system keeps it (no posix_fadvise here, or asked not to)")
+        self.page_cache = (
+            "each read range dropped from the page cache (posix_fadvise DONTNEED)"
+            if self.drop_pages
+            else "page cache left as the system keeps it (no posix_fadvise here, or asked not to)"
+        )
         self._layouts: dict = {}
         self.slot_bytes = self._layout(0, 0).nbytes
         try:
             self._pool = torch.empty(self.slots, self.slot_bytes, dtype=torch.uint8)  # pages fault in as slots fill
         except (RuntimeError, MemoryError):  # the allocator refused the whole pool at once
-            raise LoadError(f"could not reserve {self.slots * self.slot_bytes:,} bytes for {self.slots:,} expert "
-                            f"slots of {self.slot_bytes:,} bytes: the system refused that much memory; give a "
-                            f"smaller memory budget") from None
+            raise LoadError(
+                f"could not reserve {self.slots * self.slot_bytes:,} bytes for {self.slots:,} expert "
+                f"slots of {self.slot_bytes:,} bytes: the system refused that much memory; give a "
+                f"smaller memory budget"
+            ) from None
         self._pool_np = self._pool.numpy()
         self._views: dict = {}  # slot -> (key, PackedExpert)
         self._fds: dict = {}
@@ -316,8 +337,10 @@ class SlotCache:
                     parts.append((shard, start + entry.begin, entry.nbytes, dtype, entry.shape))
             got = self._layouts[key] = _Layout(parts)
             if self._layouts and len(self._layouts) > 1 and got.nbytes != self.slot_bytes:
-                raise LoadError(f"{self.checkpoint.path}: expert {expert} of layer {layer} holds {got.nbytes:,} bytes, "
-                                f"not the {self.slot_bytes:,} of a slot; one pool needs experts of one size")
+                raise LoadError(
+                    f"{self.checkpoint.path}: expert {expert} of layer {layer} holds {got.nbytes:,} bytes, "
+                    f"not the {self.slot_bytes:,} of a slot; one pool needs experts of one size"
+                )
         return got
 
     def _fd(self, shard: str) -> int:
@@ -331,7 +354,7 @@ class SlotCache:
 
     def _read_piece(self, shard: str, offset: int, slot: int, at: int, nbytes: int) -> float:
         """Read bytes [offset, offset + nbytes) of `shard` into slot `slot` at byte `at`; returns when it ended."""
-        fd, view = self._fd(shard), memoryview(self._pool_np[slot, at:at + nbytes])
+        fd, view = self._fd(shard), memoryview(self._pool_np[slot, at : at + nbytes])
         got = 0
         while got < nbytes:
             if self.reader == "preadv":
@@ -339,10 +362,12 @@ class SlotCache:
             else:
                 data = os.pread(fd, nbytes - got, offset + got)
                 n = len(data)
-                view[got:got + n] = data
+                view[got : got + n] = data
             if n == 0:
-                raise LoadError(f"{shard}: ended at byte {offset + got:,} inside a routed expert; the shard is "
-                                "truncated, download it again")
+                raise LoadError(
+                    f"{shard}: ended at byte {offset + got:,} inside a routed expert; the shard is "
+                    "truncated, download it again"
+                )
             got += n
         if self.drop_pages:
             try:
@@ -402,7 +427,7 @@ class SlotCache:
             return held[1]
         row, parts, at = self._pool[slot], [], 0
         for _, _, nbytes, dtype, shape in self._layout(*key):
-            parts.append(row[at:at + nbytes].view(dtype).view(shape))  # the slot's bytes, as stored
+            parts.append(row[at : at + nbytes].view(dtype).view(shape))  # the slot's bytes, as stored
             at += nbytes
         packed = PackedExpert(*parts)
         self._views[slot] = (key, packed)
@@ -424,7 +449,7 @@ class SlotCache:
         self.stats.read_ahead_used += len(read_ahead_hits)
         for key, _ in plan.hits:
             self.counters.count(layer, key not in read_ahead_hits)
-        for key, _ in plan.misses:
+        for _key, _ in plan.misses:
             self.counters.count(layer, False)
         n_held = len(plan.hits) - len(read_ahead_hits)
         self.last_counts, self._overflow = (n_held, len(plan.misses) + len(read_ahead_hits)), bool(plan.chunk)
@@ -442,7 +467,7 @@ class SlotCache:
         hits = {key[1]: self._expert(key, slot) for key, slot in plan.hits}
         if hits:  # an overflow call: its hits may give up their slots once computed
             yield hits
-        chunks = [plan.misses[i:i + plan.chunk] for i in range(0, len(plan.misses), plan.chunk)]
+        chunks = [plan.misses[i : i + plan.chunk] for i in range(0, len(plan.misses), plan.chunk)]
         pending = self._submit(chunks[0])
         for i, chunk in enumerate(chunks):
             self._wait(pending)
@@ -496,13 +521,23 @@ class SlotCache:
             pass
 
 
+class ExpertOwnership(Protocol):
+    """What `OwnedExpertStore` asks of the group (`distributed.RankView`, described here rather than
+    imported: storage sits below the model layer): `owns(expert)` is the rule and `refusal(layer,
+    experts)` the error it raises."""
+
+    def owns(self, expert: int) -> bool: ...
+
+    def refusal(self, layer: int, foreign: Sequence[int]) -> Exception: ...
+
+
 class OwnedExpertStore(WholeFetchStore):
     """A store that refuses any expert this rank does not own: the one place the ownership rule
     is enforced, so a routing mistake is an error instead of a silent read of another rank's share.
     `ranks` is the group's `distributed.RankView`: `owns(expert)` is the rule and `refusal(layer,
     experts)` the error it raises."""
 
-    def __init__(self, store, ranks: RankView):
+    def __init__(self, store, ranks: ExpertOwnership):
         self.store, self.ranks = store, ranks
 
     def fetch(self, layer: int, expert_ids: Sequence[int]):

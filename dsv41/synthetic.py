@@ -23,8 +23,9 @@ if TYPE_CHECKING:  # annotations only
 Fill = Callable[[list, dict], dict]
 
 
-def write_release_layout(folder: str, cfg: Config, fill: Fill, *, tokenizer=None, progress: str | None = None,
-                         streamed: bool = False) -> None:
+def write_release_layout(
+    folder: str, cfg: Config, fill: Fill, *, tokenizer=None, progress: str | None = None, streamed: bool = False
+) -> None:
     """Every file of a checkpoint of `cfg` but a manifest, into `folder` (created if missing):
     each shard from `fill`, the index, the nested and flat configs, tokenizer.json and
     tokenizer_config.json (`tokenizer`: the tiny one for `cfg` unless given). `progress`: the label
@@ -108,13 +109,15 @@ def random_fill(seed: int = 0) -> Fill:
             if spec.dtype == "I8":
                 tensors[spec.name] = torch.randint(-128, 128, spec.shape, dtype=torch.int8, generator=g)
                 scale = by_name[spec.name[: -len("weight")] + "scale"]
-                tensors[scale.name] = torch.randint(121, 125, scale.shape, dtype=torch.uint8,
-                                                    generator=g).view(torch.float8_e8m0fnu)
+                tensors[scale.name] = torch.randint(121, 125, scale.shape, dtype=torch.uint8, generator=g).view(
+                    torch.float8_e8m0fnu
+                )
             elif spec.dtype == "F8_E4M3":
                 scale = by_name[spec.name[: -len("weight")] + "scale"]
                 block = formats.infer_fp8_block(spec.shape, scale.shape)
                 tensors[spec.name], tensors[scale.name] = formats.quantize_fp8_blocks(
-                    _random_values(spec.name, spec.shape, g), block)
+                    _random_values(spec.name, spec.shape, g), block
+                )
             else:
                 tensors[spec.name] = _stored(spec.name, spec.shape, formats.torch_dtype(spec.dtype), g)
         return tensors
@@ -132,8 +135,13 @@ def _random_values(name: str, shape: tuple, g):
         return torch.zeros(shape)
     if (leaf == "weight" and "norm" in name.rsplit(".", 2)[-2]) or leaf in ("q_weight", "k_weight"):
         return torch.ones(shape)
-    std = 0.02 if leaf.startswith("hc_") or len(shape) == 1 else \
-        1.0 if name.endswith("embed.weight") else 1.0 / math.sqrt(math.prod(shape[1:]))
+    std = (
+        0.02
+        if leaf.startswith("hc_") or len(shape) == 1
+        else 1.0
+        if name.endswith("embed.weight")
+        else 1.0 / math.sqrt(math.prod(shape[1:]))
+    )
     return torch.randn(shape, generator=g) * std
 
 

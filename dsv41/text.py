@@ -28,7 +28,7 @@ def brief(value, limit: int = 60, *, as_json: bool = False) -> str:
     if as_json and isinstance(value, (int, float)):
         return number_text(value)
     text = json.dumps(value) if as_json and isinstance(value, str) else repr(value)
-    return text if len(text) <= limit else text[:limit - 4] + " ..."
+    return text if len(text) <= limit else text[: limit - 4] + " ..."
 
 
 def number_text(value) -> str:
@@ -61,6 +61,7 @@ def bounded_ints(max_digits: int):
     """A `json.loads(parse_int=...)` hook that raises LongInteger for an integer of more than
     `max_digits` digits: json would otherwise convert up to 4,300 digits (quadratic time), or any
     number of them where that limit is lifted."""
+
     def parse_int(text: str) -> int:
         digits = len(text) - text.startswith("-")
         if digits > max_digits:
@@ -74,8 +75,14 @@ def json_kind(value) -> str:
     """What a JSON value is, in JSON's words."""
     if isinstance(value, bool):
         return "a boolean"
-    return {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
-            type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def is_unicode(text: str) -> bool:

@@ -47,7 +47,11 @@ def auto_threads(cfg: Config) -> tuple[int, str]:
     weights = cfg.dim * cfg.moe_inter_dim
     shape = f"expert matrices {cfg.dim} x {cfg.moe_inter_dim} = {weights:,} weights"
     if weights < AUTO_THREADS_MIN_WEIGHTS:
-        return 1, f"auto: {shape}, under {AUTO_THREADS_MIN_WEIGHTS:,}: one thread; more would only hand tiny work back and forth"
+        return (
+            1,
+            f"auto: {shape}, under {AUTO_THREADS_MIN_WEIGHTS:,}: one thread; "
+            "more would only hand tiny work back and forth",
+        )
     cores = all_cores()
     return cores, f"auto: {shape}, at least {AUTO_THREADS_MIN_WEIGHTS:,}: all {cores} cores"
 
@@ -60,8 +64,10 @@ def check_threads(threads) -> None:
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f'threads must be "auto", None (leave torch alone) or a whole number >= 1, got {threads!r}')
     if threads > machine_cores():
-        raise ValueError(f"threads={threads} is more than the {machine_cores()} CPUs this process may run on; "
-                         f"ask for at most {machine_cores()} (or \"auto\")")
+        raise ValueError(
+            f"threads={threads} is more than the {machine_cores()} CPUs this process may run on; "
+            f'ask for at most {machine_cores()} (or "auto")'
+        )
 
 
 def apply_threads(threads, cfg: Config) -> tuple[int, str]:

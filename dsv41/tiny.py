@@ -70,7 +70,7 @@ def _near_normal(seed: int, name: str, count: int):
     import numpy as np
 
     digest = hashlib.sha256(f"dsv41-tiny\0{seed}\0{name}".encode()).digest()
-    words = [int.from_bytes(digest[i:i + 4], "little") for i in range(0, 16, 4)]
+    words = [int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4)]
     raw = np.random.PCG64(np.random.SeedSequence(words)).random_raw(count)
     total = np.zeros(count, dtype=np.float64)
     for shift in (0, 16, 32, 48):
@@ -125,9 +125,9 @@ def _shard_tensors(specs, by_name, seed: int) -> dict:
 def stored_tensors(specs, by_name, values) -> dict:
     """name -> stored torch tensor for one shard's specs: `values(name, logical shape)` (float32)
     quantized as the specs say."""
-    from dsv41 import formats
-
     import torch
+
+    from dsv41 import formats
 
     out, fp4 = {}, []
     for spec in specs:
@@ -153,8 +153,8 @@ def stored_tensors(specs, by_name, values) -> dict:
         start = 0
         for spec, scale_name, values in fp4:
             n = values.numel() // formats.FP4_BLOCK
-            out[spec.name] = packed[start:start + n].reshape(spec.shape)
-            out[scale_name] = scales[start:start + n].reshape(values.shape[0], -1)
+            out[spec.name] = packed[start : start + n].reshape(spec.shape)
+            out[scale_name] = scales[start : start + n].reshape(values.shape[0], -1)
             start += n
     for spec in specs:  # the writer and the inventory must agree to the byte
         t = out.get(spec.name)
@@ -215,8 +215,13 @@ def _write_files(folder: Path, seed: int, progress: bool | None) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        write_release_layout(str(folder), cfg, lambda specs, by_name: _shard_tensors(specs, by_name, seed),
-                             tokenizer=tokenizer, progress="make-tiny" if progress else None)
+        write_release_layout(
+            str(folder),
+            cfg,
+            lambda specs, by_name: _shard_tensors(specs, by_name, seed),
+            tokenizer=tokenizer,
+            progress="make-tiny" if progress else None,
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -227,8 +232,11 @@ def _build_beside(target: Path, seed: int, progress: bool | None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
         _write_files(tmp, seed, progress)
-        files = {rel: {"size": (tmp / rel).stat().st_size, "sha256": file_sha256(tmp / rel)}
-                 for rel in sorted(_entries(tmp)) if (tmp / rel).is_file()}
+        files = {
+            rel: {"size": (tmp / rel).stat().st_size, "sha256": file_sha256(tmp / rel)}
+            for rel in sorted(_entries(tmp))
+            if (tmp / rel).is_file()
+        }
         manifest = {"format": _MANIFEST_FORMAT, "seed": seed, "content_version": content_version(), "files": files}
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
         os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp made it owner-only
@@ -256,10 +264,15 @@ def _read_manifest(folder: Path) -> tuple[dict | None, str]:
     except (OSError, ValueError):
         return None, f"{MANIFEST_NAME} is unreadable"
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if (not isinstance(files, dict) or manifest.get("format") != _MANIFEST_FORMAT
-            or not isinstance(manifest.get("seed"), int)
-            or not all(isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
-                       for e in files.values())):
+    if (
+        not isinstance(files, dict)
+        or manifest.get("format") != _MANIFEST_FORMAT
+        or not isinstance(manifest.get("seed"), int)
+        or not all(
+            isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
+            for e in files.values()
+        )
+    ):
         return None, f"{MANIFEST_NAME} is not a tiny checkpoint manifest"
     return manifest, ""
 
@@ -299,8 +312,18 @@ def content_version() -> str:
 
     here = Path(__file__).resolve().parent
     h = hashlib.sha256(f"writer {WRITER_VERSION}".encode())
-    for rel in ("config.py", "inventory.py", "headers.py", "engram.py", "tokenizer.py", "formats.py",
-                "kernels/codecs.py", "tiny.py", "synthetic.py", "data/corpus.txt"):
+    for rel in (
+        "config.py",
+        "inventory.py",
+        "headers.py",
+        "engram.py",
+        "tokenizer.py",
+        "formats.py",
+        "kernels/codecs.py",
+        "tiny.py",
+        "synthetic.py",
+        "data/corpus.txt",
+    ):
         path = here / rel
         h.update(rel.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"(absent)") + b"\0")
     for lib in ("torch", "numpy", "tokenizers", "safetensors"):
@@ -330,8 +353,10 @@ def default_checkpoint(seed: int = 0, progress: bool | None = None) -> str:
     damage = _damage(final, seed, version)
     if damage:
         if os.path.lexists(final):
-            print(f"dsv41: the cached tiny checkpoint {final} is damaged or incomplete ({damage}); rebuilding it",
-                  file=sys.stderr)
+            print(
+                f"dsv41: the cached tiny checkpoint {final} is damaged or incomplete ({damage}); rebuilding it",
+                file=sys.stderr,
+            )
         cache_dir()
         try:
             tmp = _build_beside(final, seed, progress)
@@ -374,11 +399,18 @@ def _damage(folder: Path, seed: int, version: str) -> str | None:
 
 # ---------------------------------------------------------------------- CLI
 def cli_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dsv41 make-tiny", description=(
-        "Write the embedded default checkpoint: a tiny random-weighted model in the exact release "
-        "format (both configs, index, shards, tokenizer). Same seed, same bytes."))
-    parser.add_argument("out_dir", metavar="OUT_DIR", help=(
-        "folder to write (created if missing); it must be empty or an earlier tiny checkpoint of the same seed"))
+    parser = argparse.ArgumentParser(
+        prog="dsv41 make-tiny",
+        description=(
+            "Write the embedded default checkpoint: a tiny random-weighted model in the exact release "
+            "format (both configs, index, shards, tokenizer). Same seed, same bytes."
+        ),
+    )
+    parser.add_argument(
+        "out_dir",
+        metavar="OUT_DIR",
+        help=("folder to write (created if missing); it must be empty or an earlier tiny checkpoint of the same seed"),
+    )
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR whatever it holds")
     args = parser.parse_args(argv)
@@ -389,8 +421,14 @@ def cli_main(argv: list[str]) -> int:
         path = write_tiny_checkpoint(args.out_dir, seed=args.seed, progress=None, force=args.force)
     except OSError as exc:
         # the system's own errors carry a file name; the writer's are already a sentence
-        message = (f"cannot write {exc.filename} ({exc.strerror}); {args.out_dir} is left as it was: fix that "
-                   f"and rerun, or give another folder") if exc.filename and exc.strerror else str(exc)
+        message = (
+            (
+                f"cannot write {exc.filename} ({exc.strerror}); {args.out_dir} is left as it was: fix that "
+                f"and rerun, or give another folder"
+            )
+            if exc.filename and exc.strerror
+            else str(exc)
+        )
         print(f"dsv41 make-tiny: {message}", file=sys.stderr)
         return 1
     except RuntimeError as exc:
@@ -399,6 +437,8 @@ def cli_main(argv: list[str]) -> int:
     elapsed = time.perf_counter() - start
     index = json.loads((Path(path) / INDEX_NAME).read_text(encoding="utf-8"))
     n_shards = len(set(index["weight_map"].values()))
-    print(f"{path}: {len(index['weight_map'])} tensors, {index['metadata']['total_size'] / 2**20:.2f} MiB "
-          f"in {n_shards} shards, seed {args.seed}, written in {elapsed:.1f} s")
+    print(
+        f"{path}: {len(index['weight_map'])} tensors, {index['metadata']['total_size'] / 2**20:.2f} MiB "
+        f"in {n_shards} shards, seed {args.seed}, written in {elapsed:.1f} s"
+    )
     return 0

@@ -18,7 +18,9 @@ def as_token_ids(value, *, one_sequence: bool = False) -> torch.Tensor:
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"token ids must be whole numbers, got {ids.dtype} values")
     if one_sequence and ids.dim() != 1:
-        raise ValueError(f"a prompt of token ids is one list of whole numbers, got token ids of shape {list(ids.shape)}")
+        raise ValueError(
+            f"a prompt of token ids is one list of whole numbers, got token ids of shape {list(ids.shape)}"
+        )
     if ids.dim() not in (1, 2):
         raise ValueError(f"token ids are [tokens] or [batch, tokens], got {ids.dim()} dimensions")
     return ids.long().unsqueeze(0) if ids.dim() == 1 else ids.long()

@@ -38,10 +38,24 @@ LATEST_REMINDER_TOKEN = "<｜latest_reminder｜>"
 THINK_START_TOKEN = "<think>"
 THINK_END_TOKEN = "</think>"
 DSML_TOKEN = "｜DSML｜"
-TASK_TOKENS = {"action": "<｜action｜>", "query": "<｜query｜>", "authority": "<｜authority｜>",
-               "domain": "<｜domain｜>", "title": "<｜title｜>", "read_url": "<｜read_url｜>"}
-CHAT_TOKENS = (USER_TOKEN, ASSISTANT_TOKEN, SYSTEM_TOKEN, LATEST_REMINDER_TOKEN, THINK_START_TOKEN,
-               THINK_END_TOKEN, DSML_TOKEN, *TASK_TOKENS.values())
+TASK_TOKENS = {
+    "action": "<｜action｜>",
+    "query": "<｜query｜>",
+    "authority": "<｜authority｜>",
+    "domain": "<｜domain｜>",
+    "title": "<｜title｜>",
+    "read_url": "<｜read_url｜>",
+}
+CHAT_TOKENS = (
+    USER_TOKEN,
+    ASSISTANT_TOKEN,
+    SYSTEM_TOKEN,
+    LATEST_REMINDER_TOKEN,
+    THINK_START_TOKEN,
+    THINK_END_TOKEN,
+    DSML_TOKEN,
+    *TASK_TOKENS.values(),
+)
 
 
 def reserved_token(index: int) -> str:
@@ -68,9 +82,13 @@ def build_tiny_tokenizer(config: Config | None = None, texts=None):
         from dsv41.config import TINY as config
 
     vocab_size = int(config.vocab_size)
-    fixed = {int(config.bos_token_id): BOS_TOKEN, int(config.eos_token_id): EOS_TOKEN,
-             int(config.pad_token_id): PAD_TOKEN, int(config.dspark_noise_token_id): DSPARK_NOISE_TOKEN,
-             int(config.image_token_id): IMAGE_TOKEN}
+    fixed = {
+        int(config.bos_token_id): BOS_TOKEN,
+        int(config.eos_token_id): EOS_TOKEN,
+        int(config.pad_token_id): PAD_TOKEN,
+        int(config.dspark_noise_token_id): DSPARK_NOISE_TOKEN,
+        int(config.image_token_id): IMAGE_TOKEN,
+    }
     if sorted(fixed)[:3] != [0, 1, 2]:
         raise ValueError(f"the tiny tokenizer expects bos/eos/pad at ids 0, 1, 2, got {sorted(fixed)[:3]}")
     if len(fixed) != 5 or max(fixed) >= vocab_size:
@@ -104,7 +122,9 @@ def build_tiny_tokenizer(config: Config | None = None, texts=None):
         if tok.token_to_id(text) != token_id:
             raise RuntimeError(f"tiny tokenizer layout: {text} landed on id {tok.token_to_id(text)}, not {token_id}")
     if tok.get_vocab_size(with_added_tokens=True) != vocab_size:
-        raise RuntimeError(f"tiny tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids, expected {vocab_size}")
+        raise RuntimeError(
+            f"tiny tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids, expected {vocab_size}"
+        )
     return tok
 
 

@@ -39,8 +39,8 @@ from torch import nn
 
 from .config import Config
 from .config_fields import MIN_IMAGE_SPAN
-from .layers import RMSNorm, param
 from .errors import Dsv41Error
+from .layers import RMSNorm, param
 
 TEXT, IMAGE_START, IMAGE, IMAGE_NEWLINE, IMAGE_END = -1, 0, 1, 2, 3
 # The vision tower's RMSNorm epsilon (the language model's norm_eps does not reach it).
@@ -140,8 +140,10 @@ def plan(width: int, height: int, cfg: Config) -> VisionPlan:
         raise ImageError("this model's config has no vision tower (vision_n_layers is 0), so it takes no images")
     patch, ratio, budget = cfg.vision_patch_size, cfg.vision_downsample_ratio, cfg.vision_max_n_token
     if budget < MIN_IMAGE_SPAN:  # Config.verify refuses it; a config built in Python may not have been verified
-        raise ImageError(f"vision_max_n_token {budget} cannot hold an image span, which takes at least "
-                         f"{MIN_IMAGE_SPAN} positions (image start, one cell, its row newline, image end)")
+        raise ImageError(
+            f"vision_max_n_token {budget} cannot hold an image span, which takes at least "
+            f"{MIN_IMAGE_SPAN} positions (image start, one cell, its row newline, image end)"
+        )
     max_wh = cfg.vision_max_wh_ratio
     w, h = width, height
     if max_wh is not None and w > h * max_wh:
@@ -156,8 +158,17 @@ def plan(width: int, height: int, cfg: Config) -> VisionPlan:
         rows, cols = _llm_grid(pixel_h, pixel_w, patch, ratio)
     if rows < 1 or cols < 1:  # never a span without cells: the image would vanish from the prompt
         raise ImageError(f"an image of {width} x {height} pixels gets no image cell under vision_max_n_token {budget}")
-    return VisionPlan(width, height, int(pixel_w), int(pixel_h), int(pixel_h) // patch, int(pixel_w) // patch,
-                      rows, cols, stretch=max_wh is not None and width >= max_wh * height)
+    return VisionPlan(
+        width,
+        height,
+        int(pixel_w),
+        int(pixel_h),
+        int(pixel_h) // patch,
+        int(pixel_w) // patch,
+        rows,
+        cols,
+        stretch=max_wh is not None and width >= max_wh * height,
+    )
 
 
 def largest_plan_pixels(cfg: Config) -> int:
@@ -226,8 +237,10 @@ def _read(source, cfg):
     except ImageError:
         raise
     except Image.DecompressionBombError:  # past twice Pillow's limit: refused in Image.open, before any size is read
-        raise ImageError(f"{name}: more pixels than Pillow's decompression-bomb limit "
-                         f"({2 * Image.MAX_IMAGE_PIXELS:,} pixels) allows; shrink it first") from None
+        raise ImageError(
+            f"{name}: more pixels than Pillow's decompression-bomb limit "
+            f"({2 * Image.MAX_IMAGE_PIXELS:,} pixels) allows; shrink it first"
+        ) from None
     except UnidentifiedImageError:
         raise ImageError(f"{name}: not an image file Pillow can read") from None
     except (OSError, SyntaxError, ValueError, EOFError) as exc:  # Pillow's truncated / damaged data
@@ -255,14 +268,18 @@ def _decode(image, name: str, cfg, owned: bool):
 def _check_budget(name: str, width: int, height: int, cfg) -> None:
     pixels = width * height
     if cfg is None:
-        raise ImageError(f"{name}: {width:,} x {height:,} is {pixels:,} pixels, more than the "
-                         f"{EXACT_DECODE_PIXELS:,} pixels load_image decodes at full size; read_image and "
-                         "model.prepare read larger ones reduced")
+        raise ImageError(
+            f"{name}: {width:,} x {height:,} is {pixels:,} pixels, more than the "
+            f"{EXACT_DECODE_PIXELS:,} pixels load_image decodes at full size; read_image and "
+            "model.prepare read larger ones reduced"
+        )
     budget = source_pixel_budget(cfg)
     if pixels > budget:
-        raise ImageError(f"{name}: {width:,} x {height:,} is {pixels:,} pixels, more than the {budget:,} this "
-                         f"model reads (the larger of Pillow's default limit and {SOURCE_REDUCTION_LIMIT} x its "
-                         f"largest image frame, {largest_plan_pixels(cfg):,} pixels); shrink it first")
+        raise ImageError(
+            f"{name}: {width:,} x {height:,} is {pixels:,} pixels, more than the {budget:,} this "
+            f"model reads (the larger of Pillow's default limit and {SOURCE_REDUCTION_LIMIT} x its "
+            f"largest image frame, {largest_plan_pixels(cfg):,} pixels); shrink it first"
+        )
 
 
 def _reduced_size(width: int, height: int, cfg) -> tuple[int, int]:
@@ -416,8 +433,11 @@ class Prompt:
             raise TypeError("a Prompt is sliced with [start:stop]")
         lo, hi, _ = index.indices(len(self.ids))
         hi = max(lo, hi)
-        kept = tuple(dataclasses.replace(img, start=img.start - lo) for img in self.images
-                     if img.start < hi and img.start + img.length > lo)
+        kept = tuple(
+            dataclasses.replace(img, start=img.start - lo)
+            for img in self.images
+            if img.start < hi and img.start + img.length > lo
+        )
         return Prompt(self.ids[lo:hi], self.token_types[lo:hi], kept)
 
     def extend(self, ids: Sequence[int]) -> "Prompt":
@@ -436,8 +456,10 @@ def image_sources(images) -> list:
     from PIL import Image
 
     if isinstance(images, (str, os.PathLike, bytes, bytearray, memoryview, Image.Image)):
-        raise ImageError(f"images takes a list of images, got a single {type(images).__name__} "
-                         f"({_describe(images)}); pass a list, [image]")
+        raise ImageError(
+            f"images takes a list of images, got a single {type(images).__name__} "
+            f"({_describe(images)}); pass a list, [image]"
+        )
     try:
         return list(images)
     except TypeError:
@@ -451,8 +473,10 @@ def check_placeholders(cfg: Config, ids: Sequence[int], count: int) -> None:
     markers = sum(1 for i in ids if i == marker)
     if markers != count:
         hint = "; pass one image per placeholder (images= in Python, --image on the command line)" if not count else ""
-        raise ImageError(f"the prompt marks {markers} image place{'s' if markers != 1 else ''} (token {marker}) "
-                         f"but {count} image{'s were' if count != 1 else ' was'} given{hint}")
+        raise ImageError(
+            f"the prompt marks {markers} image place{'s' if markers != 1 else ''} (token {marker}) "
+            f"but {count} image{'s were' if count != 1 else ' was'} given{hint}"
+        )
 
 
 def prepare(cfg: Config, ids: Sequence[int], images: Sequence = (), *, insert_at: int = 0) -> Prompt:
@@ -579,7 +603,7 @@ class ViT(nn.Module):
         self.rope_dim = cfg.vision_dim // cfg.vision_n_heads // 2
         self.rope_theta = float(cfg.verified().vision_rope_theta)  # the field's default where the file is silent
         self.patch_embed = nn.Module()
-        self.patch_embed.proj = DenseLinear(3 * cfg.vision_patch_size ** 2, cfg.vision_dim)
+        self.patch_embed.proj = DenseLinear(3 * cfg.vision_patch_size**2, cfg.vision_dim)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.vision_n_layers))
         self.norm = RMSNorm(cfg.vision_dim, VISION_NORM_EPS, dtype=torch.float32)
 
@@ -599,7 +623,7 @@ class Aligner(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.ratio = cfg.vision_downsample_ratio
-        self.w1 = DenseLinear(cfg.vision_dim * self.ratio ** 2, cfg.dim)
+        self.w1 = DenseLinear(cfg.vision_dim * self.ratio**2, cfg.dim)
         self.w2 = DenseLinear(cfg.dim, cfg.dim)
 
     def forward(self, x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

@@ -18,8 +18,12 @@ import math
 import os
 from typing import Any, Iterator
 
-# "1-3, 7, 9-10" for layer and shard numbers in a table cell; the audit report uses the same
-from dsv41.audit import format_ranges as ranges
+from dsv41.audit import format_ranges
+
+# "1-3, 7, 9-10" for layer and shard numbers in a table cell; the audit report uses the same. Bound
+# here, not only imported: the notebooks call viz.ranges, and ruff (which skips them) would drop an
+# import nothing in this file uses
+ranges = format_ranges
 
 # Style: DejaVu ships with matplotlib, so the glyphs (and the SVG paths drawn from them) are the same
 # on every machine. Colors: a short qualitative cycle that stays legible in grey.
@@ -230,15 +234,21 @@ class Table:
         from html import escape
 
         def tr(cells, tag):
-            return "<tr>" + "".join(
-                f'<{tag} style="text-align:{"right" if _numeric(c) else "left"}">{escape(c)}</{tag}>'
-                for c in cells) + "</tr>"
+            return (
+                "<tr>"
+                + "".join(
+                    f'<{tag} style="text-align:{"right" if _numeric(c) else "left"}">{escape(c)}</{tag}>' for c in cells
+                )
+                + "</tr>"
+            )
 
         head = tr(self.columns, "th") if self.columns else ""
         caption = f"<caption style='text-align:left'><b>{escape(self.title)}</b></caption>" if self.title else ""
         # a wide table scrolls inside its own box instead of spilling past the notebook's column
-        return (f"<div style='overflow-x:auto;max-width:100%'><table>{caption}{head}"
-                f"{''.join(tr(r, 'td') for r in self.rows)}</table></div>")
+        return (
+            f"<div style='overflow-x:auto;max-width:100%'><table>{caption}{head}"
+            f"{''.join(tr(r, 'td') for r in self.rows)}</table></div>"
+        )
 
 
 def table(rows, columns=None, title: str | None = None) -> Table:
@@ -249,8 +259,6 @@ def table(rows, columns=None, title: str | None = None) -> Table:
 def numbers(values, digits: int = 3) -> str:
     """Numbers for a sentence: "0.912, 0.874, -" (`digits` decimals; None, nothing measured, a dash)."""
     return ", ".join("-" if v is None else f"{v:.{digits}f}" for v in values)
-
-
 
 
 def _cell(value) -> str:
@@ -267,7 +275,10 @@ def _cell(value) -> str:
 
 
 def _numeric(text: str) -> bool:
-    return bool(text) and text.replace(",", "").replace(".", "").replace("-", "").replace("+", "").replace("e", "").isdigit()
+    return (
+        bool(text)
+        and text.replace(",", "").replace(".", "").replace("-", "").replace("+", "").replace("e", "").isdigit()
+    )
 
 
 # ---------------------------------------------------------------------- notebooks

@@ -110,8 +110,15 @@ _SMOKE_RUNS: dict = {}
 BROWSER_EXPORTS: dict = {}
 
 
-def run_notebooks_smoke(tmp_path_factory, checkpoint, only: str, threads: int | None = SMOKE_THREADS, *,
-                        fresh: bool = False, parameters: dict | None = None):
+def run_notebooks_smoke(
+    tmp_path_factory,
+    checkpoint,
+    only: str,
+    threads: int | None = SMOKE_THREADS,
+    *,
+    fresh: bool = False,
+    parameters: dict | None = None,
+):
     """Execute notebooks `only` ("01,02") in smoke mode on `checkpoint` into a fresh run folder and
     fail the calling fixture, naming the failing cells, unless all of them ran clean. Returns the
     run folder and its summary. `threads` pins the kernels' torch threads (OMP_NUM_THREADS);
@@ -148,10 +155,25 @@ def _run_smoke(tmp_path_factory, checkpoint, only: str, threads, parameters: dic
     with pytest.MonkeyPatch.context() as mp:
         if threads is not None:
             mp.setenv("OMP_NUM_THREADS", str(threads))
-        code = dsv41_main(["notebooks", "--only", only, "--out", str(run), "--checkpoint", str(checkpoint),
-                           "-p", "smoke", "true", *[v for kv in parameters.items() for v in ("-p", *kv)]])
+        code = dsv41_main(
+            [
+                "notebooks",
+                "--only",
+                only,
+                "--out",
+                str(run),
+                "--checkpoint",
+                str(checkpoint),
+                "-p",
+                "smoke",
+                "true",
+                *[v for kv in parameters.items() for v in ("-p", *kv)],
+            ]
+        )
     summary = json.loads((run / "summary.json").read_text())
-    failures = [f"{n['name']} cell {n['failed_cell']}: {n['error']}" for n in summary["notebooks"] if n["status"] != "ok"]
+    failures = [
+        f"{n['name']} cell {n['failed_cell']}: {n['error']}" for n in summary["notebooks"] if n["status"] != "ok"
+    ]
     assert code == 0 and not failures, failures
     return run, summary
 
@@ -164,11 +186,11 @@ def sidecar(run, name: str) -> dict:
 
 
 # The standard parameters cell of a throwaway test notebook
-THROWAWAY_PARAMETERS = '''checkpoint = None
+THROWAWAY_PARAMETERS = """checkpoint = None
 prompt = "default prompt"
 device = "cpu"
 output_dir = "."
-smoke = False'''
+smoke = False"""
 
 
 def write_throwaway_notebook(path, *cells, n_parameter_cells: int = 1) -> None:

@@ -95,12 +95,15 @@ def test_every_module_the_document_names_exists():
         for name in set(_NAMED.findall(paragraph)):
             found += 1
             assert any(c.exists() for c in (base / name, PACKAGE / name, ROOT / name)), (
-                f"docs/architecture.md names {name} in the paragraph of {unit}, which does not exist")
+                f"docs/architecture.md names {name} in the paragraph of {unit}, which does not exist"
+            )
     outside = DOC.read_text()
     for _, paragraph in PARAGRAPHS.values():
         outside = outside.replace(paragraph, "")
     for name in set(_NAMED.findall(outside)):
-        assert (PACKAGE / name).exists() or (ROOT / name).exists(), f"docs/architecture.md names {name}, which does not exist"
+        assert (PACKAGE / name).exists() or (ROOT / name).exists(), (
+            f"docs/architecture.md names {name}, which does not exist"
+        )
     assert found > 50, found  # the paragraphs name the whole package
 
 
@@ -124,9 +127,14 @@ def test_each_paragraph_names_what_its_module_imports():
     for unit, (_, paragraph) in PARAGRAPHS.items():
         line = _IMPORTS.search(paragraph)
         assert line, f"{unit}: its paragraph has no closing 'Imports: ...' line"
-        said = set() if line.group(1) == "nothing of dsv41" else set(re.findall(r"`([a-z_0-9]+)(?:\.py|/)`", line.group(1)))
-        assert said == imported[unit], (f"{unit}: the page says it imports {sorted(said)}, "
-                                        f"the code imports {sorted(imported[unit])}")
+        said = (
+            set()
+            if line.group(1) == "nothing of dsv41"
+            else set(re.findall(r"`([a-z_0-9]+)(?:\.py|/)`", line.group(1)))
+        )
+        assert said == imported[unit], (
+            f"{unit}: the page says it imports {sorted(said)}, the code imports {sorted(imported[unit])}"
+        )
 
 
 def test_imports_flow_down_the_layers():
@@ -185,8 +193,7 @@ def _from_source(path: Path) -> str:
         return path.read_text()
     cells = json.loads(path.read_text())["cells"]
     code = ("".join(c["source"]) for c in cells if c["cell_type"] == "code")
-    return "\n".join(line for cell in code for line in cell.splitlines()
-                     if not line.lstrip().startswith(("%", "!")))
+    return "\n".join(line for cell in code for line in cell.splitlines() if not line.lstrip().startswith(("%", "!")))
 
 
 @functools.cache
@@ -220,16 +227,25 @@ def _imported(module: str, is_package: bool, tree: ast.AST):
 def _lazy_names() -> dict[str, tuple[str, str]]:
     """The lazy facade's table (`dsv41/__init__.py`'s `_LAZY`): public name -> (module, name)."""
     tree = ast.parse((PACKAGE / "__init__.py").read_text())
-    table = next(n.value for n in tree.body if isinstance(n, ast.Assign)
-                 and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in n.targets))
+    table = next(
+        n.value
+        for n in tree.body
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in n.targets)
+    )
     return ast.literal_eval(table)
 
 
 def _type_checking_only(tree: ast.AST) -> set[ast.AST]:
     """The nodes under `if TYPE_CHECKING:`, which never run (imports there serve annotations)."""
-    guarded = [n for n in ast.walk(tree) if isinstance(n, ast.If) and (
-        (isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING")
-        or (isinstance(n.test, ast.Attribute) and n.test.attr == "TYPE_CHECKING"))]
+    guarded = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.If)
+        and (
+            (isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING")
+            or (isinstance(n.test, ast.Attribute) and n.test.attr == "TYPE_CHECKING")
+        )
+    ]
     return {inner for n in guarded for stmt in n.body for inner in ast.walk(stmt)}
 
 
@@ -241,8 +257,9 @@ def _import_graph() -> dict[str, set[str]]:
     for module, path in _modules().items():
         tree = ast.parse(path.read_text())
         never_run = _type_checking_only(tree)
-        graph[module] = {target for node, target, _ in _imported(module, path.name == "__init__.py", tree)
-                         if node not in never_run} - {module}
+        graph[module] = {
+            target for node, target, _ in _imported(module, path.name == "__init__.py", tree) if node not in never_run
+        } - {module}
     graph["dsv41"] |= {home for home, _ in _lazy_names().values()}
     return graph
 
@@ -310,11 +327,15 @@ def test_the_circle_finder_finds_a_circle_through_function_local_imports():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e2"}, "e2": set()}
     assert _circles(graph) == [["a", "b", "c"]]
     assert _path(graph, "a", "c") + _path(graph, "c", "a")[1:] == ["a", "b", "c", "a"]
-    tree = ast.parse("def later():\n    from .attention import layer\n    from . import hooks\n"
-                     "if TYPE_CHECKING:\n    from .model import Model\n")
+    tree = ast.parse(
+        "def later():\n    from .attention import layer\n    from . import hooks\n"
+        "if TYPE_CHECKING:\n    from .model import Model\n"
+    )
     never_run = _type_checking_only(tree)
     assert {t for n, t, _ in _imported("dsv41.sequence", False, tree) if n not in never_run} == {
-        "dsv41.attention.layer", "dsv41.hooks"}
+        "dsv41.attention.layer",
+        "dsv41.hooks",
+    }
 
 
 def test_no_module_imports_one_that_imports_it_back():
@@ -347,8 +368,13 @@ def _defines(module: str) -> set[str]:
                 names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
     if is_package:
         for node, source, alias in _imported(module, True, tree):
-            if alias is not None and node in tree.body and source.startswith(module + ".") \
-                    and alias.asname in (None, alias.name) and not alias.name.startswith("_"):
+            if (
+                alias is not None
+                and node in tree.body
+                and source.startswith(module + ".")
+                and alias.asname in (None, alias.name)
+                and not alias.name.startswith("_")
+            ):
                 names.add(alias.name)
     if module == "dsv41":
         names |= set(_lazy_names())
@@ -358,11 +384,22 @@ def _defines(module: str) -> set[str]:
 def _importers() -> list[Path]:
     """Every file that imports dsv41: the package, the tests, the widgets, the scripts and the
     notebooks."""
-    files = [*sorted(PACKAGE.rglob("*.py")), *sorted((ROOT / "tests").rglob("*.py")),
-             *sorted((ROOT / "widgets").rglob("*.py")), *sorted((ROOT / "notebooks").glob("*.ipynb"))]
+    files = [
+        *sorted(PACKAGE.rglob("*.py")),
+        *sorted((ROOT / "tests").rglob("*.py")),
+        *sorted((ROOT / "widgets").rglob("*.py")),
+        *sorted((ROOT / "notebooks").glob("*.ipynb")),
+    ]
     scripts = ROOT / "scripts"
-    files += [p for p in sorted(scripts.iterdir()) if p.is_file() and p.read_text(errors="replace").startswith(
-        "#!/usr/bin/env python")] if scripts.is_dir() else []
+    files += (
+        [
+            p
+            for p in sorted(scripts.iterdir())
+            if p.is_file() and p.read_text(errors="replace").startswith("#!/usr/bin/env python")
+        ]
+        if scripts.is_dir()
+        else []
+    )
     return files
 
 
@@ -378,15 +415,16 @@ def test_every_name_is_imported_from_its_home():
         parts = list(rel.with_suffix("").parts)
         is_package = parts[-1] == "__init__"
         importer = ".".join(parts[:-1] if is_package else parts)
-        for node, source, alias in _imported(importer, is_package, ast.parse(_from_source(path))):
+        for _node, source, alias in _imported(importer, is_package, ast.parse(_from_source(path))):
             if alias is None or source not in modules:
                 continue
             if source not in homes:
                 homes[source] = _defines(source)
             if alias.name not in homes[source]:
                 elsewhere.append(f"{rel}: {alias.name} from {source}")
-    assert not elsewhere, "names imported from a module that only imports them (import each from its home):\n" + \
-        "\n".join(elsewhere)
+    assert not elsewhere, (
+        "names imported from a module that only imports them (import each from its home):\n" + "\n".join(elsewhere)
+    )
     for name, (home, attribute) in _lazy_names().items():
         assert attribute in _defines(home), f"dsv41.{name}: the facade's table names {home}, which does not define it"
 
@@ -403,13 +441,22 @@ def test_no_module_keeps_a_re_export_shim():
         is_package = path.name == "__init__.py"
         for node, source, alias in _imported(module, is_package, tree):
             where = f"{path.relative_to(ROOT)}:{node.lineno}"
-            if any("noqa" in line for line in lines[node.lineno - 1: node.end_lineno]):
+            if any("noqa" in line for line in lines[node.lineno - 1 : node.end_lineno]):
                 shims.append(f"{where}: a silenced import of {source}")
-            if is_package and node in tree.body and alias is not None and not (
-                    source.startswith(module + ".") and alias.asname in (None, alias.name)
-                    and not alias.name.startswith("_")):
-                shims.append(f"{where}: the package's face takes {alias.name} from {source}"
-                             + (f" as {alias.asname}" if alias.asname else ""))
+            if (
+                is_package
+                and node in tree.body
+                and alias is not None
+                and not (
+                    source.startswith(module + ".")
+                    and alias.asname in (None, alias.name)
+                    and not alias.name.startswith("_")
+                )
+            ):
+                shims.append(
+                    f"{where}: the package's face takes {alias.name} from {source}"
+                    + (f" as {alias.asname}" if alias.asname else "")
+                )
         if module != "dsv41" and any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body):
             shims.append(f"{path.relative_to(ROOT)}: a module __getattr__")
     assert not shims, "re-export shims:\n" + "\n".join(sorted(set(shims)))

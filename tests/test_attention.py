@@ -11,8 +11,6 @@ import dataclasses
 import pytest
 import torch
 
-from dsv41.attention import layer as attention_layer
-from dsv41.attention import state as attention_state
 from dsv41.attention import (
     Attention,
     AttentionRuntime,
@@ -20,6 +18,8 @@ from dsv41.attention import (
     candidate_block_scores,
     select_candidate_blocks,
 )
+from dsv41.attention import layer as attention_layer
+from dsv41.attention import state as attention_state
 from dsv41.config import TINY
 from dsv41.csa2_stack import AttentionStack
 from dsv41.kernels import SPARSE_ATTN_CHUNK, fp4_act_quant, sparse_attn
@@ -65,11 +65,22 @@ def _grouped(stack, x, method="forward"):
 # ------------------------------------------------------------------------------ structure
 def test_modes_own_exactly_their_checkpoint_tensors_in_runtime_dtypes():
     stack = AttentionStack(TINY, max_seq_len=MAX_SEQ)
-    common = {"attn_sink", "wq_a.weight", "wq_a.scale", "q_norm.weight", "wq_b.weight", "wq_b.scale",
-              "wkv.weight", "wkv.scale", "kv_norm.weight", "wo_a.weight", "wo_b.weight", "wo_b.scale"}
+    common = {
+        "attn_sink",
+        "wq_a.weight",
+        "wq_a.scale",
+        "q_norm.weight",
+        "wq_b.weight",
+        "wq_b.scale",
+        "wkv.weight",
+        "wkv.scale",
+        "kv_norm.weight",
+        "wo_a.weight",
+        "wo_b.weight",
+        "wo_b.scale",
+    }
     index_q = {"indexer.wq_b.weight", "indexer.wq_b.scale", "indexer.weights_proj.weight"}
-    full = index_q | {"compressor.wkv.weight", "compressor.norm.weight", "indexer.wk.weight",
-                      "indexer.k_norm.weight"}
+    full = index_q | {"compressor.wkv.weight", "compressor.norm.weight", "indexer.wk.weight", "indexer.k_norm.weight"}
     for i, layer in enumerate(stack.layers):
         names = {n for n, _ in layer.named_parameters()}
         extra = {2: full | {"compressor.wgate.weight"}, 4: full, 6: index_q}.get(i, set())
@@ -111,8 +122,15 @@ def test_modes_own_exactly_their_checkpoint_tensors_in_runtime_dtypes():
 
 def test_rope_tables_compressed_layers_yarn_window_layers_plain():
     stack = AttentionStack(TINY, max_seq_len=MAX_SEQ)
-    yarn = precompute_freqs_cis(TINY.rope_head_dim, MAX_SEQ, TINY.original_seq_len, TINY.compress_rope_theta,
-                                TINY.rope_factor, TINY.beta_fast, TINY.beta_slow)
+    yarn = precompute_freqs_cis(
+        TINY.rope_head_dim,
+        MAX_SEQ,
+        TINY.original_seq_len,
+        TINY.compress_rope_theta,
+        TINY.rope_factor,
+        TINY.beta_fast,
+        TINY.beta_slow,
+    )
     plain = precompute_freqs_cis(TINY.rope_head_dim, MAX_SEQ, 0, TINY.rope_theta, 1, 32, 1)
     for i, layer in enumerate(stack.layers):
         assert torch.equal(layer.freqs_cis, yarn if TINY.compress_ratios[i] else plain), i
@@ -130,7 +148,9 @@ def test_compressor_pools_with_a_float32_softmax_gate_and_carries_the_partial_gr
     for g in range(2):
         w = gate[0, 2 * g : 2 * g + 2].softmax(dim=0)
         pooled = (kv[0, 2 * g : 2 * g + 2] * w).sum(0)
-        torch.testing.assert_close(out[0, g].float(), comp.norm(pooled.bfloat16()[None])[0].float(), atol=0.02, rtol=0.02)
+        torch.testing.assert_close(
+            out[0, g].float(), comp.norm(pooled.bfloat16()[None])[0].float(), atol=0.02, rtol=0.02
+        )
     torch.testing.assert_close(comp.kv_state[0, 0], (x[0, 4:5].float() @ comp.wkv.weight.T)[0], rtol=1e-5, atol=1e-6)
     x5 = _x(1, seed=2)
     done = comp(x5, 5)  # position 5 completes group (4, 5), pooled from the carried token 4
@@ -187,7 +207,10 @@ def test_the_block_being_filled_is_kept_even_when_an_older_full_block_outscores_
     rows = torch.tensor([[3.0, 1.0, -inf, -inf], [3.0, 1.0, 2.0, -inf], [3.0, 1.0, 2.0, 0.0]])
     lens = torch.tensor([[2], [3], [4]])
     assert select_candidate_blocks(rows, lens, 1, 2).tolist() == [
-        [True, True, False, False], [False, False, True, True], [False, False, True, True]]
+        [True, True, False, False],
+        [False, False, True, True],
+        [False, False, True, True],
+    ]
 
 
 # ------------------------------------------------------------------------------ parity
@@ -349,11 +372,18 @@ def test_selections_are_causal_sorted_and_minus_one_padded():
 
 # ------------------------------------------------------------------------------ ownership
 def _snapshot(stack):
-    bufs = {(i, n): b.clone() for i, layer in enumerate(stack.layers) for n, b in layer.named_buffers()
-            if n != "freqs_cis"}
+    bufs = {
+        (i, n): b.clone() for i, layer in enumerate(stack.layers) for n, b in layer.named_buffers() if n != "freqs_cis"
+    }
     rt = stack.runtime
-    pub = {"compress_kv": rt.compress_kv_from, "index_k": rt.index_k_from, "topk": rt.topk_from,
-           "candidates": rt.candidates_from, "topk_obj": rt.topk, "cand_obj": rt.candidates}
+    pub = {
+        "compress_kv": rt.compress_kv_from,
+        "index_k": rt.index_k_from,
+        "topk": rt.topk_from,
+        "candidates": rt.candidates_from,
+        "topk_obj": rt.topk,
+        "cand_obj": rt.candidates,
+    }
     return bufs, pub
 
 
@@ -380,8 +410,9 @@ def test_cutting_a_call_short_in_place_equals_running_the_shorter_call(fix, cfg,
         for stack in (cut, whole):
             stack(x[:, :start], 0)
         rows = attention_state.capture(cut.layers, cut.runtime, start, 13)
-        assert [r.tail is not None for r in rows.layers] == [layer.ratio > 1 and layer.mode == "full"
-                                                             for layer in cut.layers]
+        assert [r.tail is not None for r in rows.layers] == [
+            layer.ratio > 1 and layer.mode == "full" for layer in cut.layers
+        ]
         cut(x[:, start:], start)
         assert attention_state.truncatable(cut.layers, start, 13)
         attention_state.truncate(cut.layers, cut.runtime, rows, keep_end)
@@ -446,8 +477,12 @@ def test_reset_state_clears_every_cache_and_two_stacks_share_nothing():
     assert torch.equal(torch.cat(out_x, 1), ref_x) and torch.equal(torch.cat(out_y, 1), ref_y)
     assert not torch.equal(ref_x, ref_y)
     a.reset_state()
-    assert all(not buf.any() for layer in a.layers for n, buf in layer.named_buffers()
-               if n not in ("freqs_cis", "compressor.score_state"))
+    assert all(
+        not buf.any()
+        for layer in a.layers
+        for n, buf in layer.named_buffers()
+        if n not in ("freqs_cis", "compressor.score_state")
+    )
     assert (a.layers[2].compressor.score_state == -torch.inf).all()
     assert a.runtime.topk is None and a.runtime.index_k is None and a.runtime.compress_kv is None
 
@@ -542,7 +577,9 @@ def test_stale_index_keys_default_and_fix_differ_exactly_on_the_incomplete_group
     for p in range(1, 28):
         same = torch.equal(recs[p].index_scores, fixed[p].index_scores)
         assert same == (p not in stale_steps) or (p in stale_steps and (recs[p].index_scores == 0).all()), p
-    assert sum(not torch.equal(recs[p].index_scores, fixed[p].index_scores) for p in stale_steps) >= len(stale_steps) - 2
+    assert (
+        sum(not torch.equal(recs[p].index_scores, fixed[p].index_scores) for p in stale_steps) >= len(stale_steps) - 2
+    )
 
     out_diff = (dec_stale != dec_fix).any(-1)[:, 0]  # [layer, position]
     # only layer 2 and its Reuse reader 3 can change, and only on stale steps

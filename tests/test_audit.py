@@ -99,8 +99,17 @@ def released_report(released_dir):
 def test_released_headers_pass_all_39_checks(released_report):
     r = released_report
     assert (len(r.checks), r.passed, r.failed, r.undecided, r.exit_code) == (39, 39, 0, 0, 0)
-    assert Counter(c.group for c in r.checks) == {"Config": 13, "Engram": 5, "CSA2": 5, "Inventory": 4,
-                                                  "Packing": 3, "Experts": 3, "DSpark": 3, "Vision": 2, "Index": 1}
+    assert Counter(c.group for c in r.checks) == {
+        "Config": 13,
+        "Engram": 5,
+        "CSA2": 5,
+        "Inventory": 4,
+        "Packing": 3,
+        "Experts": 3,
+        "DSpark": 3,
+        "Vision": 2,
+        "Index": 1,
+    }
     assert (r.tensors, r.bytes, r.expected_tensors, r.index_tensors) == (96_085, 510_286_023_000, 96_085, 96_085)
     assert len(r.files) == 48 and not r.missing_shards and not r.duplicates
     text = r.format()
@@ -112,14 +121,25 @@ def test_released_headers_pass_all_39_checks(released_report):
 def test_released_category_table_and_layer_partition(released_report):
     r = released_report
     table = {row.category: (row.tensors, f"{row.bytes / 2**30:.2f}") for row in r.categories}
-    assert table == {"routed experts": (94_464, "275.67"), "Engram": (12, "189.13"), "attention": (603, "4.80"),
-                     "embedding and head": (3, "2.47"), "shared experts": (240, "1.32"),
-                     "vision and aligner": (266, "0.90"), "MTP / DSpark": (97, "0.66"),
-                     "norms and hyper-connections": (400, "0.29")}
-    assert r.layer_modes == {"full": [2, 8, 14, 20], "reindex": [24, 28, 32, 36],
-                             "reuse": [i for i in range(40) if i not in (2, 8, 14, 20, 24, 28, 32, 36)]}
+    assert table == {
+        "routed experts": (94_464, "275.67"),
+        "Engram": (12, "189.13"),
+        "attention": (603, "4.80"),
+        "embedding and head": (3, "2.47"),
+        "shared experts": (240, "1.32"),
+        "vision and aligner": (266, "0.90"),
+        "MTP / DSpark": (97, "0.66"),
+        "norms and hyper-connections": (400, "0.29"),
+    }
+    assert r.layer_modes == {
+        "full": [2, 8, 14, 20],
+        "reindex": [24, 28, 32, 36],
+        "reuse": [i for i in range(40) if i not in (2, 8, 14, 20, 24, 28, 32, 36)],
+    }
     assert Counter(r.layer_tensor_counts) == {2_334: 31, 2_337: 4, 2_340: 1, 2_341: 1, 2_342: 2, 2_348: 1}
-    assert r.layer_tensor_counts[1] == 2_340 and r.layer_tensor_counts[14] == 2_348 and r.layer_tensor_counts[20] == 2_341
+    assert (
+        r.layer_tensor_counts[1] == 2_340 and r.layer_tensor_counts[14] == 2_348 and r.layer_tensor_counts[20] == 2_341
+    )
 
 
 def test_partial_release_waits_on_the_engram_shards(released_dir, tmp_path):
@@ -246,6 +266,7 @@ def test_missing_shard_without_index_is_undecided(tiny):
 def test_a_wrong_shape_fails_while_other_shards_are_missing(tmp_path):
     def widen(rows):
         return [(n, d, (s[0], s[1] + 32) if n == "layers.0.attn.wq_a.weight" else s, sh) for n, d, s, sh in rows]
+
     d = write_checkpoint(tmp_path / "w", mutate=widen)
     os.remove(d / shard_of(tiny_config(), "layer 5"))
     r = audit.run_audit(str(d))
@@ -256,29 +277,66 @@ def test_a_wrong_shape_fails_while_other_shards_are_missing(tmp_path):
 
 def _retype(target, dtype, shape=None):
     """A mutate that stores `target` as `dtype` (and `shape`, when given), everything else as is."""
+
     def change(rows):
         assert target in {n for n, _, _, _ in rows}
         return [(n, dtype, tuple(shape or s), sh) if n == target else (n, d, s, sh) for n, d, s, sh in rows]
+
     return change
 
 
 # (tensor, stored dtype, stored shape or None for the inventory's, expected text, checks that must fail)
 WRONG_DTYPES = [
-    ("layers.0.attn.wq_a.weight", "I8", None, "layers.0.attn.wq_a.weight is I8, expected F8_E4M3",
-     {"inventory.shapes", "packing.fp8_block"}),
-    ("layers.0.ffn.shared_experts.w1.weight", "I8", None,
-     "layers.0.ffn.shared_experts.w1.weight is I8, expected F8_E4M3", {"inventory.shapes", "packing.fp8_block"}),
-    ("mtp.0.main_proj.weight", "I8", None, "mtp.0.main_proj.weight is I8, expected F8_E4M3",
-     {"inventory.shapes", "packing.fp8_block", "dspark.main_proj"}),
-    ("layers.2.ffn.experts.3.w2.weight", "F8_E4M3", None, "layers.2.ffn.experts.3.w2.weight is F8_E4M3, expected I8",
-     {"inventory.shapes", "experts.fp4", "packing.fp8_block"}),
+    (
+        "layers.0.attn.wq_a.weight",
+        "I8",
+        None,
+        "layers.0.attn.wq_a.weight is I8, expected F8_E4M3",
+        {"inventory.shapes", "packing.fp8_block"},
+    ),
+    (
+        "layers.0.ffn.shared_experts.w1.weight",
+        "I8",
+        None,
+        "layers.0.ffn.shared_experts.w1.weight is I8, expected F8_E4M3",
+        {"inventory.shapes", "packing.fp8_block"},
+    ),
+    (
+        "mtp.0.main_proj.weight",
+        "I8",
+        None,
+        "mtp.0.main_proj.weight is I8, expected F8_E4M3",
+        {"inventory.shapes", "packing.fp8_block", "dspark.main_proj"},
+    ),
+    (
+        "layers.2.ffn.experts.3.w2.weight",
+        "F8_E4M3",
+        None,
+        "layers.2.ffn.experts.3.w2.weight is F8_E4M3, expected I8",
+        {"inventory.shapes", "experts.fp4", "packing.fp8_block"},
+    ),
     # a BF16 norm stored as F32 over half the elements: the same byte extent, so only the dtype check sees it
-    ("layers.1.attn_norm.weight", "F32", (64,), "layers.1.attn_norm.weight is F32 [64], expected BF16 [128]",
-     {"inventory.shapes", "inventory.unquantized"}),
-    ("layers.3.hc_ffn_base", "BF16", (48,), "layers.3.hc_ffn_base is BF16 [48], expected F32 [24]",
-     {"inventory.shapes", "inventory.unquantized"}),
-    ("layers.1.engram.embed.weight", "I8", None, "layers.1.engram.embed.weight is I8 [6126, 32], expected F8_E4M3",
-     {"engram.dtype"}),
+    (
+        "layers.1.attn_norm.weight",
+        "F32",
+        (64,),
+        "layers.1.attn_norm.weight is F32 [64], expected BF16 [128]",
+        {"inventory.shapes", "inventory.unquantized"},
+    ),
+    (
+        "layers.3.hc_ffn_base",
+        "BF16",
+        (48,),
+        "layers.3.hc_ffn_base is BF16 [48], expected F32 [24]",
+        {"inventory.shapes", "inventory.unquantized"},
+    ),
+    (
+        "layers.1.engram.embed.weight",
+        "I8",
+        None,
+        "layers.1.engram.embed.weight is I8 [6126, 32], expected F8_E4M3",
+        {"engram.dtype"},
+    ),
 ]
 
 
@@ -308,9 +366,10 @@ def test_many_wrong_dtypes_are_named_first_few_then_counted(tmp_path):
 
     def retype_all(rows):
         return [(n, "I8" if n in targets else d, s, sh) for n, d, s, sh in rows]
+
     r = audit.run_audit(str(write_checkpoint(tmp_path / "m", mutate=retype_all)), require_complete=True)
     detail = r.check("inventory.shapes").detail
-    for name in targets[:audit.SHOWN]:
+    for name in targets[: audit.SHOWN]:
         assert f"{name} is I8, expected F8_E4M3" in detail
     assert targets[audit.SHOWN] not in detail
     assert detail.endswith(f"... and {len(targets) - audit.SHOWN} more")
@@ -328,11 +387,14 @@ def test_unexpected_tensor_fails_the_inventory(tmp_path):
     def plant(rows):
         shard = next(sh for n, _, _, sh in rows if n.startswith("layers.3."))
         return rows + [("layers.3.attn.compressor.wkv.weight", "BF16", (64, 128), shard)]
+
     r = audit.run_audit(str(write_checkpoint(tmp_path / "x", mutate=plant)))
     failed = not_passed(r)
     assert failed["inventory.layer_sets"] == audit.FAIL and failed["csa2.compressor"] == audit.FAIL
     assert failed["index.shards"] == audit.FAIL  # the index (written from the clean inventory) lacks it
-    assert "layers.3.attn.compressor.wkv.weight is not in the config's inventory" in r.check("inventory.layer_sets").detail
+    assert (
+        "layers.3.attn.compressor.wkv.weight is not in the config's inventory" in r.check("inventory.layer_sets").detail
+    )
 
 
 def test_index_that_disagrees_with_a_shard(tiny):
@@ -406,6 +468,7 @@ def _head_shard(tiny):
 def test_overlapping_offsets(tiny):
     def overlap(doc):
         doc["norm.weight"]["data_offsets"] = [0, 256]
+
     _rewrite_header(_head_shard(tiny), overlap)
     detail = audit.run_audit(str(tiny)).check("packing.extents").detail
     assert "overlap" in detail and _head_shard(tiny).name in detail
@@ -415,6 +478,7 @@ def test_gapped_offsets(tiny):
     def gap(doc):
         begin, end = doc["norm.weight"]["data_offsets"]
         doc["norm.weight"]["data_offsets"] = [begin + 2, end + 2]
+
     _rewrite_header(_head_shard(tiny), gap)
     r = audit.run_audit(str(tiny))
     assert "a gap of 2 unreferenced bytes" in r.check("packing.extents").detail
@@ -425,6 +489,7 @@ def test_offsets_past_end_of_file(tiny):
     def past(doc):
         begin, end = doc["head.weight"]["data_offsets"]
         doc["head.weight"]["data_offsets"] = [begin + 10**6, end + 10**6]
+
     _rewrite_header(_head_shard(tiny), past)
     assert "the file is truncated" in audit.run_audit(str(tiny)).check("packing.extents").detail
 
@@ -437,12 +502,15 @@ def test_truncated_payload(tiny, capsys):
     assert code == 1 and "[FAIL     ] packing.extents" in out and "truncated" in out
 
 
-@pytest.mark.parametrize("damage, sentence", [
-    (lambda p: open(p, "r+b").truncate(40), "runs past the end of the file"),
-    (lambda p: p.write_bytes(p.read_bytes()[:8] + b"[" + p.read_bytes()[9:]), "not valid JSON"),
-    (lambda p: p.write_bytes(p.read_bytes().replace(b'"BF16"', b'"BF99"', 1)), "unknown dtype 'BF99'"),
-    (lambda p: p.write_text("just some text saved under a shard's name"), "not a safetensors file"),
-])
+@pytest.mark.parametrize(
+    "damage, sentence",
+    [
+        (lambda p: open(p, "r+b").truncate(40), "runs past the end of the file"),
+        (lambda p: p.write_bytes(p.read_bytes()[:8] + b"[" + p.read_bytes()[9:]), "not valid JSON"),
+        (lambda p: p.write_bytes(p.read_bytes().replace(b'"BF16"', b'"BF99"', 1)), "unknown dtype 'BF99'"),
+        (lambda p: p.write_text("just some text saved under a shard's name"), "not a safetensors file"),
+    ],
+)
 def test_unreadable_shard_is_one_sentence_and_exit_1(tiny, capsys, damage, sentence):
     path = _head_shard(tiny)
     damage(path)
@@ -461,11 +529,14 @@ def _without_config(d):
     shutil.rmtree(d / "inference")
 
 
-@pytest.mark.parametrize("setup, sentence", [
-    (lambda d: None, "no safetensors shards here"),
-    (lambda d: (d / "notes.txt").write_text("no shards, only notes"), "no safetensors shards here"),
-    (_without_config, "no config.json or inference/config.json"),
-])
+@pytest.mark.parametrize(
+    "setup, sentence",
+    [
+        (lambda d: None, "no safetensors shards here"),
+        (lambda d: (d / "notes.txt").write_text("no shards, only notes"), "no safetensors shards here"),
+        (_without_config, "no config.json or inference/config.json"),
+    ],
+)
 def test_unusable_directory_is_one_sentence_and_exit_1(tmp_path, capsys, setup, sentence):
     d = tmp_path / "ckpt"
     d.mkdir()
@@ -484,13 +555,16 @@ def test_missing_directory_and_missing_index(tmp_path, tiny, capsys):
     assert code == 1 and "no such index file" in err
 
 
-@pytest.mark.parametrize("args", [
-    [],
-    ["--checkpoint-dir"],
-    ["--checkpoint-dir", ".", "--list-tensors", "("],
-    ["--checkpoint-dir", ".", "--expect-fp8-block", "0", "32"],
-    ["--checkpoint-dir", ".", "--bogus"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["--checkpoint-dir"],
+        ["--checkpoint-dir", ".", "--list-tensors", "("],
+        ["--checkpoint-dir", ".", "--expect-fp8-block", "0", "32"],
+        ["--checkpoint-dir", ".", "--bogus"],
+    ],
+)
 def test_bad_usage_exits_2(args, capsys):
     code, _, _ = cli(args, capsys)
     assert code == 2
@@ -510,6 +584,7 @@ def test_written_tiny_checkpoint_passes_and_a_retyped_weight_in_it_fails(tiny_ch
         def relabel(doc, name=name):
             assert doc[name]["dtype"] == "F8_E4M3"
             doc[name]["dtype"] = "I8"
+
         _rewrite_header(copy / os.path.basename(shard), relabel)
     bad = audit.run_audit(str(copy), require_complete=True)
     assert not_passed(bad) == {"inventory.shapes": audit.FAIL, "packing.fp8_block": audit.FAIL}
@@ -518,13 +593,15 @@ def test_written_tiny_checkpoint_passes_and_a_retyped_weight_in_it_fails(tiny_ch
 
 
 # ---------------------------------------------------------------------- a config no checkpoint can have
-ABSURD = [({"norm_eps": float("nan")}, "norm_eps (text_config.rms_norm_eps) is NaN, not a finite number"),
-          ({"rope_theta": -1}, "rope_theta is -1, it must be above 1"),
-          ({"dim": -1}, "dim (text_config.hidden_size) is -1"),
-          ({"n_heads": 0}, "n_heads (text_config.num_attention_heads) is 0"),
-          ({"n_routed_experts": 10 ** 12}, "n_routed_experts is 1,000,000,000,000"),
-          ({"n_layers": 10 ** 9}, "n_layers (text_config.num_hidden_layers) is 1,000,000,000"),
-          ({"n_mtp_layers": 137438953471}, "n_mtp_layers (text_config.num_nextn_predict_layers) is 137,438,953,471")]
+ABSURD = [
+    ({"norm_eps": float("nan")}, "norm_eps (text_config.rms_norm_eps) is NaN, not a finite number"),
+    ({"rope_theta": -1}, "rope_theta is -1, it must be above 1"),
+    ({"dim": -1}, "dim (text_config.hidden_size) is -1"),
+    ({"n_heads": 0}, "n_heads (text_config.num_attention_heads) is 0"),
+    ({"n_routed_experts": 10**12}, "n_routed_experts is 1,000,000,000,000"),
+    ({"n_layers": 10**9}, "n_layers (text_config.num_hidden_layers) is 1,000,000,000"),
+    ({"n_mtp_layers": 137438953471}, "n_mtp_layers (text_config.num_nextn_predict_layers) is 137,438,953,471"),
+]
 
 
 @pytest.mark.parametrize("change, sentence", ABSURD, ids=[next(iter(c)) for c, _ in ABSURD])
@@ -545,7 +622,9 @@ def test_an_absurd_config_fails_its_config_check_promptly(tiny, tmp_path, capsys
     assert required.title.endswith("are present, with values a checkpoint can have")
     for c in r.checks:
         if c.id != "config.required_keys":
-            assert c.status == audit.FAIL and c.detail.startswith("not evaluated: the config has values no checkpoint can have")
+            assert c.status == audit.FAIL and c.detail.startswith(
+                "not evaluated: the config has values no checkpoint can have"
+            )
     assert r.exit_code == 1 and r.expected_tensors == 0 and r.tensors == len(expected_tensors(tiny_config()))
     json.dumps(r.to_dict())
     code, out, _ = cli(["--checkpoint-dir", tiny, "--config", other, "--json", tmp_path / "r.json"], capsys)
@@ -590,8 +669,12 @@ def test_values_of_a_clean_checkpoint_report_none(tiny_copy, tmp_path, capsys):
     v = r.values
     assert v.findings == [] and v.unread == [] and v.files == 16 and r.exit_code == 0
     assert v.tensors + v.not_float == r.tensors and v.tensors > 0
-    assert v.bytes == sum(e.nbytes for f in r.files for e in headers.read_header(f.path).entries.values()
-                          if e.dtype not in ("I8", "U8", "I16", "I32", "I64", "BOOL"))
+    assert v.bytes == sum(
+        e.nbytes
+        for f in r.files
+        for e in headers.read_header(f.path).entries.values()
+        if e.dtype not in ("I8", "U8", "I16", "I32", "I64", "BOOL")
+    )
     code, out, err = cli(["--checkpoint-dir", tiny_copy, "--values", "--json", tmp_path / "v.json"], capsys)
     assert code == 0 and "no NaN or Inf codes" in out
     doc = json.loads((tmp_path / "v.json").read_text())
@@ -607,15 +690,30 @@ def test_values_name_a_nan_in_norm_weight_with_its_count(tiny_copy, tmp_path, ca
     assert audit.run_audit(str(tiny_copy)).exit_code == 0  # the headers are as they were
     r = audit.run_audit(str(tiny_copy), values=True)
     [finding] = r.values.findings
-    assert (finding.tensor, finding.dtype, finding.nan, finding.inf, finding.elements) == ("norm.weight", "BF16", 2, 1, 128)
+    assert (finding.tensor, finding.dtype, finding.nan, finding.inf, finding.elements) == (
+        "norm.weight",
+        "BF16",
+        2,
+        1,
+        128,
+    )
     assert finding.shard == path.name and r.exit_code == 1 and r.passed == 39
     code, out, err = cli(["--checkpoint-dir", tiny_copy, "--values", "--json", tmp_path / "v.json"], capsys)
     assert code == 1
     assert f"[FAIL     ] norm.weight (BF16 [128] in {path.name}): 2 NaN and 1 Inf of 128 values" in out
     assert "values: 1 tensor(s) with non-finite codes; exit 1" in out
     doc = json.loads((tmp_path / "v.json").read_text())
-    assert doc["values"]["findings"] == [{"tensor": "norm.weight", "shard": path.name, "dtype": "BF16", "shape": [128],
-                                          "elements": 128, "nan": 2, "inf": 1}]
+    assert doc["values"]["findings"] == [
+        {
+            "tensor": "norm.weight",
+            "shard": path.name,
+            "dtype": "BF16",
+            "shape": [128],
+            "elements": 128,
+            "nan": 2,
+            "inf": 1,
+        }
+    ]
     assert doc["summary"]["value_problems"] == 1 and doc["summary"]["exit_code"] == 1
 
 
@@ -642,15 +740,18 @@ def test_values_of_header_prefixes_are_unread_not_guessed(tmp_path):
     assert "run past the end" in r.values.unread[0][1] and "[not read ]" in r.format()
 
 
-@pytest.mark.parametrize("dtype, codes, counts", [
-    ("F8_E4M3", b"\x7f\xff\x00\x7e\x80", (2, 0)),
-    ("F8_E5M2", b"\x7c\xfc\x7d\xff\x7b", (2, 2)),
-    ("F8_E8M0", b"\xff\xfe\x00", (1, 0)),
-    ("BF16", struct.pack("<5H", 0x7F80, 0xFF80, 0x7FC0, 0x7F7F, 0x0001), (1, 2)),
-    ("F16", struct.pack("<4H", 0x7C00, 0xFC01, 0x7BFF, 0x0000), (1, 1)),
-    ("F32", struct.pack("<4f", float("inf"), float("-inf"), float("nan"), 3.4e38), (1, 2)),
-    ("F64", struct.pack("<3d", float("nan"), 1e308, float("-inf")), (1, 1)),
-])
+@pytest.mark.parametrize(
+    "dtype, codes, counts",
+    [
+        ("F8_E4M3", b"\x7f\xff\x00\x7e\x80", (2, 0)),
+        ("F8_E5M2", b"\x7c\xfc\x7d\xff\x7b", (2, 2)),
+        ("F8_E8M0", b"\xff\xfe\x00", (1, 0)),
+        ("BF16", struct.pack("<5H", 0x7F80, 0xFF80, 0x7FC0, 0x7F7F, 0x0001), (1, 2)),
+        ("F16", struct.pack("<4H", 0x7C00, 0xFC01, 0x7BFF, 0x0000), (1, 1)),
+        ("F32", struct.pack("<4f", float("inf"), float("-inf"), float("nan"), 3.4e38), (1, 2)),
+        ("F64", struct.pack("<3d", float("nan"), 1e308, float("-inf")), (1, 1)),
+    ],
+)
 def test_count_codes(dtype, codes, counts):
     from dsv41.audit.values import count_codes
 

@@ -39,6 +39,7 @@ def test_bench_experts_writes_a_report_of_measured_numbers(tmp_path, capsys):
 
     def kernel_name(cell):
         return next(k for k, c in row["kernels"].items() if c is cell)
+
     for row in report["shapes"]:
         assert row["baseline_s"] > 0 and set(row["kernels"]) == set(kernels)
         for cell in row["kernels"].values():
@@ -60,9 +61,11 @@ def test_bench_experts_writes_a_report_of_measured_numbers(tmp_path, capsys):
 
 
 def test_targets_are_judged_from_the_measured_numbers():
-    shapes = [{"tokens": 1, "kernels": {"native": {"speedup": 31.0, "fraction_of_copy": 0.39}}},
-              {"tokens": 16, "kernels": {"native": {"speedup": 2.0, "fraction_of_copy": 0.1}}},
-              {"tokens": 512, "kernels": {"native": {"speedup": 5.5, "fraction_of_copy": 0.02}}}]
+    shapes = [
+        {"tokens": 1, "kernels": {"native": {"speedup": 31.0, "fraction_of_copy": 0.39}}},
+        {"tokens": 16, "kernels": {"native": {"speedup": 2.0, "fraction_of_copy": 0.1}}},
+        {"tokens": 512, "kernels": {"native": {"speedup": 5.5, "fraction_of_copy": 0.02}}},
+    ]
     lines = []
     results = _check_targets(shapes, "native", lines.append)
     assert [(r["tokens"], r["met"]) for r in results] == [(1, False), (512, True)]  # 39% < 40%; 5.5x >= 5x
@@ -96,8 +99,10 @@ def test_bench_times_the_computation_the_model_runs():
     assert ids.shape == (4, 6) and all(len(set(row.tolist())) == 6 for row in ids)
     assert torch.allclose(weights.sum(-1), torch.ones(4))
     got = bench.fused_moe(x, ids, weights, routed, shared, bench.SWIGLU_LIMIT)
-    ref = routed_experts_reference(x, ids, weights, routed, bench.SWIGLU_LIMIT) + \
-        expert_ffn_reference(x, shared, bench.SWIGLU_LIMIT).float()
+    ref = (
+        routed_experts_reference(x, ids, weights, routed, bench.SWIGLU_LIMIT)
+        + expert_ffn_reference(x, shared, bench.SWIGLU_LIMIT).float()
+    )
     assert (got - ref).abs().max() <= 2.0**-6 * ref.abs().max()
     for w, s in ((routed[0].w1, routed[0].w1_scale), (shared.w2, shared.w2_scale)):
         assert torch.equal(_expand_bf16(w, s), dequantize(w, s, dtype=torch.bfloat16))
@@ -135,8 +140,11 @@ def test_bench_decode_runs_both_modes_on_a_synthetic_checkpoint(tmp_path, capsys
         assert set(phases) == set(bench.PHASES) | {"other"}
         assert all(phases[p] > 0 for p in bench.PHASES)  # every phase ran and was timed
         assert math.isclose(sum(phases.values()), r["decode_s"] / 2, rel_tol=1e-9)
-    assert math.isclose(report["speedup"], report["modes"]["fused"]["tokens_per_s"]
-                        / report["modes"]["baseline"]["tokens_per_s"], rel_tol=1e-12)
+    assert math.isclose(
+        report["speedup"],
+        report["modes"]["fused"]["tokens_per_s"] / report["modes"]["baseline"]["tokens_per_s"],
+        rel_tol=1e-12,
+    )
     # the second run reuses the checkpoint; a non-empty folder that is not one is refused
     assert main([*args, "--checkpoint", str(ckpt)]) == 0
     assert "wrote the synthetic checkpoint" not in capsys.readouterr().out
@@ -157,18 +165,41 @@ def test_bench_on_cuda_without_cuda_is_refused_in_one_sentence(capsys):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device with Triton; the kernels are checked on CPU through TRITON_INTERPRET in test_experts")
+@pytest.mark.skipif(
+    not CUDA,
+    reason="needs a CUDA device with Triton; the kernels are checked on CPU through TRITON_INTERPRET in test_experts",
+)
 def test_bench_on_cuda_reports_measured_ratios(tmp_path):
     out = tmp_path / "gpu.json"
-    assert main(["bench", "experts", "--device", "cuda", "--tokens", "1,3", "--experts", "6", "--json", str(out),
-                 "--dims", "256,128", "--repeats", "2"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "experts",
+                "--device",
+                "cuda",
+                "--tokens",
+                "1,3",
+                "--experts",
+                "6",
+                "--json",
+                str(out),
+                "--dims",
+                "256,128",
+                "--repeats",
+                "2",
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     copy_bw = report["copy_bandwidth_bytes_per_s"]
     decode, three = report["shapes"]
     for row in (decode, three):
         assert math.isclose(row["fraction_of_copy"], row["packed_bytes"] / row["routed_s"] / copy_bw, rel_tol=1e-12)
-    assert math.isclose(decode["gemv_fraction_of_copy"], decode["packed_bytes"] / decode["gemv_s"] / copy_bw,
-                        rel_tol=1e-12)
+    assert math.isclose(
+        decode["gemv_fraction_of_copy"], decode["packed_bytes"] / decode["gemv_s"] / copy_bw, rel_tol=1e-12
+    )
     assert "gemv_s" not in three and "targets" not in report  # targets: released sizes only
 
 
@@ -176,13 +207,31 @@ def test_bench_prefill_times_one_shot_against_chunks_in_one_run(tiny_checkpoint,
     from dsv41.bench import cli_main
 
     out = tmp_path / "prefill.json"
-    assert cli_main(["prefill", "--checkpoint", tiny_checkpoint, "--tokens", "48", "--chunks", "8,16,64",
-                     "--repeats", "1", "--json", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "prefill",
+                "--checkpoint",
+                tiny_checkpoint,
+                "--tokens",
+                "48",
+                "--chunks",
+                "8,16,64",
+                "--repeats",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())["embedded"]
     runs = {r["chunk"]: r for r in report["runs"]}
     assert sorted(runs) == [8, 16, 48]  # 64 is not below the prompt: one-shot already covers it
     assert runs[48]["ratio_to_one_shot"] == 1.0 and runs[48]["last_logits_equal"]
-    assert runs[8]["calls"] == 6 and all(r["seconds"] > 0 and math.isfinite(r["ratio_to_one_shot"]) for r in runs.values())
+    assert runs[8]["calls"] == 6 and all(
+        r["seconds"] > 0 and math.isfinite(r["ratio_to_one_shot"]) for r in runs.values()
+    )
     assert "chunks of     8" in capsys.readouterr().out
     assert cli_main(["prefill", "--checkpoint", tiny_checkpoint, "--tokens", "1"]) == 2
 
@@ -194,8 +243,23 @@ def test_bench_decode_released_reports_phases_against_their_floor(tmp_path, caps
     from dsv41.config import RELEASED
 
     out = tmp_path / "released.json"
-    args = ["bench", "decode", "--geometry", "released", "--small", "--tokens", "2", "--prompt", "4",
-            "--repeats", "1", "--copy-mib", "8", "--json", str(out)]
+    args = [
+        "bench",
+        "decode",
+        "--geometry",
+        "released",
+        "--small",
+        "--tokens",
+        "2",
+        "--prompt",
+        "4",
+        "--repeats",
+        "1",
+        "--copy-mib",
+        "8",
+        "--json",
+        str(out),
+    ]
     assert main([*args, "--checkpoint", str(tmp_path / "ckpt")]) == 0
     printed = capsys.readouterr().out
     assert "released-geometry checkpoint" in printed and "of floor" in printed and "a prediction" in printed
@@ -229,8 +293,11 @@ def test_bench_decode_released_reports_phases_against_their_floor(tmp_path, caps
 
 def test_released_decode_targets_leave_out_the_latency_bound_phase():
     """The decode targets: the whole token at 50% of its floor, every phase at 30% but "other"."""
+
     def cell(token, **fractions):
-        phases = {name: {"fraction_of_floor": fractions.get(name.replace(" ", "_"), 0.9)} for name in bench.RELEASED_PHASES}
+        phases = {
+            name: {"fraction_of_floor": fractions.get(name.replace(" ", "_"), 0.9)} for name in bench.RELEASED_PHASES
+        }
         return {"token": {"fraction_of_floor": token}, "phases": phases}
 
     met = _released_targets(cell(0.6, other=0.02, routed_experts=0.31))
@@ -248,9 +315,24 @@ def test_released_decode_config_is_the_released_geometry_on_few_layers():
     from dsv41.config import RELEASED
 
     cfg = bench.released_decode_config(3, 10)
-    for field in ("dim", "n_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "index_n_heads",
-                  "index_head_dim", "window_size", "index_topk", "moe_inter_dim", "n_activated_experts",
-                  "vocab_size", "n_shared_experts", "engram_head_dim", "engram_n_heads"):
+    for field in (
+        "dim",
+        "n_heads",
+        "head_dim",
+        "q_lora_rank",
+        "o_groups",
+        "o_lora_rank",
+        "index_n_heads",
+        "index_head_dim",
+        "window_size",
+        "index_topk",
+        "moe_inter_dim",
+        "n_activated_experts",
+        "vocab_size",
+        "n_shared_experts",
+        "engram_head_dim",
+        "engram_n_heads",
+    ):
         assert getattr(cfg, field) == getattr(RELEASED, field), field
     assert cfg.layer_modes == ("full", "reuse", "reuse") and cfg.n_routed_experts == 10
     assert cfg.verify() == []
@@ -266,8 +348,27 @@ def test_bench_decode_released_on_cuda_is_one_command(tmp_path, capsys):
     from dsv41.kernels.triton_experts import available
 
     out = tmp_path / "cuda.json"
-    args = ["bench", "decode", "--geometry", "released", "--small", "--tokens", "1", "--prompt", "3", "--repeats",
-            "1", "--copy-mib", "8", "--device", "cuda", "--checkpoint", str(tmp_path / "ckpt"), "--json", str(out)]
+    args = [
+        "bench",
+        "decode",
+        "--geometry",
+        "released",
+        "--small",
+        "--tokens",
+        "1",
+        "--prompt",
+        "3",
+        "--repeats",
+        "1",
+        "--copy-mib",
+        "8",
+        "--device",
+        "cuda",
+        "--checkpoint",
+        str(tmp_path / "ckpt"),
+        "--json",
+        str(out),
+    ]
     if available():
         assert main(args) == 0
         assert json.loads(out.read_text())["expert_device"] == "cuda"

@@ -30,15 +30,22 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import BROWSER_EXPORTS, SMOKE_THREADS, group_of, notebook_group
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 # without the background-networking flags Chromium keeps dialing out, and a closed network
 # answers every try with a refused connection
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 SERVER_START_S = 90  # JupyterLab answering on its port
 KERNEL_READY_S = 90  # the notebook's kernel started and idle
 RUN_ALL_S = 300  # Run All Cells until the kernel is idle again (measured: at most 28 s, notebook 04)
@@ -82,8 +89,10 @@ class Lab:
         shutil.copytree(REPO / "notebooks", self.root, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
         for name in NOTEBOOKS:
             self.exports(name).mkdir(parents=True)
-            _inject_parameters(self.root / f"{name}.ipynb", {"checkpoint": checkpoint, "smoke": True,
-                                                              "output_dir": str(self.exports(name))})
+            _inject_parameters(
+                self.root / f"{name}.ipynb",
+                {"checkpoint": checkpoint, "smoke": True, "output_dir": str(self.exports(name))},
+            )
         self.token = secrets.token_hex(16)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -97,56 +106,84 @@ class Lab:
         private = self.base / "jupyter"
         # live widgets, not static figures; the kernel is this Python's (no kernelspec from JUPYTER_PATH)
         env = {k: v for k, v in os.environ.items() if k not in ("DSV41_HEADLESS", "JUPYTER_PATH")}
-        env.update({
-            "JUPYTER_CONFIG_DIR": str(private / "config"), "JUPYTER_RUNTIME_DIR": str(private / "runtime"),
-            "JUPYTER_DATA_DIR": str(private / "data"), "JUPYTERLAB_SETTINGS_DIR": str(private / "settings"),
-            "JUPYTERLAB_WORKSPACES_DIR": str(private / "workspaces"), "IPYTHONDIR": str(private / "ipython"),
-            "DSV41_CACHE": str(self.base / "dsv41-cache"),  # the tiny checkpoint and native kernel, never the user's cache
-            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-            # the notebook tests' torch threads (conftest.SMOKE_THREADS), so both runs are alike
-            "OMP_NUM_THREADS": str(SMOKE_THREADS),
-        })
+        env.update(
+            {
+                "JUPYTER_CONFIG_DIR": str(private / "config"),
+                "JUPYTER_RUNTIME_DIR": str(private / "runtime"),
+                "JUPYTER_DATA_DIR": str(private / "data"),
+                "JUPYTERLAB_SETTINGS_DIR": str(private / "settings"),
+                "JUPYTERLAB_WORKSPACES_DIR": str(private / "workspaces"),
+                "IPYTHONDIR": str(private / "ipython"),
+                "DSV41_CACHE": str(
+                    self.base / "dsv41-cache"
+                ),  # the tiny checkpoint and native kernel, never the user's cache
+                "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+                # the notebook tests' torch threads (conftest.SMOKE_THREADS), so both runs are alike
+                "OMP_NUM_THREADS": str(SMOKE_THREADS),
+            }
+        )
         return env
 
     def _settings(self) -> None:
         """User settings in the private settings folder: every cell attached to the DOM (the
         checks read all outputs), no news or update checks (no network, no toast)."""
         settings = self.base / "jupyter" / "settings" / "@jupyterlab"
-        for rel, value in (("notebook-extension/tracker.jupyterlab-settings", {"windowingMode": "none"}),
-                           ("apputils-extension/notification.jupyterlab-settings",
-                            {"fetchNews": "false", "checkForUpdates": False})):
+        for rel, value in (
+            ("notebook-extension/tracker.jupyterlab-settings", {"windowingMode": "none"}),
+            ("apputils-extension/notification.jupyterlab-settings", {"fetchNews": "false", "checkForUpdates": False}),
+        ):
             path = settings / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(value))
 
     def start(self) -> None:
         self._settings()
-        cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={self.port}",
-               "--ServerApp.port_retries=0", "--ServerApp.ip=127.0.0.1", f"--ServerApp.token={self.token}",
-               f"--ServerApp.root_dir={self.root}", "--LabApp.expose_app_in_browser=True"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            f"--port={self.port}",
+            "--ServerApp.port_retries=0",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.token={self.token}",
+            f"--ServerApp.root_dir={self.root}",
+            "--LabApp.expose_app_in_browser=True",
+        ]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-root")
         log = open(self.log_path, "wb")
         # its own session, so the finalizer can end the server and the kernels it started together
-        self.proc = subprocess.Popen(cmd, cwd=self.root, env=self.env(), stdin=subprocess.DEVNULL, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=self.root,
+            env=self.env(),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
         deadline = time.monotonic() + SERVER_START_S
         while True:
             if self.proc.poll() is not None:
-                raise AssertionError(f"JupyterLab exited with {self.proc.returncode} before answering:\n{self.log_tail()}")
+                raise AssertionError(
+                    f"JupyterLab exited with {self.proc.returncode} before answering:\n{self.log_tail()}"
+                )
             try:
                 self.api("GET", "/api/status", timeout=5)
                 return
             except (OSError, urllib.error.URLError):
                 pass
             if time.monotonic() > deadline:
-                raise AssertionError(f"JupyterLab did not answer on {self.url} within {SERVER_START_S} s:\n{self.log_tail()}")
+                raise AssertionError(
+                    f"JupyterLab did not answer on {self.url} within {SERVER_START_S} s:\n{self.log_tail()}"
+                )
             time.sleep(0.5)
 
     def api(self, method: str, path: str, timeout: float = 10):
-        req = urllib.request.Request(self.url + path, method=method,
-                                     headers={"Authorization": f"token {self.token}"})
+        req = urllib.request.Request(self.url + path, method=method, headers={"Authorization": f"token {self.token}"})
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read()
         return json.loads(body) if body else None
@@ -230,8 +267,13 @@ def browser_context(lab):
 
     with sync_playwright() as p:
         context = p.chromium.launch_persistent_context(
-            str(lab.base / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 1000}, timeout=60_000)
+            str(lab.base / "chromium-profile"),
+            executable_path=CHROMIUM,
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000},
+            timeout=60_000,
+        )
         context.set_default_timeout(ACTION_MS)
         try:
             yield context
@@ -294,10 +336,12 @@ def _open(page, lab: Lab, name: str) -> None:
     page.goto(f"{lab.url}/lab/workspaces/{name}/tree/{name}.ipynb?reset&token={lab.token}")
     page.locator(f"{PANEL} .jp-Notebook").wait_for()
     _wait(lambda: lab.kernel_state(name + ".ipynb") == "idle", KERNEL_READY_S, f"the kernel of {name} to be idle")
-    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                           " && window.jupyterapp.shell.currentWidget.sessionContext"
-                           " && window.jupyterapp.shell.currentWidget.sessionContext.kernelDisplayStatus === 'idle'",
-                           timeout=KERNEL_READY_S * 1000)
+    page.wait_for_function(
+        "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+        " && window.jupyterapp.shell.currentWidget.sessionContext"
+        " && window.jupyterapp.shell.currentWidget.sessionContext.kernelDisplayStatus === 'idle'",
+        timeout=KERNEL_READY_S * 1000,
+    )
     # the left sidebar off, so a screenshot is the notebook
     page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
 
@@ -336,8 +380,11 @@ def _save(page, lab: Lab, name: str) -> dict:
     page.locator(f"{PANEL} .jp-Notebook").click(position={"x": 5, "y": 5})
     page.keyboard.press("Escape")  # command mode
     page.keyboard.press("Control+s")
-    _wait(lambda: path.stat().st_mtime_ns != before and not page.locator(".jp-mod-dirty").count(), 30,
-          f"{name}.ipynb to be saved")
+    _wait(
+        lambda: path.stat().st_mtime_ns != before and not page.locator(".jp-mod-dirty").count(),
+        30,
+        f"{name}.ipynb to be saved",
+    )
     return json.loads(path.read_text())
 
 
@@ -352,10 +399,13 @@ _DOM_JS = f"""() => {{
     outputText: outs.map(o => o.innerText).join('\\n'),
     widgetOutputs: widgetOuts.map(o => ({{
       rendered: !!o.querySelector('.jupyter-widgets'),
-      images: Array.from(o.querySelectorAll('img.widget-image')).map(i => ({{loaded: loaded(i), src: i.src.slice(0, 5)}})),
-      controls: [...new Set(Array.from(o.querySelectorAll('.widget-slider, .widget-toggle-buttons, button.widget-button, .widget-text, .widget-tab'))
-                 .flatMap(c => Array.from(c.classList)).filter(k => ['widget-slider', 'widget-toggle-buttons', 'widget-button',
-                                                                     'widget-text', 'widget-tab'].includes(k)))].sort(),
+      images: Array.from(o.querySelectorAll('img.widget-image'))
+                .map(i => ({{loaded: loaded(i), src: i.src.slice(0, 5)}})),
+      controls: [...new Set(Array.from(o.querySelectorAll(
+                   '.widget-slider, .widget-toggle-buttons, button.widget-button, .widget-text, .widget-tab'))
+                 .flatMap(c => Array.from(c.classList))
+                 .filter(k => ['widget-slider', 'widget-toggle-buttons', 'widget-button', 'widget-text',
+                               'widget-tab'].includes(k)))].sort(),
       text: o.innerText.slice(0, 200)}})),
     staticImages: Array.from(panel.querySelectorAll('.jp-RenderedImage img')).map(loaded),
   }};
@@ -365,8 +415,12 @@ _DOM_JS = f"""() => {{
 def _check_outputs(name: str, nb: dict, dom: dict) -> None:
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     unrun = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and not c.get("execution_count")]
-    errors = [f"cell {i}: {o.get('ename')}: {o.get('evalue')}" for i, c in enumerate(nb["cells"])
-              for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    errors = [
+        f"cell {i}: {o.get('ename')}: {o.get('evalue')}"
+        for i, c in enumerate(nb["cells"])
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
     assert not errors, f"{name}: error outputs: {errors}"
     assert not unrun, f"{name}: cells never ran (an earlier error stopped Run All?): {unrun}"
     tracebacks = [t for t in dom["stderr"] if "Traceback" in t or "Error" in t.split("\n")[0]]
@@ -375,12 +429,17 @@ def _check_outputs(name: str, nb: dict, dom: dict) -> None:
     assert "Error rendering output" not in dom["outputText"], f"{name}: an output failed to render"
     # every widget output the kernel sent is a rendered widget, with its figures loaded
     sent = sum(1 for c in code for o in c.get("outputs", []) if WIDGET_MIME in o.get("data", {}))
-    assert len(dom["widgetOutputs"]) == sent, f"{name}: {sent} widget outputs sent, {len(dom['widgetOutputs'])} in the page"
+    assert len(dom["widgetOutputs"]) == sent, (
+        f"{name}: {sent} widget outputs sent, {len(dom['widgetOutputs'])} in the page"
+    )
     for i, view in enumerate(dom["widgetOutputs"]):
         assert view["rendered"], f"{name}: widget output {i} not rendered: {view['text']!r}"
         assert view["images"] and all(img["loaded"] for img in view["images"]), (
-            f"{name}: widget output {i} has no loaded figure: {view}")
-    assert dom["staticImages"] and all(dom["staticImages"]), f"{name}: a static figure did not load: {dom['staticImages']}"
+            f"{name}: widget output {i} has no loaded figure: {view}"
+        )
+    assert dom["staticImages"] and all(dom["staticImages"]), (
+        f"{name}: a static figure did not load: {dom['staticImages']}"
+    )
 
 
 def _screenshot(page, name: str, out_dirs: list[Path]) -> list[Path]:
@@ -418,8 +477,7 @@ def _rerenders(view, action, what: str) -> None:
     image src: the Image widget's value changed)."""
     before = _srcs(view)
     action()
-    _wait(lambda: (now := _srcs(view)) and all(now) and now != before, RERENDER_S,
-          f"{what} to re-render its figure")
+    _wait(lambda: (now := _srcs(view)) and all(now) and now != before, RERENDER_S, f"{what} to re-render its figure")
 
 
 def _label(control) -> str:
@@ -499,7 +557,9 @@ def _check_controls(page, name: str, out_dirs: list[Path]) -> None:
     status = probe.locator(".widget-html")
     before_status = status.inner_text()
     tabs = probe.locator(".widget-tab")
-    assert tabs.locator("img.widget-image").count() == 3, "the probe's three tabs (routing, cache, ties) each hold a figure"
+    assert tabs.locator("img.widget-image").count() == 3, (
+        "the probe's three tabs (routing, cache, ties) each hold a figure"
+    )
     before = _srcs(tabs)
     probe.locator(".widget-text input[type=text]").fill("Hello there")
     tokens = probe.locator(".widget-text input[type=number]")
@@ -507,8 +567,11 @@ def _check_controls(page, name: str, out_dirs: list[Path]) -> None:
     tokens.press("Enter")
     probe.locator("button.widget-button", has_text=re.compile(r"^run$")).click()
     # the status reads running / generating / comparing while it works, then "N prompt tokens, M generated"
-    _wait(lambda: re.search(r"\d+ prompt tokens, \d+ generated", t := status.inner_text()) and t != before_status,
-          RERENDER_S, "the probe's run to finish")
+    _wait(
+        lambda: re.search(r"\d+ prompt tokens, \d+ generated", t := status.inner_text()) and t != before_status,
+        RERENDER_S,
+        "the probe's run to finish",
+    )
     text = status.inner_text()
     assert "3 generated" in text, f"the probe's status after a 3-token run: {text!r}"
     _wait(lambda: all(a != b for a, b in zip(_srcs(tabs), before)), 30, "the probe's three figures to re-render")

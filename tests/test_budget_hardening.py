@@ -27,15 +27,31 @@ from dsv41.errors import Dsv41Error  # noqa: E402
 from dsv41.eviction import Residency, replay_calls  # noqa: E402
 from dsv41.stores import SlotCache  # noqa: E402
 
-UNITS = {"": 1, "b": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
-         "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12}
+UNITS = {
+    "": 1,
+    "b": 1,
+    "KiB": 1 << 10,
+    "MiB": 1 << 20,
+    "GiB": 1 << 30,
+    "TiB": 1 << 40,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+}
 # the sizes the issue found: each overflowed a float or built a list as long as the budget's slots
-HUGE = ["1e100", "1e308GiB", "999999TiB", 10 ** 400, 1e100, "1" + "0" * 5000, "1e" + "9" * 5000]
+HUGE = ["1e100", "1e308GiB", "999999TiB", 10**400, 1e100, "1" + "0" * 5000, "1e" + "9" * 5000]
 
 
 def fuzz(examples: int):
-    return settings(max_examples=examples, deadline=None, derandomize=True, database=None, print_blob=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
 
 
 def one_sentence(exc: BaseException) -> str:
@@ -67,7 +83,7 @@ def test_a_huge_size_is_one_sentence_or_a_size_within_the_range(size):
 
 def test_sizes_are_read_exactly_not_through_a_float():
     # 2**53 + 1 bytes is not a float; nor is 1.1 GiB's byte count
-    assert byte_size(str(2 ** 53 + 1)) == 2 ** 53 + 1
+    assert byte_size(str(2**53 + 1)) == 2**53 + 1
     assert byte_size("1.1GiB") == int(Fraction("1.1") * GIB)
     assert byte_size("1e3MiB") == 1000 << 20 and byte_size(".5KiB") == 512
     assert byte_size("1024TiB") == 1 << 50 and byte_size(MAX_BYTES) == MAX_BYTES
@@ -76,10 +92,12 @@ def test_sizes_are_read_exactly_not_through_a_float():
         byte_size(MAX_BYTES + 1)
 
 
-NUMBER = st.builds(lambda whole, frac, exp: whole + frac + exp,
-                   st.from_regex(r"[0-9]{0,22}", fullmatch=True),
-                   st.sampled_from(["", "."]) | st.from_regex(r"\.[0-9]{1,12}", fullmatch=True),
-                   st.sampled_from([""]) | st.integers(-30, 30).map(lambda e: f"e{e}"))
+NUMBER = st.builds(
+    lambda whole, frac, exp: whole + frac + exp,
+    st.from_regex(r"[0-9]{0,22}", fullmatch=True),
+    st.sampled_from(["", "."]) | st.from_regex(r"\.[0-9]{1,12}", fullmatch=True),
+    st.sampled_from([""]) | st.integers(-30, 30).map(lambda e: f"e{e}"),
+)
 
 
 @fuzz(300)
@@ -99,10 +117,16 @@ def test_a_number_with_a_unit_is_its_exact_bytes_rounded_down(number, unit, spac
         assert exact is not None and value == exact // 1 and 1 <= value <= MAX_BYTES
 
 
-ANYTHING = (st.text(max_size=40) | st.integers() | st.floats(allow_nan=True, allow_infinity=True)
-            | st.sampled_from(HUGE + ["-0", "0.4", "-1GiB", "1e-400GiB", "inf", "nan", "1_000", "١٢", "16G"])
-            | st.none() | st.booleans() | st.lists(st.integers(), max_size=2)
-            | st.builds(lambda n, u: n + u, NUMBER, st.sampled_from(sorted(UNITS))))
+ANYTHING = (
+    st.text(max_size=40)
+    | st.integers()
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.sampled_from(HUGE + ["-0", "0.4", "-1GiB", "1e-400GiB", "inf", "nan", "1_000", "١٢", "16G"])
+    | st.none()
+    | st.booleans()
+    | st.lists(st.integers(), max_size=2)
+    | st.builds(lambda n, u: n + u, NUMBER, st.sampled_from(sorted(UNITS)))
+)
 
 
 @fuzz(400)
@@ -160,7 +184,7 @@ def test_the_issue_s_minimum_is_rounded_up(cfg):
 def test_a_budget_above_the_machine_is_refused_naming_its_memory(tiny_checkpoint):
     have = budget.machine_memory()
     assert have is not None and have[0] <= physical_bytes()
-    for size in (have[0] + 1, "999999TiB", "1TB" if 10 ** 12 > have[0] else have[0] + GIB):
+    for size in (have[0] + 1, "999999TiB", "1TB" if 10**12 > have[0] else have[0] + GIB):
         with pytest.raises(BudgetError) as caught:
             dsv41.load(tiny_checkpoint, quiet=True, threads=1, memory=size)
         message = one_sentence(caught.value)
@@ -193,7 +217,7 @@ def test_a_pool_of_a_trillion_slots_costs_nothing_to_keep():
     tracemalloc.start()
     try:
         began = time.perf_counter()
-        pool = Residency(10 ** 12, "decay")
+        pool = Residency(10**12, "decay")
         plan = pool.plan([(0, e) for e in range(8)], 1)
         peak = tracemalloc.get_traced_memory()[1]
     finally:

@@ -18,8 +18,15 @@ import widgets
 from dsv41 import cache_policy as cp
 from dsv41 import viz
 from dsv41.config import RELEASED, TINY
-from dsv41.trace import (AttentionRecord, FiniteRecord, ForwardTrace, GenerationTrace, RoutingRecord, StepRecord,
-                         TraceFileError)
+from dsv41.trace import (
+    AttentionRecord,
+    FiniteRecord,
+    ForwardTrace,
+    GenerationTrace,
+    RoutingRecord,
+    StepRecord,
+    TraceFileError,
+)
 from widgets.cache import lru_replay as widgets_lru_replay
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,7 +56,14 @@ def test_a_miss_reads_one_routed_expert_as_stored_on_the_release(tiny_checkpoint
     assert cp.expert_bytes() == cp.expert_bytes(RELEASED) == formula == 18_800_640
     assert round(cp.expert_bytes() / 2**20, 1) == 17.9
     g = cp.geometry()
-    assert [t["name"] for t in g["tensors"]] == ["w1.weight", "w1.scale", "w2.weight", "w2.scale", "w3.weight", "w3.scale"]
+    assert [t["name"] for t in g["tensors"]] == [
+        "w1.weight",
+        "w1.scale",
+        "w2.weight",
+        "w2.scale",
+        "w3.weight",
+        "w3.scale",
+    ]
     assert sum(t["bytes"] for t in g["tensors"]) == g["bytes_per_expert"] == formula
     tiny = TINY.dim * TINY.moe_inter_dim
     assert cp.expert_bytes(TINY) == cp.expert_bytes(load_config(tiny_checkpoint)) == 3 * (tiny // 2 + tiny // 32)
@@ -81,8 +95,11 @@ def test_one_pass_depths_equal_the_direct_simulation_at_every_size(policy):
     for n_experts, seq, ranking in _sequences(400, seed=1):
         depths = cp.hit_depths(policy, seq, ranking)
         for capacity in range(n_experts + 2):
-            assert [d is not None and d <= capacity for d in depths] == cp.replay(policy, seq, capacity, ranking), \
-                (policy, capacity, seq)
+            assert [d is not None and d <= capacity for d in depths] == cp.replay(policy, seq, capacity, ranking), (
+                policy,
+                capacity,
+                seq,
+            )
 
 
 def _plain_lru(seq, capacity: int) -> list[bool]:
@@ -206,8 +223,9 @@ def run(tiny_checkpoint):
     from dsv41.loader import load
 
     model = load(tiny_checkpoint, expert_cache=5, quiet=True)
-    result = model.generate("Which experts stay in the cache, and for how long?", max_new_tokens=6, trace=True,
-                            stop_at_eos=False)
+    result = model.generate(
+        "Which experts stay in the cache, and for how long?", max_new_tokens=6, trace=True, stop_at_eos=False
+    )
     return model, result
 
 
@@ -237,9 +255,16 @@ def test_lru_is_the_real_expert_cache(run):
 
 def _same(a, b):
     if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and (
-            torch.equal(a, b) if not a.is_floating_point() else bool(
-                ((a == b) | (torch.isnan(a.float()) & torch.isnan(b.float()))).all()))
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and (
+                torch.equal(a, b)
+                if not a.is_floating_point()
+                else bool(((a == b) | (torch.isnan(a.float()) & torch.isnan(b.float()))).all())
+            )
+        )
     if isinstance(a, float) and math.isnan(a):
         return isinstance(b, float) and math.isnan(b)
     return a == b and type(a) is type(b)
@@ -258,8 +283,10 @@ def _records_equal(xs, ys):
 def test_a_trace_round_trips_through_a_file(run, tmp_path):
     model, result = run
     trace = result.trace
-    path = trace.save(tmp_path / "run.trace", meta={"n_routed_experts": model.cfg.n_routed_experts,
-                                                     "expert_cache": model.experts.capacity})
+    path = trace.save(
+        tmp_path / "run.trace",
+        meta={"n_routed_experts": model.cfg.n_routed_experts, "expert_cache": model.experts.capacity},
+    )
     assert path == str(tmp_path / "run.trace")  # the name as given, no suffix added
     back = GenerationTrace.load(path)
     for name in ("attention", "routing", "engram", "finite"):
@@ -281,13 +308,28 @@ def test_a_trace_round_trips_through_a_file(run, tmp_path):
 def test_a_trace_file_keeps_dtypes_numpy_lacks(tmp_path):
     forward = ForwardTrace(keep_outputs=True, check_finite=True)
     out = torch.randn(1, 2, 4).to(torch.bfloat16)
-    forward.attention.append(AttentionRecord(3, "reuse", 4, 5, 2, selected=torch.tensor([[[0, -1], [1, 0]]]),
-                                             selected_by=2, kth_score=torch.tensor([[float("nan"), 1.5]]),
-                                             candidate_blocks=torch.tensor([[[True, False], [True, True]]]), output=out,
-                                             wrote_compressed=True))
+    forward.attention.append(
+        AttentionRecord(
+            3,
+            "reuse",
+            4,
+            5,
+            2,
+            selected=torch.tensor([[[0, -1], [1, 0]]]),
+            selected_by=2,
+            kth_score=torch.tensor([[float("nan"), 1.5]]),
+            candidate_blocks=torch.tensor([[[True, False], [True, True]]]),
+            output=out,
+            wrote_compressed=True,
+        )
+    )
     forward.finite.append(FiniteRecord(None, "head", 5, True))
-    trace = GenerationTrace(forward, [StepRecord(6, 17, float("inf"), 0.25)],
-                            [{"start_pos": 5, "seqlen": 2, "layers": {3: [1, 2]}}], {"note": "by hand"})
+    trace = GenerationTrace(
+        forward,
+        [StepRecord(6, 17, float("inf"), 0.25)],
+        [{"start_pos": 5, "seqlen": 2, "layers": {3: [1, 2]}}],
+        {"note": "by hand"},
+    )
     back = GenerationTrace.load(trace.save(tmp_path / "t.npz"))
     _records_equal(trace.forward.attention, back.forward.attention)
     _records_equal(trace.forward.finite, back.forward.finite)
@@ -316,8 +358,10 @@ def test_what_is_not_a_trace_file_is_one_sentence(tmp_path):
 @pytest.fixture(scope="module")
 def saved(run, tmp_path_factory):
     model, result = run
-    return result.trace.save(tmp_path_factory.mktemp("replay") / "run.npz",
-                             meta={"n_routed_experts": model.cfg.n_routed_experts, "expert_cache": 5})
+    return result.trace.save(
+        tmp_path_factory.mktemp("replay") / "run.npz",
+        meta={"n_routed_experts": model.cfg.n_routed_experts, "expert_cache": 5},
+    )
 
 
 def test_replay_command_prints_and_writes_json(saved, tmp_path, capsys):
@@ -338,16 +382,19 @@ def test_replay_command_prints_and_writes_json(saved, tmp_path, capsys):
     assert [ln.split()[0] for ln in capsys.readouterr().out.splitlines()[3:]] == ["belady"]
 
 
-@pytest.mark.parametrize("args, code, says", [
-    (["{missing}"], 1, "no such file"),
-    (["{text}"], 1, "is not a trace"),
-    (["{saved}", "--capacity", "4,x"], 2, "--capacity takes"),
-    (["{saved}", "--capacity", "-4"], 2, "--capacity takes"),
-    (["{saved}", "--capacity", ""], 2, "--capacity takes"),
-    (["{saved}", "--policy", "lru,mru"], 2, "--policy takes"),
-    (["{saved}", "--warmup", "0"], 2, "--warmup"),
-    (["{saved}", "--experts", "4"], 1, "beyond the 4 experts"),
-])
+@pytest.mark.parametrize(
+    "args, code, says",
+    [
+        (["{missing}"], 1, "no such file"),
+        (["{text}"], 1, "is not a trace"),
+        (["{saved}", "--capacity", "4,x"], 2, "--capacity takes"),
+        (["{saved}", "--capacity", "-4"], 2, "--capacity takes"),
+        (["{saved}", "--capacity", ""], 2, "--capacity takes"),
+        (["{saved}", "--policy", "lru,mru"], 2, "--policy takes"),
+        (["{saved}", "--warmup", "0"], 2, "--warmup"),
+        (["{saved}", "--experts", "4"], 1, "beyond the 4 experts"),
+    ],
+)
 def test_replay_command_refuses_bad_input_in_one_sentence(saved, tmp_path, capsys, args, code, says):
     text = tmp_path / "notes.txt"
     text.write_text("not a trace")
@@ -359,8 +406,13 @@ def test_replay_command_refuses_bad_input_in_one_sentence(saved, tmp_path, capsy
 
 # ---------------------------------------------------------------------- the figure
 def _plain():
-    return cp.policy_data(_trace([[[[0, 1], [1, 2]], [[1, 3]], [[0, 1]], [[1, 2]]],
-                                  [[[2, 3], [3, 0]], [[0, 3]], [[2, 0]], [[3, 1]]]], n_experts=4, capacity=2))
+    return cp.policy_data(
+        _trace(
+            [[[[0, 1], [1, 2]], [[1, 3]], [[0, 1]], [[1, 2]]], [[[2, 3], [3, 0]], [[0, 3]], [[2, 0]], [[3, 1]]]],
+            n_experts=4,
+            capacity=2,
+        )
+    )
 
 
 def test_render_draws_every_policy_with_a_legend():
@@ -378,7 +430,9 @@ def test_render_draws_every_policy_with_a_legend():
         assert list(line.get_ydata()) == data["hit_rate"][p]
     at = data["capacities"].index(2)
     for p, line in zip(cp.POLICIES, ax_layer.get_lines()):
-        assert list(line.get_xdata()) == data["layers"] and list(line.get_ydata()) == [r[at] for r in data["hit_rate_by_layer"][p]]
+        assert list(line.get_xdata()) == data["layers"] and list(line.get_ydata()) == [
+            r[at] for r in data["hit_rate_by_layer"][p]
+        ]
     for p, line in zip(cp.POLICIES, ax_disk.get_lines()):
         assert list(line.get_ydata()) == pytest.approx(data["disk_mib_per_decode_token"][p])
     assert "disk MiB per decode token" == ax_disk.get_ylabel()

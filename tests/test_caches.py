@@ -32,8 +32,12 @@ def _one_line(capsys) -> str:
 def test_make_tiny_refuses_a_folder_holding_another_checkpoint(tmp_path, capsys):
     other = tmp_path / "other"
     (other / "inference").mkdir(parents=True)
-    theirs = {"config.json": b'{"model_type": "someone-else"}\n', "inference/config.json": b"{}\n",
-              INDEX_NAME: b'{"weight_map": {}}\n', "notes.txt": b"mine"}
+    theirs = {
+        "config.json": b'{"model_type": "someone-else"}\n',
+        "inference/config.json": b"{}\n",
+        INDEX_NAME: b'{"weight_map": {}}\n',
+        "notes.txt": b"mine",
+    }
     for name, data in theirs.items():
         (other / name).write_bytes(data)
     assert tiny.cli_main([str(other)]) == 1
@@ -77,8 +81,7 @@ def test_make_tiny_refuses_its_own_checkpoint_with_foreign_files_added(tiny_chec
     assert (out / "notes.txt").read_text() == "mine"
 
 
-def test_a_failed_rewrite_leaves_the_old_checkpoint_and_nothing_beside(tiny_checkpoint, tmp_path, monkeypatch,
-                                                                      capsys):
+def test_a_failed_rewrite_leaves_the_old_checkpoint_and_nothing_beside(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     out = tmp_path / "ck"
     shutil.copytree(tiny_checkpoint, out)
     before = _files(out)

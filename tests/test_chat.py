@@ -52,8 +52,11 @@ def test_a_first_system_message_opens_with_the_system_token():
 
 
 def test_earlier_turns_end_with_the_end_token_and_no_reasoning_without_thinking():
-    messages = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
-                {"role": "user", "content": "q2"}]
+    messages = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
+        {"role": "user", "content": "q2"},
+    ]
     assert encode(messages) == B + U + "q1" + A + T1 + "a1" + E + U + "q2" + A + T1
 
 
@@ -65,19 +68,27 @@ def test_a_conversation_ending_in_an_assistant_turn_has_no_header():
 
 
 def test_a_mid_conversation_system_message_is_answered_like_a_user_message():
-    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-                {"role": "system", "content": "now in French"}]
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+        {"role": "system", "content": "now in French"},
+    ]
     assert encode(messages) == B + U + "q" + A + T1 + "a" + E + S + "now in French" + A + T1
     # thinking: it is the last message expecting an answer, so the header opens the reasoning
-    assert encode(messages, thinking=True) == (B + S + effort_line(75) + U + "q" + A + T1 + "a" + E
-                                               + S + "now in French" + A + T0)
+    assert encode(messages, thinking=True) == (
+        B + S + effort_line(75) + U + "q" + A + T1 + "a" + E + S + "now in French" + A + T0
+    )
 
 
 def test_latest_reminder_and_response_format():
-    messages = [{"role": "system", "content": "sys", "response_format": {"type": "json_object"}},
-                {"role": "user", "content": "q"}, {"role": "latest_reminder", "content": "today is Monday"}]
-    schema = ("## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
-              '{"type": "json_object"}')
+    messages = [
+        {"role": "system", "content": "sys", "response_format": {"type": "json_object"}},
+        {"role": "user", "content": "q"},
+        {"role": "latest_reminder", "content": "today is Monday"},
+    ]
+    schema = (
+        '## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n{"type": "json_object"}'
+    )
     # the reminder follows the header the user message already opened
     assert encode(messages) == B + S + "sys\n\n" + schema + U + "q" + A + T1 + R + "today is Monday"
 
@@ -91,10 +102,14 @@ def test_task_tokens_replace_the_header():
 
 # ---------------------------------------------------------------------- thinking and reasoning effort
 def test_thinking_opens_with_the_effort_and_drops_earlier_reasoning():
-    messages = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
-                {"role": "user", "content": "q2"}]
-    assert encode(messages, thinking=True) == (B + S + effort_line(75) + U + "q1" + A + T1 + "a1" + E
-                                               + U + "q2" + A + T0)
+    messages = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
+        {"role": "user", "content": "q2"},
+    ]
+    assert encode(messages, thinking=True) == (
+        B + S + effort_line(75) + U + "q1" + A + T1 + "a1" + E + U + "q2" + A + T0
+    )
     kept = encode(messages, thinking=True, drop_thinking=False)
     assert kept == B + S + effort_line(75) + U + "q1" + A + T0 + "r1" + T1 + "a1" + E + U + "q2" + A + T0
 
@@ -109,8 +124,9 @@ def test_the_effort_line_follows_a_first_system_message_token():
     assert encode(messages, thinking=True, reasoning_effort=10) == B + S + effort_line(10) + "sys" + U + "q" + A + T0
 
 
-@pytest.mark.parametrize("effort, budget", [(None, 75), (1, 1), (42, 42), (100, 100), ("low", 50), ("high", 75),
-                                            ("max", 100)])
+@pytest.mark.parametrize(
+    "effort, budget", [(None, 75), (1, 1), (42, 42), (100, 100), ("low", 50), ("high", 75), ("max", 100)]
+)
 def test_reasoning_effort_values(effort, budget):
     text = encode([{"role": "user", "content": "q"}], thinking=True, reasoning_effort=effort)
     assert text == B + S + effort_line(budget) + U + "q" + A + T0
@@ -126,24 +142,40 @@ def test_an_invalid_reasoning_effort_is_one_clear_error(effort):
 
 
 # ---------------------------------------------------------------------- tools
-WEATHER = {"name": "get_weather", "description": "weather for a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+}
 CLOCK = {"name": "clock", "parameters": {"type": "object", "properties": {}}}
 
 
 def tool_section(*functions) -> str:
-    example = "\n".join([f"<{D} calls>", f'<{D} invoke name="$TOOL_NAME">',
-                         parameter("$PARAMETER_NAME", "true|false", "$PARAMETER_VALUE"), "...", f"</{D} invoke>",
-                         f'<{D} invoke name="$TOOL_NAME2">', "...", f"</{D} invoke>", f"</{D} calls>"])
-    return ("## Tools\n\nYou have access to a set of tools to help answer the user's question. You can invoke "
-            f"tools by writing a \"<{D} calls>\" block like the following:\n\n" + example + "\n\n"
-            "String parameters should be specified as is and set `string=\"true\"`. For all other types (numbers, "
-            "booleans, arrays, objects), pass the value in JSON format and set `string=\"false\"`.\n\n"
-            f"If thinking_mode is enabled (triggered by {T0}), you MUST output your complete reasoning inside "
-            f"{T0}...{T1} BEFORE any tool calls or final response.\n\n"
-            f"Otherwise, output directly after {T1} with tool calls or final response.\n\n"
-            "### Available Tool Schemas\n\n" + "\n".join(json.dumps(f, ensure_ascii=False) for f in functions)
-            + "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n")
+    example = "\n".join(
+        [
+            f"<{D} calls>",
+            f'<{D} invoke name="$TOOL_NAME">',
+            parameter("$PARAMETER_NAME", "true|false", "$PARAMETER_VALUE"),
+            "...",
+            f"</{D} invoke>",
+            f'<{D} invoke name="$TOOL_NAME2">',
+            "...",
+            f"</{D} invoke>",
+            f"</{D} calls>",
+        ]
+    )
+    return (
+        "## Tools\n\nYou have access to a set of tools to help answer the user's question. You can invoke "
+        f'tools by writing a "<{D} calls>" block like the following:\n\n' + example + "\n\n"
+        'String parameters should be specified as is and set `string="true"`. For all other types (numbers, '
+        'booleans, arrays, objects), pass the value in JSON format and set `string="false"`.\n\n'
+        f"If thinking_mode is enabled (triggered by {T0}), you MUST output your complete reasoning inside "
+        f"{T0}...{T1} BEFORE any tool calls or final response.\n\n"
+        f"Otherwise, output directly after {T1} with tool calls or final response.\n\n"
+        "### Available Tool Schemas\n\n"
+        + "\n".join(json.dumps(f, ensure_ascii=False) for f in functions)
+        + "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+    )
 
 
 def test_tools_go_after_the_system_message_with_a_blank_line():
@@ -162,20 +194,33 @@ def test_tools_without_a_system_message_get_an_empty_one():
 
 
 def test_tools_keep_earlier_reasoning_under_thinking():
-    messages = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
-                {"role": "user", "content": "q2"}]
+    messages = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
+        {"role": "user", "content": "q2"},
+    ]
     text = encode(messages, tools=[{"type": "function", "function": CLOCK}], thinking=True)
     assert text.endswith(U + "q1" + A + T0 + "r1" + T1 + "a1" + E + U + "q2" + A + T0)
 
 
 def test_tool_calls_write_strings_as_is_and_everything_else_as_json():
     arguments = {"city": "北京", "days": 3, "metric": True, "tags": ["a", "b"], "where": {"lat": 1.5}, "note": None}
-    block = calls(invoke("get_weather", parameter("city", "true", "北京"), parameter("days", "false", "3"),
-                         parameter("metric", "false", "true"), parameter("tags", "false", '["a", "b"]'),
-                         parameter("where", "false", '{"lat": 1.5}'), parameter("note", "false", "null")))
+    block = calls(
+        invoke(
+            "get_weather",
+            parameter("city", "true", "北京"),
+            parameter("days", "false", "3"),
+            parameter("metric", "false", "true"),
+            parameter("tags", "false", '["a", "b"]'),
+            parameter("where", "false", '{"lat": 1.5}'),
+            parameter("note", "false", "null"),
+        )
+    )
     for given in (arguments, json.dumps(arguments), json.dumps(json.dumps(arguments))):  # dict, JSON, JSON twice
-        messages = [{"role": "user", "content": "q"},
-                    {"role": "assistant", "content": "let me look", "tool_calls": [call("get_weather", given)]}]
+        messages = [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "let me look", "tool_calls": [call("get_weather", given)]},
+        ]
         assert encode(messages) == B + U + "q" + A + T1 + "let me look" + block + E
     # arguments that are no JSON object become one string parameter named "arguments"
     odd = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call("clock", "now")]}]
@@ -185,11 +230,16 @@ def test_tool_calls_write_strings_as_is_and_everything_else_as_json():
 
 
 def test_tool_results_join_the_user_message_in_call_order():
-    messages = [{"role": "user", "content": "q"},
-                {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "Oslo"}, "c1"),
-                                                                      call("clock", {}, "c2")]},
-                {"role": "tool", "tool_call_id": "c2", "content": "12:00"},
-                {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
+    messages = [
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [call("get_weather", {"city": "Oslo"}, "c1"), call("clock", {}, "c2")],
+        },
+        {"role": "tool", "tool_call_id": "c2", "content": "12:00"},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+    ]
     block = calls(invoke("get_weather", parameter("city", "true", "Oslo")), invoke("clock"))
     results = "<tool_result>rain</tool_result>\n\n<tool_result>12:00</tool_result>"
     assert encode(messages) == B + U + "q" + A + T1 + block + E + U + results + A + T1
@@ -202,16 +252,42 @@ def test_a_tool_result_after_a_user_message_joins_it():
 
 # ---------------------------------------------------------------------- images
 def test_image_blocks_become_placeholders_and_records_in_prompt_order():
-    messages = [{"role": "user", "content": [{"type": "text", "text": "compare"},
-                                             {"type": "image_url", "image_url": {"url": "a.png"}},
-                                             {"type": "image_url", "image_url": "b.png"}]},
-                {"role": "assistant", "content": "ok"},
-                {"role": "tool", "tool_call_id": "t", "content": [{"type": "image", "data": "QUJD"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "compare"},
+                {"type": "image_url", "image_url": {"url": "a.png"}},
+                {"type": "image_url", "image_url": "b.png"},
+            ],
+        },
+        {"role": "assistant", "content": "ok"},
+        {"role": "tool", "tool_call_id": "t", "content": [{"type": "image", "data": "QUJD"}]},
+    ]
     prompt = render(messages)
-    assert prompt.text == (B + U + "compare\n\n" + IMG + "\n\n" + IMG + A + T1 + "ok" + E
-                           + U + "<tool_result>" + IMG + "</tool_result>" + A + T1)
-    assert prompt.images == [{"type": "image", "url": "a.png"}, {"type": "image", "url": "b.png"},
-                             {"type": "image", "data": "QUJD"}]
+    assert prompt.text == (
+        B
+        + U
+        + "compare\n\n"
+        + IMG
+        + "\n\n"
+        + IMG
+        + A
+        + T1
+        + "ok"
+        + E
+        + U
+        + "<tool_result>"
+        + IMG
+        + "</tool_result>"
+        + A
+        + T1
+    )
+    assert prompt.images == [
+        {"type": "image", "url": "a.png"},
+        {"type": "image", "url": "b.png"},
+        {"type": "image", "data": "QUJD"},
+    ]
 
 
 def test_image_mistakes_are_one_clear_error():
@@ -223,15 +299,20 @@ def test_image_mistakes_are_one_clear_error():
         encode([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
 
 
-@pytest.mark.parametrize("messages, match", [
-    ([], "non-empty list"),
-    ([{"role": "developer", "content": "x"}], "role is one of"),
-    (["hello"], "must be a dict"),
-    ([{"role": "user", "content": "q", "tools": [{"type": "function", "function": CLOCK}]}], "belong to a system"),
-    ([{"role": "tool", "content": None}], "needs its result as text"),
-    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}],
-     "needs a function name"),
-])
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ([], "non-empty list"),
+        ([{"role": "developer", "content": "x"}], "role is one of"),
+        (["hello"], "must be a dict"),
+        ([{"role": "user", "content": "q", "tools": [{"type": "function", "function": CLOCK}]}], "belong to a system"),
+        ([{"role": "tool", "content": None}], "needs its result as text"),
+        (
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}],
+            "needs a function name",
+        ),
+    ],
+)
 def test_bad_conversations_are_one_clear_error(messages, match):
     with pytest.raises(ChatFormatError, match=match):
         encode(messages)
@@ -244,8 +325,10 @@ def test_tools_given_twice_is_an_error():
 
 
 def test_rendering_leaves_the_messages_as_they_were():
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": "a.png"}]},
-                {"role": "tool", "tool_call_id": "1", "content": "r"}]
+    messages = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": "a.png"}]},
+        {"role": "tool", "tool_call_id": "1", "content": "r"},
+    ]
     before = json.dumps(messages)
     render(messages, tools=[{"type": "function", "function": CLOCK}])
     assert json.dumps(messages) == before
@@ -254,15 +337,20 @@ def test_rendering_leaves_the_messages_as_they_were():
 # ---------------------------------------------------------------------- parsing replies
 def generated(messages, **options) -> str:
     """The part of an encoded conversation an assistant turn generated: after the header before it."""
-    return encode(messages, **options)[len(encode(messages[:-1], **options)):]
+    return encode(messages, **options)[len(encode(messages[:-1], **options)) :]
 
 
 TURNS = [
     {"role": "assistant", "content": "plain answer"},
     {"role": "assistant", "content": "", "tool_calls": [call("clock", {})]},
-    {"role": "assistant", "content": "two calls", "tool_calls": [
-        call("get_weather", {"city": "Oslo\nNorway", "days": 3, "ok": False}),
-        call("lookup", {"q": "a < b", "filters": {"x": [1, 2.5, None]}})]},
+    {
+        "role": "assistant",
+        "content": "two calls",
+        "tool_calls": [
+            call("get_weather", {"city": "Oslo\nNorway", "days": 3, "ok": False}),
+            call("lookup", {"q": "a < b", "filters": {"x": [1, 2.5, None]}}),
+        ],
+    },
 ]
 
 
@@ -298,8 +386,13 @@ def test_a_reply_cut_anywhere_never_raises_and_keeps_only_whole_calls():
 
 
 def test_malformed_replies_say_what_was_wrong():
-    bad_parameter = (calls(invoke("clock", '<｜DSML｜ parameter name="x">1</｜DSML｜ parameter>'),
-                           invoke("lookup", parameter("q", "true", "fine"))) + E)
+    bad_parameter = (
+        calls(
+            invoke("clock", '<｜DSML｜ parameter name="x">1</｜DSML｜ parameter>'),
+            invoke("lookup", parameter("q", "true", "fine")),
+        )
+        + E
+    )
     reply = parse("text" + bad_parameter)
     assert reply.finished and [c.name for c in reply.tool_calls] == ["lookup"]
     assert "malformed" in reply.problems[0] and not reply.ok
@@ -340,9 +433,11 @@ def test_the_embedded_tokenizer_has_every_marker_as_one_id():
     for marker, token_id in zip(markers, ids):
         assert tok.encode(marker, add_special_tokens=False).ids == [token_id]
     # a whole prompt with tools and calls: each marker stays one id, and the text comes back
-    messages = [{"role": "user", "content": "q"},
-                {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "Oslo"})]},
-                {"role": "tool", "content": "rain"}]
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "Oslo"})]},
+        {"role": "tool", "content": "rain"},
+    ]
     text = encode(messages, tools=[{"type": "function", "function": WEATHER}], thinking=True)
     encoded = tok.encode(text, add_special_tokens=False).ids
     assert tok.decode(encoded, skip_special_tokens=False) == text

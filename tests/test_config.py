@@ -6,44 +6,111 @@ import sys
 
 import pytest
 
-from dsv41.config import (RELEASED, TINY, Config, ConfigError, compare_layouts, load_config, resolve_config_path,
-                          write_config_pair)
+from dsv41.config import (
+    RELEASED,
+    TINY,
+    Config,
+    ConfigError,
+    compare_layouts,
+    load_config,
+    resolve_config_path,
+    write_config_pair,
+)
 from dsv41.config_fields import FLAT_KEYS, NESTED_ONLY_KEYS
 
 RELEASE_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference", "deepseek-v4.1-flash")
 NESTED_FILE = os.path.join(RELEASE_DIR, "config.json")
 FLAT_FILE = os.path.join(RELEASE_DIR, "inference", "config.json")
 
-needs_release = pytest.mark.skipif(not os.path.isfile(NESTED_FILE),
-                                   reason="the released config pair is not beside this checkout (../shared/reference)")
+needs_release = pytest.mark.skipif(
+    not os.path.isfile(NESTED_FILE), reason="the released config pair is not beside this checkout (../shared/reference)"
+)
 
 # Written by hand from the Transformers layout, not derived from the alias table, so the tests
 # below check the table rather than agree with it.
 TOY_NESTED = {
-    "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "dtype": "bfloat16",
-    "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "image_token_id": 250,
+    "architectures": ["DeepseekV41ForCausalLM"],
+    "model_type": "deepseek_v41",
+    "dtype": "bfloat16",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": 2,
+    "image_token_id": 250,
     "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32], "expert_dtype": "fp4"},
     "text_config": {
-        "vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 4,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "qk_rope_head_dim": 16,
-        "q_lora_rank": 32, "o_lora_rank": 16, "o_groups": 2, "hidden_act": "silu", "swiglu_limit": 10.0,
-        "rms_norm_eps": 1e-20, "tie_word_embeddings": False, "max_position_embeddings": 2048,
-        "rope_theta": 10000, "rope_scaling": {"rope_type": "yarn", "factor": 8, "beta_fast": 32, "beta_slow": 1,
-                                               "original_max_position_embeddings": 256},
-        "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "scoring_func": "sqrtsoftplus",
-        "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 1.5, "sliding_window": 4,
-        "compress_ratios": [0, 2, 1, 1, 0], "compress_rope_theta": 160000, "kv_source_layer_ids": [1, 2],
-        "index_source_layer_ids": [1, 2, 3], "index_n_heads": 2, "index_head_dim": 32, "index_topk": 4,
-        "candidate_source_layer_id": 2, "candidate_topk_blocks": 2, "candidate_block_size": 2, "hc_mult": 4,
-        "hc_sinkhorn_iters": 20, "hc_eps": 1e-06, "engram_layer_ids": [0, 2], "engram_num_embeddings": [10, 20],
-        "engram_max_ngram_size": 3, "engram_vocab_size": 5, "engram_n_heads": 1, "engram_head_dim": 32,
-        "engram_pad_token_id": 2, "engram_compressed_vocab_size": 200, "num_nextn_predict_layers": 1,
-        "dspark_block_size": 3, "dspark_noise_token_id": 251, "dspark_target_layer_ids": [3],
-        "dspark_markov_rank": 16, "dspark_n_routed_experts": 4, "dspark_num_experts_per_tok": 1,
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "q_lora_rank": 32,
+        "o_lora_rank": 16,
+        "o_groups": 2,
+        "hidden_act": "silu",
+        "swiglu_limit": 10.0,
+        "rms_norm_eps": 1e-20,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 2048,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 8,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "original_max_position_embeddings": 256,
+        },
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        "sliding_window": 4,
+        "compress_ratios": [0, 2, 1, 1, 0],
+        "compress_rope_theta": 160000,
+        "kv_source_layer_ids": [1, 2],
+        "index_source_layer_ids": [1, 2, 3],
+        "index_n_heads": 2,
+        "index_head_dim": 32,
+        "index_topk": 4,
+        "candidate_source_layer_id": 2,
+        "candidate_topk_blocks": 2,
+        "candidate_block_size": 2,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-06,
+        "engram_layer_ids": [0, 2],
+        "engram_num_embeddings": [10, 20],
+        "engram_max_ngram_size": 3,
+        "engram_vocab_size": 5,
+        "engram_n_heads": 1,
+        "engram_head_dim": 32,
+        "engram_pad_token_id": 2,
+        "engram_compressed_vocab_size": 200,
+        "num_nextn_predict_layers": 1,
+        "dspark_block_size": 3,
+        "dspark_noise_token_id": 251,
+        "dspark_target_layer_ids": [3],
+        "dspark_markov_rank": 16,
+        "dspark_n_routed_experts": 4,
+        "dspark_num_experts_per_tok": 1,
     },
-    "vision_config": {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
-                      "patch_size": 14, "rope_theta": 10000, "downsample_ratio": 3, "max_image_tokens": 16,
-                      "min_pixels": 784, "max_wh_ratio": None},
+    "vision_config": {
+        "num_hidden_layers": 1,
+        "hidden_size": 32,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "patch_size": 14,
+        "rope_theta": 10000,
+        "downsample_ratio": 3,
+        "max_image_tokens": 16,
+        "min_pixels": 784,
+        "max_wh_ratio": None,
+    },
 }
 
 
@@ -124,33 +191,46 @@ def test_tiny_preset_exercises_every_branch():
     assert cfg.verify() == []
     modes = cfg.layer_modes
     assert {"full", "reindex", "reuse"} == set(modes)
-    ratios = cfg.compress_ratios[:cfg.n_layers]
+    ratios = cfg.compress_ratios[: cfg.n_layers]
     assert 0 in ratios and {cfg.compress_ratios[s] for s in cfg.kv_source_layers} == {1, 2}
     assert cfg.candidate_source_layer in cfg.index_source_layers
     assert any(cfg.layer_mode(i) == "full" for i in cfg.engram_layer_ids)
     assert any(cfg.layer_mode(i) != "full" for i in cfg.engram_layer_ids)
     assert cfg.n_mtp_layers == 3 and cfg.vision_n_layers > 0
-    for field in ("dim", "moe_inter_dim", "q_lora_rank", "head_dim", "rope_head_dim", "o_lora_rank",
-                  "index_head_dim", "engram_head_dim", "vision_dim", "vocab_size"):
+    for field in (
+        "dim",
+        "moe_inter_dim",
+        "q_lora_rank",
+        "head_dim",
+        "rope_head_dim",
+        "o_lora_rank",
+        "index_head_dim",
+        "engram_head_dim",
+        "vision_dim",
+        "vocab_size",
+    ):
         assert getattr(cfg, field) % 32 == 0, field
 
 
-@pytest.mark.parametrize("change, fragment", [
-    ({"candidate_source_layer": 0}, "not an index source"),
-    ({"compress_ratios": (0, 2, 2, 1, 0)}, "compresses at ratio"),
-    ({"compress_ratios": (2, 2, 1, 1, 0)}, "no KV source is at or before it"),
-    ({"compress_ratios": (0, 2, 1, 1)}, "expected n_layers + n_mtp_layers"),
-    ({"compress_ratios": (0, 2, 1, 1, 1)}, "MTP layers must not read"),
-    ({"engram_layer_ids": (2, 0)}, "distinct and ascending"),
-    ({"engram_layer_ids": (0, 9)}, "inside the backbone"),
-    ({"engram_num_embeddings": (10,)}, "Engram row counts"),
-    ({"image_token_id": 256}, "outside the vocabulary"),
-    ({"engram_pad_id": 3}, "pad_token_id"),
-    ({"vision_n_heads": 3}, "not divisible"),
-    ({"index_source_layers": (1, 3)}, "every KV source must also be an index source"),
-    ({"dspark_target_layer_ids": (2,)}, "last 1 backbone layers"),
-    ({"dim": None}, "required fields missing: dim"),
-])
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        ({"candidate_source_layer": 0}, "not an index source"),
+        ({"compress_ratios": (0, 2, 2, 1, 0)}, "compresses at ratio"),
+        ({"compress_ratios": (2, 2, 1, 1, 0)}, "no KV source is at or before it"),
+        ({"compress_ratios": (0, 2, 1, 1)}, "expected n_layers + n_mtp_layers"),
+        ({"compress_ratios": (0, 2, 1, 1, 1)}, "MTP layers must not read"),
+        ({"engram_layer_ids": (2, 0)}, "distinct and ascending"),
+        ({"engram_layer_ids": (0, 9)}, "inside the backbone"),
+        ({"engram_num_embeddings": (10,)}, "Engram row counts"),
+        ({"image_token_id": 256}, "outside the vocabulary"),
+        ({"engram_pad_id": 3}, "pad_token_id"),
+        ({"vision_n_heads": 3}, "not divisible"),
+        ({"index_source_layers": (1, 3)}, "every KV source must also be an index source"),
+        ({"dspark_target_layer_ids": (2,)}, "last 1 backbone layers"),
+        ({"dim": None}, "required fields missing: dim"),
+    ],
+)
 def test_verify_reports_broken_relationships(change, fragment):
     problems = toy().replace(**change).verify()
     assert any(fragment in p for p in problems), problems
@@ -209,13 +289,16 @@ def test_cli_fails_only_when_verify_finds_something(tmp_path):
     assert missing.returncode == 1 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
 
 
-@pytest.mark.parametrize("field, value, fragment", [
-    ("compress_ratios", 5, "field compress_ratios is 5, expected list of int"),
-    ("n_layers", "40", 'field n_layers is "40", expected int'),
-    ("engram_layer_ids", [1, "14"], "expected list of int"),
-    ("score_func", 3, "expected str"),
-    ("hc_eps", True, "expected float"),
-])
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("compress_ratios", 5, "field compress_ratios is 5, expected list of int"),
+        ("n_layers", "40", 'field n_layers is "40", expected int'),
+        ("engram_layer_ids", [1, "14"], "expected list of int"),
+        ("score_func", 3, "expected str"),
+        ("hc_eps", True, "expected float"),
+    ],
+)
 def test_a_mistyped_field_is_one_sentence_naming_it(tmp_path, field, value, fragment):
     data = RELEASED.as_reference_dict()
     data[field] = value
@@ -251,20 +334,38 @@ def _write(tmp_path, text: str | bytes, name="config.json"):
     return str(path)
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("[" * 100_000 + "]" * 100_000, "nests too deep"),  # was RecursionError
-    ('{"text_config": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests too deep"),
-    ('{"dim": ' + "1" * 5_000 + "}", "an integer of 5,000 digits"),  # was ValueError (4,300-digit limit)
-    ('{"dim": -' + "9" * 41 + "}", "an integer of 41 digits"),
-    ('{"a": ' + "[" * 40 + "]" * 40 + "}", "nests more than 32 levels"),  # parsable, but the readers recurse
-    ('{"score_func": "\\ud800"}', "unpaired surrogate"),  # no terminal can print it
-    ('{"text_config": {}, "quantization_config": {"weight_block_size": 5}}', "weight_block_size is 5"),
-    ('{"text_config": {}, "quantization_config": {"weight_block_size": ["a", "b"]}}', "expected a list of two integers"),
-    ('{"text_config": {}, "quantization_config": {"weight_block_size": [32]}}', "expected a list of two integers"),
-    ('{"n_layers": {"a": 1}}', "field n_layers is an object of 1 keys, expected int"),
-    ('{"compress_ratios": ' + json.dumps(list(range(5000)) + ["x"]) + "}", "is a list of 5,001 items"),
-], ids=["array-deep", "object-deep", "int-5000-digits", "int-41-digits", "depth-40", "surrogate",
-        "block-int", "block-strings", "block-short", "object-for-int", "long-list-message"])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("[" * 100_000 + "]" * 100_000, "nests too deep"),  # was RecursionError
+        ('{"text_config": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests too deep"),
+        ('{"dim": ' + "1" * 5_000 + "}", "an integer of 5,000 digits"),  # was ValueError (4,300-digit limit)
+        ('{"dim": -' + "9" * 41 + "}", "an integer of 41 digits"),
+        ('{"a": ' + "[" * 40 + "]" * 40 + "}", "nests more than 32 levels"),  # parsable, but the readers recurse
+        ('{"score_func": "\\ud800"}', "unpaired surrogate"),  # no terminal can print it
+        ('{"text_config": {}, "quantization_config": {"weight_block_size": 5}}', "weight_block_size is 5"),
+        (
+            '{"text_config": {}, "quantization_config": {"weight_block_size": ["a", "b"]}}',
+            "expected a list of two integers",
+        ),
+        ('{"text_config": {}, "quantization_config": {"weight_block_size": [32]}}', "expected a list of two integers"),
+        ('{"n_layers": {"a": 1}}', "field n_layers is an object of 1 keys, expected int"),
+        ('{"compress_ratios": ' + json.dumps(list(range(5000)) + ["x"]) + "}", "is a list of 5,001 items"),
+    ],
+    ids=[
+        "array-deep",
+        "object-deep",
+        "int-5000-digits",
+        "int-41-digits",
+        "depth-40",
+        "surrogate",
+        "block-int",
+        "block-strings",
+        "block-short",
+        "object-for-int",
+        "long-list-message",
+    ],
+)
 def test_every_malformed_config_is_one_config_error(tmp_path, text, fragment):
     path = _write(tmp_path, text)
     with pytest.raises(ConfigError, match=re.escape(fragment)) as info:
@@ -278,6 +379,7 @@ def test_an_unreadable_config_file_is_a_config_error(tmp_path, monkeypatch):
 
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
+
     monkeypatch.setattr("builtins.open", refuse)
     with pytest.raises(ConfigError, match="cannot be read .Permission denied."):
         load_config(path)
@@ -300,16 +402,20 @@ ABSURD = [
     (("text_config", "rope_theta"), -1, "rope_theta is -1, it must be above 1"),
     (("text_config", "rope_theta"), 1, "rope_theta is 1, it must be above 1"),  # YaRN divides by log(theta)
     (("text_config", "rope_scaling", "beta_fast"), 0, "beta_fast is 0, outside [1, 1,024]"),  # YaRN divides by it
-    (("text_config", "rope_scaling", "factor"), 0.5, "rope_factor (text_config.rope_scaling.factor) is 0.5, it must be at least 1"),
+    (
+        ("text_config", "rope_scaling", "factor"),
+        0.5,
+        "rope_factor (text_config.rope_scaling.factor) is 0.5, it must be at least 1",
+    ),
     (("text_config", "hidden_size"), -1, "dim (text_config.hidden_size) is -1, outside [1, 131,072]"),
     (("text_config", "num_attention_heads"), 0, "n_heads (text_config.num_attention_heads) is 0, outside [1, 4,096]"),
     (("text_config", "o_groups"), 0, "o_groups is 0"),  # verify() divided by it
-    (("text_config", "n_routed_experts"), 10 ** 12, "n_routed_experts is 1,000,000,000,000, outside [1, 16,384]"),
-    (("text_config", "num_hidden_layers"), 10 ** 9, "n_layers (text_config.num_hidden_layers) is 1,000,000,000"),
+    (("text_config", "n_routed_experts"), 10**12, "n_routed_experts is 1,000,000,000,000, outside [1, 16,384]"),
+    (("text_config", "num_hidden_layers"), 10**9, "n_layers (text_config.num_hidden_layers) is 1,000,000,000"),
     (("text_config", "num_nextn_predict_layers"), 137438953471, "is 137,438,953,471, outside [0, 64]"),
-    (("text_config", "rope_theta"), 10 ** 39 * 10 ** 300, None),  # replaced below: the reader refuses 340 digits
+    (("text_config", "rope_theta"), 10**39 * 10**300, None),  # replaced below: the reader refuses 340 digits
     (("text_config", "compress_ratios"), [0] * 5000, "compress_ratios has 5,000 entries"),
-    (("text_config", "engram_num_embeddings"), [10, 2 ** 40], "engram_num_embeddings holds 1,099,511,627,776"),
+    (("text_config", "engram_num_embeddings"), [10, 2**40], "engram_num_embeddings holds 1,099,511,627,776"),
     (("quantization_config", "weight_block_size"), [0, 32], "weight_block_size [0, 32] is not two integers"),
     # in range one by one, too many together
     (("text_config", "engram_n_heads"), 1_000, "= 4,000 hash columns, above the 384"),
@@ -338,8 +444,12 @@ def test_verify_rejects_values_no_checkpoint_can_have(tmp_path, path, value, fra
 
 def test_the_bounds_admit_the_release_with_room_to_grow():
     assert RELEASED.value_problems() == [] and TINY.value_problems() == [] and toy().value_problems() == []
-    grown = RELEASED.replace(n_layers=80, n_routed_experts=768, dspark_target_layer_ids=tuple(range(77, 80)),
-                             compress_ratios=RELEASED.compress_ratios + (1,) * 40)
+    grown = RELEASED.replace(
+        n_layers=80,
+        n_routed_experts=768,
+        dspark_target_layer_ids=tuple(range(77, 80)),
+        compress_ratios=RELEASED.compress_ratios + (1,) * 40,
+    )
     assert grown.value_problems() == []  # twice the layers and twice the experts: still an inventory
     assert RELEASED.inventory_tensor_bound() == 96_812 and RELEASED.engram_column_count() == 48
 
@@ -347,16 +457,20 @@ def test_the_bounds_admit_the_release_with_room_to_grow():
 def test_value_problems_skip_unstated_fields_and_python_made_values():
     assert Config(dim=None).value_problems() == []
     # a value built in Python can exceed what str() converts; the message still forms
-    problems = RELEASED.replace(dim=10 ** 5000, rope_theta=10 ** 400).value_problems()
-    assert problems == ["dim (text_config.hidden_size) is an integer of about 5,001 digits, outside [1, 131,072]",
-                        "rope_theta is an integer of about 401 digits, not a finite number"]
+    problems = RELEASED.replace(dim=10**5000, rope_theta=10**400).value_problems()
+    assert problems == [
+        "dim (text_config.hidden_size) is an integer of about 5,001 digits, outside [1, 131,072]",
+        "rope_theta is an integer of about 401 digits, not a finite number",
+    ]
 
 
 def test_counts_in_range_one_by_one_can_imply_too_many_tensors(tmp_path):
     cfg = RELEASED.replace(n_routed_experts=3_000)  # 40 x 3,000 experts x 6 tensors: 7.5x the release
     problems = cfg.verify()
-    assert problems == ["these counts imply up to 724,652 tensors (n_layers 40 + n_mtp_layers 3 layers of 3,000 "
-                        "routed experts); an inventory holds at most 500,000"]
+    assert problems == [
+        "these counts imply up to 724,652 tensors (n_layers 40 + n_mtp_layers 3 layers of 3,000 "
+        "routed experts); an inventory holds at most 500,000"
+    ]
     write_config_pair(cfg, str(tmp_path))
     run = _cli(str(tmp_path))
     assert run.returncode == 1 and "[fail] 1 problem(s)" in run.stdout
@@ -372,17 +486,23 @@ def test_the_field_table_is_the_one_schema():
 
     names = [f.name for f in FIELDS]
     assert len(names) == len(set(names)) == 76
-    schema = dataclasses.fields(Config)[:len(FIELDS)]
+    schema = dataclasses.fields(Config)[: len(FIELDS)]
     assert [f.name for f in schema] == names
     # a file silent on a field leaves it None; the provenance fields come after the schema's
     assert [(f.type, f.default) for f in schema] == [(row.annotation, None) for row in FIELDS]
-    assert {f.name for f in dataclasses.fields(Config)[len(FIELDS):]} == {"layout", "source", "nested_format", "unknown_keys"}
+    assert {f.name for f in dataclasses.fields(Config)[len(FIELDS) :]} == {
+        "layout",
+        "source",
+        "nested_format",
+        "unknown_keys",
+    }
     runtime = dataclasses.fields(VerifiedConfig)
     assert [f.name for f in runtime] == names
     assert [f.type for f in runtime] == [row.annotation if row.may_be_absent else row.kind for row in FIELDS]
     # the runtime default where the table has one, None where the field may be absent, else none
-    expected = [row.default if row.default is not None else None if row.may_be_absent else dataclasses.MISSING
-                for row in FIELDS]
+    expected = [
+        row.default if row.default is not None else None if row.may_be_absent else dataclasses.MISSING for row in FIELDS
+    ]
     assert [f.default for f in runtime] == expected
     assert FLAT_KEYS + NESTED_ONLY_KEYS == tuple(names)
     numeric = [f.name for f in FIELDS if f.kind in ("int", "float") or f.kind.startswith("tuple[")]
@@ -394,8 +514,14 @@ def test_the_verified_view_has_no_none_where_runtime_code_defended_against_it():
     view = RELEASED.verified()
     assert (view.n_mtp_layers, view.dspark_block_size, view.candidate_source_layer) == (3, 5, 20)
     assert view.vision_max_wh_ratio is None  # null in the release: no limit
-    silent = RELEASED.replace(n_mtp_layers=None, swiglu_limit=None, candidate_source_layer=None,
-                              engram_layer_ids=None, norm_topk_prob=None, vision_rope_theta=None).verified()
+    silent = RELEASED.replace(
+        n_mtp_layers=None,
+        swiglu_limit=None,
+        candidate_source_layer=None,
+        engram_layer_ids=None,
+        norm_topk_prob=None,
+        vision_rope_theta=None,
+    ).verified()
     assert (silent.n_mtp_layers, silent.swiglu_limit, silent.candidate_source_layer) == (0, 0.0, -1)
     assert (silent.engram_layer_ids, silent.norm_topk_prob, silent.vision_rope_theta) == ((), True, 10000.0)
     with pytest.raises(ConfigError, match="fields a model needs are not set: dim"):
@@ -416,14 +542,18 @@ def test_the_ratio_source_rule_names_each_break_once():
     assert cfg.source_breaks() == [(1, "KV", None), (1, "index", None), (3, "KV", 2), (3, "index", 2)]
     assert cfg.source_breaks(cfg.index_source_layers, kinds=("KV",)) == []
     reader_lines = [p for p in cfg.verify() if p.startswith("layer ")]
-    assert reader_lines == ["layer 1 reads compressed positions (ratio 2) but no KV source is at or before it",
-                            "layer 1 reads compressed positions (ratio 2) but no index source is at or before it",
-                            "layer 3 (ratio 1) reads the KV source 2, which compresses at ratio 2",
-                            "layer 3 (ratio 1) reads the index source 2, which compresses at ratio 2"]
+    assert reader_lines == [
+        "layer 1 reads compressed positions (ratio 2) but no KV source is at or before it",
+        "layer 1 reads compressed positions (ratio 2) but no index source is at or before it",
+        "layer 3 (ratio 1) reads the KV source 2, which compresses at ratio 2",
+        "layer 3 (ratio 1) reads the index source 2, which compresses at ratio 2",
+    ]
 
 
-_READER = re.compile(r"layer (\d+)(?: \(ratio \d+\))? (?:reads compressed positions \(ratio \d+\) but no |has no |"
-                     r"reads (?:the )?)(KV|index) source(?: (\d+))?")
+_READER = re.compile(
+    r"layer (\d+)(?: \(ratio \d+\))? (?:reads compressed positions \(ratio \d+\) but no |has no |"
+    r"reads (?:the )?)(KV|index) source(?: (\d+))?"
+)
 
 
 def _breaks_named(text: str) -> list[tuple[int, str, int | None]]:
@@ -448,8 +578,11 @@ def test_verify_and_the_audit_name_the_same_ratio_source_breaks():
     @hypothesis.settings(max_examples=60, deadline=None)
     @hypothesis.given(ratios=st.lists(st.sampled_from([0, 1, 2, 4]), min_size=n, max_size=n), kv=layers, extra=layers)
     def run(ratios, kv, extra):
-        cfg = _TINY_STATED.replace(compress_ratios=tuple(ratios) + (0,) * TINY.n_mtp_layers, kv_source_layers=kv,
-                           index_source_layers=tuple(sorted(set(kv) | set(extra))))
+        cfg = _TINY_STATED.replace(
+            compress_ratios=tuple(ratios) + (0,) * TINY.n_mtp_layers,
+            kv_source_layers=kv,
+            index_source_layers=tuple(sorted(set(kv) | set(extra))),
+        )
         breaks = cfg.source_breaks()
         assert _breaks_named("\n".join(cfg.verify())) == breaks
         status, detail = readers_check.run(SimpleNamespace(cfg=cfg))

@@ -14,8 +14,12 @@ from dsv41 import sequence
 from dsv41.numerics import Numerics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-CASES = settings(max_examples=12, deadline=None, derandomize=True,
-                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+CASES = settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +98,10 @@ def test_the_reference_arithmetic_parts_by_the_amount_reported(reference, capsys
     chunked = _in_chunks(reference, ids, [5, 11, 32])
     delta = (chunked - one_shot).abs().amax(-1)
     with capsys.disabled():
-        print(f"\nreference numerics, chunks 5+11+32 vs one-shot: max |dlogit| {delta.max():.3g}, "
-              f"first parting at position {int(torch.nonzero(delta)[0]) if delta.any() else None}")
+        print(
+            f"\nreference numerics, chunks 5+11+32 vs one-shot: max |dlogit| {delta.max():.3g}, "
+            f"first parting at position {int(torch.nonzero(delta)[0]) if delta.any() else None}"
+        )
     assert torch.isfinite(delta).all()
     # the first chunk is a prefill of its own (not of the 48 tokens: BLAS rounds a 5-row GEMM
     # differently from a 48-row one on some CPUs, so its rows need not equal one-shot's)
@@ -105,10 +111,17 @@ def test_the_reference_arithmetic_parts_by_the_amount_reported(reference, capsys
 
 
 @CASES
-@given(a=st.integers(1, 30), b=st.integers(1, 25), c=st.integers(1, 12), seed=st.integers(0, 99),
-       b_in_one_call=st.booleans(), use_parity=st.booleans())
-def test_rollback_continues_as_if_the_sequence_never_went_further(parity, reference, a, b, c, seed,
-                                                                  b_in_one_call, use_parity):
+@given(
+    a=st.integers(1, 30),
+    b=st.integers(1, 25),
+    c=st.integers(1, 12),
+    seed=st.integers(0, 99),
+    b_in_one_call=st.booleans(),
+    use_parity=st.booleans(),
+)
+def test_rollback_continues_as_if_the_sequence_never_went_further(
+    parity, reference, a, b, c, seed, b_in_one_call, use_parity
+):
     model = parity if use_parity else reference
     ids = _ids(a + b + c, seed)
     head, tail, other = ids[:a], ids[a : a + b], ids[a + b :]
@@ -201,7 +214,9 @@ def test_a_refused_or_failed_call_leaves_the_sequence_as_it_was(reference, monke
     before, hashed = _state(model), model.hasher.state()
     with pytest.raises(ValueError, match="start_pos 4, but this sequence has 10 positions"):
         model(torch.tensor([[5, 6]]), 4)
-    with pytest.raises(ValueError, match=f"positions 10 to {model.max_seq_len + 2} exceed max_seq_len {model.max_seq_len}"):
+    with pytest.raises(
+        ValueError, match=f"positions 10 to {model.max_seq_len + 2} exceed max_seq_len {model.max_seq_len}"
+    ):
         model(torch.tensor([_ids(model.max_seq_len - 7, 1)]), 10)
     with pytest.raises(ValueError, match="token ids must lie in"):
         model(torch.tensor([[model.cfg.vocab_size]]), 10)

@@ -67,8 +67,10 @@ def test_a_reply_is_parsed_from_the_raw_generation(model):
 
 def test_the_model_verb_is_the_same_call(model, fresh):
     messages = [{"role": "user", "content": "hi"}]
-    assert model.chat(messages, max_new_tokens=4, reuse_prefix=False).generation.ids == \
-        chat(fresh, messages, max_new_tokens=4, reuse_prefix=False).generation.ids
+    assert (
+        model.chat(messages, max_new_tokens=4, reuse_prefix=False).generation.ids
+        == chat(fresh, messages, max_new_tokens=4, reuse_prefix=False).generation.ids
+    )
 
 
 def test_a_second_turn_runs_only_its_new_tokens(model, fresh):
@@ -109,15 +111,17 @@ def test_thinking_turns_continue_from_before_the_think_token(model, fresh):
     assert first.prompt.endswith("<｜Assistant｜><think>") and first.reply.incomplete == "reasoning"
     assert first.resume.position == len(first.prompt_ids) - 1
     # prefilled as two calls, the same bits as one under parity
-    one_call = chat(fresh, conversation.messages[:-1], thinking=True, reasoning_effort="low", max_new_tokens=5,
-                    reuse_prefix=False)
+    one_call = chat(
+        fresh, conversation.messages[:-1], thinking=True, reasoning_effort="low", max_new_tokens=5, reuse_prefix=False
+    )
     assert one_call.generation.ids == first.generation.ids
     second = conversation.send("then answer", trace=True)
     # the second turn renders the first without its reasoning: the two part at the `<think>`
     assert shared(first.prompt_ids, second.prompt_ids) == len(first.prompt_ids) - 1
     assert second.reused_positions == len(first.prompt_ids) - 1
-    again = chat(fresh, conversation.messages[:-1], thinking=True, reasoning_effort="low", max_new_tokens=5,
-                 reuse_prefix=False)
+    again = chat(
+        fresh, conversation.messages[:-1], thinking=True, reasoning_effort="low", max_new_tokens=5, reuse_prefix=False
+    )
     assert again.generation.ids == second.generation.ids
 
 
@@ -152,8 +156,15 @@ def test_images_go_through_the_vision_path(model, tmp_path):
 
     path = tmp_path / "red.png"
     Image.new("RGB", (40, 30), (200, 10, 10)).save(path)
-    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
-                                             {"type": "image_url", "image_url": {"url": str(path)}}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": str(path)}},
+            ],
+        }
+    ]
     result = chat(model, messages, max_new_tokens=3)
     assert result.images == [{"type": "image", "url": str(path)}]
     spans = model.prepare(chat_format.encode(messages, add_bos=False), [str(path)])
@@ -167,15 +178,23 @@ def test_an_unreadable_image_is_named_by_its_number(model, tmp_path):
     good, bad = tmp_path / "red.png", tmp_path / "broken.png"
     Image.new("RGB", (40, 30), (200, 10, 10)).save(good)
     bad.write_bytes(b"not an image")
-    content = [{"type": "text", "text": "compare"}, {"type": "image_url", "image_url": {"url": str(good)}},
-               {"type": "image_url", "image_url": {"url": str(bad)}}]
+    content = [
+        {"type": "text", "text": "compare"},
+        {"type": "image_url", "image_url": {"url": str(good)}},
+        {"type": "image_url", "image_url": {"url": str(bad)}},
+    ]
     # the source is quoted up to 80 characters (a test worker's temporary path may be longer)
-    with pytest.raises(chat_format.ChatFormatError, match=r"^image 2 of the conversation \('[^']*'\) cannot be "
-                                                          r"read as an image file$") as refused:
+    with pytest.raises(
+        chat_format.ChatFormatError,
+        match=r"^image 2 of the conversation \('[^']*'\) cannot be "
+        r"read as an image file$",
+    ) as refused:
         chat(model, [{"role": "user", "content": content}], max_new_tokens=1)
     assert str(bad)[:80] in str(refused.value)
     inline = dict(content[2], image_url={"url": "data:image/png;base64,QUJD"})
-    with pytest.raises(chat_format.ChatFormatError, match="^image 2 of the conversation cannot be used: .*not an image"):
+    with pytest.raises(
+        chat_format.ChatFormatError, match="^image 2 of the conversation cannot be used: .*not an image"
+    ):
         chat(model, [{"role": "user", "content": content[:2] + [inline]}], max_new_tokens=1)
 
 
@@ -192,8 +211,9 @@ def test_image_records_become_what_the_vision_path_reads():
 def test_the_prompt_probe_chat_mode_shows_the_parsed_reply_and_the_routing(model):
     widgets = pytest.importorskip("widgets")
 
-    probe = widgets.PromptProbe(model, "hello", 3, compare=False, background=False, chat=True,
-                                messages=[{"role": "system", "content": "sys"}])
+    probe = widgets.PromptProbe(
+        model, "hello", 3, compare=False, background=False, chat=True, messages=[{"role": "system", "content": "sys"}]
+    )
     sent = chat_format.encode([{"role": "system", "content": "sys"}, {"role": "user", "content": "hello"}])
     assert probe.chat_result.prompt == sent
     assert probe.result is probe.chat_result.generation and probe.result.trace is not None
@@ -236,8 +256,11 @@ def test_reasoning_and_tool_calls_are_shown(model):
     plain, terminal = io.StringIO(), io.StringIO()
     _show(result, plain, interactive=False)
     _show(result, terminal, interactive=True)
-    assert plain.getvalue().splitlines() == ["thinking: let me see", "assistant: ok",
-                                             'tool call: {"name": "clock", "arguments": {"tz": "UTC", "n": 2}}']
+    assert plain.getvalue().splitlines() == [
+        "thinking: let me see",
+        "assistant: ok",
+        'tool call: {"name": "clock", "arguments": {"tz": "UTC", "n": 2}}',
+    ]
     assert terminal.getvalue().splitlines()[0] == "\x1b[2mlet me see\x1b[0m"  # dimmed
 
 
@@ -246,19 +269,34 @@ CHAT = [sys.executable, "-m", "dsv41", "chat", "--max-new-tokens", "3"]
 
 def test_the_command_reads_one_message_per_line_from_a_pipe(tiny_checkpoint, tmp_path):
     saved = tmp_path / "out.json"
-    done = subprocess.run(CHAT + ["--checkpoint", tiny_checkpoint, "--quiet", "--system", "sys"],
-                          input=f"first\nsecond\n/save {saved}\n", capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    done = subprocess.run(
+        CHAT + ["--checkpoint", tiny_checkpoint, "--quiet", "--system", "sys"],
+        input=f"first\nsecond\n/save {saved}\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert done.returncode == 0, done.stderr
     assert sum(line.startswith("assistant: ") for line in done.stdout.splitlines()) == 2
     assert done.stderr == ""
-    assert [m["role"] for m in json.loads(saved.read_text())["messages"]] == ["system", "user", "assistant",
-                                                                             "user", "assistant"]
+    assert [m["role"] for m in json.loads(saved.read_text())["messages"]] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+    ]
 
 
 def test_the_command_rejects_a_bad_reasoning_effort(tiny_checkpoint):
-    done = subprocess.run(CHAT + ["--checkpoint", tiny_checkpoint, "--thinking", "--reasoning-effort", "200"],
-                          input="", capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        CHAT + ["--checkpoint", tiny_checkpoint, "--thinking", "--reasoning-effort", "200"],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1 and "reasoning_effort must be a whole number from 1 to 100" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
 
@@ -286,8 +324,13 @@ def test_the_command_on_a_terminal_prompts_dims_and_quits_on_ctrl_d(tiny_checkpo
     import pty
 
     leader, follower = pty.openpty()
-    proc = subprocess.Popen(CHAT + ["--checkpoint", tiny_checkpoint, "--quiet", "--thinking"], stdin=follower,
-                            stdout=follower, stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.Popen(
+        CHAT + ["--checkpoint", tiny_checkpoint, "--quiet", "--thinking"],
+        stdin=follower,
+        stdout=follower,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     os.close(follower)
     try:
         banner = _read_until(leader, b"you> ")

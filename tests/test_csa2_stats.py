@@ -1,14 +1,13 @@
 """dsv41.csa2_stats: the layer map, KV-cache bytes (formula vs the model card and vs allocated
 buffers), the compressor trace, the candidate-block pin, prefill/decode divergence and stale keys."""
 
-
 import pytest
 import torch
 
 from dsv41 import csa2_stats as cs
 from dsv41.attention import HOLDING, kv_cache_bytes, select_candidate_blocks
-from dsv41.csa2_stack import AttentionStack
 from dsv41.config import RELEASED, TINY
+from dsv41.csa2_stack import AttentionStack
 from dsv41.numerics import Numerics
 from dsv41.trace import Trace
 
@@ -90,11 +89,14 @@ def test_stored_formula_follows_the_geometry():
 
 
 @pytest.mark.parametrize("cache_format,holding", [("packed", "stored"), ("bf16", "runtime")])
-@pytest.mark.parametrize("ratios,max_seq_len", [
-    ((0, 0, 2, 2, 1, 1, 1, 0, 0, 0, 0), 64),
-    ((0, 0, 2, 2, 1, 1, 1, 0, 0, 0, 0), 37),  # odd: floor(37 / 2) compressed rows
-    ((0, 0, 4, 4, 1, 1, 1, 0, 0, 0, 0), 30),
-])
+@pytest.mark.parametrize(
+    "ratios,max_seq_len",
+    [
+        ((0, 0, 2, 2, 1, 1, 1, 0, 0, 0, 0), 64),
+        ((0, 0, 2, 2, 1, 1, 1, 0, 0, 0, 0), 37),  # odd: floor(37 / 2) compressed rows
+        ((0, 0, 4, 4, 1, 1, 1, 0, 0, 0, 0), 30),
+    ],
+)
 def test_formula_equals_the_allocated_buffers(ratios, max_seq_len, cache_format, holding):
     """Packed caches (the default) allocate the stored formula's bytes; BF16 ones the runtime's."""
     assert HOLDING[cache_format] == holding
@@ -119,7 +121,9 @@ def test_measured_released_bytes_per_token_next_to_the_formula():
         measured = cs.measured_cache_bytes(RELEASED, positions)
         assert measured.per_token["total"] == formula.per_token == 890
         assert measured.per_token_by_source == {s.layer: s.per_token for s in formula.sources}
-        assert measured.parts["compressed KV scales"] == sum(s.entries(positions) * s.kv_scales for s in formula.sources)
+        assert measured.parts["compressed KV scales"] == sum(
+            s.entries(positions) * s.kv_scales for s in formula.sources
+        )
         assert measured.parts["index key scales"] == sum(s.entries(positions) * s.key_scales for s in formula.sources)
         assert measured.total == formula.total(positions)
     held = cs.measured_cache_bytes(RELEASED, 4096, cache_format="bf16")
@@ -166,8 +170,9 @@ def test_compressor_trace_groups_tail_and_rotation(model):
     t4 = cs.compressor_trace(stack.layers[4], x, prefill=7)
     assert [c["emitted_groups"] for c in t4.calls] == [list(range(7))] + [[p] for p in range(7, 12)]
     assert all(g["kv_rotated_at"] == [g["group"]] for g in t4.groups)
-    assert all(not buf.any() for n, buf in stack.layers[2].named_buffers()
-               if n not in ("freqs_cis", "compressor.score_state"))  # left reset
+    assert all(
+        not buf.any() for n, buf in stack.layers[2].named_buffers() if n not in ("freqs_cis", "compressor.score_state")
+    )  # left reset
     with pytest.raises(ValueError, match="no compressor"):
         cs.compressor_trace(stack.layers[3], x, 7)
 
@@ -198,7 +203,9 @@ def test_divergence_every_difference_a_tie_and_parity_untruncated():
     n_differ = 0
     for seed in (0, 1):
         # ties left to torch.topk, as the reference does: they are all that can part
-        stack = AttentionStack(TINY, max_seq_len=28, seed=seed, numerics=PARITY_FIXED_KEYS.with_options(tie_break="topk"))
+        stack = AttentionStack(
+            TINY, max_seq_len=28, seed=seed, numerics=PARITY_FIXED_KEYS.with_options(tie_break="topk")
+        )
         d = cs.prefill_decode_divergence(stack, x)
         assert d.numerics == {"window_layout": "uniform", "pad_f32_rows": True}
         assert d.n_differ == d.n_ties and all(tie for _, _, tie in d.differ_at)
@@ -207,13 +214,16 @@ def test_divergence_every_difference_a_tie_and_parity_untruncated():
         n_differ += d.n_differ
     assert n_differ > 0  # the truncating width produces tie-broken differences at all
     for seed in (0, 1):  # one tie rule for both orders: nothing parts
-        assert cs.prefill_decode_divergence(AttentionStack(TINY, max_seq_len=28, seed=seed, numerics=PARITY_FIXED_KEYS),
-                                            x).identical
+        assert cs.prefill_decode_divergence(
+            AttentionStack(TINY, max_seq_len=28, seed=seed, numerics=PARITY_FIXED_KEYS), x
+        ).identical
     assert cs.untruncated_topk(TINY, 28) == 28
     wide = AttentionStack(TINY.replace(index_topk=28), max_seq_len=28, seed=0, numerics=PARITY_FIXED_KEYS)
     d = cs.prefill_decode_divergence(wide, x)
     assert d.identical and d.n_differ == 0 and d.max_output_diff == 0.0
-    narrow = AttentionStack(TINY.replace(index_topk=27), max_seq_len=28, seed=0, numerics=Numerics(fix_stale_index_keys=True))
+    narrow = AttentionStack(
+        TINY.replace(index_topk=27), max_seq_len=28, seed=0, numerics=Numerics(fix_stale_index_keys=True)
+    )
     assert cs.prefill_decode_divergence(narrow, x).n_truncated > 0  # one short of it truncates
 
 
@@ -222,8 +232,12 @@ def test_untruncated_positions_end_where_the_trace_records_the_first_cut():
     trace = Trace()
     with trace.recording(stack.sites):
         stack.forward_each(_x(28, seed=20), 0)
-    cuts = [~torch.isnan(getattr(r, name)[0]) for r in trace.attention
-            for name in ("kth_score", "candidate_kth_score") if getattr(r, name) is not None]
+    cuts = [
+        ~torch.isnan(getattr(r, name)[0])
+        for r in trace.attention
+        for name in ("kth_score", "candidate_kth_score")
+        if getattr(r, name) is not None
+    ]
     first = int(torch.stack(cuts).any(0).nonzero()[0])
     assert cs.untruncated_positions(TINY) == first == TINY.index_topk  # TINY: a ratio-1 index source
 
@@ -232,7 +246,9 @@ def test_spare_picks_outside_a_small_candidate_pool_are_ties_the_trace_cut_misse
     # index_topk 16 over a pool of at most 4 x 2 positions: a Reindex query reaching 9..16 positions
     # is not truncated by its reachable count (kth_score NaN), yet its prefill row (every position,
     # the unreachable ones at -inf) fills the spare picks from -inf ties, so the orders may differ
-    stack = AttentionStack(TINY.replace(index_topk=16), max_seq_len=28, seed=0, numerics=Numerics(fix_stale_index_keys=True))
+    stack = AttentionStack(
+        TINY.replace(index_topk=16), max_seq_len=28, seed=0, numerics=Numerics(fix_stale_index_keys=True)
+    )
     x = _x(28, seed=20)
     d = cs.prefill_decode_divergence(stack, x)
     early = [(q, tie) for layer, q, tie in d.differ_at if layer == 6 and q < 16]
@@ -250,8 +266,9 @@ def test_stale_keys_make_divergences_that_are_not_ties():
     not_tie = [(layer, q) for layer, q, tie in d.differ_at if not tie]
     assert not_tie and {layer for layer, _ in not_tie} <= {2, 3}
     assert d.n_ties == d.n_differ - len(not_tie)
-    fixed = cs.prefill_decode_divergence(AttentionStack(TINY, max_seq_len=28, seed=0, numerics=Numerics(fix_stale_index_keys=True)),
-                                         _x(28, seed=20))
+    fixed = cs.prefill_decode_divergence(
+        AttentionStack(TINY, max_seq_len=28, seed=0, numerics=Numerics(fix_stale_index_keys=True)), _x(28, seed=20)
+    )
     assert fixed.n_differ == fixed.n_ties  # the same input with the fix: every difference a tie again
 
 
@@ -290,7 +307,9 @@ def test_a_finite_pick_difference_inside_a_small_pool_is_not_a_tie(monkeypatch, 
     # layer 6 ranks inside layer 4's pool of at most 4 blocks of 2 positions; at index_topk 16 a
     # query at position 20 reaches 21 positions, so topk fills its 16 picks with -inf spares. The
     # k-th and (k+1)-th scores of that row are both -inf, which once excused any difference.
-    stack = AttentionStack(TINY.replace(index_topk=16), max_seq_len=28, seed=0, numerics=Numerics(fix_stale_index_keys=True))
+    stack = AttentionStack(
+        TINY.replace(index_topk=16), max_seq_len=28, seed=0, numerics=Numerics(fix_stale_index_keys=True)
+    )
     x = _x(28, seed=20)
     honest = cs.prefill_decode_divergence(stack, x)
     assert honest.n_differ == honest.n_ties
@@ -343,8 +362,11 @@ def test_layer_map_table_rows_name_what_each_layer_writes_and_reads():
 
 
 def test_positions_differing_gathers_the_chosen_layers():
-    d = cs.Divergence(index_topk=1, n_tokens=3, layers=[{"layer": 0, "output_diff": [0.0, 1e-3, 0.0]},
-                                                        {"layer": 1, "output_diff": [2.0, 0.0, 5e-4]}])
+    d = cs.Divergence(
+        index_topk=1,
+        n_tokens=3,
+        layers=[{"layer": 0, "output_diff": [0.0, 1e-3, 0.0]}, {"layer": 1, "output_diff": [2.0, 0.0, 5e-4]}],
+    )
     assert d.positions_differing([0]) == [1] and d.positions_differing([1]) == [0, 2]
     assert d.positions_differing(range(2)) == [0, 1, 2] and d.positions_differing([]) == []
 

@@ -9,14 +9,16 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import native_levels
+
 from dsv41.formats import quantize_fp4, quantize_fp8_blocks
 from dsv41.kernels import act_quant, fp4_gemm, fp8_gemm, linear
 from dsv41.kernels.codecs import e8m0_decode, fp4_to_float
 
-needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
-                              reason="no C compiler on PATH: the native kernels cannot be built here")
+needs_cc = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc")) is None,
+    reason="no C compiler on PATH: the native kernels cannot be built here",
+)
 
 
 def _gen(seed):
@@ -49,8 +51,10 @@ def _native_order(a, a_s, w, w_s):
     sw = sw if fp4 else sw.repeat_interleave(32, 0)[:n]  # [N, nb]
     prods = av.view(m, 1, nb, 32) * wv.view(1, n, nb, 32)  # [M, N, nb, 32], each product exact
     if fp4:
-        lanes = [(prods[..., 2 * l] + prods[..., 16 + 2 * l]) + (prods[..., 2 * l + 1] + prods[..., 17 + 2 * l])
-                 for l in range(8)]
+        lanes = [
+            (prods[..., 2 * l] + prods[..., 16 + 2 * l]) + (prods[..., 2 * l + 1] + prods[..., 17 + 2 * l])
+            for l in range(8)
+        ]
     else:
         lanes = [(prods[..., l] + prods[..., l + 8]) + (prods[..., l + 16] + prods[..., l + 24]) for l in range(8)]
     block = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
@@ -95,8 +99,11 @@ def test_native_linear_equals_the_reference_up_to_block_sum_rounding(kind):
     # the float32 output of both: the same act_quant of x (bf16 -> float32 is exact)
     assert torch.equal(linear(x, w, s, kernel="reference"), gemm(a, a_s, w, s))
     av = a.float().abs() * e8m0_decode(a_s).repeat_interleave(32, 1)
-    wv = (fp4_to_float(w) * e8m0_decode(s).repeat_interleave(32, 1)) if kind == "fp4" else \
-        w.float().abs() * e8m0_decode(s).repeat_interleave(32, 0)[:96].repeat_interleave(32, 1)
+    wv = (
+        (fp4_to_float(w) * e8m0_decode(s).repeat_interleave(32, 1))
+        if kind == "fp4"
+        else w.float().abs() * e8m0_decode(s).repeat_interleave(32, 0)[:96].repeat_interleave(32, 1)
+    )
     bound = 2 * 32 * 2.0**-24 * (av @ wv.abs().T)
     assert ((native - ref).abs() <= bound).all()
 
@@ -175,7 +182,7 @@ def test_every_instruction_set_build_gives_the_same_bits(monkeypatch, tmp_path):
 
     g = _gen(21)
     cases = []
-    for kind, make in (("fp8", _fp8_weight), ("fp4", _fp4_weight)):
+    for _kind, make in (("fp8", _fp8_weight), ("fp4", _fp4_weight)):
         w, s = make(40, 352, g)
         for m in (1, 3):
             x = (torch.randn(m, 352, generator=g) * 3).to(torch.bfloat16)

@@ -20,15 +20,26 @@ import torch
 
 import dsv41
 from dsv41 import Numerics
-from dsv41.distributed import (DEFAULT_TIMEOUT_S, ExpertParallelError, RankView, agree, combine_pairs, init,
-                               owned_pairs, pair_outputs, shutdown)
+from dsv41.distributed import (
+    DEFAULT_TIMEOUT_S,
+    ExpertParallelError,
+    RankView,
+    agree,
+    combine_pairs,
+    init,
+    owned_pairs,
+    pair_outputs,
+    shutdown,
+)
 from dsv41.kernels.experts import routed_experts
 from dsv41.trace import ForwardTrace
 
 REPO = Path(dsv41.__file__).resolve().parent.parent
 # A prompt long enough that prefill gives several experts more than 8 tokens (the other GEMM path)
-PROMPT = ("The capital of France is a city on the river, and the river runs to the sea past the old "
-          "harbour where the boats come in at night with the tide and leave again at dawn")
+PROMPT = (
+    "The capital of France is a city on the river, and the river runs to the sea past the old "
+    "harbour where the boats come in at night with the tide and leave again at dawn"
+)
 DECODE_STEPS = 6
 NUMERICS = {"reference": Numerics(), "parity": Numerics.parity()}
 GROUP_TIMEOUT_S = 120  # a generous bound on one torchrun group here (each takes a few seconds)
@@ -101,8 +112,11 @@ def test_the_owned_expert_store_serves_this_ranks_share_and_refuses_the_rest():
     view = RankView(rank=1, world_size=2)
     store = OwnedExpertStore(DictExpertStore({(0, 1): "one", (0, 3): "three", (0, 2): "two"}), view)
     assert list(store.fetch(0, [1, 3])) == ["one", "three"]
-    with pytest.raises(ExpertParallelError, match=r"^rank 1 of 2 .* was asked for layer 0's experts \[2\], "
-                                                  r"which rank 0 holds$"):
+    with pytest.raises(
+        ExpertParallelError,
+        match=r"^rank 1 of 2 .* was asked for layer 0's experts \[2\], "
+        r"which rank 0 holds$",
+    ):
         store.fetch(0, [1, 2])
 
 
@@ -133,9 +147,17 @@ def _free_port() -> int:
 def _launch_env(rank: int, world: int, port: int, **overrides) -> dict:
     """A worker's environment as torchrun sets it, on loopback, but with rank 0 hosting the group's
     store itself (no torchrun agent); an override of None removes the variable."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DSV41_JOIN_TIMEOUT_S=str(SHORT_JOIN_TIMEOUT_S))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        DSV41_JOIN_TIMEOUT_S=str(SHORT_JOIN_TIMEOUT_S),
+    )
     for variable in ("TORCHELASTIC_USE_AGENT_STORE", "LOCAL_WORLD_SIZE"):
         env.pop(variable, None)
     for variable, value in overrides.items():
@@ -147,15 +169,29 @@ def _launch_env(rank: int, world: int, port: int, **overrides) -> dict:
 
 
 def _generate_command(checkpoint: str, prompt: str = PROMPT, *extra: str) -> list:
-    return [sys.executable, "-m", "dsv41", "generate", "--expert-parallel", "--checkpoint", checkpoint,
-            "--prompt", prompt, "--max-new-tokens", "2", "--quiet", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "dsv41",
+        "generate",
+        "--expert-parallel",
+        "--checkpoint",
+        checkpoint,
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "2",
+        "--quiet",
+        *extra,
+    ]
 
 
 def _run_generate(checkpoint: str, env: dict):
     """One `dsv41 generate --expert-parallel` process -> (the finished process, its wall seconds)."""
     began = time.monotonic()
-    done = subprocess.run(_generate_command(checkpoint), capture_output=True, text=True, timeout=STARTUP_BOUND_S,
-                          env=env, cwd=str(REPO))
+    done = subprocess.run(
+        _generate_command(checkpoint), capture_output=True, text=True, timeout=STARTUP_BOUND_S, env=env, cwd=str(REPO)
+    )
     return done, time.monotonic() - began
 
 
@@ -166,6 +202,7 @@ def refuse_joining(monkeypatch):
 
     def joined(*args, **kwargs):
         raise AssertionError("joined the group")
+
     monkeypatch.setattr(dist, "TCPStore", joined)
     monkeypatch.setattr(dist, "init_process_group", joined)
 
@@ -181,21 +218,30 @@ GOOD_ENV = {"RANK": 1, "WORLD_SIZE": 2, "LOCAL_RANK": 1, "MASTER_ADDR": "127.0.0
 ENV = "torchrun's environment is not usable: "
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"RANK": 5}, "RANK must lie in [0, 1] for WORLD_SIZE 2, got 5"),
-    ({"RANK": -1}, "RANK must lie in [0, 1] for WORLD_SIZE 2, got -1"),
-    ({"WORLD_SIZE": "two"}, "WORLD_SIZE must be a whole number, got 'two'"),
-    ({"WORLD_SIZE": 0}, "WORLD_SIZE must be at least 1, got 0"),
-    ({"LOCAL_RANK": 2}, "LOCAL_RANK must lie in [0, 1] for WORLD_SIZE 2, got 2"),
-    ({"LOCAL_WORLD_SIZE": 1}, "LOCAL_RANK must lie in [0, 0] for LOCAL_WORLD_SIZE 1, got 1"),
-    ({"MASTER_PORT": 70000}, "MASTER_PORT must lie in [1, 65535], got 70000"),
-    ({"MASTER_PORT": "29500x"}, "MASTER_PORT must be a whole number, got '29500x'"),
-    ({"LOCAL_RANK": None}, "LOCAL_RANK is not set (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR "
-                           "and MASTER_PORT for every rank)"),
-    ({"RANK": None, "MASTER_ADDR": ""}, "RANK and MASTER_ADDR are not set (torchrun sets RANK, WORLD_SIZE, "
-                                        "LOCAL_RANK, MASTER_ADDR and MASTER_PORT for every rank)"),
-    ({"MASTER_ADDR": UNRESOLVABLE}, f"MASTER_ADDR {UNRESOLVABLE!r} does not resolve"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"RANK": 5}, "RANK must lie in [0, 1] for WORLD_SIZE 2, got 5"),
+        ({"RANK": -1}, "RANK must lie in [0, 1] for WORLD_SIZE 2, got -1"),
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE must be a whole number, got 'two'"),
+        ({"WORLD_SIZE": 0}, "WORLD_SIZE must be at least 1, got 0"),
+        ({"LOCAL_RANK": 2}, "LOCAL_RANK must lie in [0, 1] for WORLD_SIZE 2, got 2"),
+        ({"LOCAL_WORLD_SIZE": 1}, "LOCAL_RANK must lie in [0, 0] for LOCAL_WORLD_SIZE 1, got 1"),
+        ({"MASTER_PORT": 70000}, "MASTER_PORT must lie in [1, 65535], got 70000"),
+        ({"MASTER_PORT": "29500x"}, "MASTER_PORT must be a whole number, got '29500x'"),
+        (
+            {"LOCAL_RANK": None},
+            "LOCAL_RANK is not set (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR "
+            "and MASTER_PORT for every rank)",
+        ),
+        (
+            {"RANK": None, "MASTER_ADDR": ""},
+            "RANK and MASTER_ADDR are not set (torchrun sets RANK, WORLD_SIZE, "
+            "LOCAL_RANK, MASTER_ADDR and MASTER_PORT for every rank)",
+        ),
+        ({"MASTER_ADDR": UNRESOLVABLE}, f"MASTER_ADDR {UNRESOLVABLE!r} does not resolve"),
+    ],
+)
 def test_the_environment_is_refused_in_one_sentence_before_joining(monkeypatch, refuse_joining, changes, message):
     env = {k: v for k, v in {**GOOD_ENV, **changes}.items() if v is not None}
     _set_launch_env(monkeypatch, env)
@@ -208,8 +254,11 @@ def test_the_environment_is_refused_in_one_sentence_before_joining(monkeypatch, 
 @pytest.mark.parametrize("value", ["soon", "0", "-3", "nan", "inf"])
 def test_the_join_timeout_must_be_a_positive_number_of_seconds(monkeypatch, refuse_joining, value):
     _set_launch_env(monkeypatch, {**GOOD_ENV, "DSV41_JOIN_TIMEOUT_S": value})
-    with pytest.raises(ExpertParallelError, match=rf"^DSV41_JOIN_TIMEOUT_S must be a number of seconds above 0, "
-                                                  rf"got '{value}'$"):
+    with pytest.raises(
+        ExpertParallelError,
+        match=rf"^DSV41_JOIN_TIMEOUT_S must be a number of seconds above 0, "
+        rf"got '{value}'$",
+    ):
         init()
 
 
@@ -226,21 +275,27 @@ def test_an_unresolvable_master_is_one_line_from_generate_before_any_join(tiny_c
     done, seconds = _run_generate(tiny_checkpoint, env)
     assert done.returncode == 1
     lines = done.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"dsv41 generate: {ENV}MASTER_ADDR {UNRESOLVABLE!r} does not "
-                                                   f"resolve"), done.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"dsv41 generate: {ENV}MASTER_ADDR {UNRESOLVABLE!r} does not resolve"
+    ), done.stderr[-3000:]
     assert seconds < join_timeout_s
 
 
-@pytest.mark.parametrize("rank, why", [
-    (1, "nothing answered at 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT)"),  # no master listens
-    (0, "1 of 2 ranks arrived at 127.0.0.1:{port}"),  # the master, its peer never started
-])
+@pytest.mark.parametrize(
+    "rank, why",
+    [
+        (1, "nothing answered at 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT)"),  # no master listens
+        (0, "1 of 2 ranks arrived at 127.0.0.1:{port}"),  # the master, its peer never started
+    ],
+)
 def test_a_join_that_cannot_complete_ends_after_the_stated_timeout(tiny_checkpoint, rank, why):
     port = _free_port()
     done, seconds = _run_generate(tiny_checkpoint, _launch_env(rank, 2, port))
     assert done.returncode == 1
-    want = (f"dsv41 generate: rank {rank} could not join the expert-parallel group within {SHORT_JOIN_TIMEOUT_S} s "
-            f"(DSV41_JOIN_TIMEOUT_S): {why.format(port=port)}")
+    want = (
+        f"dsv41 generate: rank {rank} could not join the expert-parallel group within {SHORT_JOIN_TIMEOUT_S} s "
+        f"(DSV41_JOIN_TIMEOUT_S): {why.format(port=port)}"
+    )
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(want), done.stderr[-3000:]
     assert SHORT_JOIN_TIMEOUT_S <= seconds < STARTUP_BOUND_S
@@ -253,12 +308,17 @@ def test_under_torchrun_a_rank_whose_peers_never_arrive_ends_the_join_after_the_
 
     port = _free_port()
     agent_store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
-    _set_launch_env(monkeypatch, {**GOOD_ENV, "RANK": 0, "LOCAL_RANK": 0, "MASTER_PORT": port,
-                                  "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    _set_launch_env(
+        monkeypatch,
+        {**GOOD_ENV, "RANK": 0, "LOCAL_RANK": 0, "MASTER_PORT": port, "TORCHELASTIC_USE_AGENT_STORE": "True"},
+    )
     began = time.monotonic()
-    with pytest.raises(ExpertParallelError, match=rf"^rank 0 could not join the expert-parallel group within 1 s "
-                                                  rf"\(DSV41_JOIN_TIMEOUT_S\): 1 of 2 ranks arrived at "
-                                                  rf"127.0.0.1:{port}$"):
+    with pytest.raises(
+        ExpertParallelError,
+        match=rf"^rank 0 could not join the expert-parallel group within 1 s "
+        rf"\(DSV41_JOIN_TIMEOUT_S\): 1 of 2 ranks arrived at "
+        rf"127.0.0.1:{port}$",
+    ):
         init(join_timeout_s=1)
     assert 1 <= time.monotonic() - began < 20
     assert not dist.is_initialized()
@@ -268,8 +328,9 @@ def test_under_torchrun_a_rank_whose_peers_never_arrive_ends_the_join_after_the_
 # ---------------------------------------------------------------------- real groups
 def _torchrun(nproc: int, args: list[str], timeout: float = GROUP_TIMEOUT_S):
     """torchrun `args` on `nproc` local ranks -> (the finished process, its wall seconds)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1"
+    )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     began = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO))
@@ -309,7 +370,7 @@ def test_a_failing_rank_ends_the_group_with_one_line_on_rank_0(tiny_checkpoint, 
     done, seconds = _torchrun(nproc, [__file__, "--rank-run", str(tmp_path), "fail", tiny_checkpoint])
     assert done.returncode != 0
     assert seconds < GROUP_TIMEOUT_S
-    want = (f"rank {nproc - 1} failed in layer {FAILING_LAYER}'s routed experts: RuntimeError: {FAILURE_TEXT}")
+    want = f"rank {nproc - 1} failed in layer {FAILING_LAYER}'s routed experts: RuntimeError: {FAILURE_TEXT}"
     for rank in range(nproc):  # every rank raised the same error, naming the failing rank
         assert (tmp_path / f"rank{rank}.error").read_text() == want
     lines = [line for line in done.stderr.splitlines() if "failed in layer" in line]
@@ -332,9 +393,14 @@ def test_a_rank_failing_outside_its_experts_ends_the_group_within_the_timeout(ti
 
 def test_generate_command_prints_once_what_one_process_prints(tiny_checkpoint):
     args = ["--checkpoint", tiny_checkpoint, "--prompt", PROMPT, "--max-new-tokens", "5", "--quiet"]
-    single = subprocess.run([sys.executable, "-m", "dsv41", "generate", *args], capture_output=True, text=True,
-                            timeout=GROUP_TIMEOUT_S, cwd=str(REPO),
-                            env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    single = subprocess.run(
+        [sys.executable, "-m", "dsv41", "generate", *args],
+        capture_output=True,
+        text=True,
+        timeout=GROUP_TIMEOUT_S,
+        cwd=str(REPO),
+        env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
+    )
     assert single.returncode == 0, single.stderr
     done, _ = _torchrun(2, ["-m", "dsv41", "generate", "--expert-parallel", *args])
     assert done.returncode == 0, done.stderr[-3000:]
@@ -348,9 +414,26 @@ def test_bench_experts_across_ranks_counts_the_bytes_it_exchanges(tmp_path):
 
     nproc, dim, tokens = 2, 64, [1, 9]
     report_file = tmp_path / "report.json"
-    done, _ = _torchrun(nproc, ["-m", "dsv41", "bench", "experts", "--expert-parallel", "--tokens",
-                                ",".join(map(str, tokens)), "--dims", f"{dim},32", "--experts", "8", "--repeats", "1",
-                                "--json", str(report_file)])
+    done, _ = _torchrun(
+        nproc,
+        [
+            "-m",
+            "dsv41",
+            "bench",
+            "experts",
+            "--expert-parallel",
+            "--tokens",
+            ",".join(map(str, tokens)),
+            "--dims",
+            f"{dim},32",
+            "--experts",
+            "8",
+            "--repeats",
+            "1",
+            "--json",
+            str(report_file),
+        ],
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(report_file.read_text())
     assert report["world_size"] == nproc
@@ -368,9 +451,17 @@ def _run_ranks(commands: list) -> tuple[list, list]:
     """Each command as one rank of a group on loopback (rank 0 hosting the store) -> (exit codes,
     (stdout, stderr) per rank)."""
     port = _free_port()
-    ranks = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO),
-                              env=_launch_env(rank, len(commands), port, DSV41_JOIN_TIMEOUT_S=STARTUP_BOUND_S))
-             for rank, command in enumerate(commands)]
+    ranks = [
+        subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=str(REPO),
+            env=_launch_env(rank, len(commands), port, DSV41_JOIN_TIMEOUT_S=STARTUP_BOUND_S),
+        )
+        for rank, command in enumerate(commands)
+    ]
     try:
         outputs = [rank.communicate(timeout=STARTUP_BOUND_S) for rank in ranks]
     finally:
@@ -382,8 +473,12 @@ def _run_ranks(commands: list) -> tuple[list, list]:
 def test_ranks_given_different_requests_stop_with_one_line_on_rank_0(tiny_checkpoint):
     """Rank 1 is given another prompt and token count: the ranks compare their requests before the
     first exchange, so every rank exits 1 and rank 0 names the differences, nothing from gloo."""
-    codes, outputs = _run_ranks([_generate_command(tiny_checkpoint),
-                                 _generate_command(tiny_checkpoint, "A different prompt", "--max-new-tokens", "3")])
+    codes, outputs = _run_ranks(
+        [
+            _generate_command(tiny_checkpoint),
+            _generate_command(tiny_checkpoint, "A different prompt", "--max-new-tokens", "3"),
+        ]
+    )
     assert codes == [1, 1], outputs
     lines = outputs[0][1].splitlines()
     assert len(lines) == 1, outputs[0][1][-3000:]
@@ -397,8 +492,9 @@ def test_a_rank_whose_prompt_cannot_be_prepared_stops_every_rank_at_once(tiny_ch
     left waiting in an exchange for the group's timeout."""
     missing = tmp_path / "missing.png"
     began = time.monotonic()
-    codes, outputs = _run_ranks([_generate_command(tiny_checkpoint),
-                                 _generate_command(tiny_checkpoint, PROMPT, "--image", str(missing))])
+    codes, outputs = _run_ranks(
+        [_generate_command(tiny_checkpoint), _generate_command(tiny_checkpoint, PROMPT, "--image", str(missing))]
+    )
     assert codes == [1, 1], outputs
     lines = outputs[0][1].splitlines()
     want = "dsv41 generate: rank 1 failed preparing the prompt: ImageError: "
@@ -445,6 +541,7 @@ def _failing_after(forward, call: int):
         if calls[0] == call:
             raise RuntimeError(FAILURE_TEXT)
         return forward(*args, **kwargs)
+
     return wrapped
 
 
@@ -467,9 +564,23 @@ def _rank_main(out: str, mode: str, checkpoint: str) -> int:
             held = sorted({e for layer in range(model.cfg.n_layers) for e in model.experts.cached(layer)})
             Path(out, f"rank{ranks.rank}.held").write_text(" ".join(map(str, held)))
             r = model.report
-            Path(out, f"rank{ranks.rank}.report").write_text(" ".join(map(str, (
-                r.rank, r.world_size, r.routed_tensors_held, r.routed_tensors_total, r.routed_bytes_held,
-                r.routed_bytes_total, model.cfg.n_routed_experts, model.cfg.n_layers))))
+            Path(out, f"rank{ranks.rank}.report").write_text(
+                " ".join(
+                    map(
+                        str,
+                        (
+                            r.rank,
+                            r.world_size,
+                            r.routed_tensors_held,
+                            r.routed_tensors_total,
+                            r.routed_bytes_held,
+                            r.routed_bytes_total,
+                            model.cfg.n_routed_experts,
+                            model.cfg.n_layers,
+                        ),
+                    )
+                )
+            )
     except ExpertParallelError as exc:
         Path(out, f"rank{ranks.rank}.error").write_text(str(exc))
         if ranks.is_main:

@@ -16,8 +16,14 @@ from dsv41.speculative import Speculation, SpeculationStep
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-PROMPTS = ["The capital of France is", "Once upon a time", "def f(x):\n    return x", "1 2 3 4 5 6 7 8 9",
-           "a", "The harbor lights came on one by one as the ferry pulled away from the old stone pier."]
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "def f(x):\n    return x",
+    "1 2 3 4 5 6 7 8 9",
+    "a",
+    "The harbor lights came on one by one as the ferry pulled away from the old stone pier.",
+]
 
 
 # ---------------------------------------------------------------------- loading
@@ -115,8 +121,9 @@ def test_decode_feeds_the_rings_as_a_prefill_does(parity):
 def test_speculative_equals_plain_greedy_under_parity(parity, prompt):
     plain = parity.generate(prompt, max_new_tokens=20, stop_at_eos=False)
     for min_confidence in (0.0, 0.5):
-        spec = parity.generate(prompt, max_new_tokens=20, stop_at_eos=False, speculative=True,
-                               min_confidence=min_confidence)
+        spec = parity.generate(
+            prompt, max_new_tokens=20, stop_at_eos=False, speculative=True, min_confidence=min_confidence
+        )
         assert spec.ids == plain.ids
         s = spec.speculation
         assert s.tokens == len(spec.ids) - 1  # the first token comes from the prefill
@@ -144,8 +151,14 @@ def test_acceptance_is_exactly_the_number_of_right_proposals(parity, k):
     prompt = PROMPTS[0]
     plain = parity.generate(prompt, max_new_tokens=30, stop_at_eos=False)
     plain_all = plain.prompt_ids + plain.ids
-    spec = parity.generate(prompt, max_new_tokens=30, stop_at_eos=False, speculative=True,
-                           draft_source=_oracle(plain_all, k), draft_tokens=n_draft)
+    spec = parity.generate(
+        prompt,
+        max_new_tokens=30,
+        stop_at_eos=False,
+        speculative=True,
+        draft_source=_oracle(plain_all, k),
+        draft_tokens=n_draft,
+    )
     assert spec.ids == plain.ids
     steps = spec.speculation.steps
     for step in steps:
@@ -163,15 +176,17 @@ def test_a_block_is_cut_by_the_token_budget_and_max_seq_len(tiny_checkpoint):
     budget = 24 - len(prompt) + 1  # every position used, the last token never fed
     plain = model.generate(prompt, max_new_tokens=budget, stop_at_eos=False)
     plain_all = plain.prompt_ids + plain.ids
-    spec = model.generate(prompt, max_new_tokens=budget, stop_at_eos=False, speculative=True,
-                          draft_source=_oracle(plain_all, 5))
+    spec = model.generate(
+        prompt, max_new_tokens=budget, stop_at_eos=False, speculative=True, draft_source=_oracle(plain_all, 5)
+    )
     assert spec.ids == plain.ids and len(spec.ids) == budget
     assert model.position <= 24
     last = spec.speculation.steps[-1]
     assert last.kept < last.drafted or last.kept == 0 or last.position + last.kept + 1 <= 24
     for n in (1, 2, 3, 7):
-        short = model.generate(prompt, max_new_tokens=n, stop_at_eos=False, speculative=True,
-                               draft_source=_oracle(plain_all, 5))
+        short = model.generate(
+            prompt, max_new_tokens=n, stop_at_eos=False, speculative=True, draft_source=_oracle(plain_all, 5)
+        )
         assert short.ids == plain.ids[:n]
 
 
@@ -197,9 +212,11 @@ def test_eos_inside_an_accepted_block_stops_there(parity):
 
 
 def test_speculation_summary_counts():
-    steps = [SpeculationStep(10, 5, 5, 2, [2.0, 1.0, -1.0, 0.5, 0.5], 2, [1, 2, 3]),
-             SpeculationStep(13, 5, 3, 3, [3.0, 3.0, 3.0, -4.0, 0.0], 1, [4, 5, 6, 7]),
-             SpeculationStep(17, 5, 0, 0, [-3.0] * 5, 1, [8])]
+    steps = [
+        SpeculationStep(10, 5, 5, 2, [2.0, 1.0, -1.0, 0.5, 0.5], 2, [1, 2, 3]),
+        SpeculationStep(13, 5, 3, 3, [3.0, 3.0, 3.0, -4.0, 0.0], 1, [4, 5, 6, 7]),
+        SpeculationStep(17, 5, 0, 0, [-3.0] * 5, 1, [8]),
+    ]
     s = Speculation(steps)
     assert s.tokens == 8 and s.target_forwards == 4 and s.tokens_per_forward == 2.0
     assert s.mean_accepted == pytest.approx(5 / 3)
@@ -212,12 +229,15 @@ def test_speculation_summary_counts():
     assert bins[0]["count"] == 1 and bins[0]["accepted_fraction"] == 0.0
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"draft_tokens": 0}, "draft_tokens"),
-    ({"draft_tokens": 99}, "draft_tokens"),
-    ({"min_confidence": 1.5}, "min_confidence"),
-    ({"min_confidence": "high"}, "min_confidence"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"draft_tokens": 0}, "draft_tokens"),
+        ({"draft_tokens": 99}, "draft_tokens"),
+        ({"min_confidence": 1.5}, "min_confidence"),
+        ({"min_confidence": "high"}, "min_confidence"),
+    ],
+)
 def test_bad_speculative_requests_are_one_sentence(reference, kw, message):
     with pytest.raises(ValueError, match=message):
         reference.generate("hi", max_new_tokens=4, speculative=True, **kw)
@@ -250,13 +270,16 @@ def test_cutting_the_last_call_short_equals_running_the_kept_part(tiny_checkpoin
                 assert model.rollback(length - keep, rerun=again) is again
             assert cut.position == rerun.position == prefix + keep
             assert torch.equal(cut.token_ids, rerun.token_ids)
-            buffers = zip(list(cut.backbone.named_buffers()) + list(cut.draft_stack.named_buffers()),
-                          list(rerun.backbone.named_buffers()) + list(rerun.draft_stack.named_buffers()))
+            buffers = zip(
+                list(cut.backbone.named_buffers()) + list(cut.draft_stack.named_buffers()),
+                list(rerun.backbone.named_buffers()) + list(rerun.draft_stack.named_buffers()),
+            )
             for (name, a), (_, b) in buffers:
                 assert torch.equal(a, b), (prefix, length, keep, name)
             more = ids[prefix + keep : prefix + keep + 3]
-            assert torch.equal(cut(more, cut.position, all_positions=True),
-                               rerun(more, rerun.position, all_positions=True))
+            assert torch.equal(
+                cut(more, cut.position, all_positions=True), rerun(more, rerun.position, all_positions=True)
+            )
             assert torch.equal(cut.draft(7).logits, rerun.draft(7).logits)
     # a call longer than the window cannot be cut in place: its kept part runs again
     cut(ids[:3], 0)
@@ -267,8 +290,16 @@ def test_cutting_the_last_call_short_equals_running_the_kept_part(tiny_checkpoin
 def test_the_command_decodes_speculatively(capsys, parity):
     from dsv41.cli import generate_main
 
-    argv = ["--checkpoint", parity.report.checkpoint, "--prompt", "Once upon a time", "--max-new-tokens", "9",
-            "--numerics", "parity"]
+    argv = [
+        "--checkpoint",
+        parity.report.checkpoint,
+        "--prompt",
+        "Once upon a time",
+        "--max-new-tokens",
+        "9",
+        "--numerics",
+        "parity",
+    ]
     assert generate_main(argv + ["--quiet"]) == 0
     plain = capsys.readouterr().out
     assert generate_main(argv + ["--speculative", "--draft-tokens", "3", "--min-confidence", "0"]) == 0
@@ -304,8 +335,11 @@ def _chi2_quantile(df: int, level: float) -> float:
     lo, hi = 0.0, 1000.0
     for _ in range(200):
         mid = (lo + hi) / 2
-        cdf = float(torch.special.gammainc(torch.tensor(df / 2, dtype=torch.float64),
-                                           torch.tensor(mid / 2, dtype=torch.float64)))
+        cdf = float(
+            torch.special.gammainc(
+                torch.tensor(df / 2, dtype=torch.float64), torch.tensor(mid / 2, dtype=torch.float64)
+            )
+        )
         lo, hi = (mid, hi) if cdf < level else (lo, mid)
     return lo
 
@@ -335,12 +369,15 @@ def test_the_rejection_rule_keeps_the_target_distribution(draft):
 
 
 def test_sampled_speculation_is_seeded_and_draws_its_drafts(parity):
-    a = parity.generate(PROMPTS[0], max_new_tokens=14, stop_at_eos=False, speculative=True, temperature=0.9,
-                        seed=5, min_confidence=0.0)
-    b = parity.generate(PROMPTS[0], max_new_tokens=14, stop_at_eos=False, speculative=True, temperature=0.9,
-                        seed=5, min_confidence=0.0)
-    c = parity.generate(PROMPTS[0], max_new_tokens=14, stop_at_eos=False, speculative=True, temperature=0.9,
-                        seed=6, min_confidence=0.0)
+    a = parity.generate(
+        PROMPTS[0], max_new_tokens=14, stop_at_eos=False, speculative=True, temperature=0.9, seed=5, min_confidence=0.0
+    )
+    b = parity.generate(
+        PROMPTS[0], max_new_tokens=14, stop_at_eos=False, speculative=True, temperature=0.9, seed=5, min_confidence=0.0
+    )
+    c = parity.generate(
+        PROMPTS[0], max_new_tokens=14, stop_at_eos=False, speculative=True, temperature=0.9, seed=6, min_confidence=0.0
+    )
     assert a.ids == b.ids and a.ids != c.ids and len(a.ids) == 14
     assert all(0 <= t < parity.cfg.vocab_size for t in a.ids)
     parity(parity.encode(PROMPTS[0]), 0)
@@ -350,8 +387,14 @@ def test_sampled_speculation_is_seeded_and_draws_its_drafts(parity):
     # with every proposal the target's most likely token at temperature -> 0, sampling accepts them all
     plain = parity.generate(PROMPTS[0], max_new_tokens=12, stop_at_eos=False)
     everything = plain.prompt_ids + plain.ids
-    cold = parity.generate(PROMPTS[0], max_new_tokens=12, stop_at_eos=False, speculative=True, temperature=1e-6,
-                           draft_source=lambda m, anchor, n: (everything[m.position + 1 : m.position + 1 + n], [5.0] * n))
+    cold = parity.generate(
+        PROMPTS[0],
+        max_new_tokens=12,
+        stop_at_eos=False,
+        speculative=True,
+        temperature=1e-6,
+        draft_source=lambda m, anchor, n: (everything[m.position + 1 : m.position + 1 + n], [5.0] * n),
+    )
     assert cold.ids == plain.ids and cold.speculation.mean_accepted > 0
 
 

@@ -38,15 +38,29 @@ def _fold_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tokens = [
-        "<s>", "</s>", "<pad>", "<unk>",          # 0..3; engram_pad_id is 2
-        "Hello", "hello", "HELLO",                # 4..6  -> one key
-        "café", "cafe", "CAFÉ",                   # 7..9  -> one key
-        "  x", " x", "x",                         # 10..12 -> one key ("x")
-        " ", "\t", "\n\n",                        # 13..15 -> the lone space " "
-        "\u0301",                                 # 16: a lone combining accent normalizes to nothing
-        "<0xE2>", "<0xE3>",                       # 17, 18: partial UTF-8 bytes, decode to U+FFFD
-        "ﬁ", "fi",                                # 19, 20: NFKC folds the ligature
-        "world", "World",                         # 21, 22
+        "<s>",
+        "</s>",
+        "<pad>",
+        "<unk>",  # 0..3; engram_pad_id is 2
+        "Hello",
+        "hello",
+        "HELLO",  # 4..6  -> one key
+        "café",
+        "cafe",
+        "CAFÉ",  # 7..9  -> one key
+        "  x",
+        " x",
+        "x",  # 10..12 -> one key ("x")
+        " ",
+        "\t",
+        "\n\n",  # 13..15 -> the lone space " "
+        "\u0301",  # 16: a lone combining accent normalizes to nothing
+        "<0xE2>",
+        "<0xE3>",  # 17, 18: partial UTF-8 bytes, decode to U+FFFD
+        "ﬁ",
+        "fi",  # 19, 20: NFKC folds the ligature
+        "world",
+        "World",  # 21, 22
     ]
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -98,19 +112,25 @@ def test_is_prime_matches_a_sieve():
     limit = 30000
     sieve = np.ones(limit, dtype=bool)
     sieve[:2] = False
-    for i in range(2, int(limit ** 0.5) + 1):
+    for i in range(2, int(limit**0.5) + 1):
         if sieve[i]:
-            sieve[i * i::i] = False
+            sieve[i * i :: i] = False
     assert [is_prime(n) for n in range(limit)] == sieve.tolist()
 
 
-@pytest.mark.parametrize("n, expected", [
-    (561, False),                # Carmichael number
-    (3215031751, False),         # strong pseudoprime to bases 2, 3, 5, 7
-    (3825123056546413051, False),  # strong pseudoprime to bases 2..23
-    (2 ** 61 - 1, True), (2 ** 61 + 1, False),
-    (16000057, True), (16000889, True), (16000000, False),
-])
+@pytest.mark.parametrize(
+    "n, expected",
+    [
+        (561, False),  # Carmichael number
+        (3215031751, False),  # strong pseudoprime to bases 2, 3, 5, 7
+        (3825123056546413051, False),  # strong pseudoprime to bases 2..23
+        (2**61 - 1, True),
+        (2**61 + 1, False),
+        (16000057, True),
+        (16000889, True),
+        (16000000, False),
+    ],
+)
 def test_is_prime_edge_cases(n, expected):
     assert is_prime(n) is expected
 
@@ -148,8 +168,10 @@ def test_tampered_row_count_is_reported():
 
 def test_changed_head_count_changes_the_derivation():
     problems = EngramLayout.from_config(dataclasses.replace(RELEASED, engram_n_heads=7)).verify()
-    assert EngramLayout.from_config(dataclasses.replace(RELEASED, engram_n_heads=7)).derived_num_embeddings \
-        == (336004849, 336012883)
+    assert EngramLayout.from_config(dataclasses.replace(RELEASED, engram_n_heads=7)).derived_num_embeddings == (
+        336004849,
+        336012883,
+    )
     assert len(problems) == 2
 
 
@@ -188,7 +210,7 @@ def test_released_multipliers():
     assert got.tolist() == [RELEASED_MULTIPLIERS[1], RELEASED_MULTIPLIERS[14]]
     assert (got % 2 == 1).all()
     # bounded so that compressed_id * multiplier stays inside int64
-    assert int(got.max()) * (RELEASED.engram_compressed_vocab_size - 1) < 2 ** 63
+    assert int(got.max()) * (RELEASED.engram_compressed_vocab_size - 1) < 2**63
     # the bound depends on the compressed vocabulary: one id more and every multiplier moves
     other = compute_hash_multipliers(RELEASED.engram_layer_ids, 4, RELEASED.engram_compressed_vocab_size + 1)
     assert (other != got).all()
@@ -198,12 +220,12 @@ def test_released_multipliers():
 def test_normalizer_folding(fold_tokenizer):
     token_map, n = build_compressed_token_map(fold_tokenizer)
     assert token_map.shape == (fold_tokenizer.get_vocab_size(with_added_tokens=True),)
-    assert token_map[4] == token_map[5] == token_map[6]           # case
-    assert token_map[7] == token_map[8] == token_map[9]           # accents
-    assert token_map[10] == token_map[11] == token_map[12]        # whitespace collapsed and stripped
-    assert token_map[13] == token_map[14] == token_map[15]        # every whitespace run -> the lone space
+    assert token_map[4] == token_map[5] == token_map[6]  # case
+    assert token_map[7] == token_map[8] == token_map[9]  # accents
+    assert token_map[10] == token_map[11] == token_map[12]  # whitespace collapsed and stripped
+    assert token_map[13] == token_map[14] == token_map[15]  # every whitespace run -> the lone space
     assert token_map[13] != token_map[12]
-    assert token_map[19] == token_map[20]                          # NFKC ligature
+    assert token_map[19] == token_map[20]  # NFKC ligature
     assert token_map[21] == token_map[22]
     # a token that normalizes to nothing keeps its own text as key, apart from the lone space
     assert token_map[16] not in (token_map[13], token_map[12])
@@ -246,8 +268,13 @@ def test_tiny_tokenizer_folding():
     partial = ids_where(lambda t: "\ufffd" in t)
     assert len(partial) > 0 and len({int(token_map[i]) for i in partial}) == len(partial)
     # the special tokens (bos, eos, pad, noise, image) fold with nothing
-    specials = [TINY.bos_token_id, TINY.eos_token_id, TINY.pad_token_id, TINY.dspark_noise_token_id,
-                TINY.image_token_id]
+    specials = [
+        TINY.bos_token_id,
+        TINY.eos_token_id,
+        TINY.pad_token_id,
+        TINY.dspark_noise_token_id,
+        TINY.image_token_id,
+    ]
     for i in specials:
         assert (token_map == token_map[i]).sum() == 1, texts[i]
     hasher = NgramHasher.from_tokenizer(_small_cfg(n), tok)
@@ -312,7 +339,7 @@ def test_prefill_then_decode_equals_one_call():
     chunks = [hasher.hash_ids(ids[:, a:b], mask[:, a:b]) for a, b in zip(cuts, cuts[1:])]
     np.testing.assert_array_equal(np.concatenate(chunks, axis=1), whole)
     hasher.reset()
-    steps = [hasher.hash_ids(ids[:, t:t + 1], mask[:, t:t + 1]) for t in range(37)]
+    steps = [hasher.hash_ids(ids[:, t : t + 1], mask[:, t : t + 1]) for t in range(37)]
     np.testing.assert_array_equal(np.concatenate(steps, axis=1), whole)
     assert hasher.n_positions == 37
     # without reset the look-back continues; with it, the sequence starts over
@@ -348,8 +375,13 @@ def test_dead_token_at_a_chunk_boundary_stays_dead():
     seq, mask = [[5, 6, 7, 8, 9, 10]], [[True, True, False, True, True, True]]
     whole = hasher.hash_ids(seq, mask)
     hasher.reset()
-    split = np.concatenate([hasher.hash_ids([s[:3] for s in seq], [m[:3] for m in mask]),
-                            hasher.hash_ids([s[3:] for s in seq], [m[3:] for m in mask])], axis=1)
+    split = np.concatenate(
+        [
+            hasher.hash_ids([s[:3] for s in seq], [m[:3] for m in mask]),
+            hasher.hash_ids([s[3:] for s in seq], [m[3:] for m in mask]),
+        ],
+        axis=1,
+    )
     np.testing.assert_array_equal(split, whole)
 
 
@@ -373,7 +405,7 @@ def test_batch_rows_are_independent():
     batched = hasher.hash_ids(ids, mask)
     for b in range(4):
         hasher.reset()
-        np.testing.assert_array_equal(hasher.hash_ids(ids[b:b + 1], mask[b:b + 1]), batched[b:b + 1])
+        np.testing.assert_array_equal(hasher.hash_ids(ids[b : b + 1], mask[b : b + 1]), batched[b : b + 1])
     hasher.reset()
     np.testing.assert_array_equal(hasher.hash_ids(ids[0]), batched[0])  # 1-D input is one sequence
 
@@ -467,8 +499,7 @@ def test_poisson_expectation_is_the_closed_form():
 
     primes, n = (101, 103), 150
     got = poisson_rows(n, primes, 6)
-    assert got == pytest.approx([sum(p * exp(-n / p) * (n / p) ** c / factorial(c) for p in primes)
-                                 for c in range(6)])
+    assert got == pytest.approx([sum(p * exp(-n / p) * (n / p) ** c / factorial(c) for p in primes) for c in range(6)])
     tail = poisson_rows(n, primes)  # by default, until the expectation is below 1e-3 rows
     assert tail[-1] < 1e-3 <= tail[-2] and sum(tail) == pytest.approx(sum(primes), rel=1e-6)
     assert poisson_rows(0, (7,)) == [7.0, 0.0]
@@ -515,8 +546,10 @@ def test_cli_tokenizer_and_text(tmp_path, fold_tokenizer, capsys):
     fold_tokenizer.save(str(tok_dir / "tokenizer.json"))
     good = _write_cfg(tmp_path, _small_cfg(13), "good")
     out = tmp_path / "good.json"
-    assert cli_main(["--config", good, "--tokenizer", str(tok_dir), "--text", "Hello world café x",
-                     "--json", str(out)]) == 0
+    assert (
+        cli_main(["--config", good, "--tokenizer", str(tok_dir), "--text", "Hello world café x", "--json", str(out)])
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["tokenizer"]["compressed_size"] == 13
     assert report["tokenizer"]["pad_compressed_id"] == 2
@@ -527,8 +560,7 @@ def test_cli_tokenizer_and_text(tmp_path, fold_tokenizer, capsys):
     # a compressed size the tokenizer does not produce: exit 1, report written, both numbers named
     bad = _write_cfg(tmp_path, _small_cfg(14), "bad")
     out = tmp_path / "bad.json"
-    assert cli_main(["--config", bad, "--tokenizer", str(tok_dir), "--text", "hello",
-                     "--json", str(out)]) == 1
+    assert cli_main(["--config", bad, "--tokenizer", str(tok_dir), "--text", "hello", "--json", str(out)]) == 1
     problems = json.loads(out.read_text())["problems"]
     assert any("13" in p and "14" in p for p in problems)
 
@@ -565,10 +597,12 @@ def test_cli_json_that_cannot_be_written_is_one_sentence(tmp_path, capsys, case)
     out = tmp_path / "no-such-folder" / "x.json"
     if case == "a folder":
         out = tmp_path
-    args = {"report": ["--config", _write_cfg(tmp_path, RELEASED)],
-            "bad config": ["--config", str(tmp_path / "missing")],
-            "bench": ["--bench", "--bench-tokens", "64"],
-            "a folder": ["--config", _write_cfg(tmp_path, RELEASED)]}[case]
+    args = {
+        "report": ["--config", _write_cfg(tmp_path, RELEASED)],
+        "bad config": ["--config", str(tmp_path / "missing")],
+        "bench": ["--bench", "--bench-tokens", "64"],
+        "a folder": ["--config", _write_cfg(tmp_path, RELEASED)],
+    }[case]
     assert cli_main(args + ["--json", str(out)]) == 1
     line = _one_sentence(capsys.readouterr().err, f"dsv41 engram: --json {out}: ")
     assert "cannot write" in line
@@ -607,8 +641,12 @@ def test_text_that_is_not_utf8_is_one_sentence(tmp_path, fold_tokenizer, capsys)
     fold_tokenizer.save(str(tok_dir / "tokenizer.json"))
     cfg = _write_cfg(tmp_path, _small_cfg(13))
     base = ["--config", cfg, "--tokenizer", str(tok_dir), "--text"]
-    done = subprocess.run([sys.executable, "-m", "dsv41", "engram", *base, b"Hello \xff world"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "dsv41", "engram", *base, b"Hello \xff world"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, (done.stdout, done.stderr)
     line = _one_sentence(done.stderr, "dsv41 engram: error: argument --text: ")
     assert "UTF-8" in line and "\\xff" in line, line
@@ -616,7 +654,6 @@ def test_text_that_is_not_utf8_is_one_sentence(tmp_path, fold_tokenizer, capsys)
         cli_main(base + ["Hello \udcff world"])
     assert stop.value.code == 2
     assert "UTF-8" in capsys.readouterr().err
-
 
 
 def test_cli_refuses_impossible_sizes_before_the_prime_search(tmp_path, capsys):

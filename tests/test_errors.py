@@ -8,13 +8,23 @@ import dsv41
 from dsv41.errors import Dsv41Error
 
 # the built-in base each public error type had before the common base, which callers may catch
-BUILTIN_BASE = {"ConfigError": ValueError, "LoadError": ValueError, "HeaderError": ValueError,
-                "ChatFormatError": ValueError, "ImageError": ValueError, "TraceFileError": ValueError,
-                "EngramError": ValueError, "CacheError": RuntimeError, "ExpertParallelError": RuntimeError,
-                "NonFiniteLogits": RuntimeError}
+BUILTIN_BASE = {
+    "ConfigError": ValueError,
+    "LoadError": ValueError,
+    "HeaderError": ValueError,
+    "ChatFormatError": ValueError,
+    "ImageError": ValueError,
+    "TraceFileError": ValueError,
+    "EngramError": ValueError,
+    "CacheError": RuntimeError,
+    "ExpertParallelError": RuntimeError,
+    "NonFiniteLogits": RuntimeError,
+}
 # control flow inside one module, caught there and never raised to a caller
-INTERNAL = {"Missing",  # audit/evidence.py: a check's field is absent; the runner reports it as not evaluated
-            "LongInteger"}  # text.bounded_ints' JSON hook: each reader catches it and words its own sentence
+INTERNAL = {
+    "Missing",  # audit/evidence.py: a check's field is absent; the runner reports it as not evaluated
+    "LongInteger",
+}  # text.bounded_ints' JSON hook: each reader catches it and words its own sentence
 
 
 def _public_error_types():
@@ -24,8 +34,14 @@ def _public_error_types():
             continue
         module = importlib.import_module(info.name)
         for name, value in vars(module).items():
-            if (inspect.isclass(value) and issubclass(value, Exception) and not name.startswith("_") and name not in INTERNAL
-                    and value.__module__ == info.name and value.__module__.startswith("dsv41.")):
+            if (
+                inspect.isclass(value)
+                and issubclass(value, Exception)
+                and not name.startswith("_")
+                and name not in INTERNAL
+                and value.__module__ == info.name
+                and value.__module__.startswith("dsv41.")
+            ):
                 found[name] = value
     return found
 

@@ -10,10 +10,10 @@ import torch
 
 from dsv41.cli import generate_main as cli_main
 from dsv41.cli import main as cli_main_all
-from dsv41.kernels import experts as kernel_experts, triton_experts
-from dsv41.kernels.experts import routed_experts_reference
+from dsv41.kernels import experts as kernel_experts
+from dsv41.kernels import triton_experts
+from dsv41.kernels.experts import PackedExpert, routed_experts_reference
 from dsv41.loader import load
-from dsv41.kernels.experts import PackedExpert
 from dsv41.moe import RoutedExperts
 from dsv41.stores import DictExpertStore
 
@@ -68,14 +68,36 @@ def test_bad_device_specs_raise_one_sentence(tiny_checkpoint):
 
 @needs_no_gpu
 def test_cli_expert_device_cuda_falls_back(tiny_checkpoint, cpu_model, capsys, fresh_warnings):
-    code = cli_main(["--checkpoint", tiny_checkpoint, "--prompt", PROMPT, "--max-new-tokens", "4",
-                     "--expert-device", "cuda", "--quiet"])
+    code = cli_main(
+        [
+            "--checkpoint",
+            tiny_checkpoint,
+            "--prompt",
+            PROMPT,
+            "--max-new-tokens",
+            "4",
+            "--expert-device",
+            "cuda",
+            "--quiet",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0 and len(err.splitlines()) == 1 and len(_fallback_lines(err)) == 1, err
     assert out == cpu_model.generate(PROMPT, max_new_tokens=4).text + "\n"
     # a device list takes the same path
-    code = cli_main(["--checkpoint", tiny_checkpoint, "--prompt", PROMPT, "--max-new-tokens", "2",
-                     "--expert-device", "cuda:0,cuda:1", "--quiet"])
+    code = cli_main(
+        [
+            "--checkpoint",
+            tiny_checkpoint,
+            "--prompt",
+            PROMPT,
+            "--max-new-tokens",
+            "2",
+            "--expert-device",
+            "cuda:0,cuda:1",
+            "--quiet",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0 and out and err == ""  # the fallback line was printed once, above
     # a string that names no device is still refused in one sentence
@@ -192,9 +214,13 @@ def test_gpu_targets_are_judged_from_the_measured_fractions():
     from dsv41.bench.experts import GPU_GEMM_TARGET, GPU_GEMM_TOKENS, GPU_GEMV_TARGET, _gpu_targets
 
     lines = []
-    report = {"shapes": [{"tokens": 1, "gemv_fraction_of_memory_bandwidth": GPU_GEMV_TARGET, "gemv_method": "m"},
-                         {"tokens": 16}],
-              "gemm": {"tokens": GPU_GEMM_TOKENS, "fraction_of_bf16_matmul": GPU_GEMM_TARGET * 0.99, "fp4_method": "m"}}
+    report = {
+        "shapes": [
+            {"tokens": 1, "gemv_fraction_of_memory_bandwidth": GPU_GEMV_TARGET, "gemv_method": "m"},
+            {"tokens": 16},
+        ],
+        "gemm": {"tokens": GPU_GEMM_TOKENS, "fraction_of_bf16_matmul": GPU_GEMM_TARGET * 0.99, "fp4_method": "m"},
+    }
     gemv, gemm = _gpu_targets(report, lines.append)
     assert (gemv["what"], gemv["met"], gemm["what"], gemm["met"]) == ("decode GEMVs", True, "expert GEMMs", False)
     assert gemm["measured"] == report["gemm"]["fraction_of_bf16_matmul"] and len(lines) == 2

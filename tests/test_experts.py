@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import native_levels
 
 import dsv41.kernels.experts as ex
-from dsv41.kernels.operands import check_operands
 from dsv41.formats import quantize_fp4, quantize_fp8_blocks
 from dsv41.kernels import act_quant, fp4_gemm, fp4_to_float, fp8_gemm
 from dsv41.kernels.experts import (
@@ -27,8 +27,7 @@ from dsv41.kernels.experts import (
     routed_experts,
     routed_experts_reference,
 )
-
-from conftest import native_levels
+from dsv41.kernels.operands import check_operands
 
 REPO = Path(__file__).resolve().parents[1]
 try:
@@ -194,7 +193,6 @@ def test_fp8_fused_matches_fp8_gemm(small_chunks, kernel, m):
 
 def test_linear_fused_is_the_op_layer_linear(kernel):
     from dsv41.kernels import linear
-
     from dsv41.kernels.experts import linear_fused
 
     g = _gen(3)
@@ -319,8 +317,10 @@ def test_routed_experts_handle_one_token_and_no_tokens(kernel):
     x = torch.randn(1, dim, generator=g).to(torch.bfloat16)
     ids = torch.tensor([[5, 0, 7, 2, 3, 1]])
     weights = torch.softmax(torch.randn(1, 6, generator=g), -1)
-    _assert_bf16_close(routed_experts(x, ids, weights, experts, 10.0, cpu_kernel=kernel),
-                       routed_experts_reference(x, ids, weights, experts, 10.0))
+    _assert_bf16_close(
+        routed_experts(x, ids, weights, experts, 10.0, cpu_kernel=kernel),
+        routed_experts_reference(x, ids, weights, experts, 10.0),
+    )
     empty = routed_experts(x[:0], ids[:0], weights[:0], experts, 10.0, cpu_kernel=kernel)
     assert empty.shape == (0, dim)
     with pytest.raises(ValueError, match="expert_ids and weights"):
@@ -376,8 +376,14 @@ def test_no_whole_weight_is_expanded(monkeypatch, kernel):
     def forbidden(*args, **kwargs):
         raise AssertionError("a whole weight matrix was expanded")
 
-    for module, name in [(codecs, "fp4_to_float"), (gemm, "fp4_to_float"), (ex, "fp4_to_float"),
-                         (formats, "dequantize_fp4"), (formats, "dequantize"), (formats, "fp4_values")]:
+    for module, name in [
+        (codecs, "fp4_to_float"),
+        (gemm, "fp4_to_float"),
+        (ex, "fp4_to_float"),
+        (formats, "dequantize_fp4"),
+        (formats, "dequantize"),
+        (formats, "fp4_values"),
+    ]:
         monkeypatch.setattr(module, name, forbidden)
     monkeypatch.setattr(ex, "_CHUNK_VALUES", 8192)
     monkeypatch.setattr(ex, "_BF16_CHUNK_VALUES", 8192)
@@ -476,7 +482,9 @@ def test_a_tokens_result_does_not_depend_on_its_company_up_to_8_tokens(native_le
     a, a_s = act_quant((torch.randn(8, 320, generator=g) * 3).to(torch.bfloat16))
     together = fp4_gemm_fused(a, a_s, packed, scale, out_dtype=torch.float32, cpu_kernel="native")
     for i in range(8):
-        alone = fp4_gemm_fused(a[i : i + 1], a_s[i : i + 1], packed, scale, out_dtype=torch.float32, cpu_kernel="native")
+        alone = fp4_gemm_fused(
+            a[i : i + 1], a_s[i : i + 1], packed, scale, out_dtype=torch.float32, cpu_kernel="native"
+        )
         assert torch.equal(alone[0], together[i])
         pair = fp4_gemm_fused(a[i : i + 2], a_s[i : i + 2], packed, scale, out_dtype=torch.float32, cpu_kernel="native")
         assert torch.equal(pair[0], together[i])
@@ -522,19 +530,32 @@ def test_products_in_one_native_call_equal_them_one_by_one(native_level):
     fp4_w, fp4_s = _fp4_weight(48, 256, g)
     fp8_w, fp8_s = quantize_fp8_blocks(torch.randn(70, 128, generator=g))
     jobs = []
-    for m, (w, s, fp4, rows_per_scale) in ((1, (fp4_w, fp4_s, True, 1)), (3, (fp8_w, fp8_s, False, 32)),
-                                           (8, (fp4_w, fp4_s, True, 1))):
+    for m, (w, s, fp4, rows_per_scale) in (
+        (1, (fp4_w, fp4_s, True, 1)),
+        (3, (fp8_w, fp8_s, False, 32)),
+        (8, (fp4_w, fp4_s, True, 1)),
+    ):
         a, a_s = act_quant((torch.randn(m, w.size(1) * (2 if fp4 else 1), generator=g) * 2).to(torch.bfloat16))
-        jobs.append((fp4, a.view(torch.uint8), a_s.view(torch.uint8), 32, w.view(torch.uint8), s.view(torch.uint8),
-                     rows_per_scale))
+        jobs.append(
+            (
+                fp4,
+                a.view(torch.uint8),
+                a_s.view(torch.uint8),
+                32,
+                w.view(torch.uint8),
+                s.view(torch.uint8),
+                rows_per_scale,
+            )
+        )
     together = kernels.gemm_many(jobs)
     for job, got in zip(jobs, together):
         assert torch.equal(got, kernels.gemm_many([job])[0])
     experts = {e: _expert(256, 96, g) for e in range(4)}
     x = (torch.randn(5, 256, generator=g) * 3).to(torch.bfloat16)
     ids, weights = _routing(5, 4, 2, g)
-    one_by_one = routed_experts(x, ids, weights, experts, 4.0,
-                                product=lambda a, a_s, w, s, dtype: fp4_gemm_fused(a, a_s, w, s, out_dtype=dtype))
+    one_by_one = routed_experts(
+        x, ids, weights, experts, 4.0, product=lambda a, a_s, w, s, dtype: fp4_gemm_fused(a, a_s, w, s, out_dtype=dtype)
+    )
     assert torch.equal(routed_experts(x, ids, weights, experts, 4.0), one_by_one)
 
 
@@ -548,7 +569,9 @@ def test_gate_and_up_sharing_one_gemm_give_each_products_own_bits(native_level, 
     expert = _expert(256, 160, g, fp8=fp8)
     x = (torch.randn(40, 256, generator=g) * 3).to(torch.bfloat16)
     a, a_s = act_quant(x)
-    ops = [(w, s, check_operands(a, a_s, w, s)) for w, s in ((expert.w1, expert.w1_scale), (expert.w3, expert.w3_scale))]
+    ops = [
+        (w, s, check_operands(a, a_s, w, s)) for w, s in ((expert.w1, expert.w1_scale), (expert.w3, expert.w3_scale))
+    ]
     kernels = ex.native.load()
     for chunk in (1 << 22, 256 * 200):  # everything in one GEMM; a chunk boundary inside w3
         with pytest.MonkeyPatch.context() as mp:
@@ -561,8 +584,9 @@ def test_gate_and_up_sharing_one_gemm_give_each_products_own_bits(native_level, 
     experts = {e: _expert(256, 96, g, fp8=fp8) for e in range(3)}
     ids, weights = _routing(40, 3, 2, g)
     gemm = fp8_gemm_fused if fp8 else fp4_gemm_fused
-    one_by_one = routed_experts(x, ids, weights, experts, 4.0,
-                                product=lambda a, a_s, w, s, dtype: gemm(a, a_s, w, s, out_dtype=dtype))
+    one_by_one = routed_experts(
+        x, ids, weights, experts, 4.0, product=lambda a, a_s, w, s, dtype: gemm(a, a_s, w, s, out_dtype=dtype)
+    )
     assert torch.equal(routed_experts(x, ids, weights, experts, 4.0), one_by_one)
 
 
@@ -589,8 +613,29 @@ def _act_quant_inputs(g):
     """Activations that reach every branch of act_quant: ordinary blocks at scales far apart,
     E4M3 subnormals and the 1e-4 amax floor, NaN, infinities, saturation, float32 subnormals, and
     raw bit patterns."""
-    specials = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45, -1e-45, 1e-38, 448.0,
-                             449.0, 464.0, 480.0, 1e30, -1e30, 2.0**-9, 2.0**-10, 3 * 2.0**-10, 1e-4, 5e-5])
+    specials = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            float("nan"),
+            float("inf"),
+            -float("inf"),
+            1e-45,
+            -1e-45,
+            1e-38,
+            448.0,
+            449.0,
+            464.0,
+            480.0,
+            1e30,
+            -1e30,
+            2.0**-9,
+            2.0**-10,
+            3 * 2.0**-10,
+            1e-4,
+            5e-5,
+        ]
+    )
     for trial in range(120):
         m, k = int(torch.randint(1, 6, (1,), generator=g)), 128 * int(torch.randint(1, 4, (1,), generator=g))
         x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-40, 40, (m, 1), generator=g).float())
@@ -600,7 +645,7 @@ def _act_quant_inputs(g):
         elif trial % 4 == 2:
             x = (torch.rand(m, k, generator=g) * 2 - 1) * 1e-5
         elif trial % 4 == 3:
-            x = torch.randint(-2**31, 2**31 - 1, (m, k), generator=g, dtype=torch.int32).view(torch.float32)
+            x = torch.randint(-(2**31), 2**31 - 1, (m, k), generator=g, dtype=torch.int32).view(torch.float32)
         yield x
 
 
@@ -745,8 +790,9 @@ print(json.dumps(out))
 @pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed")
 def test_triton_kernels_in_the_interpreter_match_the_reference():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERPRET_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(results) == 16
@@ -780,15 +826,18 @@ def test_routed_experts_on_cpu_experts_take_the_fused_path():
     experts = {e: _expert(64, 32, g) for e in range(4)}
     x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
     ids, weights = _routing(5, 4, 2, g)
-    fused = routed_experts(x, ids, weights, experts, 3.0,
-                           product=lambda a, a_s, w, s, dtype: fp4_gemm_fused(a, a_s, w, s, out_dtype=dtype))
+    fused = routed_experts(
+        x, ids, weights, experts, 3.0, product=lambda a, a_s, w, s, dtype: fp4_gemm_fused(a, a_s, w, s, out_dtype=dtype)
+    )
     assert torch.equal(routed_experts(x, ids, weights, experts, 3.0), fused)
     devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
     assert [device_for(e, devices).index for e in range(4)] == [0, 1, 0, 1]
 
 
-_GPU = pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()),
-                          reason="needs a CUDA GPU with Triton; the kernels are checked on CPU through TRITON_INTERPRET above")
+_GPU = pytest.mark.skipif(
+    not (HAVE_TRITON and torch.cuda.is_available()),
+    reason="needs a CUDA GPU with Triton; the kernels are checked on CPU through TRITON_INTERPRET above",
+)
 
 
 @pytest.mark.gpu
@@ -824,18 +873,39 @@ def test_prefill_path_follows_the_cpu_features(monkeypatch):
     float32 GEMM over rows decoded with AVX2 or plain C; a level held lower takes the lower path."""
     import dsv41.kernels.native as native
 
-    amx = {"avx2": True, "fma3": True, "f16c": True, "avx512_f": True, "avx512_bw": True, "avx512_dq": True,
-           "avx512_vl": True, "avx512_bf16": True, "amx_tile": True, "amx_bf16": True}
+    amx = {
+        "avx2": True,
+        "fma3": True,
+        "f16c": True,
+        "avx512_f": True,
+        "avx512_bw": True,
+        "avx512_dq": True,
+        "avx512_vl": True,
+        "avx512_bf16": True,
+        "amx_tile": True,
+        "amx_bf16": True,
+    }
     without = lambda *names: {k: v for k, v in amx.items() if k not in names}  # noqa: E731
-    cpus = [(amx, "amx"), (without("amx_bf16"), "avx512_bf16"), (without("amx_tile", "avx512_bf16"), "avx512"),
-            (without("avx512_vl"), "avx2"), (without("f16c"), "plain"), ({}, "plain")]
+    cpus = [
+        (amx, "amx"),
+        (without("amx_bf16"), "avx512_bf16"),
+        (without("amx_tile", "avx512_bf16"), "avx512"),
+        (without("avx512_vl"), "avx2"),
+        (without("f16c"), "plain"),
+        ({}, "plain"),
+    ]
     for caps, level in cpus:
         monkeypatch.setattr(native, "cpu_capability", lambda caps=caps: caps)
         assert native.cpu_isa_level() == level, caps
     monkeypatch.setattr(native, "cpu_capability", lambda: amx)
     kernels = lambda level, simd: type("K", (), {"level": level, "simd": simd})()  # noqa: E731
-    cases = [("amx", True, "amx"), ("avx512_bf16", True, "avx512_bf16"), ("avx512", True, "avx2"),
-             ("avx2", True, "avx2"), ("plain", False, "plain")]
+    cases = [
+        ("amx", True, "amx"),
+        ("avx512_bf16", True, "avx512_bf16"),
+        ("avx512", True, "avx2"),
+        ("avx2", True, "avx2"),
+        ("plain", False, "plain"),
+    ]
     for level, simd, want in cases:
         assert native.prefill_path(kernels(level, simd)) == want
     assert native.prefill_path.__module__ == native.__name__ and set(native.PREFILL_PATHS) == {c[2] for c in cases}
@@ -888,8 +958,11 @@ def test_many_token_paths_are_the_reference_rounded_to_bf16(monkeypatch, native_
     monkeypatch.setattr(native, "prefill_path", lambda kernels=None: path)
     g = _gen(50)
     a, a_s, w, s = _exact_sum_case(20, 72, 256, g, fp8=kind == "fp8")
-    ref = (fp4_gemm(a, a_s, w.view(torch.uint8), s, out_dtype=torch.float32) if kind == "fp4"
-           else fp8_gemm(a, a_s, w, s, out_dtype=torch.float32))
+    ref = (
+        fp4_gemm(a, a_s, w.view(torch.uint8), s, out_dtype=torch.float32)
+        if kind == "fp4"
+        else fp8_gemm(a, a_s, w, s, out_dtype=torch.float32)
+    )
     fused = fp4_gemm_fused if kind == "fp4" else fp8_gemm_fused
     got = fused(a, a_s, w, s, out_dtype=torch.bfloat16, cpu_kernel="native")
     assert torch.equal(got, ref.to(torch.bfloat16))

@@ -4,15 +4,15 @@ kernel processes (the browser test's JupyterLab run of a notebook where it ran o
 else a second papermill run)."""
 
 import pytest
-
 from conftest import NOTEBOOK_GROUPS, notebook_group, run_notebooks_smoke, second_run_exports
 
 EXPORTED = (".png", ".svg", ".json")
 
 
 def _exports(folder, number: str) -> dict:
-    return {p.name: p.read_bytes() for p in folder.iterdir()
-            if p.name.startswith(f"{number}_") and p.suffix in EXPORTED}
+    return {
+        p.name: p.read_bytes() for p in folder.iterdir() if p.name.startswith(f"{number}_") and p.suffix in EXPORTED
+    }
 
 
 # each group on the test worker that runs its notebook tests (conftest.notebook_group), after the

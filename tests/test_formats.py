@@ -7,8 +7,17 @@ import torch
 
 from dsv41 import formats
 from dsv41.formats import (
-    dequantize, dequantize_engram_rows, dequantize_fp4, dequantize_fp8_blocks, fp4_values, infer_fp8_block,
-    pow2_exponent, quantize_engram_table, quantize_fp4, quantize_fp8_blocks, save_safetensors,
+    dequantize,
+    dequantize_engram_rows,
+    dequantize_fp4,
+    dequantize_fp8_blocks,
+    fp4_values,
+    infer_fp8_block,
+    pow2_exponent,
+    quantize_engram_table,
+    quantize_fp4,
+    quantize_fp8_blocks,
+    save_safetensors,
 )
 
 E2M1_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -191,16 +200,28 @@ def test_safetensors_writes_release_dtypes_and_reads_back(tmp_path):
     w = _randn(64, 64, seed=6)
     q, s = quantize_fp8_blocks(w)
     p, ps = quantize_fp4(w)
-    tensors = {"a.weight": q, "a.scale": s, "e.weight": p, "e.scale": ps,
-               "n.weight": torch.ones(64, dtype=torch.bfloat16), "sink": torch.zeros(4)}
+    tensors = {
+        "a.weight": q,
+        "a.scale": s,
+        "e.weight": p,
+        "e.scale": ps,
+        "n.weight": torch.ones(64, dtype=torch.bfloat16),
+        "sink": torch.zeros(4),
+    }
     path = tmp_path / "x.safetensors"
     save_safetensors(tensors, str(path))
     header_len = int.from_bytes(path.read_bytes()[:8], "little")
     import json
-    header = json.loads(path.read_bytes()[8:8 + header_len])
+
+    header = json.loads(path.read_bytes()[8 : 8 + header_len])
     assert {k: v["dtype"] for k, v in header.items() if k != "__metadata__"} == {
-        "a.weight": "F8_E4M3", "a.scale": "F8_E8M0", "e.weight": "I8", "e.scale": "F8_E8M0",
-        "n.weight": "BF16", "sink": "F32"}
+        "a.weight": "F8_E4M3",
+        "a.scale": "F8_E8M0",
+        "e.weight": "I8",
+        "e.scale": "F8_E8M0",
+        "n.weight": "BF16",
+        "sink": "F32",
+    }
     assert header["e.weight"]["shape"] == [64, 32]
     with safe_open(str(path), "pt") as f:
         back = {k: f.get_tensor(k) for k in f.keys()}

@@ -31,20 +31,71 @@ READ_S, AUDIT_S, LOAD_S = 2.0, 10.0, 10.0
 
 
 def fuzz(examples: int):
-    return settings(max_examples=examples, deadline=None, derandomize=True, database=None, print_blob=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much])
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        print_blob=True,
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.function_scoped_fixture,
+            HealthCheck.filter_too_much,
+        ],
+    )
 
 
 # ---------------------------------------------------------------------- JSON of every type and magnitude
-MAGNITUDES = [0, 1, -1, 2, 3, 4, 7, 16, 32, 64, 256, 500, 1 << 10, 1 << 12, 1 << 13, 1 << 14, 1 << 16, 1 << 17,
-              1 << 22, 1 << 26, 1 << 30, 1 << 31, 1 << 35, 1 << 63, 1 << 64, 10 ** 9, 10 ** 12, 137438953471,
-              10 ** 30, -10 ** 30, 10 ** 60, 10 ** 300]
-SCALARS = (st.none() | st.booleans() | st.sampled_from(MAGNITUDES) | st.integers()
-           | st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([1e-20, 0.5, -0.0, 1e308])
-           | st.text(max_size=8) | st.sampled_from(["F32", "BF16", "I8", "F8_E4M3", "fp8", "fp4", "\ud800", "x" * 300]))
-JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=5)
-                    | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
+MAGNITUDES = [
+    0,
+    1,
+    -1,
+    2,
+    3,
+    4,
+    7,
+    16,
+    32,
+    64,
+    256,
+    500,
+    1 << 10,
+    1 << 12,
+    1 << 13,
+    1 << 14,
+    1 << 16,
+    1 << 17,
+    1 << 22,
+    1 << 26,
+    1 << 30,
+    1 << 31,
+    1 << 35,
+    1 << 63,
+    1 << 64,
+    10**9,
+    10**12,
+    137438953471,
+    10**30,
+    -(10**30),
+    10**60,
+    10**300,
+]
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.sampled_from(MAGNITUDES)
+    | st.integers()
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.sampled_from([1e-20, 0.5, -0.0, 1e308])
+    | st.text(max_size=8)
+    | st.sampled_from(["F32", "BF16", "I8", "F8_E4M3", "fp8", "fp4", "\ud800", "x" * 300])
+)
+JSON = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
 
 
 class Quiet(tuple):
@@ -107,9 +158,13 @@ def length_prefixed(body: bytes) -> bytes:
 
 
 @fuzz(60)
-@given(st.one_of(st.binary(max_size=256),
-                 st.binary(max_size=64).map(lambda b: struct.pack("<Q", len(b)) + b),  # a plausible length
-                 st.integers(1, 5000).map(lambda n: length_prefixed(b"[" * n + b"]" * n))))
+@given(
+    st.one_of(
+        st.binary(max_size=256),
+        st.binary(max_size=64).map(lambda b: struct.pack("<Q", len(b)) + b),  # a plausible length
+        st.integers(1, 5000).map(lambda n: length_prefixed(b"[" * n + b"]" * n)),
+    )
+)
 def test_random_bytes_are_read_or_refused(tmp_path_factory, content):
     # earlier tests' garbage collected now: a finalizer that ran inside a 5,000-deep parse would
     # fail to report itself (RecursionError) and fail this test instead
@@ -136,7 +191,7 @@ def test_real_headers_with_replaced_fields(shard_dir, data):
     name = data.draw(st.sampled_from(sorted(originals)))
     original = originals[name]
     (n,) = struct.unpack("<Q", original[:8])
-    doc = json.loads(original[8:8 + n])
+    doc = json.loads(original[8 : 8 + n])
     for _ in range(data.draw(st.integers(1, 3))):
         key = data.draw(st.sampled_from(sorted(doc)))
         if key == "__metadata__" or not isinstance(doc[key], dict) or data.draw(st.integers(0, 4)) == 0:
@@ -145,7 +200,7 @@ def test_real_headers_with_replaced_fields(shard_dir, data):
             doc[key][data.draw(st.sampled_from(["dtype", "shape", "data_offsets", "extra"]))] = data.draw(JSON)
     path = directory / name
     try:
-        path.write_bytes(length_prefixed(json.dumps(doc).encode()) + original[8 + n:])
+        path.write_bytes(length_prefixed(json.dumps(doc).encode()) + original[8 + n :])
         read_damaged(path)
         audit_damaged(directory)
     finally:
@@ -262,8 +317,18 @@ def test_configs_with_replaced_fields_through_load(config_dir, data):
 
 
 @fuzz(50)
-@given(st.one_of(JSON, st.dictionaries(st.sampled_from(["text_config", "quantization_config", "vision_config",
-                                                        "n_layers", "dim", "compress_ratios"]), JSON, max_size=4)))
+@given(
+    st.one_of(
+        JSON,
+        st.dictionaries(
+            st.sampled_from(
+                ["text_config", "quantization_config", "vision_config", "n_layers", "dim", "compress_ratios"]
+            ),
+            JSON,
+            max_size=4,
+        ),
+    )
+)
 def test_random_json_config_documents(tmp_path_factory, doc):
     path = tmp_path_factory.getbasetemp() / "random-config.json"
     path.write_text(json.dumps(doc))

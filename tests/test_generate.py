@@ -26,7 +26,6 @@ from dsv41.numerics import Numerics
 from dsv41.sampling import greedy, sample
 from dsv41.trace import ForwardTrace
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 # the opt-ins under which a prefill and token-by-token decode share their arithmetic
 
@@ -50,7 +49,9 @@ def test_greedy_breaks_ties_to_the_lowest_id():
 
 def test_gumbel_max_is_seeded_and_follows_the_softmax():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    draw = lambda seed: [int(sample(logits, 1.0, g)) for g in [torch.Generator().manual_seed(seed)] for _ in range(4000)]
+    draw = lambda seed: [
+        int(sample(logits, 1.0, g)) for g in [torch.Generator().manual_seed(seed)] for _ in range(4000)
+    ]
     first, again = draw(7), draw(7)
     assert first == again  # the same seed reproduces the draws
     freq = torch.bincount(torch.tensor(first), minlength=4).float() / len(first)
@@ -76,8 +77,9 @@ def test_greedy_generation_is_deterministic(model):
 
 
 def test_seeded_sampling_is_reproducible(model):
-    run = lambda seed: model.generate("Once upon a time", max_new_tokens=5, temperature=1.5, seed=seed,
-                                      stop_at_eos=False).ids
+    run = lambda seed: (
+        model.generate("Once upon a time", max_new_tokens=5, temperature=1.5, seed=seed, stop_at_eos=False).ids
+    )
     first = run(3)
     assert run(3) == first
     assert any(run(s) != first for s in (4, 5, 6))
@@ -155,14 +157,15 @@ def test_trace_records_routing_engram_selections_and_margins(model):
     trace = result.trace
     routing = trace.routing()
     assert sorted(routing) == list(range(cfg.n_layers))
-    for layer, rec in routing.items():
+    for rec in routing.values():
         assert rec["expert_ids"].shape == (1, n, cfg.n_activated_experts)
         assert torch.allclose(rec["weights"].sum(-1), torch.full((1, n), cfg.route_scale), atol=1e-5)
         assert rec["positions"].tolist() == list(range(n))
     gates = trace.engram_gates()
     assert sorted(gates) == list(cfg.engram_layer_ids)
-    assert all(g["gate"].shape == (1, n, cfg.hc_mult) and ((g["gate"] > 0) & (g["gate"] < 1)).all()
-               for g in gates.values())
+    assert all(
+        g["gate"].shape == (1, n, cfg.hc_mult) and ((g["gate"] > 0) & (g["gate"] < 1)).all() for g in gates.values()
+    )
     att = trace.attention()
     assert att[4]["selected"].shape[:2] == (1, n)  # ratio-1 full layer: indexer selections
     assert "candidate_blocks" in att[4]  # layer 4 is the candidate source
@@ -182,8 +185,9 @@ def _run(capsys, *argv):
 
 
 def test_cli_generates_on_stdout_only(tiny_checkpoint, capsys, model):
-    code, out, err = _run(capsys, "--checkpoint", tiny_checkpoint, "--prompt", "Once upon a time",
-                          "--max-new-tokens", "4", "--quiet")
+    code, out, err = _run(
+        capsys, "--checkpoint", tiny_checkpoint, "--prompt", "Once upon a time", "--max-new-tokens", "4", "--quiet"
+    )
     assert code == 0 and err == ""
     expected = model.generate("Once upon a time", max_new_tokens=4)
     assert out == expected.text + "\n"
@@ -245,16 +249,20 @@ def test_a_run_that_exactly_fills_the_caches_is_allowed(tiny_checkpoint):
 
 
 # ---------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("argv, kwargs, words", [
-    (["--temperature", "nan"], dict(temperature=float("nan")), "temperature must be a finite number"),
-    (["--temperature", "-1"], dict(temperature=-1.0), "temperature must be a finite number"),
-    (["--temperature", "inf"], dict(temperature=float("inf")), "temperature must be a finite number"),
-    (["--seed", str(2**64)], dict(seed=2**64), "seed must be a whole number in [0, 2**64)"),
-    (["--seed", "-1"], dict(seed=-1), "seed must be a whole number in [0, 2**64)"),
-    (["--max-new-tokens", "-3"], dict(max_new_tokens=-3), "max_new_tokens must be a whole number >= 0"),
-])
-def test_bad_sampling_arguments_get_one_sentence_in_python_and_from_the_cli(tiny_checkpoint, capsys, model,
-                                                                             argv, kwargs, words):
+@pytest.mark.parametrize(
+    "argv, kwargs, words",
+    [
+        (["--temperature", "nan"], dict(temperature=float("nan")), "temperature must be a finite number"),
+        (["--temperature", "-1"], dict(temperature=-1.0), "temperature must be a finite number"),
+        (["--temperature", "inf"], dict(temperature=float("inf")), "temperature must be a finite number"),
+        (["--seed", str(2**64)], dict(seed=2**64), "seed must be a whole number in [0, 2**64)"),
+        (["--seed", "-1"], dict(seed=-1), "seed must be a whole number in [0, 2**64)"),
+        (["--max-new-tokens", "-3"], dict(max_new_tokens=-3), "max_new_tokens must be a whole number >= 0"),
+    ],
+)
+def test_bad_sampling_arguments_get_one_sentence_in_python_and_from_the_cli(
+    tiny_checkpoint, capsys, model, argv, kwargs, words
+):
     code, out, err = _run(capsys, "--checkpoint", tiny_checkpoint, "--prompt", "x", "--quiet", *argv)
     assert code == 1 and out == "" and err.count("\n") == 1 and words in err
     with pytest.raises(ValueError, match=re.escape(words)):
@@ -273,8 +281,10 @@ def test_an_empty_or_non_utf8_prompt_is_the_same_error_in_python_and_from_the_cl
 
 def test_a_non_utf8_argv_prompt_is_one_sentence(tiny_checkpoint):
     # a byte that is not UTF-8 reaches Python as a surrogate escape
-    run = subprocess.run([sys.executable, "-m", "dsv41", "generate", "--checkpoint", tiny_checkpoint,
-                          "--prompt", b"caf\xe9", "--quiet"], capture_output=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "dsv41", "generate", "--checkpoint", tiny_checkpoint, "--prompt", b"caf\xe9", "--quiet"],
+        capture_output=True,
+    )
     err = run.stderr.decode("utf-8", "replace")
     assert run.returncode == 1 and run.stdout == b"" and err.count("\n") == 1 and "not valid UTF-8" in err
 
@@ -285,8 +295,18 @@ def test_max_seq_len_must_be_positive(tiny_checkpoint, capsys):
 
 
 def test_cli_names_the_flag_when_the_new_tokens_do_not_fit(tiny_checkpoint, capsys):
-    code, out, err = _run(capsys, "--checkpoint", tiny_checkpoint, "--prompt", "The cat sat on the mat",
-                          "--max-seq-len", "4", "--max-new-tokens", "8", "--quiet")
+    code, out, err = _run(
+        capsys,
+        "--checkpoint",
+        tiny_checkpoint,
+        "--prompt",
+        "The cat sat on the mat",
+        "--max-seq-len",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--quiet",
+    )
     assert code == 1 and out == "" and err.count("\n") == 1
     assert "more than max_seq_len 4" in err and "(raise --max-seq-len)" in err
 
@@ -307,8 +327,10 @@ def _with_nan(tiny_checkpoint, tmp_path, name: str):
     return str(folder)
 
 
-@pytest.mark.parametrize("name, where", [("norm.weight", "the first non-finite output is head"),
-                                         ("layers.3.attn_norm.weight", "layer 3's attention site")])
+@pytest.mark.parametrize(
+    "name, where",
+    [("norm.weight", "the first non-finite output is head"), ("layers.3.attn_norm.weight", "layer 3's attention site")],
+)
 def test_nan_weights_stop_generation_naming_where_it_began(tiny_checkpoint, tmp_path, capsys, name, where):
     folder = _with_nan(tiny_checkpoint, tmp_path, name)
     broken = load(folder, quiet=True)
@@ -341,8 +363,9 @@ def test_max_seq_len_beyond_the_config_is_refused_before_any_cache_is_sized(tiny
     assert code == 1 and out == "" and err.count("\n") == 1 and "max_position_embeddings" in err
 
 
-def test_a_cache_that_is_a_file_is_one_sentence_where_the_cache_is_needed(tmp_path, monkeypatch, capsys,
-                                                                          miniature_checkpoint):
+def test_a_cache_that_is_a_file_is_one_sentence_where_the_cache_is_needed(
+    tmp_path, monkeypatch, capsys, miniature_checkpoint
+):
     from dsv41 import tiny
     from dsv41.cachedir import CacheError
 
@@ -358,8 +381,17 @@ def test_a_cache_that_is_a_file_is_one_sentence_where_the_cache_is_needed(tmp_pa
 
 
 def test_cli_prefill_chunk_gives_the_same_text(tiny_checkpoint, capsys):
-    args = ["--checkpoint", tiny_checkpoint, "--prompt", "A prompt long enough for a few chunks", "--quiet",
-            "--numerics", "parity", "--max-new-tokens", "5"]
+    args = [
+        "--checkpoint",
+        tiny_checkpoint,
+        "--prompt",
+        "A prompt long enough for a few chunks",
+        "--quiet",
+        "--numerics",
+        "parity",
+        "--max-new-tokens",
+        "5",
+    ]
     assert cli_main(args) == 0
     whole = capsys.readouterr().out
     assert cli_main(args + ["--prefill-chunk", "3"]) == 0

@@ -36,8 +36,16 @@ def test_a_start_position_that_is_not_a_whole_number_is_refused(model, start_pos
     assert _unchanged(model, ids)
 
 
-@pytest.mark.parametrize("bad", [[1.5, 2.0], torch.tensor([3.0, 4.0]), torch.tensor([True, False]), ["a", "b"],
-                                 torch.zeros(1, 1, 2, dtype=torch.long)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [1.5, 2.0],
+        torch.tensor([3.0, 4.0]),
+        torch.tensor([True, False]),
+        ["a", "b"],
+        torch.zeros(1, 1, 2, dtype=torch.long),
+    ],
+)
 def test_token_ids_that_are_not_whole_numbers_are_refused_not_cut(model, bad):
     ids = model.encode("The harbor at dawn")
     model(ids, 0)
@@ -75,9 +83,11 @@ def test_a_draft_from_a_token_outside_the_vocabulary_is_refused(model, token):
 
 
 def test_draft_options_without_speculative_are_a_usage_error(tiny_checkpoint, capsys):
-    for flags, named in ((["--draft-tokens", "2"], "--draft-tokens only works"),
-                         (["--min-confidence", "0.2"], "--min-confidence only works"),
-                         (["--draft-tokens", "2", "--min-confidence", "0"], "--draft-tokens and --min-confidence only work")):
+    for flags, named in (
+        (["--draft-tokens", "2"], "--draft-tokens only works"),
+        (["--min-confidence", "0.2"], "--min-confidence only works"),
+        (["--draft-tokens", "2", "--min-confidence", "0"], "--draft-tokens and --min-confidence only work"),
+    ):
         with pytest.raises(SystemExit) as exc:
             main(["generate", "--checkpoint", tiny_checkpoint, "--prompt", "x", *flags])
         err = capsys.readouterr().err
@@ -107,8 +117,10 @@ def test_dspark_block_size_0_turns_the_draft_stack_off(tiny_checkpoint, tmp_path
     assert len(model.generate("The harbor", max_new_tokens=3).ids) == 3
     with pytest.raises(ValueError, match="dspark_block_size 0"):
         model.generate("The harbor", max_new_tokens=3, speculative=True)
-    assert main(["generate", "--checkpoint", str(folder), "--prompt", "The harbor", "--max-new-tokens", "2",
-                 "--quiet"]) == 0
+    assert (
+        main(["generate", "--checkpoint", str(folder), "--prompt", "The harbor", "--max-new-tokens", "2", "--quiet"])
+        == 0
+    )
 
 
 def test_a_missing_config_names_generates_own_option(tiny_checkpoint, tmp_path, capsys):
@@ -135,10 +147,25 @@ def _ctrl_c_as_in_a_terminal():
 def test_ctrl_c_mid_decode_prints_the_text_so_far_and_one_line(tiny_checkpoint):
     """Ctrl-C while decoding printed a traceback and lost the generated text."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "dsv41", "generate", "--checkpoint", tiny_checkpoint,
-                             "--prompt", "Once upon", "--max-new-tokens", "3000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=_ctrl_c_as_in_a_terminal)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dsv41",
+            "generate",
+            "--checkpoint",
+            tiny_checkpoint,
+            "--prompt",
+            "Once upon",
+            "--max-new-tokens",
+            "3000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=_ctrl_c_as_in_a_terminal,
+    )
     try:
         for line in proc.stderr:  # the decode starts after this line
             if line.startswith("prompt:"):

@@ -32,8 +32,9 @@ gpu_check = _load_script()
 def _run(*args, timeout=600):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("OUT", None)
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 # ---------------------------------------------------------------------- the whole run, CPU mode
@@ -65,8 +66,15 @@ def test_cpu_mode_runs_every_step_and_writes_the_summary(cpu_run):
     assert all(f"[{name}] " in log for name in ("preflight", "tests", "experts", "generate", "decode", "prepare"))
     assert log.splitlines()[-1] in done.stdout and "== summary (all steps ok)" in log
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["gpu-check.json", "gpu-check.log", "gpu-tests.json", "bench-experts.json", "generate.json",
-         "bench-decode-released.json"])
+        [
+            "gpu-check.json",
+            "gpu-check.log",
+            "gpu-tests.json",
+            "bench-experts.json",
+            "generate.json",
+            "bench-decode-released.json",
+        ]
+    )
 
 
 @pytest.mark.slow
@@ -87,7 +95,8 @@ def test_cpu_mode_experts_bench_ratios_are_its_own_measurements(cpu_run):
     (decode,) = rep["shapes"]
     assert decode["tokens"] == 1 and decode["gemv_method"] == "wall clock (CPU)"
     assert decode["gemv_fraction_of_memory_bandwidth"] == pytest.approx(
-        decode["packed_bytes"] / decode["gemv_s"] / rep["memory_bandwidth_bytes_per_s"], rel=1e-12)
+        decode["packed_bytes"] / decode["gemv_s"] / rep["memory_bandwidth_bytes_per_s"], rel=1e-12
+    )
     gemm = rep["gemm"]
     assert gemm["tokens"] == 32 and gemm["kernel"] == "_fp4_gemm_kernel"
     assert gemm["flops"] == 2 * 32 * 3 * rep["dim"] * rep["inter"]
@@ -118,10 +127,12 @@ def test_cpu_mode_generation_compares_both_checkpoints(cpu_run):
 # ---------------------------------------------------------------------- the pieces
 def test_only_the_files_holding_gpu_tests_are_collected(tmp_path):
     (tmp_path / "tests").mkdir()
-    marked = {"test_a.py": "import pytest\n\n@pytest.mark.gpu\ndef test_x(): pass\n",
-              "test_b.py": "import pytest\npytestmark = [pytest.mark.gpu]\n",
-              "test_c.py": "# mentions pytest.mark.gpu in a comment only\ndef test_y(): pass\n",
-              "helper_d.py": "@pytest.mark.gpu\n"}
+    marked = {
+        "test_a.py": "import pytest\n\n@pytest.mark.gpu\ndef test_x(): pass\n",
+        "test_b.py": "import pytest\npytestmark = [pytest.mark.gpu]\n",
+        "test_c.py": "# mentions pytest.mark.gpu in a comment only\ndef test_y(): pass\n",
+        "helper_d.py": "@pytest.mark.gpu\n",
+    }
     for name, text in marked.items():
         (tmp_path / "tests" / name).write_text(text)
     assert gpu_check.gpu_test_files(tmp_path) == ["tests/test_a.py", "tests/test_b.py"]
@@ -150,7 +161,9 @@ def test_the_pytest_report_is_judged_by_mode(tmp_path):
     assert not ok and "did not run" in said
     assert gpu_check.tests_verdict(gpu_check.junit_summary(_junit(tmp_path, passed)), 0, cpu=False)[0]
     assert gpu_check.tests_verdict(gpu_check.junit_summary(_junit(tmp_path, "")), 5, cpu=True) == (
-        False, "pytest ran no gpu test")
+        False,
+        "pytest ran no gpu test",
+    )
     assert gpu_check.junit_summary(tmp_path / "absent.xml") is None
     assert gpu_check.tests_verdict(None, 4, cpu=False) == (False, "pytest wrote no readable report (exit 4)")
 
@@ -165,8 +178,12 @@ def test_missing_modules_are_named_in_one_line():
 def test_a_step_that_hangs_is_ended_at_its_timeout(tmp_path):
     out = gpu_check.Output(tmp_path / "log")
     began = time.monotonic()
-    child = gpu_check.Child("hang", [sys.executable, "-c", "import time; print('started', flush=True); "
-                                     "time.sleep(600)"], dict(os.environ), out)
+    child = gpu_check.Child(
+        "hang",
+        [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(600)"],
+        dict(os.environ),
+        out,
+    )
     info = child.wait(3)
     out.close()
     assert info["timed_out"] and info["returncode"] is not None and child.proc.poll() is not None
@@ -180,8 +197,11 @@ def test_a_spent_budget_runs_nothing_and_says_so(tmp_path):
     assert done.returncode == 1 and not summary["ok"]
     steps = summary["steps"]
     assert steps["preflight"] == {"status": "not run", "reason": "the time budget (1 s) is spent"}
-    assert all(s["status"] == "not run" and "the preflight did not pass" in s["reason"]
-               for name, s in steps.items() if name != "preflight")
+    assert all(
+        s["status"] == "not run" and "the preflight did not pass" in s["reason"]
+        for name, s in steps.items()
+        if name != "preflight"
+    )
     assert "NOT all steps ok" in done.stdout
 
 
@@ -194,15 +214,30 @@ def test_bad_usage_is_refused_in_one_line(tmp_path):
 
 def test_generation_verdict_reports_divergence_and_fails_on_errors_or_host_experts():
     def cell(name, device_ids, margin, diff, on):
-        steps = [{"step": 0, "cpu_top2_margin": 5.0, "max_abs_logit_diff": 0.01, "finite": True},
-                 {"step": 1, "cpu_top2_margin": margin, "max_abs_logit_diff": diff, "finite": True}]
-        return {"checkpoint": name, "experts_on": on, "finite": True, "tokens_equal": device_ids == [1, 2],
-                "device": {"ids": device_ids, "first_divergence": None if device_ids == [1, 2] else 1,
-                           "steps": steps, "max_abs_logit_diff": diff},
-                "reference": {"max_abs_logit_diff": 0.0}}
+        steps = [
+            {"step": 0, "cpu_top2_margin": 5.0, "max_abs_logit_diff": 0.01, "finite": True},
+            {"step": 1, "cpu_top2_margin": margin, "max_abs_logit_diff": diff, "finite": True},
+        ]
+        return {
+            "checkpoint": name,
+            "experts_on": on,
+            "finite": True,
+            "tokens_equal": device_ids == [1, 2],
+            "device": {
+                "ids": device_ids,
+                "first_divergence": None if device_ids == [1, 2] else 1,
+                "steps": steps,
+                "max_abs_logit_diff": diff,
+            },
+            "reference": {"max_abs_logit_diff": 0.0},
+        }
 
-    report = {"checkpoints": [cell("tiny", [1, 2], 3.0, 0.02, ["cuda:0"]), cell("miniature", [1, 7], 0.004, 0.003,
-                                                                                 ["cuda:0"])]}
+    report = {
+        "checkpoints": [
+            cell("tiny", [1, 2], 3.0, 0.02, ["cuda:0"]),
+            cell("miniature", [1, 7], 0.004, 0.003, ["cuda:0"]),
+        ]
+    }
     ok, said = gpu_check._generate_verdict(report, "cuda")
     assert ok  # different tokens are reported, not a failure: they need not be equal (WHY_TOKENS)
     assert "tiny: tokens equal" in said and "miniature: tokens differ from step 1 (CPU top-2 margin 0.004" in said

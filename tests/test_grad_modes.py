@@ -4,7 +4,6 @@ no_grad or plain grad mode (and back), with the same bits."""
 
 import pytest
 import torch
-
 from conftest import HAVE_CC, native_levels
 
 MODES = {"inference": torch.inference_mode, "no_grad": torch.no_grad, "grad": torch.enable_grad}

@@ -72,8 +72,12 @@ def test_an_observer_with_enter_and_exit_brackets_each_span(model):
 
     with model.hooks({"layers.0.ffn.routed": Clock(), "layers.0.ffn.shared": Clock()}):
         model([1, 2, 3], 0)
-    assert events == [("enter", "layers.0.ffn.routed"), ("exit", "layers.0.ffn.routed"),
-                      ("enter", "layers.0.ffn.shared"), ("exit", "layers.0.ffn.shared")]
+    assert events == [
+        ("enter", "layers.0.ffn.routed"),
+        ("exit", "layers.0.ffn.routed"),
+        ("enter", "layers.0.ffn.shared"),
+        ("exit", "layers.0.ffn.shared"),
+    ]
 
 
 def test_a_forward_trace_fills_its_records_through_the_sites(model):
@@ -154,8 +158,13 @@ def test_the_modules_read_the_verified_view():
     from dsv41.config import TINY
     from dsv41.model import runtime_config
 
-    silent = TINY.replace(engram_num_embeddings=(1009,) * 6, engram_compressed_vocab_size=1000,
-                          swiglu_limit=None, norm_topk_prob=None, candidate_source_layer=None)
+    silent = TINY.replace(
+        engram_num_embeddings=(1009,) * 6,
+        engram_compressed_vocab_size=1000,
+        swiglu_limit=None,
+        norm_topk_prob=None,
+        candidate_source_layer=None,
+    )
     runtime = runtime_config(silent)
     assert (runtime.swiglu_limit, runtime.norm_topk_prob, runtime.candidate_source_layer) == (0.0, True, -1)
     assert runtime.layer_mode(2) == silent.layer_mode(2)  # still a Config: its derived facts at hand

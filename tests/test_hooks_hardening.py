@@ -72,14 +72,18 @@ def _rewrite_routing(name, value, context):
 
 
 # ---------------------------------------------------------------------- observers are read-only
-@pytest.mark.parametrize("pattern, observer", [
-    ("layers.3.resid_post", lambda name, value, context: value.mul_(0.5)),
-    ("head", lambda name, value, context: value.zero_()),
-    ("head", lambda name, value, context: value.numpy().fill(0)),
-    ("layers.*.ffn.gate", _rewrite_routing),
-    ("*", _zero_in_place),
-    ("*", _zero_through_numpy),
-], ids=["halve-resid", "zero-head", "numpy-head", "rewrite-routing", "zero-everything", "numpy-everything"])
+@pytest.mark.parametrize(
+    "pattern, observer",
+    [
+        ("layers.3.resid_post", lambda name, value, context: value.mul_(0.5)),
+        ("head", lambda name, value, context: value.zero_()),
+        ("head", lambda name, value, context: value.numpy().fill(0)),
+        ("layers.*.ffn.gate", _rewrite_routing),
+        ("*", _zero_in_place),
+        ("*", _zero_through_numpy),
+    ],
+    ids=["halve-resid", "zero-head", "numpy-head", "rewrite-routing", "zero-everything", "numpy-everything"],
+)
 def test_an_observer_writing_into_what_it_is_handed_changes_nothing(model, plain, pattern, observer):
     with model.hooks({pattern: observer}):
         prefill, step = _run(model)
@@ -90,8 +94,7 @@ def test_an_observer_writing_into_what_it_is_handed_changes_nothing(model, plain
 def test_each_observer_sees_what_the_forward_made_not_what_another_wrote(model, plain):
     seen = ActivationCache()
     with model.hooks({"head": lambda name, value, context: value.zero_()}):
-        logits, cache = model.run_with_hooks(PROMPT, 0, all_positions=True, names=["head"],
-                                             observers={"head": seen})
+        logits, cache = model.run_with_hooks(PROMPT, 0, all_positions=True, names=["head"], observers={"head": seen})
     assert torch.equal(logits, plain[0])
     assert torch.equal(cache.last("head"), plain[0]) and torch.equal(seen.last("head"), plain[0])
     cache.last("head").numpy().fill(0)  # what a cache holds is its own: writing into it reaches nothing else
@@ -125,8 +128,10 @@ def test_a_context_kept_past_its_call_refuses_what_was_not_read_in_it(model):
 
 # ---------------------------------------------------------------------- registrations
 def test_a_registration_with_an_unknown_name_subscribes_nothing(model):
-    for kw in ({"names": ["head", "nonexistent"]},
-               {"names": ["head"], "observers": {"layers.0.ffn": print, "nothing.here": print}}):
+    for kw in (
+        {"names": ["head", "nonexistent"]},
+        {"names": ["head"], "observers": {"layers.0.ffn": print, "nothing.here": print}},
+    ):
         with pytest.raises(UnknownSiteError, match="no site matches") as caught:
             model.run_with_hooks(PROMPT, 0, **kw)
         assert isinstance(caught.value, KeyError) and isinstance(caught.value, Dsv41Error)
@@ -153,9 +158,14 @@ def test_a_name_that_is_not_a_str_is_one_sentence(model, names):
     assert _no_observers(model)
 
 
-@pytest.mark.parametrize("call", [lambda model: model.hooks(None).__enter__(),
-                                  lambda model: model.hooks([("head", print)]).__enter__(),
-                                  lambda model: model.run_with_hooks(PROMPT, 0, observers=[print])])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda model: model.hooks(None).__enter__(),
+        lambda model: model.hooks([("head", print)]).__enter__(),
+        lambda model: model.run_with_hooks(PROMPT, 0, observers=[print]),
+    ],
+)
 def test_observers_not_given_as_a_mapping_are_one_sentence(model, call):
     with pytest.raises(HookError, match="mapping"):
         call(model)
@@ -167,8 +177,11 @@ def test_a_name_reached_twice_records_once(model):
     assert len(cache["head"]) == 1
 
 
-@pytest.mark.parametrize("observer", [5, "head", None, object(), type("OnlyData", (), {"exit": 3})()],
-                         ids=["int", "str", "None", "object", "exit-not-callable"])
+@pytest.mark.parametrize(
+    "observer",
+    [5, "head", None, object(), type("OnlyData", (), {"exit": 3})()],
+    ids=["int", "str", "None", "object", "exit-not-callable"],
+)
 def test_an_observer_that_cannot_be_called_is_refused_when_subscribed(model, observer):
     with pytest.raises(HookError, match="neither a callable") as caught:
         model.sites.subscribe("head", observer)
@@ -223,8 +236,13 @@ def test_removing_many_observers_is_linear_and_by_identity():
 
 
 def test_a_model_refuses_to_be_called_back_from_its_own_forward(model, plain):
-    calls = [lambda: model([1, 2], 0), lambda: model.reset(), lambda: model.rollback(1),
-             lambda: model.snapshot(), lambda: model.generate("hi", max_new_tokens=1)]
+    calls = [
+        lambda: model([1, 2], 0),
+        lambda: model.reset(),
+        lambda: model.rollback(1),
+        lambda: model.snapshot(),
+        lambda: model.generate("hi", max_new_tokens=1),
+    ]
     for call in calls:
         model(PROMPT, 0)
         with pytest.raises(ReentrantCallError, match="re-entrancy is refused") as caught:
@@ -263,19 +281,30 @@ def _make(kind: str, sites: Sites):
     if kind == "cache":
         return ActivationCache()
     if kind == "raise":
+
         def boom(name, value, context):
             raise _Boom(name)
+
         return boom
     assert kind == "churn"  # subscribes and removes another observer while the site calls it
 
     def churn(name, value, context):
         sites.subscribe("head", _zero_in_place).remove()
         sites.subscribe("*", ActivationCache()).remove()
+
     return churn
 
 
-PATTERNS = ["head", "embed", "layers.3.resid_post", "layers.*.ffn.gate", "layers.*.attn.indexer",
-            "layers.*.engram", "layers.*.ffn.routed", "*"]
+PATTERNS = [
+    "head",
+    "embed",
+    "layers.3.resid_post",
+    "layers.*.ffn.gate",
+    "layers.*.attn.indexer",
+    "layers.*.engram",
+    "layers.*.ffn.routed",
+    "*",
+]
 KINDS = ["record", "clock", "zero", "numpy", "cache", "raise", "churn"]
 _OPS = st.one_of(
     st.tuples(st.just("subscribe"), st.sampled_from(PATTERNS), st.sampled_from(KINDS)),
@@ -298,9 +327,14 @@ def _forward_as_expected(model, plain, kinds: list) -> None:
         assert torch.equal(prefill, plain[0]) and torch.equal(step, plain[1])
 
 
-@settings(max_examples=14, deadline=None, derandomize=True, database=None, print_blob=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                 HealthCheck.filter_too_much])
+@settings(
+    max_examples=14,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much],
+)
 @given(program=st.lists(_OPS, max_size=10).filter(lambda ops: sum(op[0] == "forward" for op in ops) <= 1))
 def test_fuzz_any_program_of_observers_leaves_the_registry_empty_and_the_logits_unmoved(model, plain, program):
     sites = model.sites

@@ -81,9 +81,18 @@ def test_mode_deltas_are_the_documented_tensors(released):
         if where and where[0] == "layers" and ".engram." not in s.name:
             names[where[1]].add(s.name.split(".", 2)[2])
     reuse, reindex, full, full_ratio1 = names[3], names[24], names[2], names[20]
-    assert reindex - reuse == {"attn.indexer.wq_b.weight", "attn.indexer.wq_b.scale", "attn.indexer.weights_proj.weight"}
-    assert full - reindex == {"attn.compressor.wkv.weight", "attn.compressor.norm.weight", "attn.compressor.wgate.weight",
-                              "attn.indexer.wk.weight", "attn.indexer.k_norm.weight"}
+    assert reindex - reuse == {
+        "attn.indexer.wq_b.weight",
+        "attn.indexer.wq_b.scale",
+        "attn.indexer.weights_proj.weight",
+    }
+    assert full - reindex == {
+        "attn.compressor.wkv.weight",
+        "attn.compressor.norm.weight",
+        "attn.compressor.wgate.weight",
+        "attn.indexer.wk.weight",
+        "attn.indexer.k_norm.weight",
+    }
     assert full - full_ratio1 == {"attn.compressor.wgate.weight"}
     assert reuse < reindex < full
     assert not any("ape" in n or "tid2eid" in n or "hc_head" in n for n in full)
@@ -111,39 +120,44 @@ def test_released_shard_table(released):
     for k in (46, 47):
         assert (count[names[k]], gib[names[k]]) == (6, "94.56")
     assert {s.name for s in released if s.shard == names[46]} == {
-        f"layers.1.engram.{n}" for n in ("embed.weight", "embed.scale", "wkv.weight", "wkv.scale", "q_weight", "k_weight")}
+        f"layers.1.engram.{n}"
+        for n in ("embed.weight", "embed.scale", "wkv.weight", "wkv.scale", "q_weight", "k_weight")
+    }
     assert {s.name for s in released if s.shard == names[42]} == {"head.weight", "norm.weight"}
 
 
-@pytest.mark.parametrize("name, dtype, shape", [
-    ("layers.0.attn.wq_a.weight", "F8_E4M3", (1280, 5120)),
-    ("layers.0.attn.wq_a.scale", "F8_E8M0", (40, 160)),
-    ("layers.0.attn.wo_a.weight", "F8_E4M3", (8192, 4096)),
-    ("layers.0.attn.wo_a.scale", "F8_E8M0", (256, 128)),
-    ("layers.0.attn.attn_sink", "F32", (64,)),
-    ("layers.5.ffn.experts.17.w1.weight", "I8", (2304, 2560)),
-    ("layers.5.ffn.experts.17.w1.scale", "F8_E8M0", (2304, 160)),
-    ("layers.5.ffn.experts.17.w2.weight", "I8", (5120, 1152)),
-    ("layers.5.ffn.experts.17.w2.scale", "F8_E8M0", (5120, 72)),
-    ("layers.5.ffn.shared_experts.w1.weight", "F8_E4M3", (2304, 5120)),
-    ("layers.5.ffn.shared_experts.w1.scale", "F8_E8M0", (72, 160)),
-    ("layers.7.ffn.gate.bias_vl", "F32", (384,)),
-    ("mtp.1.ffn.gate.bias_vl", "F32", (128,)),
-    ("layers.1.engram.embed.weight", "F8_E4M3", (384006168, 256)),
-    ("layers.1.engram.embed.scale", "F8_E8M0", (384006168, 8)),
-    ("layers.14.engram.embed.weight", "F8_E4M3", (384016682, 256)),
-    ("layers.14.engram.wkv.weight", "F8_E4M3", (25600, 6144)),
-    ("layers.14.engram.wkv.scale", "F8_E8M0", (800, 192)),
-    ("layers.14.engram.q_weight", "BF16", (4, 5120)),
-    ("layers.2.attn.compressor.wkv.weight", "BF16", (512, 5120)),
-    ("layers.20.attn.compressor.wkv.weight", "BF16", (512, 5120)),
-    ("mtp.0.main_proj.weight", "F8_E4M3", (5120, 15360)),
-    ("mtp.2.markov_head.embed.weight", "BF16", (129280, 256)),
-    ("mtp.2.markov_head.head.weight", "BF16", (129280, 256)),
-    ("mtp.2.confidence_head.proj.weight", "BF16", (1, 5376)),
-    ("embed.weight", "BF16", (129280, 5120)),
-    ("head.weight", "BF16", (129280, 5120)),
-])
+@pytest.mark.parametrize(
+    "name, dtype, shape",
+    [
+        ("layers.0.attn.wq_a.weight", "F8_E4M3", (1280, 5120)),
+        ("layers.0.attn.wq_a.scale", "F8_E8M0", (40, 160)),
+        ("layers.0.attn.wo_a.weight", "F8_E4M3", (8192, 4096)),
+        ("layers.0.attn.wo_a.scale", "F8_E8M0", (256, 128)),
+        ("layers.0.attn.attn_sink", "F32", (64,)),
+        ("layers.5.ffn.experts.17.w1.weight", "I8", (2304, 2560)),
+        ("layers.5.ffn.experts.17.w1.scale", "F8_E8M0", (2304, 160)),
+        ("layers.5.ffn.experts.17.w2.weight", "I8", (5120, 1152)),
+        ("layers.5.ffn.experts.17.w2.scale", "F8_E8M0", (5120, 72)),
+        ("layers.5.ffn.shared_experts.w1.weight", "F8_E4M3", (2304, 5120)),
+        ("layers.5.ffn.shared_experts.w1.scale", "F8_E8M0", (72, 160)),
+        ("layers.7.ffn.gate.bias_vl", "F32", (384,)),
+        ("mtp.1.ffn.gate.bias_vl", "F32", (128,)),
+        ("layers.1.engram.embed.weight", "F8_E4M3", (384006168, 256)),
+        ("layers.1.engram.embed.scale", "F8_E8M0", (384006168, 8)),
+        ("layers.14.engram.embed.weight", "F8_E4M3", (384016682, 256)),
+        ("layers.14.engram.wkv.weight", "F8_E4M3", (25600, 6144)),
+        ("layers.14.engram.wkv.scale", "F8_E8M0", (800, 192)),
+        ("layers.14.engram.q_weight", "BF16", (4, 5120)),
+        ("layers.2.attn.compressor.wkv.weight", "BF16", (512, 5120)),
+        ("layers.20.attn.compressor.wkv.weight", "BF16", (512, 5120)),
+        ("mtp.0.main_proj.weight", "F8_E4M3", (5120, 15360)),
+        ("mtp.2.markov_head.embed.weight", "BF16", (129280, 256)),
+        ("mtp.2.markov_head.head.weight", "BF16", (129280, 256)),
+        ("mtp.2.confidence_head.proj.weight", "BF16", (1, 5376)),
+        ("embed.weight", "BF16", (129280, 5120)),
+        ("head.weight", "BF16", (129280, 5120)),
+    ],
+)
 def test_released_shapes_match_the_headers(by_name, name, dtype, shape):
     spec = by_name[name]
     assert (spec.dtype, spec.shape) == (dtype, shape)
@@ -198,7 +212,7 @@ def test_tiny_inventory_exercises_every_branch():
     assert all(c in {s.category for s in specs} for c in inv.CATEGORIES)
     for s in specs:  # every quantized tensor has its partner, and FP8 scales use 32x32 blocks
         if s.dtype in ("F8_E4M3", "I8"):
-            assert s.name[:-len("weight")] + "scale" in names
+            assert s.name[: -len("weight")] + "scale" in names
     by_name = {s.name: s for s in specs}
     assert by_name["layers.0.ffn.experts.15.w1.weight"].shape == (64, 64)
     assert by_name["layers.0.ffn.experts.15.w1.scale"].shape == (64, 4)
@@ -214,14 +228,17 @@ def test_unquantized_config_stores_dense_linears_without_scales():
 
 
 # ---------------------------------------------------------------------- configs no inventory can follow
-@pytest.mark.parametrize("change, fragment", [
-    ({"n_layers": 10 ** 9}, "n_layers is 1,000,000,000"),  # was billions of specs: the audit and load hung
-    ({"n_mtp_layers": 137438953471}, "n_mtp_layers is 137,438,953,471"),
-    ({"n_routed_experts": 10 ** 12}, "n_routed_experts is 1,000,000,000,000"),
-    ({"n_routed_experts": 3_000}, "imply up to 724,652 tensors"),
-    ({"dim": -1}, "dim is -1"),
-    ({"o_groups": 0}, "o_groups is 0"),  # ZeroDivisionError in the builder otherwise
-])
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        ({"n_layers": 10**9}, "n_layers is 1,000,000,000"),  # was billions of specs: the audit and load hung
+        ({"n_mtp_layers": 137438953471}, "n_mtp_layers is 137,438,953,471"),
+        ({"n_routed_experts": 10**12}, "n_routed_experts is 1,000,000,000,000"),
+        ({"n_routed_experts": 3_000}, "imply up to 724,652 tensors"),
+        ({"dim": -1}, "dim is -1"),
+        ({"o_groups": 0}, "o_groups is 0"),  # ZeroDivisionError in the builder otherwise
+    ],
+)
 def test_an_absurd_config_is_refused_before_anything_is_enumerated(change, fragment):
     import time
 
@@ -239,6 +256,11 @@ def test_an_absurd_config_is_refused_before_anything_is_enumerated(change, fragm
 
 def test_the_tensor_bound_bounds_the_inventory(released):
     assert len(released) <= RELEASED.inventory_tensor_bound() < 1.01 * len(released)
-    for cfg in (tiny_config(), tiny_config().replace(dtype="bf16"), tiny_config().replace(vision_n_layers=0),
-                RELEASED.replace(dspark_n_routed_experts=0), RELEASED.replace(n_mtp_layers=0, dspark_target_layer_ids=())):
+    for cfg in (
+        tiny_config(),
+        tiny_config().replace(dtype="bf16"),
+        tiny_config().replace(vision_n_layers=0),
+        RELEASED.replace(dspark_n_routed_experts=0),
+        RELEASED.replace(n_mtp_layers=0, dspark_target_layer_ids=()),
+    ):
         assert len(inv.expected_tensors(cfg)) <= cfg.inventory_tensor_bound()

@@ -20,8 +20,18 @@ from dsv41.notebooks import default_notebooks_dir, find_notebooks
 
 
 def _notebook(text: str) -> str:
-    return json.dumps({"cells": [{"cell_type": "markdown", "metadata": {}, "source": text}], "metadata": {},
-                       "nbformat": 4, "nbformat_minor": 5}, indent=1) + "\n"
+    return (
+        json.dumps(
+            {
+                "cells": [{"cell_type": "markdown", "metadata": {}, "source": text}],
+                "metadata": {},
+                "nbformat": 4,
+                "nbformat_minor": 5,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 @pytest.fixture
@@ -85,7 +95,9 @@ def test_edited_with_the_source_unchanged_and_foreign_files(tmp_path, source):
     # without a manifest a differing file was not the lab's: kept; an equal one is adopted
     (work / lab.MANIFEST_NAME).unlink()
     actions = {a.name: a for a in lab.prepare_lab(work, source)}
-    assert actions["01_first.ipynb"].kind == lab.KEPT and "not written by dsv41 lab" in actions["01_first.ipynb"].message
+    assert (
+        actions["01_first.ipynb"].kind == lab.KEPT and "not written by dsv41 lab" in actions["01_first.ipynb"].message
+    )
     assert actions["02_second.ipynb"].kind == lab.CURRENT
     assert set(_manifest(work)) == {"02_second.ipynb"}
     # a damaged manifest counts as none
@@ -99,8 +111,10 @@ def test_dry_run_decides_and_writes_nothing(tmp_path, source, capsys):
     assert _kinds(actions) == {"01_first.ipynb": lab.COPIED, "02_second.ipynb": lab.COPIED}
     assert actions[0].message == "would copy 01_first.ipynb"
     assert not work.exists()
-    assert main(["lab", "--dir", str(work), "--notebooks", str(source), "--dry-run", "--port", "9999",
-                 "--no-browser"]) == 0
+    assert (
+        main(["lab", "--dir", str(work), "--notebooks", str(source), "--dry-run", "--port", "9999", "--no-browser"])
+        == 0
+    )
     out = capsys.readouterr().out.splitlines()
     assert out[:2] == ["dry run: would copy 01_first.ipynb", "dry run: would copy 02_second.ipynb"]
     assert out[-1].startswith("dry run: nothing written; would start ")
@@ -174,23 +188,46 @@ def test_a_real_start_answers_with_a_token_url(tmp_path, source):
     """Start `dsv41 lab` for real, wait (at most 30 s) for the token URL on stderr and an answer
     from the port, ask the server which python3 kernel it would start, then terminate it."""
     port = _free_port()
-    env = {**os.environ, "DSV41_CACHE": str(tmp_path / "cache"), "JUPYTER_CONFIG_DIR": str(tmp_path / "jcfg"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "jrt"), "JUPYTER_DATA_DIR": str(tmp_path / "jdata")}
-    proc = subprocess.Popen([sys.executable, "-m", "dsv41", "lab", "--dir", str(tmp_path / "lab"), "--notebooks",
-                             str(source), "--no-browser", "--port", str(port)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "DSV41_CACHE": str(tmp_path / "cache"),
+        "JUPYTER_CONFIG_DIR": str(tmp_path / "jcfg"),
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "jrt"),
+        "JUPYTER_DATA_DIR": str(tmp_path / "jdata"),
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dsv41",
+            "lab",
+            "--dir",
+            str(tmp_path / "lab"),
+            "--notebooks",
+            str(source),
+            "--no-browser",
+            "--port",
+            str(port),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
     reader.start()
     try:
         deadline, token, status = time.monotonic() + 30, None, None
         while time.monotonic() < deadline and proc.poll() is None:
-            token = next((line.split("token=")[1].split()[0] for line in list(lines)
-                          if f":{port}/lab?token=" in line), None)
+            token = next(
+                (line.split("token=")[1].split()[0] for line in list(lines) if f":{port}/lab?token=" in line), None
+            )
             if token:
                 try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/kernelspecs?token={token}",
-                                                timeout=5) as r:
+                    with urllib.request.urlopen(
+                        f"http://127.0.0.1:{port}/api/kernelspecs?token={token}", timeout=5
+                    ) as r:
                         status, specs = r.status, json.load(r)
                     break
                 except OSError:

@@ -19,8 +19,10 @@ def _sparse_checkpoint(folder) -> str:
     """One shard: a small F32 tensor, then a 64 GiB U8 table whose bytes are a hole (zeros) except
     one marked row."""
     os.makedirs(folder, exist_ok=True)
-    doc = {"small": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-           "table": {"dtype": "U8", "shape": [BIG_ROWS, ROW_BYTES], "data_offsets": [16, 16 + BIG_ROWS * ROW_BYTES]}}
+    doc = {
+        "small": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+        "table": {"dtype": "U8", "shape": [BIG_ROWS, ROW_BYTES], "data_offsets": [16, 16 + BIG_ROWS * ROW_BYTES]},
+    }
     body = json.dumps(doc, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
     shard = os.path.join(folder, "model-00001-of-00001.safetensors")
@@ -53,7 +55,8 @@ def test_a_shard_larger_than_the_address_space_allowed_still_reads(tmp_path):
         ck = Checkpoint({str(tmp_path / "ck")!r})
         print(ck.read("small").tolist())
         rows = ck.rows("table", np.array([[12345, 0], [12346, 12345]]))
-        print(tuple(rows.shape), rows[0, 0].unique().tolist(), rows[0, 1].unique().tolist(), rows[1, 1].unique().tolist())
+        print(tuple(rows.shape), rows[0, 0].unique().tolist(), rows[0, 1].unique().tolist(),
+              rows[1, 1].unique().tolist())
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -69,12 +72,16 @@ def test_a_shard_truncated_after_its_header_was_read_is_one_sentence(tmp_path):
     shard = _sparse_checkpoint(tmp_path / "ck")
     ck = Checkpoint(str(tmp_path / "ck"))
     os.truncate(shard, os.path.getsize(shard) // 2)
-    with pytest.raises(LoadError, match=r"tensor table cannot be read \(the file holds .* when its header was checked\)"):
+    with pytest.raises(
+        LoadError, match=r"tensor table cannot be read \(the file holds .* when its header was checked\)"
+    ):
         ck.rows("table", [BIG_ROWS - 1])
 
 
 @pytest.mark.parametrize("budget", [None, "2GiB"])
-def test_a_shard_truncated_during_generation_keeps_the_text_so_far(tiny_checkpoint, tmp_path, monkeypatch, capsys, budget):
+def test_a_shard_truncated_during_generation_keeps_the_text_so_far(
+    tiny_checkpoint, tmp_path, monkeypatch, capsys, budget
+):
     """The Engram shard cut short between two decode steps: one sentence naming the shard, exit 1,
     and the tokens generated before it printed (mapped reads died of SIGBUS here)."""
     import shutil

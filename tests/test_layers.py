@@ -38,10 +38,12 @@ def _yarn_by_hand(dim, original, base, factor, beta_fast, beta_slow):
 @pytest.mark.parametrize("cfg", [RELEASED, TINY], ids=["released", "tiny"])
 def test_yarn_frequencies_follow_the_formula(cfg):
     dim = cfg.rope_head_dim
-    got = yarn_inv_freq(dim, cfg.original_seq_len, cfg.compress_rope_theta, cfg.rope_factor,
-                        cfg.beta_fast, cfg.beta_slow)
-    want, low, high = _yarn_by_hand(dim, cfg.original_seq_len, cfg.compress_rope_theta, cfg.rope_factor,
-                                    cfg.beta_fast, cfg.beta_slow)
+    got = yarn_inv_freq(
+        dim, cfg.original_seq_len, cfg.compress_rope_theta, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow
+    )
+    want, low, high = _yarn_by_hand(
+        dim, cfg.original_seq_len, cfg.compress_rope_theta, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow
+    )
     assert got.dtype == torch.float32 and got.shape == (dim // 2,)
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
     plain = 1.0 / cfg.compress_rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
@@ -94,7 +96,7 @@ def test_rmsnorm_normalizes_in_float32_and_returns_the_input_dtype():
     x64 = x.double()
     want = (x64 / (x64.square().mean(-1, keepdim=True) + 1e-6).sqrt() * norm.weight.double()).bfloat16()
     assert got.dtype == torch.bfloat16
-    assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+    assert (got.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
 
 
 def test_fp8_weight_quantization_round_trips_within_e4m3_precision():
@@ -106,7 +108,7 @@ def test_fp8_weight_quantization_round_trips_within_e4m3_precision():
     s = e8m0_decode(scale)
     assert torch.equal(s, torch.exp2(torch.log2(s).round()))  # powers of two
     back = dequantize_weight_fp8(values, scale, torch.float32)
-    assert ((back - w).abs() <= w.abs() * 2 ** -4 + 1e-3).all()
+    assert ((back - w).abs() <= w.abs() * 2**-4 + 1e-3).all()
 
 
 def test_quantized_linear_quantizes_the_activation_to_fp8_first():
@@ -117,7 +119,7 @@ def test_quantized_linear_quantizes_the_activation_to_fp8_first():
     xq = (codes.double().unflatten(-1, (-1, 32)) * e8m0_decode(a_s).double().unsqueeze(-1)).flatten(-2)
     got = lin(x)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.double(), (xq @ w.T).bfloat16().double(), atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(got.double(), (xq @ w.T).bfloat16().double(), atol=0, rtol=2**-7)
     # with the activation left unquantized the result is measurably different
     assert not torch.equal(got, (x.double() @ w.T).bfloat16())
 
@@ -168,6 +170,7 @@ def test_init_random_is_seeded_and_refuses_unclaimed_parameters():
 
 def test_linear_dtype_follows_the_config():
     import dataclasses
+
     assert layers.linear_dtype(TINY) == torch.float8_e4m3fn
     assert layers.linear_dtype(dataclasses.replace(TINY, dtype="bf16")) == torch.bfloat16
 

@@ -15,11 +15,27 @@ from dsv41 import learned
 from dsv41.errors import Dsv41Error
 
 
-@pytest.mark.parametrize("text, cls", [
-    ("    ", "whitespace"), ("\n", "whitespace"), ("\n        ", "whitespace"), (" def", "keyword"),
-    ("return", "keyword"), ("match", "keyword"), (" self", "identifier"), ("ction", "identifier"),
-    ("_x1", "identifier"), ("42", "digits"), (" 0", "digits"), ("):", "punctuation"), (" ==", "punctuation"),
-    ("self.", "other"), ("é", "identifier"), ("1.5", "other")])
+@pytest.mark.parametrize(
+    "text, cls",
+    [
+        ("    ", "whitespace"),
+        ("\n", "whitespace"),
+        ("\n        ", "whitespace"),
+        (" def", "keyword"),
+        ("return", "keyword"),
+        ("match", "keyword"),
+        (" self", "identifier"),
+        ("ction", "identifier"),
+        ("_x1", "identifier"),
+        ("42", "digits"),
+        (" 0", "digits"),
+        ("):", "punctuation"),
+        (" ==", "punctuation"),
+        ("self.", "other"),
+        ("é", "identifier"),
+        ("1.5", "other"),
+    ],
+)
 def test_token_class(text, cls):
     assert learned.token_class(text) == cls
 
@@ -156,9 +172,12 @@ def tiny_model(tiny_checkpoint):
 @pytest.mark.filterwarnings("error")
 def test_studies_refuse_no_texts_and_no_tokens(tiny_model, tiny_checkpoint):
     m, texts = tiny_model, ["def f(x):\n    return x + 1\n"]
-    for study in (lambda t, n: learned.routing_study(m, t, n), lambda t, n: learned.indexer_study(m, tiny_checkpoint, t, n),
-                  lambda t, n: learned.engram_study(m, t, n, np.array([1, 2, 3])),
-                  lambda t, n: learned.speculative_study(m, t, n, 4)):
+    for study in (
+        lambda t, n: learned.routing_study(m, t, n),
+        lambda t, n: learned.indexer_study(m, tiny_checkpoint, t, n),
+        lambda t, n: learned.engram_study(m, t, n, np.array([1, 2, 3])),
+        lambda t, n: learned.speculative_study(m, t, n, 4),
+    ):
         _refused(lambda: study([], 8), "no texts")  # was a concatenate error or an empty result
         _refused(lambda: study([""], 8), "non-empty string")
         _refused(lambda: study(texts, 0), ">= [12]")  # tokens=0 was "token ids must be whole numbers" (float ids)
@@ -176,8 +195,13 @@ def test_studies_refuse_no_texts_and_no_tokens(tiny_model, tiny_checkpoint):
 
 
 @settings(max_examples=60, deadline=None)
-@given(hnp.arrays(np.float64, hnp.array_shapes(min_dims=1, max_dims=2, min_side=0, max_side=5),
-                  elements=st.one_of(st.just(0.0), st.floats(-1.0, 1e3), st.just(np.nan), st.just(np.inf))))
+@given(
+    hnp.arrays(
+        np.float64,
+        hnp.array_shapes(min_dims=1, max_dims=2, min_side=0, max_side=5),
+        elements=st.one_of(st.just(0.0), st.floats(-1.0, 1e3), st.just(np.nan), st.just(np.inf)),
+    )
+)
 def test_spread_answers_any_array_with_a_value_in_range_or_one_sentence(p):
     import warnings
 
@@ -192,7 +216,9 @@ def test_spread_answers_any_array_with_a_value_in_range_or_one_sentence(p):
 
 
 @settings(max_examples=60, deadline=None)
-@given(hnp.arrays(np.int64, hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=4), elements=st.integers(-2, 50)))
+@given(
+    hnp.arrays(np.int64, hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=4), elements=st.integers(-2, 50))
+)
 def test_mutual_information_answers_any_table_with_bits_or_one_sentence(counts):
     import warnings
 
@@ -223,7 +249,9 @@ def miller_madow_bits(n_classes: int, n_experts: int, n_tokens: int, top_k: int)
     """The plug-in estimate's expected bias when routing ignores the class: (R - 1)(C - 1) / (2 N ln 2)
     bits over N = tokens x k pairs, times (E - k) / (E - 1) since a token's k experts are distinct
     (drawn without replacement, which narrows each class's expert counts by that factor)."""
-    return (n_classes - 1) * (n_experts - 1) / (2 * n_tokens * top_k * math.log(2)) * (n_experts - top_k) / (n_experts - 1)
+    return (
+        (n_classes - 1) * (n_experts - 1) / (2 * n_tokens * top_k * math.log(2)) * (n_experts - top_k) / (n_experts - 1)
+    )
 
 
 @pytest.mark.parametrize("top_k", [1, 3])
@@ -234,7 +262,8 @@ def test_the_shuffled_baseline_is_the_plug_in_estimates_small_sample_bias(top_k)
     classes = rng.integers(0, n_classes, n)
     chosen = np.argsort(rng.random((n, n_experts)), axis=1)[:, :top_k]  # k distinct experts a token
     assert learned.shuffled_mutual_information(classes, chosen, n_classes, n_experts) == pytest.approx(
-        miller_madow_bits(n_classes, n_experts, n, top_k), rel=0.25)
+        miller_madow_bits(n_classes, n_experts, n, top_k), rel=0.25
+    )
 
 
 def test_uniform_routing_loads_against_exact_values():
@@ -268,13 +297,15 @@ def test_lookahead_rebuilds_each_router_input_exactly_and_beats_chance():
 
 
 def test_notebook_08_under_a_budget_too_small_for_its_models_is_one_sentence(tmp_path):
+    from dsv41.config import load_config
     from dsv41.miniature import embedded_checkpoint
     from dsv41.report import predict_retained_bytes
-    from dsv41.config import load_config
 
     mini = embedded_checkpoint()
     dense = predict_retained_bytes(load_config(mini))["bytes"]
     learned.check_side_by_side([mini, mini], 2 * dense)  # two dense parts fit (the parity models share them)
     learned.check_side_by_side([mini, mini], None)  # no budget: nothing to check
-    with pytest.raises(learned.LearnedError, match=r"^notebook 08 holds 2 checkpoints side by side: .*more than the memory budget"):
+    with pytest.raises(
+        learned.LearnedError, match=r"^notebook 08 holds 2 checkpoints side by side: .*more than the memory budget"
+    ):
         learned.check_side_by_side([mini, mini], 2 * dense - 1)

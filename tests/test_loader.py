@@ -11,14 +11,13 @@ import pytest
 import torch
 
 import dsv41
+from dsv41.checkpoint import Checkpoint, LoadError
 from dsv41.config import RELEASED
 from dsv41.inventory import expected_tensors
-from dsv41.numerics import Numerics
-from dsv41.checkpoint import Checkpoint, LoadError
 from dsv41.loader import load
+from dsv41.numerics import Numerics
 from dsv41.report import ENGRAM, LOADED, MTP, ROUTED, predict_retained_bytes
 from dsv41.stores import ExpertCache
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,7 +44,9 @@ def _rewrite_shard(folder, name, change):
     tensors = load_file(shard)
     change(tensors)
     save_file(tensors, shard, metadata={"format": "pt"})
-    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in tensors or v != index["weight_map"][name]}
+    index["weight_map"] = {
+        k: v for k, v in index["weight_map"].items() if k in tensors or v != index["weight_map"][name]
+    }
     with open(index_file, "w") as f:
         json.dump(index, f)
 
@@ -64,13 +65,16 @@ def test_every_tensor_is_accounted_for(model, tiny_checkpoint):
     assert counts[ENGRAM] == 2 * len(cfg.engram_layer_ids)
     assert MTP not in counts  # the draft stack runs: its dense tensors are loaded, its experts read on demand
     # the dense tree: everything else (the vision tower included), each read exactly as the inventory lists it
-    dense = {s.name for s in expected_tensors(cfg)} - set(report.names(ROUTED) + report.names(ENGRAM)
-                                                            + report.names(MTP))
+    dense = {s.name for s in expected_tensors(cfg)} - set(
+        report.names(ROUTED) + report.names(ENGRAM) + report.names(MTP)
+    )
     assert {n for n in dense if n.startswith(("vision.", "aligner.", "image_"))}  # loaded, not left on disk
     assert set(report.names(LOADED)) == dense
     assert report.tensors_read == len(dense)
     assert "layers.0.ffn.gate.bias_vl" in dense  # read and kept for image spans
-    assert report.parameters_filled == len(list(model.backbone.parameters())) + len(list(model.draft_stack.parameters()))
+    assert report.parameters_filled == len(list(model.backbone.parameters())) + len(
+        list(model.draft_stack.parameters())
+    )
 
 
 def test_runtime_dtypes_and_conversions(model):
@@ -126,9 +130,11 @@ def _retained_bytes_by_formula(cfg) -> int:
         2 * (mix * hc * dim + mix + 3) * F32  # hc_attn / hc_ffn: fn, base, scale
         + 2 * dim * BF16  # attn_norm, ffn_norm
         + heads * F32  # attn_sink
-        + fp8_linear(dim, cfg.q_lora_rank) + cfg.q_lora_rank * BF16  # wq_a, q_norm
+        + fp8_linear(dim, cfg.q_lora_rank)
+        + cfg.q_lora_rank * BF16  # wq_a, q_norm
         + fp8_linear(cfg.q_lora_rank, heads * hd)  # wq_b
-        + fp8_linear(dim, hd) + hd * BF16  # wkv, kv_norm
+        + fp8_linear(dim, hd)
+        + hd * BF16  # wkv, kv_norm
         + cfg.o_groups * cfg.o_lora_rank * (heads * hd // cfg.o_groups) * BF16  # wo_a, scale dropped
         + fp8_linear(cfg.o_groups * cfg.o_lora_rank, dim)  # wo_b
         + cfg.n_routed_experts * dim * BF16  # router weight
@@ -138,24 +144,36 @@ def _retained_bytes_by_formula(cfg) -> int:
     compressors = sum(
         (2 * dim * hd * F32 if cfg.compress_ratios[i] > 1 else dim * hd * BF16)  # wkv (+ wgate when pooling)
         + hd * BF16  # compressor norm
-        for i in cfg.kv_source_layers)
+        for i in cfg.kv_source_layers
+    )
     indexers = sum(
         fp8_linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)  # indexer wq_b
         + cfg.index_n_heads * dim * BF16  # weights_proj
         + ((cfg.index_head_dim * hd + cfg.index_head_dim) * BF16 if i in cfg.kv_source_layers else 0)  # wk, k_norm
-        for i in cfg.index_source_layers)
+        for i in cfg.index_source_layers
+    )
     n_hash_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
     engram = len(cfg.engram_layer_ids) * (
         fp8_linear(n_hash_cols * cfg.engram_head_dim, dim * (hc + 1))  # engram wkv (the table stays on disk)
-        + 2 * hc * dim * BF16)  # q_weight, k_weight
+        + 2 * hc * dim * BF16
+    )  # q_weight, k_weight
     top = cfg.vocab_size * dim * BF16 + cfg.vocab_size * dim * F32 + dim * BF16  # embed, head, final norm
     vision = 0
     if cfg.vision_n_layers:
-        v, inter, patch, ratio = cfg.vision_dim, cfg.vision_inter_dim, cfg.vision_patch_size, cfg.vision_downsample_ratio
+        v, inter, patch, ratio = (
+            cfg.vision_dim,
+            cfg.vision_inter_dim,
+            cfg.vision_patch_size,
+            cfg.vision_downsample_ratio,
+        )
         block = (4 * v * v + 4 * v + 3 * inter * v) * BF16 + 2 * v * F32  # wqkv, wo (+ biases), fused w1, w2; 2 norms
-        vision = ((3 * patch * patch * v + v) * BF16 + cfg.vision_n_layers * block + v * F32  # patch embed, final norm
-                  + (v * ratio * ratio * dim + dim + dim * dim + dim) * BF16  # aligner w1, w2 with biases
-                  + 3 * dim * BF16)  # image_start, image_newline, image_end
+        vision = (
+            (3 * patch * patch * v + v) * BF16
+            + cfg.vision_n_layers * block
+            + v * F32  # patch embed, final norm
+            + (v * ratio * ratio * dim + dim + dim * dim + dim) * BF16  # aligner w1, w2 with biases
+            + 3 * dim * BF16
+        )  # image_start, image_newline, image_end
     return cfg.n_layers * per_layer + compressors + indexers + engram + top + vision
 
 
@@ -230,8 +248,9 @@ def test_unexpected_tensor_is_reported_not_loaded(tiny_checkpoint, tmp_path):
 def test_expert_cache_holds_packed_bytes_and_counts(tiny_checkpoint):
     ckpt = Checkpoint(tiny_checkpoint)
     cache = ExpertCache(ckpt, capacity=2)
-    per_expert = sum(ckpt.nbytes(f"layers.0.ffn.experts.0.{w}.{k}") for w in ("w1", "w2", "w3")
-                     for k in ("weight", "scale"))
+    per_expert = sum(
+        ckpt.nbytes(f"layers.0.ffn.experts.0.{w}.{k}") for w in ("w1", "w2", "w3") for k in ("weight", "scale")
+    )
     cache.counters.begin_step(0, 1)
     cache.fetch(0, [1, 2])  # two misses
     cache.counters.begin_step(1, 1)
@@ -266,7 +285,10 @@ def test_forward_counts_cache_traffic_per_layer_and_step(model):
     model([ids[-1]], len(ids))
     step = model.experts.counters.steps[-1]
     assert step["start_pos"] == len(ids) and all(sum(v) == k for v in step["layers"].values())
-    assert model.experts.nbytes <= model.cfg.n_layers * 16 * model.experts._lru[0][next(iter(model.experts._lru[0]))].nbytes
+    assert (
+        model.experts.nbytes
+        <= model.cfg.n_layers * 16 * model.experts._lru[0][next(iter(model.experts._lru[0]))].nbytes
+    )
 
 
 def test_reset_expert_cache_starts_cold_and_zeroes_counters(model):
@@ -300,7 +322,8 @@ def test_engram_gathers_mapped_rows_and_resident_gives_same_logits(model, tiny_c
     mapped = model(prompt, 0)
     resident = load(tiny_checkpoint, quiet=True, resident_engram=True)
     assert resident.report.resident_engram_bytes == sum(
-        ckpt.nbytes(f"layers.{i}.engram.embed.{k}") for i in model.cfg.engram_layer_ids for k in ("weight", "scale"))
+        ckpt.nbytes(f"layers.{i}.engram.embed.{k}") for i in model.cfg.engram_layer_ids for k in ("weight", "scale")
+    )
     assert torch.equal(resident(prompt, 0), mapped)
 
 
@@ -340,10 +363,15 @@ def test_a_callers_default_dtype_changes_nothing(model, tiny_checkpoint):
 
 @pytest.mark.parametrize("pad", [False, True])
 def test_numerics_options_reach_every_float32_projection_and_the_runtime(tiny_checkpoint, monkeypatch, pad):
-    from dsv41 import layers, model as model_module, moe as moe_module
+    from dsv41 import layers
+    from dsv41 import model as model_module
+    from dsv41 import moe as moe_module
 
-    m = load(tiny_checkpoint, quiet=True, numerics=Numerics(window_layout="uniform" if pad else "reference",
-                                                            pad_f32_rows=pad))
+    m = load(
+        tiny_checkpoint,
+        quiet=True,
+        numerics=Numerics(window_layout="uniform" if pad else "reference", pad_f32_rows=pad),
+    )
     assert m.numerics == (Numerics(window_layout="uniform", pad_f32_rows=True) if pad else Numerics())
     seen = []
     original = layers.f32_linear
@@ -373,15 +401,18 @@ def test_numerics_is_the_only_arithmetic_option_and_a_bad_one_fails_before_loadi
         load(tiny_checkpoint, quiet=True, numerics="parity")
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(threads=0), "threads must be"),
-    (dict(cache_format="fp16"), "cache_format must be one of"),
-    (dict(max_batch_size=0), r"max_batch_size must lie in \[1, 64\]"),
-    (dict(undo_calls=-1), "undo_calls must be a whole number >= 0"),
-    (dict(expert_cache=-1), "expert cache capacity must be >= 0"),
-    (dict(expert_device="nonsense"), "expert_device 'nonsense' is not a torch device name"),
-    (dict(max_seq_len=10 ** 9), r"max_seq_len must lie in \[1, "),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(threads=0), "threads must be"),
+        (dict(cache_format="fp16"), "cache_format must be one of"),
+        (dict(max_batch_size=0), r"max_batch_size must lie in \[1, 64\]"),
+        (dict(undo_calls=-1), "undo_calls must be a whole number >= 0"),
+        (dict(expert_cache=-1), "expert cache capacity must be >= 0"),
+        (dict(expert_device="nonsense"), "expert_device 'nonsense' is not a torch device name"),
+        (dict(max_seq_len=10**9), r"max_seq_len must lie in \[1, "),
+    ],
+)
 def test_bad_arguments_are_a_load_error_still_a_value_error(tiny_checkpoint, options, message):
     with pytest.raises(LoadError, match=message) as info:
         load(tiny_checkpoint, quiet=True, **options)
@@ -399,10 +430,19 @@ def test_load_takes_each_option_as_one_keyword(tiny_checkpoint):
     keywords = inspect.signature(load).parameters
     for group in (CacheOptions, Placement):
         for f in dataclasses.fields(group):
-            assert keywords[f.name].kind is inspect.Parameter.KEYWORD_ONLY and keywords[f.name].default == f.default, f.name
+            assert keywords[f.name].kind is inspect.Parameter.KEYWORD_ONLY and keywords[f.name].default == f.default, (
+                f.name
+            )
     assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in keywords.values())
-    model = load(tiny_checkpoint, quiet=True, max_seq_len=32, undo_calls=3, cache_format="bf16", expert_cache=2,
-                 resident_engram=True)
+    model = load(
+        tiny_checkpoint,
+        quiet=True,
+        max_seq_len=32,
+        undo_calls=3,
+        cache_format="bf16",
+        expert_cache=2,
+        resident_engram=True,
+    )
     assert model.max_seq_len == 32 and model.rollback_limit == 0 and model.experts.capacity == 2
     assert model.cache_format == "bf16"
     with pytest.raises(TypeError, match="unexpected keyword argument 'expert_cahce'"):

@@ -34,7 +34,7 @@ def _split(path):
     """(header JSON as a dict, data area bytes) of a safetensors file."""
     raw = open(path, "rb").read()
     (n,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def _join(path, doc, data: bytes) -> None:
@@ -149,18 +149,31 @@ def test_load_reraises_any_read_error_naming_shard_and_tensor(tiny_checkpoint, m
 
 
 # ---------------------------------------------------------------------- 2. the index
-@pytest.mark.parametrize("content, why", [
-    ("[1, 2]", "holds an array"),
-    ('{"weight_map": ["a", "b"]}', "a weight_map that is an array"),
-    ('{"metadata": {}}', "no weight_map"),
-    ('{"weight_map": {"head.weight": 7}}', "maps 'head.weight' to a number"),
-    ('{"weight_map": {"head.weight": null}}', "maps 'head.weight' to null"),
-    ('{"weight_map": {}}', "lists no tensors"),
-    ('{"weight_map": {"head.weight": "\\ud800.safetensors"}}', "not Unicode text"),
-    ('{"weight_map": {', "not valid JSON"),
-    ("[" * 100_000, "not JSON this reader accepts"),
-], ids=["list", "weight_map-list", "no-weight_map", "shard-number", "shard-null", "empty", "surrogate", "not-json",
-        "deep"])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ("[1, 2]", "holds an array"),
+        ('{"weight_map": ["a", "b"]}', "a weight_map that is an array"),
+        ('{"metadata": {}}', "no weight_map"),
+        ('{"weight_map": {"head.weight": 7}}', "maps 'head.weight' to a number"),
+        ('{"weight_map": {"head.weight": null}}', "maps 'head.weight' to null"),
+        ('{"weight_map": {}}', "lists no tensors"),
+        ('{"weight_map": {"head.weight": "\\ud800.safetensors"}}', "not Unicode text"),
+        ('{"weight_map": {', "not valid JSON"),
+        ("[" * 100_000, "not JSON this reader accepts"),
+    ],
+    ids=[
+        "list",
+        "weight_map-list",
+        "no-weight_map",
+        "shard-number",
+        "shard-null",
+        "empty",
+        "surrogate",
+        "not-json",
+        "deep",
+    ],
+)
 def test_a_malformed_index_is_a_load_error_naming_it(tiny_checkpoint, tmp_path, content, why):
     folder = _copy(tiny_checkpoint, tmp_path / "ck")
     index = os.path.join(folder, INDEX)
@@ -170,8 +183,11 @@ def test_a_malformed_index_is_a_load_error_naming_it(tiny_checkpoint, tmp_path, 
     assert message.startswith(f"{index}: ") and why in message
 
 
-@pytest.mark.parametrize("where", ["../{}", "{abs}", "sub/{}", "sub\\{}", "./{}", "..", ""],
-                         ids=["parent", "absolute", "subfolder", "backslash", "dot-slash", "dotdot", "empty"])
+@pytest.mark.parametrize(
+    "where",
+    ["../{}", "{abs}", "sub/{}", "sub\\{}", "./{}", "..", ""],
+    ids=["parent", "absolute", "subfolder", "backslash", "dot-slash", "dotdot", "empty"],
+)
 def test_index_shard_names_outside_the_folder_are_refused(tiny_checkpoint, tmp_path, where):
     folder = _copy(tiny_checkpoint, tmp_path / "ck")
     os.makedirs(os.path.join(folder, "sub"))
@@ -190,14 +206,18 @@ def test_index_shard_names_outside_the_folder_are_refused(tiny_checkpoint, tmp_p
 
 
 # ---------------------------------------------------------------------- 3. tokenizer_config.json
-@pytest.mark.parametrize("content, why", [
-    ('{"bos_token": ', "not valid JSON"),
-    (b"\xff\xfe{}", "not UTF-8"),
-    ('["bos_token"]', "holds an array"),
-    ('{"bos_token": 0}', "bos_token is a number (0)"),
-    ('{"eos_token": {"content": 1}}', "eos_token is a number (1)"),
-    ('{"pad_token": ["<pad>"]}', "pad_token is an array"),
-], ids=["not-json", "not-utf8", "list", "bos-int", "eos-content-int", "pad-list"])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ('{"bos_token": ', "not valid JSON"),
+        (b"\xff\xfe{}", "not UTF-8"),
+        ('["bos_token"]', "holds an array"),
+        ('{"bos_token": 0}', "bos_token is a number (0)"),
+        ('{"eos_token": {"content": 1}}', "eos_token is a number (1)"),
+        ('{"pad_token": ["<pad>"]}', "pad_token is an array"),
+    ],
+    ids=["not-json", "not-utf8", "list", "bos-int", "eos-content-int", "pad-list"],
+)
 def test_a_malformed_tokenizer_config_is_a_load_error_naming_it(tiny_checkpoint, tmp_path, content, why):
     folder = _copy(tiny_checkpoint, tmp_path / "ck")
     meta = os.path.join(folder, "tokenizer_config.json")
@@ -220,8 +240,9 @@ def test_a_tensor_in_two_shards_is_refused_naming_both(tiny_checkpoint, tmp_path
     tensors["norm.weight"] = torch.full((128,), 7.0, dtype=torch.bfloat16)
     save_file(tensors, stray, metadata={"format": "pt"})
     message = _load_error(folder)
-    assert message.startswith(f"{folder}: tensor norm.weight is stored in both model-00004-of-00016.safetensors "
-                              f"and {HEAD}")
+    assert message.startswith(
+        f"{folder}: tensor norm.weight is stored in both model-00004-of-00016.safetensors and {HEAD}"
+    )
 
 
 # ---------------------------------------------------------------------- 5. the shard named once
@@ -273,15 +294,25 @@ def test_nan_and_inf_weights_never_crash_the_load(tiny_checkpoint, tmp_path):
         save_file(tensors, path, metadata={"format": "pt"})
 
     poison(HEAD, ["head.weight", "norm.weight"])  # head promoted BF16 -> F32 at load
-    poison(LAYER0, ["layers.0.attn.wo_a.weight", "layers.0.attn.wo_a.scale",  # dequantized at load
-                    "layers.0.attn.wq_a.weight", "layers.0.attn.wq_a.scale", "layers.0.attn_norm.weight",
-                    "layers.0.attn.attn_sink", "layers.0.hc_attn_fn"])
+    poison(
+        LAYER0,
+        [
+            "layers.0.attn.wo_a.weight",
+            "layers.0.attn.wo_a.scale",  # dequantized at load
+            "layers.0.attn.wq_a.weight",
+            "layers.0.attn.wq_a.scale",
+            "layers.0.attn_norm.weight",
+            "layers.0.attn.attn_sink",
+            "layers.0.hc_attn_fn",
+        ],
+    )
     try:
         model = load(folder, quiet=True)
     except LoadError:
         return  # a finiteness check someone adds may refuse it: that is a LoadError too
-    assert model.report.parameters_filled == (len(list(model.backbone.parameters()))
-                                              + len(list(model.draft_stack.parameters())))
+    assert model.report.parameters_filled == (
+        len(list(model.backbone.parameters())) + len(list(model.draft_stack.parameters()))
+    )
 
 
 # ---------------------------------------------------------------------- byte-level corruption
@@ -300,7 +331,7 @@ def _corruptions(raw: bytes, rng: random.Random):
             data[rng.randrange(8, 8 + n)] = rng.randrange(256)
         yield f"random header bytes #{trial}", bytes(data)
     digits = [i for i in range(8, 8 + n) if 48 <= raw[i] <= 57]
-    for trial in range(14):
+    for _ in range(14):
         data = bytearray(raw)
         at = rng.choice(digits)
         data[at] = rng.choice([d for d in b"0123456789" if d != raw[at]])
@@ -356,7 +387,7 @@ def _screen(drawn: str) -> list[str]:
         shown: list[str] = []
         at = 0
         for part in row.split("\r"):
-            shown[at:at + len(part)] = part
+            shown[at : at + len(part)] = part
             at = 0
         lines.append("".join(shown).rstrip())
     return lines

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from dsv41.config import TINY
-from dsv41.kernels import act_quant, hc_split_sinkhorn
 from dsv41.formats import dequantize_fp4, quantize_fp4
+from dsv41.kernels import act_quant, hc_split_sinkhorn
+from dsv41.kernels.experts import PackedExpert, clamped_swiglu
 from dsv41.model import (
     Engram,
     engram_gate,
@@ -18,10 +19,8 @@ from dsv41.model import (
     hc_pre,
     identity_pre,
 )
-from dsv41.kernels.experts import PackedExpert, clamped_swiglu
 from dsv41.moe import Gate, RoutedExperts, expert_scores, route
 from dsv41.stores import DictExpertStore, TensorEngramTable
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -81,10 +80,14 @@ def test_swiglu_clamps_up_both_ways_and_gate_from_above():
     gate = torch.tensor([-20.0, 20.0, 1.0, 1.0])
     up = torch.tensor([1.0, 1.0, 20.0, -20.0])
     out = clamped_swiglu(gate, up, limit=10.0)
-    expected = torch.stack([F.silu(torch.tensor(-20.0)) * 1.0,  # gate not clamped from below
-                            F.silu(torch.tensor(10.0)) * 1.0,
-                            F.silu(torch.tensor(1.0)) * 10.0,
-                            F.silu(torch.tensor(1.0)) * -10.0])
+    expected = torch.stack(
+        [
+            F.silu(torch.tensor(-20.0)) * 1.0,  # gate not clamped from below
+            F.silu(torch.tensor(10.0)) * 1.0,
+            F.silu(torch.tensor(1.0)) * 10.0,
+            F.silu(torch.tensor(1.0)) * -10.0,
+        ]
+    )
     assert torch.allclose(out, expected)
     assert torch.allclose(clamped_swiglu(gate, up, limit=0.0), F.silu(gate) * up)  # 0 disables
 
@@ -122,14 +125,14 @@ def test_routed_experts_match_the_dequantized_formula():
     for t in range(5):
         for k in range(2):
             p = experts[(0, int(ids[t, k]))]
-            xq = _fp8_roundtrip(x[t:t + 1].float())
+            xq = _fp8_roundtrip(x[t : t + 1].float())
             h = clamped_swiglu(xq @ dense(p, "w1").T, xq @ dense(p, "w3").T, 10.0) * weights[t, k]
             hq = _fp8_roundtrip(h.to(torch.bfloat16).float())
             expected[t] += (hq @ dense(p, "w2").T).to(torch.bfloat16).double()[0]
     assert torch.allclose(y.double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
     # tokens are independent: routing them together equals routing them one at a time, bit for bit
-    alone = torch.cat([routed.forward(x[t:t + 1], ids[t:t + 1], weights[t:t + 1]) for t in range(5)])
+    alone = torch.cat([routed.forward(x[t : t + 1], ids[t : t + 1], weights[t : t + 1]) for t in range(5)])
     assert torch.equal(y, alone)
 
 
@@ -167,14 +170,20 @@ def test_hc_post_mixes_residual_copies_through_comb_rows():
     out = torch.tensor([[[1.0, 2.0]]]).to(torch.bfloat16)  # [1, 1, dim 2]
     residual = torch.tensor([[[[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]]]]).to(torch.bfloat16)  # [1, 1, hc 3, 2]
     post = torch.tensor([[[0.5, 1.0, 2.0]]])
-    comb = torch.tensor([[[[0.0, 1.0, 0.0],  # copy 0 feeds copy 1
-                           [0.0, 0.0, 1.0],  # copy 1 feeds copy 2
-                           [1.0, 0.0, 0.0]]]])  # copy 2 feeds copy 0
+    comb = torch.tensor(
+        [
+            [
+                [
+                    [0.0, 1.0, 0.0],  # copy 0 feeds copy 1
+                    [0.0, 0.0, 1.0],  # copy 1 feeds copy 2
+                    [1.0, 0.0, 0.0],
+                ]
+            ]
+        ]
+    )  # copy 2 feeds copy 0
     y = hc_post(out, residual, post, comb)[0, 0].float()
     # y_j = post_j * out + sum_i comb[i, j] * residual_i
-    expected = torch.tensor([[0.5 + 2.0, 1.0 + 2.0],
-                             [1.0 + 1.0, 2.0 + 0.0],
-                             [2.0 + 0.0, 4.0 + 1.0]])
+    expected = torch.tensor([[0.5 + 2.0, 1.0 + 2.0], [1.0 + 1.0, 2.0 + 0.0], [2.0 + 0.0, 4.0 + 1.0]])
     assert torch.equal(y, expected)
 
 
@@ -189,8 +198,9 @@ def test_hc_mixes_follow_the_formula():
     flat = x.flatten(2).double()
     mixes = (flat @ fn.double().T) / flat.square().mean(-1, keepdim=True).sqrt()
     assert torch.allclose(pre.double(), torch.sigmoid(mixes[..., :hc] * 0.5 + base[:hc].double()) + 1e-6, atol=1e-5)
-    assert torch.allclose(post.double(), 2 * torch.sigmoid(mixes[..., hc:2 * hc] * 0.7 + base[hc:2 * hc].double()),
-                          atol=1e-5)
+    assert torch.allclose(
+        post.double(), 2 * torch.sigmoid(mixes[..., hc : 2 * hc] * 0.7 + base[hc : 2 * hc].double()), atol=1e-5
+    )
     # comb is the kernel's Sinkhorn projection of the same logits: (near) doubly stochastic
     _, _, kernel_comb = hc_split_sinkhorn(mixes.float(), scale, base, hc, 20, 1e-6)
     assert torch.allclose(comb, kernel_comb, atol=1e-5)

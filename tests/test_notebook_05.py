@@ -6,6 +6,7 @@ import math
 import nbformat
 import pytest
 import torch
+from conftest import notebook_group, run_notebooks_smoke, sidecar
 
 from dsv41 import cache_policy
 from dsv41.config import RELEASED, TINY, load_config
@@ -13,13 +14,16 @@ from dsv41.numerics import Numerics
 from widgets import chance_balance, replay_counts
 from widgets.ties import never_cut
 
-from conftest import notebook_group, run_notebooks_smoke, sidecar
-
 pytestmark = notebook_group("05")
 
-EXPECTED_OUTPUTS = sorted([f"05_{stem}.{ext}" for stem in ("routing", "expert_cache", "ties", "expert_policy",
-                                                                    "chunked_prefill", "rollback")
-                           for ext in ("json", "png", "svg")] + ["05_generation_facts.json"])
+EXPECTED_OUTPUTS = sorted(
+    [
+        f"05_{stem}.{ext}"
+        for stem in ("routing", "expert_cache", "ties", "expert_policy", "chunked_prefill", "rollback")
+        for ext in ("json", "png", "svg")
+    ]
+    + ["05_generation_facts.json"]
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +54,9 @@ def test_load_report_accounts_for_every_tensor(smoke_run):
     # every routed expert stays on disk: w1, w2, w3 and their scales per expert and layer, the
     # draft stages' own experts included
     draft_experts = cfg.moe_shape(cfg.n_layers)[0] * cfg.n_mtp_layers
-    assert load["buckets"]["routed experts (read on demand)"] == (cfg.n_layers * cfg.n_routed_experts
-                                                                   + draft_experts) * 6
+    assert (
+        load["buckets"]["routed experts (read on demand)"] == (cfg.n_layers * cfg.n_routed_experts + draft_experts) * 6
+    )
     assert facts["timings"] == {"per_token_recorded": 6, "generated": 6, "all_positive": True}
 
 
@@ -91,7 +96,8 @@ def test_cache_hits_and_misses_are_the_routed_lookups_and_the_replay_reproduces_
     # the phase structure the (not exported) timings figure shows: one call over the prompt, then one per token
     n = _sidecar(smoke_run, "05_routing")["n_tokens"]
     assert cache["steps"] == [{"start_pos": 0, "seqlen": n["prefill"]}] + [
-        {"start_pos": n["prefill"] + i, "seqlen": 1} for i in range(n["decode"])]
+        {"start_pos": n["prefill"] + i, "seqlen": 1} for i in range(n["decode"])
+    ]
     for i, layer in enumerate(cache["layers"]):
         calls = cache["lookup_ids"][str(layer)]
         assert all(call == sorted(set(call)) and all(0 <= e < cache["n_experts"] for e in call) for call in calls)
@@ -109,7 +115,9 @@ def test_cache_hits_and_misses_are_the_routed_lookups_and_the_replay_reproduces_
     assert rates[-1] == pytest.approx(1 - sum(cache["distinct"]) / sum(cache["lookups"]))
     held = facts["cache"]
     assert held["replay_hit_rate_at_capacity"] == held["recorded_hit_rate"] == cache["recorded_hit_rate"]
-    assert abs(held["replay_hit_rate_all_experts"] - held["compulsory_hit_rate"]) < 1e-12  # all experts held: only first reads miss
+    assert (
+        abs(held["replay_hit_rate_all_experts"] - held["compulsory_hit_rate"]) < 1e-12
+    )  # all experts held: only first reads miss
 
 
 @pytest.mark.slow
@@ -117,7 +125,9 @@ def test_policy_replay_reproduces_the_cache_and_belady_bounds_every_policy(smoke
     facts = _sidecar(smoke_run, "05_generation_facts")
     policy, cache = _sidecar(smoke_run, "05_expert_policy"), _sidecar(smoke_run, "05_expert_cache")
     cfg = load_config(facts["checkpoint"])
-    assert facts["policy"]["round_trip_routing_equal"] and facts["policy"]["round_trip_dict_equal"]  # the trace file lost nothing
+    assert (
+        facts["policy"]["round_trip_routing_equal"] and facts["policy"]["round_trip_dict_equal"]
+    )  # the trace file lost nothing
     sizes, capacity = policy["capacities"], facts["expert_cache"]
     assert sizes == list(range(cfg.n_routed_experts + 1)) and policy["capacity"] == capacity
     at_run = sizes.index(capacity)
@@ -139,8 +149,9 @@ def test_policy_replay_reproduces_the_cache_and_belady_bounds_every_policy(smoke
         assert rates[0] == 0.0 and abs(rates[-1] - compulsory) < 1e-12, p  # nothing kept; everything kept
         assert all(a <= b for a, b in zip(rates, rates[1:])), p  # more room never hurts any of the four
         # Belady bounds every policy, in every layer at every size
-        assert all(h <= b for row, best in zip(policy["hits"][p], policy["hits"]["belady"])
-                   for h, b in zip(row, best)), p
+        assert all(
+            h <= b for row, best in zip(policy["hits"][p], policy["hits"]["belady"]) for h, b in zip(row, best)
+        ), p
         # with nothing cached every decode lookup reads one expert
         assert abs(policy["disk_mib_per_decode_token"][p][0] - nothing_cached) < 1e-9, p
 
@@ -198,7 +209,9 @@ def test_every_chunking_is_the_one_shot_prefill_under_parity(smoke_run):
     chunked = _sidecar(smoke_run, "05_chunked_prefill")
     n, ratio, window = chunked["n_positions"], chunked["compress_ratio"], chunked["window"]
     prompt_tokens = len(_sidecar(smoke_run, "05_rollback")["prompt_ids"])
-    assert n == prompt_tokens + facts["max_new_tokens"] - 1 == len(chunked["ids"])  # every id that went through the model
+    assert (
+        n == prompt_tokens + facts["max_new_tokens"] - 1 == len(chunked["ids"])
+    )  # every id that went through the model
     assert (ratio, window) == (max(TINY.compress_ratios), TINY.window_size)
     sizes = chunked["chunkings"]
     assert all(sum(s) == n and all(c >= 1 for c in s) for s in sizes.values())
@@ -217,8 +230,9 @@ def test_every_chunking_is_the_one_shot_prefill_under_parity(smoke_run):
     reference = chunked["max_abs_diff"]["reference"]
     assert reference["one shot"] == [0.0] * n and max(reference["one token per call"]) > 0
     assert all(d >= 0 and d == d and d != float("inf") for diffs in reference.values() for d in diffs)
-    assert facts["chunked_prefill"]["max_abs_diff"] == {k: {c: max(d) for c, d in v.items()}
-                                                        for k, v in chunked["max_abs_diff"].items()}
+    assert facts["chunked_prefill"]["max_abs_diff"] == {
+        k: {c: max(d) for c, d in v.items()} for k, v in chunked["max_abs_diff"].items()
+    }
     assert chunked["max_abs_logit"]["reference"] > 0 and chunked["max_abs_logit"]["parity"] > 0
 
 
@@ -239,8 +253,13 @@ def test_rollback_continues_as_a_fresh_run(smoke_run):
     gen = rb["generated"]
     assert len(gen["first"]) == len(gen["second"]) == n_new and gen["second"] == gen["fresh"]
     # bit for bit against the fresh run: ids, margins, routing ids and weights, logits
-    assert rb["equal_to_fresh"] == {"ids": True, "margins": True, "routing_ids": True, "routing_weights": True,
-                                    "logits": True}
+    assert rb["equal_to_fresh"] == {
+        "ids": True,
+        "margins": True,
+        "routing_ids": True,
+        "routing_weights": True,
+        "logits": True,
+    }
     assert rb["max_abs_logit_diff_to_fresh"] == 0.0
     assert facts["rollback"]["equal_to_fresh"] == rb["equal_to_fresh"] and facts["rollback"]["keep"] == keep
     # the diverging part's routing, per layer: one row of k distinct expert ids per position from the rollback point
@@ -253,6 +272,12 @@ def test_rollback_continues_as_a_fresh_run(smoke_run):
             assert len(rows) == length and all(len(set(r)) == k and all(0 <= e < n_experts for e in r) for r in rows)
     # the shared panel is the overlap of the two runs' expert sets, position by position
     common = min(lengths.values())
-    assert rb["shared"] == [[len(set(a) & set(b)) for a, b in zip(rb["expert_ids"]["first"][str(layer)][:common],
-                                                                  rb["expert_ids"]["second"][str(layer)][:common])]
-                            for layer in layers]
+    assert rb["shared"] == [
+        [
+            len(set(a) & set(b))
+            for a, b in zip(
+                rb["expert_ids"]["first"][str(layer)][:common], rb["expert_ids"]["second"][str(layer)][:common]
+            )
+        ]
+        for layer in layers
+    ]

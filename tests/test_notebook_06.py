@@ -2,16 +2,20 @@
 numbers its sidecars carry, each derived from the config or from the notebook's own runs."""
 
 import pytest
+from conftest import notebook_group, run_notebooks_smoke, sidecar
 
 from dsv41.config import load_config
 
-from conftest import notebook_group, run_notebooks_smoke, sidecar
-
 pytestmark = notebook_group("06")
 
-EXPECTED_OUTPUTS = sorted([f"06_{stem}.{ext}" for stem in ("draft_stack", "speculation", "known_acceptance",
-                                                            "verify_cost") for ext in ("json", "png", "svg")]
-                          + ["06_dspark_facts.json"])
+EXPECTED_OUTPUTS = sorted(
+    [
+        f"06_{stem}.{ext}"
+        for stem in ("draft_stack", "speculation", "known_acceptance", "verify_cost")
+        for ext in ("json", "png", "svg")
+    ]
+    + ["06_dspark_facts.json"]
+)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +72,9 @@ def test_verify_cost_bounds(smoke_run):
     for m, u in zip(cost["sizes"], cost["overall"]):
         assert cost["topk"] <= u <= min(m * cost["topk"], cost["n_experts"])
     assert cost["break_even_accepted"] == pytest.approx([u / cost["topk"] - 1 for u in cost["overall"]])
-    assert all(a <= b + 1e-12 for a, b in zip(cost["overall"], cost["overall"][1:]))  # a longer verify never reads fewer
+    assert all(
+        a <= b + 1e-12 for a, b in zip(cost["overall"], cost["overall"][1:])
+    )  # a longer verify never reads fewer
     # every one-token forward, at every start and layer, read exactly its k experts
     assert sidecar(smoke_run, "06_dspark_facts")["verify_cost"]["single_token_reads_topk"] is True
 

@@ -2,11 +2,10 @@
 numbers its sidecars carry; the expected values are derived from the plan's formulas here."""
 
 import pytest
+from conftest import notebook_group, run_notebooks_smoke, sidecar
 
 from dsv41 import vision
 from dsv41.config import TINY
-
-from conftest import notebook_group, run_notebooks_smoke, sidecar
 
 pytestmark = notebook_group("07")
 
@@ -17,8 +16,9 @@ FIGURES = ("resize_plan", "patch_grid", "span_layout", "routing_image_tokens", "
 def smoke_run(tmp_path_factory, tiny_checkpoint):
     run, summary = run_notebooks_smoke(tmp_path_factory, tiny_checkpoint, "07")
     outputs = sorted(summary["notebooks"][0]["outputs"])
-    assert outputs == sorted([f"07_{stem}.{ext}" for stem in FIGURES for ext in ("json", "png", "svg")]
-                             + ["07_vision_facts.json"])
+    assert outputs == sorted(
+        [f"07_{stem}.{ext}" for stem in FIGURES for ext in ("json", "png", "svg")] + ["07_vision_facts.json"]
+    )
     return run
 
 
@@ -29,14 +29,23 @@ def test_plans_and_span_follow_the_formulas(smoke_run):
     for size, row in facts["plans"].items():
         w, h = (int(v) for v in size.split("x"))
         p = vision.plan(w, h, TINY)
-        assert row == {"pixels": [p.pixel_width, p.pixel_height], "vit": [p.vit_rows, p.vit_cols],
-                       "llm": [p.llm_rows, p.llm_cols], "span": p.llm_rows * (p.llm_cols + 1) + 2}
+        assert row == {
+            "pixels": [p.pixel_width, p.pixel_height],
+            "vit": [p.vit_rows, p.vit_cols],
+            "llm": [p.llm_rows, p.llm_cols],
+            "span": p.llm_rows * (p.llm_cols + 1) + 2,
+        }
         assert row["span"] <= TINY.vision_max_n_token
     # the smoke image is 120 x 80: 9 x 6 patches (126 x 84 px), 3 x 2 cells, a span of 2 * 4 + 2 = 10
     span = facts["span"]
     assert span["llm_grid"] == [2, 3] and span["length"] == 10
-    assert span["counts"] == {"text": span["positions"] - 10, "image start": 1, "image cell": 6,
-                              "row newline": 2, "image end": 1}
+    assert span["counts"] == {
+        "text": span["positions"] - 10,
+        "image start": 1,
+        "image cell": 6,
+        "row newline": 2,
+        "image end": 1,
+    }
     # in general: rows x (cols + 1 newline) + start and end, and the placeholder became the span
     rows, cols = span["llm_grid"]
     assert span["length"] == rows * (cols + 1) + 2 and span["counts"]["image cell"] == rows * cols
@@ -47,8 +56,8 @@ def test_plans_and_span_follow_the_formulas(smoke_run):
     plan = sidecar(smoke_run, "07_resize_plan")
     assert facts["curve_max"] == max(max(v) for v in plan["curves"].values()) <= TINY.vision_max_n_token
     layout = sidecar(smoke_run, "07_span_layout")
-    assert layout["token_types"][span["start"]:span["start"] + 10] == [0, 1, 1, 1, 2, 1, 1, 1, 2, 3]
-    assert set(layout["ids"][span["start"]:span["start"] + 10]) == {TINY.image_token_id}
+    assert layout["token_types"][span["start"] : span["start"] + 10] == [0, 1, 1, 1, 2, 1, 1, 1, 2, 3]
+    assert set(layout["ids"][span["start"] : span["start"] + 10]) == {TINY.image_token_id}
 
 
 @pytest.mark.slow

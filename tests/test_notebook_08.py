@@ -2,10 +2,9 @@
 the random tiny checkpoint, with assertions on the numbers its sidecars carry."""
 
 import pytest
+from conftest import notebook_group, run_notebooks_smoke, sidecar
 
 from dsv41.config import load_config
-
-from conftest import notebook_group, run_notebooks_smoke, sidecar
 
 pytestmark = notebook_group("08")
 
@@ -14,11 +13,13 @@ FIGURES = ("routing", "router_scale", "engram", "indexer", "dspark", "cache", "t
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory, miniature_checkpoint, tiny_checkpoint):
-    run, summary = run_notebooks_smoke(tmp_path_factory, miniature_checkpoint, "08",
-                                       parameters={"comparison": str(tiny_checkpoint)})
+    run, summary = run_notebooks_smoke(
+        tmp_path_factory, miniature_checkpoint, "08", parameters={"comparison": str(tiny_checkpoint)}
+    )
     outputs = sorted(summary["notebooks"][0]["outputs"])
-    assert outputs == sorted([f"08_{stem}.{ext}" for stem in FIGURES for ext in ("json", "png", "svg")]
-                             + ["08_learned_facts.json"])
+    assert outputs == sorted(
+        [f"08_{stem}.{ext}" for stem in FIGURES for ext in ("json", "png", "svg")] + ["08_learned_facts.json"]
+    )
     return run
 
 
@@ -71,7 +72,11 @@ def test_routing_figure_draws_chance_and_masks_small_classes(smoke_run, miniatur
         assert len(r["text_tokens"]) == r["texts"] == facts["n_texts"] and max(r["text_tokens"]) <= facts["n_tokens"]
         expected = np.mean([learned.spread(learned.uniform_routing_loads(n, E, k)).mean() for n in r["text_tokens"]])
         assert r["load_spread_chance"] == pytest.approx(expected, rel=1e-12)
-        assert r["chance"] == {"shuffles": learned.MI_SHUFFLES, "draws": learned.CHANCE_DRAWS, "seed": learned.CHANCE_SEED}
+        assert r["chance"] == {
+            "shuffles": learned.MI_SHUFFLES,
+            "draws": learned.CHANCE_DRAWS,
+            "seed": learned.CHANCE_SEED,
+        }
         # the black marks: the mutual information with the classes shuffled, the estimate's bias on
         # this many tokens, near Miller-Madow's (R - 1)(C - 1) / (2 N ln 2) over N = tokens x k pairs,
         # narrowed by (E - k) / (E - 1) since a token's k experts are distinct
@@ -81,10 +86,14 @@ def test_routing_figure_draws_chance_and_masks_small_classes(smoke_run, miniatur
         assert all(v == pytest.approx(bias, rel=0.4) for v in r["mutual_information_shuffled_bits"])
         assert facts["routing"]["mutual_information_shuffled_bits"][name] == r["mutual_information_shuffled_bits"]
         # the heat maps: white at top-k / E; the classes too small to colour are the ones named
-        assert routing["masked_classes"][name] == [c for c, n in zip(r["classes"], r["class_tokens"])
-                                                   if n < r["min_class_tokens"]]
-    assert routing["colour_centre"] == routing["trained"]["uniform_class_share"] == routing["trained"]["top_k"] / \
-        routing["trained"]["n_experts"]
+        assert routing["masked_classes"][name] == [
+            c for c, n in zip(r["classes"], r["class_tokens"]) if n < r["min_class_tokens"]
+        ]
+    assert (
+        routing["colour_centre"]
+        == routing["trained"]["uniform_class_share"]
+        == routing["trained"]["top_k"] / routing["trained"]["n_experts"]
+    )
 
 
 def test_router_scale_sidecar(smoke_run):
@@ -104,8 +113,9 @@ def test_indexer_recall_beats_chance(smoke_run, miniature_checkpoint):
     cfg = load_config(str(miniature_checkpoint))
     ix = sidecar(smoke_run, "08_indexer")
     t = ix["trained"]
-    assert t["k"] == cfg.index_topk and t["layers"] == [l for l in range(cfg.n_layers)
-                                                         if cfg.layer_mode(l) in ("full", "reindex")]
+    assert t["k"] == cfg.index_topk and t["layers"] == [
+        l for l in range(cfg.n_layers) if cfg.layer_mode(l) in ("full", "reindex")
+    ]
     assert all(0 < c < 1 for c in t["chance"])
     assert all(r > c for r, c in zip(t["recall"], t["chance"]))
     random = ix["random"]
@@ -122,7 +132,9 @@ def test_speculation_equals_greedy_and_counts_add_up(smoke_run):
         assert s["tokens_per_forward"] == pytest.approx(s["tokens"] / s["target_forwards"])
         assert all(a <= j for a, j in zip(s["accepted_by_position"], s["judged_by_position"]))
         assert sum(b["count"] for b in s["calibration"]) == sum(s["judged_by_position"])
-    assert d["trained"]["tokens_per_forward"] >= d["random"]["tokens_per_forward"]  # the trained draft is right more often
+    assert (
+        d["trained"]["tokens_per_forward"] >= d["random"]["tokens_per_forward"]
+    )  # the trained draft is right more often
 
 
 def test_cache_and_engram_sidecars(smoke_run):
@@ -141,7 +153,9 @@ def test_mechanism_facts_hold_on_both_checkpoints(smoke_run):
     r, e, ix, c, ts = (sidecar(smoke_run, f"08_{name}") for name in ("routing", "engram", "indexer", "cache", "ties"))
     for name in ("trained", "random"):
         assert all(0 < v <= 1 for v in r[name]["affinity_spread"] + r[name]["load_spread"]), name
-        assert all(v >= -1e-12 for v in r[name]["mutual_information_bits"] + r[name]["mutual_information_shuffled_bits"]), name
+        assert all(
+            v >= -1e-12 for v in r[name]["mutual_information_bits"] + r[name]["mutual_information_shuffled_bits"]
+        ), name
         assert 0 < r[name]["load_spread_chance"] <= 1, name
         for share in r[name]["class_share"]:  # every token of a class chose top-k experts
             for row, count in zip(share, r[name]["class_tokens"]):

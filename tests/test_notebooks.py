@@ -6,16 +6,12 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import notebook_group, run_notebooks_smoke, sidecar, write_throwaway_notebook
 
 from dsv41 import notebooks as runner
 from dsv41.cli import main as dsv41_main
 
-from conftest import notebook_group, run_notebooks_smoke, sidecar, write_throwaway_notebook
-
 REPO = Path(__file__).resolve().parent.parent
-
-
-
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +19,14 @@ def notebook_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("nbs")
     # 01 fails in its third code cell; 02 runs after it and exports a figure; 03 breaks the contract
     write_throwaway_notebook(d / "01_fails.ipynb", "x = 1", "y = 2", "z = x / (y - 2)  # boom", "never = True")
-    write_throwaway_notebook(d / "02_plots.ipynb",
-           "import os, sys\nfrom dsv41 import viz",
-           "fig, ax = viz.new_figure()\nax.plot([0, 1, 2], [0, 1, 4])\nviz.show(fig)",
-           "paths = viz.export_figure(fig, '02_square', output_dir, {'x': [0, 1, 2], 'y': [0, 1, 4], "
-           "'smoke': smoke, 'prompt': prompt, 'checkpoint': checkpoint, 'headless': viz.is_headless(), "
-           "'python': sys.executable})")
+    write_throwaway_notebook(
+        d / "02_plots.ipynb",
+        "import os, sys\nfrom dsv41 import viz",
+        "fig, ax = viz.new_figure()\nax.plot([0, 1, 2], [0, 1, 4])\nviz.show(fig)",
+        "paths = viz.export_figure(fig, '02_square', output_dir, {'x': [0, 1, 2], 'y': [0, 1, 4], "
+        "'smoke': smoke, 'prompt': prompt, 'checkpoint': checkpoint, 'headless': viz.is_headless(), "
+        "'python': sys.executable})",
+    )
     write_throwaway_notebook(d / "03_two_parameter_cells.ipynb", "pass", n_parameter_cells=2)
     (d / "notes.ipynb").write_text("not numbered, never run")
     return d
@@ -37,8 +35,21 @@ def notebook_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def first_run(notebook_dir, tmp_path_factory):
     out_root = tmp_path_factory.mktemp("outputs")
-    code = dsv41_main(["notebooks", "--notebooks", str(notebook_dir), "--outputs-root", str(out_root),
-                       "-p", "smoke", "true", "-p", "prompt", "hello there"])
+    code = dsv41_main(
+        [
+            "notebooks",
+            "--notebooks",
+            str(notebook_dir),
+            "--outputs-root",
+            str(out_root),
+            "-p",
+            "smoke",
+            "true",
+            "-p",
+            "prompt",
+            "hello there",
+        ]
+    )
     return code, out_root
 
 
@@ -76,8 +87,13 @@ def test_parameters_pass_through_and_figures_land_in_the_run(first_run):
     assert sidecar["y"] == [0, 1, 4]
     assert summary["parameters"]["output_dir"] == str(run.resolve())
     executed = nbformat.read(str(run / "02_plots.ipynb"), as_version=4)
-    images = [o for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", [])
-              if "image/png" in o.get("data", {})]
+    images = [
+        o
+        for c in executed.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if "image/png" in o.get("data", {})
+    ]
     assert images, "viz.show left no static figure in the executed notebook"
 
 
@@ -85,8 +101,7 @@ def test_runs_are_numbered_and_never_overwritten(first_run, notebook_dir):
     _, out_root = first_run
     first = out_root / "run-001"
     before = {p: p.read_bytes() for p in first.rglob("*") if p.is_file()}
-    code = dsv41_main(["notebooks", "--notebooks", str(notebook_dir), "--outputs-root", str(out_root),
-                       "--only", "02"])
+    code = dsv41_main(["notebooks", "--notebooks", str(notebook_dir), "--outputs-root", str(out_root), "--only", "02"])
     assert code == 0
     second = json.loads((out_root / "run-002" / "summary.json").read_text())
     assert [n["name"] for n in second["notebooks"]] == ["02_plots"] and second["ok"] is True
@@ -135,8 +150,9 @@ def test_smoke_takes_a_boolean_in_either_spelling(text, want):
 
 @pytest.mark.parametrize("text", ["no", "0", "1", "off", '"false"', "[]"])
 def test_smoke_refuses_what_is_not_a_boolean(notebook_dir, tmp_path, capsys, text):
-    code = dsv41_main(["notebooks", "--notebooks", str(notebook_dir), "--outputs-root", str(tmp_path),
-                       "-p", "smoke", text])
+    code = dsv41_main(
+        ["notebooks", "--notebooks", str(notebook_dir), "--outputs-root", str(tmp_path), "-p", "smoke", text]
+    )
     err = capsys.readouterr().err
     assert code == 2 and f"-p smoke takes true or false, got {text!r}" in err, err
     assert not any(tmp_path.iterdir())
@@ -145,8 +161,7 @@ def test_smoke_refuses_what_is_not_a_boolean(notebook_dir, tmp_path, capsys, tex
 def test_selection_by_prefix(notebook_dir):
     names = [p.stem for p in runner.find_notebooks(notebook_dir, ["02", "01_fails"])]
     assert names == ["01_fails", "02_plots"]
-    assert [p.stem for p in runner.find_notebooks(notebook_dir)] == ["01_fails", "02_plots",
-                                                                      "03_two_parameter_cells"]
+    assert [p.stem for p in runner.find_notebooks(notebook_dir)] == ["01_fails", "02_plots", "03_two_parameter_cells"]
 
 
 # ---------------------------------------------------------------------- the real notebooks
@@ -189,9 +204,21 @@ def test_audit_notebook_numbers(smoke_run):
         assert layouts["dtype (quantization)"] == "fp8" and layouts["param_dtype (storage)"] == "bfloat16"
     # the released pair differs exactly by the fields only the nested (Transformers) file states
     assert sorted(line.split(":")[0] for line in facts["config"]["released"]["differs"]) == sorted(
-        ["model_type", "architectures", "param_dtype", "bos_token_id", "eos_token_id", "pad_token_id",
-         "hidden_act", "max_position_embeddings", "num_key_value_heads", "tie_word_embeddings",
-         "topk_method", "norm_topk_prob"])
+        [
+            "model_type",
+            "architectures",
+            "param_dtype",
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+            "hidden_act",
+            "max_position_embeddings",
+            "num_key_value_heads",
+            "tie_word_embeddings",
+            "topk_method",
+            "norm_topk_prob",
+        ]
+    )
 
     released = facts["released"]
     assert (released["tensors"], released["bytes"], released["shards"]) == (96_085, 510_286_023_000, 48)
@@ -238,7 +265,8 @@ def test_engram_notebook_numbers(smoke_run):
     assert facts["layout"]["released"]["problems"] == [] and facts["layout"]["checkpoint"]["problems"] == []
     assert facts["multipliers"]["released"] == {
         "1": [76632096046245, 4839876093313, 35959672319349, 73987337458391],
-        "14": [67716810739261, 51510806800915, 30921347202721, 82619226485591]}
+        "14": [67716810739261, 51510806800915, 30921347202721, 82619226485591],
+    }
     assert facts["folding"]["Café"] == facts["folding"]["cafe"] == "cafe"
     assert facts["folding"][" HELLO"] == "hello" and facts["folding"][" "] == " "
     tok = facts["tokenizer"]

@@ -5,8 +5,8 @@ from a run."""
 
 import pytest
 import torch
-
 from conftest import notebook_group, run_notebooks_smoke, sidecar
+
 from dsv41 import csa2_stats as cs
 from dsv41.config import RELEASED, TINY, load_config
 from dsv41.kernels import SPARSE_ATTN_CHUNK
@@ -64,8 +64,11 @@ def test_layer_map_numbers(smoke_run):
             assert roles["rope_base"][layer] == (cfg.compress_rope_theta if ratio else cfg.rope_theta), (name, layer)
             assert ("compressed KV" in roles["writes"][layer]) == (mode == "full"), (name, layer)
             if ratio:
-                assert (cfg.compress_ratios[roles["compressed_kv_from"][layer]] == ratio
-                        == cfg.compress_ratios[roles["topk_from"][layer]]), (name, layer)
+                assert (
+                    cfg.compress_ratios[roles["compressed_kv_from"][layer]]
+                    == ratio
+                    == cfg.compress_ratios[roles["topk_from"][layer]]
+                ), (name, layer)
 
 
 @pytest.mark.slow
@@ -110,7 +113,8 @@ def test_kv_bytes_per_token_measured_from_the_allocated_buffers(smoke_run):
     assert measured["per_token"]["compressed KV"] == 3 * kv_entry / 2 + kv_entry
     assert measured["per_token"]["index keys"] == 3 * key_entry / 2 + key_entry
     assert {int(k): v for k, v in measured["per_token_by_source"].items()} == {
-        s["layer"]: s["per_token"] for s in kv["sources"]}
+        s["layer"]: s["per_token"] for s in kv["sources"]
+    }
     assert measured["total_at_contexts"] == kv["total"]  # formula and buffers agree at every context
     # the allocated parts: one E4M3 scale per 16 latent channels and one E8M0 per 32 key channels
     parts, rows = measured["parts"], 3 * 4096 // 2 + 4096
@@ -162,8 +166,10 @@ def test_compressor_trace_numbers(smoke_run):
         assert [g["group"] for g in t["groups"]] == list(range(n // ratio)), layer
         assert t["calls"][0]["emitted_groups"] == list(range(prefill // ratio)), layer
         assert facts[layer]["held_after_prefill"] == list(range(prefill - prefill % ratio, prefill)), layer
-        assert all(c["emitted_groups"] == ([c["start_pos"] // ratio] if (c["start_pos"] + 1) % ratio == 0 else [])
-                   for c in t["calls"][1:]), layer
+        assert all(
+            c["emitted_groups"] == ([c["start_pos"] // ratio] if (c["start_pos"] + 1) % ratio == 0 else [])
+            for c in t["calls"][1:]
+        ), layer
 
 
 # ---------------------------------------------------------------------- 04
@@ -173,8 +179,9 @@ def test_topk_sweep_every_divergence_a_tie_and_parity_untruncated(smoke_run):
     n = sweep["n_tokens"]
     assert n == 24 and sweep["untruncated_width"] == n  # ratio-1 layers reach every position
     assert sweep["widths"] == [2, TINY.index_topk, n] and sweep["config_width"] == TINY.index_topk
-    for width, differ, ties, elsewhere in zip(sweep["widths"], sweep["n_differ"], sweep["n_ties"],
-                                              sweep["n_output_differ_without_selection"]):
+    for width, differ, ties, elsewhere in zip(
+        sweep["widths"], sweep["n_differ"], sweep["n_ties"], sweep["n_output_differ_without_selection"]
+    ):
         assert differ == ties, width
         assert elsewhere == 0, width
     last = sweep["widths"].index(n)
@@ -283,8 +290,12 @@ def test_reference_numerics_against_the_parity_options(smoke_run):
     assert TINY.window_size + TINY.index_topk <= chunk
     assert whole[("uniform", True)][0] == whole[("reference", True)][0] == [0.0] * num["logit_positions"]
     facts = _sidecar(smoke_run, "04_candidate_facts")
-    assert facts["numerics"]["attention_identical"] == {"reference, False": False, "reference, True": False,
-                                                        "uniform, False": True, "uniform, True": True}
+    assert facts["numerics"]["attention_identical"] == {
+        "reference, False": False,
+        "reference, True": False,
+        "uniform, False": True,
+        "uniform, True": True,
+    }
     assert facts["sweep"]["numerics"] == {"window_layout": "uniform", "pad_f32_rows": True}
 
 
@@ -296,14 +307,18 @@ def test_tie_break_lowest_leaves_no_prefill_decode_parting(smoke_run):
     sweep = _sidecar(smoke_run, "04_topk_sweep")
     n = tie["n_tokens"]
     assert n == sweep["n_tokens"] == 24 and tie["widths"] == sweep["widths"] == [2, TINY.index_topk, n]
-    assert tie["numerics"] == {"topk": Numerics.parity().with_options(tie_break="topk").as_dict(),
-                               "lowest": Numerics.parity().as_dict()}
+    assert tie["numerics"] == {
+        "topk": Numerics.parity().with_options(tie_break="topk").as_dict(),
+        "lowest": Numerics.parity().as_dict(),
+    }
     assert tie["numerics"]["lowest"]["tie_break"] == "lowest" and sweep["tie_break"] == "topk"
     # torch.topk's order: the sweep of section 4, every parting a tie, some at the truncating widths
     assert tie["n_differ"]["topk"] == sweep["n_differ"] == tie["n_ties"]["topk"]
     assert sum(tie["n_differ"]["topk"][:-1]) > 0 and max(tie["max_output_diff"]["topk"][:-1]) > 0
     # one tie rule: the same widths truncate the same (query, layer) pairs, and nothing parts at any of them
-    assert tie["n_truncated"]["lowest"] == tie["n_truncated"]["topk"] and all(t > 0 for t in tie["n_truncated"]["lowest"][:-1])
+    assert tie["n_truncated"]["lowest"] == tie["n_truncated"]["topk"] and all(
+        t > 0 for t in tie["n_truncated"]["lowest"][:-1]
+    )
     assert tie["n_differ"]["lowest"] == tie["n_ties"]["lowest"] == [0, 0, 0]
     assert tie["max_output_diff"]["lowest"] == [0.0, 0.0, 0.0] and tie["identical"]["lowest"] == [True, True, True]
     facts = _sidecar(smoke_run, "04_candidate_facts")["tie_break"]
@@ -320,6 +335,8 @@ def test_tie_break_time_ratio_is_measured_and_shown(smoke_run):
     import nbformat
 
     nb = nbformat.read(str(smoke_run / "04_candidate_blocks.ipynb"), as_version=4)
-    texts = [o.get("data", {}).get("text/plain", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    texts = [
+        o.get("data", {}).get("text/plain", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+    ]
     ratios = [float(m.group(1)) for t in texts for m in [re.search(r"lowest / topk = ([0-9.eE+-]+)", t)] if m]
     assert len(ratios) == 1 and math.isfinite(ratios[0]) and ratios[0] > 0, ratios

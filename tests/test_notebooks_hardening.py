@@ -14,12 +14,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import write_throwaway_notebook
 
 from dsv41 import notebooks as runner
 from dsv41.cli import main as dsv41_main
-from dsv41.notebook_signals import SUMMARY_NAME
-
-from conftest import write_throwaway_notebook
+from dsv41.notebook_signals import SUMMARY_NAME, RunInterrupted
 
 
 def refuse_writes_under(monkeypatch, folder) -> None:
@@ -43,6 +42,7 @@ def refuse_writes_under(monkeypatch, folder) -> None:
             if under(file) and any(c in mode for c in "wax+"):
                 refuse(file)
             return real(file, mode, *args, **kwargs)
+
         return fake
 
     def fake_os_open(path, flags, *args, **kwargs):
@@ -62,6 +62,7 @@ def refuse_writes_under(monkeypatch, folder) -> None:
             if under(src) or under(dst):
                 refuse(dst)
             return real(src, dst, *args, **kwargs)
+
         return fake
 
     monkeypatch.setattr(builtins, "open", checked_open(real_open))
@@ -77,9 +78,13 @@ def test_the_simulated_mount_refuses_what_a_read_only_mount_refuses(tmp_path, mo
     ro.mkdir()
     (ro / "kept.txt").write_text("here before\n")
     refuse_writes_under(monkeypatch, ro)
-    for attempt in (lambda: (ro / "new.txt").write_text("x"), lambda: open(ro / "kept.txt", "a"),
-                    lambda: (ro / "sub").mkdir(), lambda: os.replace(ro / "kept.txt", ro / "moved.txt"),
-                    lambda: tempfile.mkstemp(dir=ro)):
+    for attempt in (
+        lambda: (ro / "new.txt").write_text("x"),
+        lambda: open(ro / "kept.txt", "a"),
+        lambda: (ro / "sub").mkdir(),
+        lambda: os.replace(ro / "kept.txt", ro / "moved.txt"),
+        lambda: tempfile.mkstemp(dir=ro),
+    ):
         with pytest.raises(OSError) as refused:
             attempt()
         assert refused.value.errno == errno.EROFS
@@ -100,8 +105,10 @@ def two_notebooks(tmp_path_factory):
 @pytest.fixture
 def no_run(monkeypatch):
     """The run itself must not be reached: a refusal comes before any notebook starts."""
+
     def reached(*args, **kwargs):
         raise AssertionError("a notebook run started")
+
     monkeypatch.setattr(runner, "run_notebooks", reached)
 
 
@@ -113,8 +120,9 @@ def _one_line(err: str) -> str:
 
 # ---------------------------------------------------------------------- read-only output folders
 @pytest.mark.parametrize("flag, target", [("--out", "ro"), ("--out", "ro/new"), ("--outputs-root", "ro")])
-def test_an_output_folder_on_a_read_only_mount_is_one_sentence(two_notebooks, tmp_path, monkeypatch, capsys,
-                                                                no_run, flag, target):
+def test_an_output_folder_on_a_read_only_mount_is_one_sentence(
+    two_notebooks, tmp_path, monkeypatch, capsys, no_run, flag, target
+):
     """Reproduces: `--out` on an existing empty folder of a read-only mount ran every notebook and
     ended in an OSError traceback from summary.json, with no summary anywhere."""
     ro = tmp_path / "ro"
@@ -154,16 +162,17 @@ def test_a_summary_that_cannot_be_written_is_printed(two_notebooks, tmp_path, mo
 
     def run_one(path, run_dir, parameters, cell_timeout=None):
         refuse_writes_under(monkeypatch, run_dir)  # the mount turns read-only during the run
-        return runner.NotebookResult(name=path.stem, source=str(path), executed=path.name, status="ok",
-                                     duration_s=0.5)
+        return runner.NotebookResult(name=path.stem, source=str(path), executed=path.name, status="ok", duration_s=0.5)
 
     monkeypatch.setattr(runner, "run_notebook", run_one)
     assert dsv41_main(["notebooks", "--notebooks", str(two_notebooks), "--out", str(run)]) == 1
     out, err = capsys.readouterr()
     assert "Traceback" not in err and "[2/2] 02_second ok" in err, err
     line = err.strip().splitlines()[-1]
-    assert line == (f"dsv41 notebooks: {run.resolve() / SUMMARY_NAME}: cannot be written "
-                    f"({os.strerror(errno.EROFS)}); the summary is printed on stdout instead")
+    assert line == (
+        f"dsv41 notebooks: {run.resolve() / SUMMARY_NAME}: cannot be written "
+        f"({os.strerror(errno.EROFS)}); the summary is printed on stdout instead"
+    )
     summary = json.loads(out)
     assert summary["ok"] is True and [n["name"] for n in summary["notebooks"]] == ["01_first", "02_second"]
     assert os.listdir(run) == []  # no temporary file left behind
@@ -217,7 +226,7 @@ def test_a_parameter_goes_only_to_the_notebooks_that_declare_it(tmp_path, monkey
     run_dir.mkdir()
     for name in ("01_audit.ipynb", "03_csa2_modes.ipynb"):
         path = nbmod.default_notebooks_dir() / name
-        with pytest.raises(BaseException):
+        with pytest.raises(RunInterrupted):  # the stub's KeyboardInterrupt, as run_notebook re-raises it
             nbmod.run_notebook(path, run_dir, {"memory": 1 << 34, "smoke": True, "output_dir": str(run_dir)})
     assert "memory" not in handed["01_audit.ipynb"] and handed["01_audit.ipynb"]["smoke"] is True
     assert handed["03_csa2_modes.ipynb"]["memory"] == 1 << 34

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import write_throwaway_notebook
 
 from dsv41.cli import main as dsv41_main
-
-from conftest import write_throwaway_notebook
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,8 +28,6 @@ SLEEPY_CELLS = (
 SLOW_CELL = 4
 # the executed file has papermill's injected-parameters cell after the parameters cell
 SLOW_CELL_EXECUTED = SLOW_CELL + 1
-
-
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +60,13 @@ def test_signal_leaves_a_truthful_run_folder(sleepy_dir, tmp_path, signum, code)
     every cell "completed" although the run stopped in the middle of cell 4."""
     run = tmp_path / "run"
     executed = run / "01_sleepy.ipynb"
-    proc = subprocess.Popen([sys.executable, "-m", "dsv41", "notebooks", "--notebooks", str(sleepy_dir),
-                             "--out", str(run)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsv41", "notebooks", "--notebooks", str(sleepy_dir), "--out", str(run)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:  # wait until the slow cell is running (papermill saves the file at each cell start)
@@ -108,7 +109,7 @@ def test_signal_leaves_a_truthful_run_folder(sleepy_dir, tmp_path, signum, code)
     statuses = _statuses(executed)
     assert statuses[:SLOW_CELL_EXECUTED] == ["completed"] * SLOW_CELL_EXECUTED
     assert statuses[SLOW_CELL_EXECUTED] == "interrupted"
-    assert statuses[SLOW_CELL_EXECUTED + 1:] == ["pending"]
+    assert statuses[SLOW_CELL_EXECUTED + 1 :] == ["pending"]
     nb = nbformat.read(str(executed), as_version=4)
     assert nb.cells[-1].execution_count is None and not nb.cells[-1].outputs
 
@@ -123,8 +124,7 @@ def test_signal_leaves_a_truthful_run_folder(sleepy_dir, tmp_path, signum, code)
 def test_cell_timeout_names_the_cell(sleepy_dir, tmp_path, capfd):
     """Reproduces: a cell timeout's failed_cell was null (papermill marked every cell completed)."""
     run = tmp_path / "run"
-    assert dsv41_main(["notebooks", "--notebooks", str(sleepy_dir), "--out", str(run),
-                       "--cell-timeout", "2"]) == 1
+    assert dsv41_main(["notebooks", "--notebooks", str(sleepy_dir), "--out", str(run), "--cell-timeout", "2"]) == 1
     err = capfd.readouterr().err
     assert "Traceback" not in err, err  # nor the kernel's own, shut down while busy
     summary = json.loads((run / "summary.json").read_text())
@@ -136,7 +136,7 @@ def test_cell_timeout_names_the_cell(sleepy_dir, tmp_path, capfd):
     assert f"FAILED at cell {SLOW_CELL} (time.sleep(300)  # the slow cell)" in err
     assert after["status"] == "ok"  # a timeout stops its own notebook only
     statuses = _statuses(run / "01_sleepy.ipynb")
-    assert statuses[SLOW_CELL_EXECUTED] == "failed" and statuses[SLOW_CELL_EXECUTED + 1:] == ["pending"]
+    assert statuses[SLOW_CELL_EXECUTED] == "failed" and statuses[SLOW_CELL_EXECUTED + 1 :] == ["pending"]
 
 
 # ---------------------------------------------------------------------- bad arguments
@@ -144,8 +144,9 @@ def test_cell_timeout_names_the_cell(sleepy_dir, tmp_path, capfd):
 def test_cell_timeout_must_be_a_whole_number_of_seconds(sleepy_dir, tmp_path, capsys, value):
     """Reproduces: 0.5 failed every notebook with a TraitError, nan and -1 ran with no usable limit."""
     with pytest.raises(SystemExit) as stop:
-        dsv41_main(["notebooks", "--notebooks", str(sleepy_dir), "--outputs-root", str(tmp_path),
-                    "--cell-timeout", value])
+        dsv41_main(
+            ["notebooks", "--notebooks", str(sleepy_dir), "--outputs-root", str(tmp_path), "--cell-timeout", value]
+        )
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "--cell-timeout" in err and "whole number of seconds from 1 to 86,400" in err, err
@@ -158,8 +159,10 @@ def test_cell_timeout_help_states_the_rule(capsys):
     assert "1 to 86400" in " ".join(capsys.readouterr().out.split())
 
 
-@pytest.mark.parametrize("flag, where", [("--outputs-root", "file"), ("--out", "file"),
-                                         ("--outputs-root", "under a file"), ("--out", "under a file")])
+@pytest.mark.parametrize(
+    "flag, where",
+    [("--outputs-root", "file"), ("--out", "file"), ("--outputs-root", "under a file"), ("--out", "under a file")],
+)
 def test_output_folder_on_a_file_is_one_sentence(sleepy_dir, tmp_path, capsys, flag, where):
     """Reproduces: --outputs-root FILE was a FileExistsError traceback, --out FILE/x a NotADirectoryError."""
     file = tmp_path / "a-file"

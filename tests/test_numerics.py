@@ -10,8 +10,9 @@ from dsv41.numerics import WINDOW_LAYOUTS, Numerics
 
 def test_the_default_is_the_reference_and_parity_departs_in_every_field():
     assert Numerics() == Numerics(False, "reference", False, "topk")
-    assert Numerics.parity() == Numerics(fix_stale_index_keys=True, window_layout="uniform", pad_f32_rows=True,
-                                         tie_break="lowest")
+    assert Numerics.parity() == Numerics(
+        fix_stale_index_keys=True, window_layout="uniform", pad_f32_rows=True, tie_break="lowest"
+    )
     assert Numerics.named("reference") == Numerics() and Numerics.named("parity") == Numerics.parity()
     assert Numerics().window_layout == WINDOW_LAYOUTS[0]
     # one way to say the reference: the default value, not a second spelling of it
@@ -24,16 +25,23 @@ def test_it_is_frozen_and_with_options_keeps_fields_given_none():
         n.pad_f32_rows = False
     plain = n.with_options(tie_break="topk", window_layout=None)
     assert plain == Numerics(True, "uniform", True, "topk") and n == Numerics.parity()
-    assert n.as_dict() == {"fix_stale_index_keys": True, "window_layout": "uniform", "pad_f32_rows": True,
-                           "tie_break": "lowest"}
+    assert n.as_dict() == {
+        "fix_stale_index_keys": True,
+        "window_layout": "uniform",
+        "pad_f32_rows": True,
+        "tie_break": "lowest",
+    }
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(window_layout="ring"), "window_layout must be one of 'reference', 'uniform'"),
-    (dict(pad_f32_rows=1), "pad_f32_rows must be True or False"),
-    (dict(fix_stale_index_keys="yes"), "fix_stale_index_keys must be True or False"),
-    (dict(tie_break="random"), "tie_break must be one of 'topk', 'lowest'"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(window_layout="ring"), "window_layout must be one of 'reference', 'uniform'"),
+        (dict(pad_f32_rows=1), "pad_f32_rows must be True or False"),
+        (dict(fix_stale_index_keys="yes"), "fix_stale_index_keys must be True or False"),
+        (dict(tie_break="random"), "tie_break must be one of 'topk', 'lowest'"),
+    ],
+)
 def test_bad_values_are_refused_by_name(bad, match):
     with pytest.raises((ValueError, TypeError), match=match):
         Numerics(**bad)
@@ -50,7 +58,10 @@ def test_load_takes_a_numerics_value_with_its_fields_changed_one_by_one(tiny_che
     for block in m.backbone.layers:
         assert block.attn.numerics is m.numerics and block.ffn.gate.pad_f32_rows and block.ffn.experts.batch_invariant
         if block.attn.indexer is not None:
-            assert not block.attn.indexer.numerics.fix_stale_index_keys and block.attn.indexer.numerics.tie_break == "lowest"
+            assert (
+                not block.attn.indexer.numerics.fix_stale_index_keys
+                and block.attn.indexer.numerics.tie_break == "lowest"
+            )
     assert m.backbone.head.pad_f32_rows
     assert dsv41.load(tiny_checkpoint, quiet=True).numerics == Numerics()
 

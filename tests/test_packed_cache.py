@@ -118,9 +118,16 @@ def _ids(n: int, seed: int) -> list[int]:
 
 def _built_like(model, cache_format: str) -> Model:
     """The same weights, experts and Engram tables in a model whose caches use `cache_format`."""
-    twin = Model(model.cfg, numerics=model.numerics, max_batch_size=model.backbone.max_batch_size,
-                 max_seq_len=model.max_seq_len, tokenizer=model.tokenizer, tokenizer_meta=model.tokenizer_meta,
-                 hasher=copy.deepcopy(model.hasher), cache_format=cache_format)
+    twin = Model(
+        model.cfg,
+        numerics=model.numerics,
+        max_batch_size=model.backbone.max_batch_size,
+        max_seq_len=model.max_seq_len,
+        tokenizer=model.tokenizer,
+        tokenizer_meta=model.tokenizer_meta,
+        hasher=copy.deepcopy(model.hasher),
+        cache_format=cache_format,
+    )
     twin.backbone.load_state_dict(model.backbone.state_dict(), strict=True)
     twin.attach(model.experts, model.engram_tables)
     return twin
@@ -262,8 +269,15 @@ def test_released_geometry_measures_the_model_cards_890_bytes_per_token():
 def _released_rows_cfg():
     """The tiny geometry with the released cache rows: head_dim 512, index_head_dim 128, a 128-slot
     window (wider than one sparse_attn chunk), rope_head_dim 64."""
-    return TINY.replace(head_dim=512, index_head_dim=128, rope_head_dim=64, window_size=128, index_topk=16,
-                        candidate_topk_blocks=4, candidate_block_size=8)
+    return TINY.replace(
+        head_dim=512,
+        index_head_dim=128,
+        rope_head_dim=64,
+        window_size=128,
+        index_topk=16,
+        candidate_topk_blocks=4,
+        candidate_block_size=8,
+    )
 
 
 def _stack_outputs(stack, x, sizes):
@@ -280,8 +294,10 @@ def test_released_row_sizes_give_the_same_outputs_packed_and_bf16(numerics):
     cfg = _released_rows_cfg()
     x = torch.randn(1, 300, cfg.dim, generator=torch.Generator().manual_seed(3)).bfloat16()
     sizes = [150, 7, 64, 1, 1, 77]  # the window ring wraps in a chunk and across decode steps
-    outs = [_stack_outputs(AttentionStack(cfg, numerics=numerics, max_seq_len=300, seed=1, cache_format=f), x, sizes)
-            for f in CACHE_FORMATS]
+    outs = [
+        _stack_outputs(AttentionStack(cfg, numerics=numerics, max_seq_len=300, seed=1, cache_format=f), x, sizes)
+        for f in CACHE_FORMATS
+    ]
     assert torch.equal(_bits(outs[0]), _bits(outs[1]))
 
 

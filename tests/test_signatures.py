@@ -23,6 +23,7 @@ def _public_functions(tree: ast.Module):
             elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 if not hidden and (not child.name.startswith("_") or child.name == "__init__"):
                     yield child
+
     yield from walk(tree, False)
 
 

@@ -16,8 +16,14 @@ def model(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def run(model):
-    return model.generate("The capital of France is", max_new_tokens=10, stop_at_eos=False, trace=True,
-                          speculative=True, min_confidence=0.0)
+    return model.generate(
+        "The capital of France is",
+        max_new_tokens=10,
+        stop_at_eos=False,
+        trace=True,
+        speculative=True,
+        min_confidence=0.0,
+    )
 
 
 def test_data_follows_the_steps(run):

@@ -15,15 +15,29 @@ import shutil
 from collections import namedtuple
 
 import pytest
+from test_notebooks_hardening import refuse_writes_under
 
 from dsv41.bench import stream
 from dsv41.bench.cli import cli_main
 from dsv41.errors import Dsv41Error
 
-from test_notebooks_hardening import refuse_writes_under
-
-SMALL = ["--small", "--experts", "6", "--memory", "2GiB", "--tokens", "2", "--prompt", "3", "--disk-probe-mib", "8",
-         "--recorded-tokens", "2", "--io-threads", "2"]
+SMALL = [
+    "--small",
+    "--experts",
+    "6",
+    "--memory",
+    "2GiB",
+    "--tokens",
+    "2",
+    "--prompt",
+    "3",
+    "--disk-probe-mib",
+    "8",
+    "--recorded-tokens",
+    "2",
+    "--io-threads",
+    "2",
+]
 GIB = 1 << 30
 
 
@@ -34,8 +48,10 @@ def small_config():
 @pytest.fixture
 def nothing_runs(monkeypatch):
     """Neither the checkpoint writer nor the run may be reached: a refusal comes first."""
+
     def reached(*args, **kwargs):
         raise AssertionError("the bench went on past a refusal")
+
     from dsv41 import synthetic
 
     monkeypatch.setattr(synthetic, "write_release_layout", reached)
@@ -102,21 +118,31 @@ def test_a_budget_above_the_machine_is_refused_before_writing(tmp_path, monkeypa
 def test_more_positions_than_the_config_has_are_refused_before_writing(tmp_path, nothing_runs):
     cfg = small_config()
     with pytest.raises(Dsv41Error, match=f"more than the config's {cfg.max_seq_len:,}"):
-        stream.bench_stream(str(tmp_path / "ck"), layers=2, experts=6, small=True, memory="2GiB", prompt_tokens=4,
-                            decode_tokens=cfg.max_seq_len)
+        stream.bench_stream(
+            str(tmp_path / "ck"),
+            layers=2,
+            experts=6,
+            small=True,
+            memory="2GiB",
+            prompt_tokens=4,
+            decode_tokens=cfg.max_seq_len,
+        )
     assert not (tmp_path / "ck").exists()
 
 
 @pytest.mark.parametrize("how", ["read-only folder", "a folder", "under a file", "missing folder"])
-def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, monkeypatch, capsys, nothing_runs,
-                                                                      how):
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, monkeypatch, capsys, nothing_runs, how):
     """Reproduces: --json into a read-only folder failed with a traceback after the whole run, and
     the report was lost."""
     out = tmp_path / "out"
     out.mkdir()
     (tmp_path / "a-file").write_text("mine\n")
-    json_path = {"read-only folder": out / "r.json", "a folder": out, "under a file": tmp_path / "a-file" / "r.json",
-                 "missing folder": tmp_path / "nowhere" / "r.json"}[how]
+    json_path = {
+        "read-only folder": out / "r.json",
+        "a folder": out,
+        "under a file": tmp_path / "a-file" / "r.json",
+        "missing folder": tmp_path / "nowhere" / "r.json",
+    }[how]
     if how == "read-only folder":
         refuse_writes_under(monkeypatch, out)
     target = tmp_path / "ck"
@@ -145,8 +171,10 @@ def test_a_report_that_cannot_be_written_after_the_run_is_printed(tmp_path, monk
     assert cli_main(["stream", "--dir", str(tmp_path / "ck"), *SMALL, "--json", str(json_path)]) == 1
     captured = capsys.readouterr()
     line = _one_line(captured.err)
-    assert line == (f"dsv41 bench: --json {json_path} could not be written ({os.strerror(errno.ENOENT)}); "
-                    f"the report is printed on stdout instead")
+    assert line == (
+        f"dsv41 bench: --json {json_path} could not be written ({os.strerror(errno.ENOENT)}); "
+        f"the report is printed on stdout instead"
+    )
     assert json.loads(captured.out) == report
 
 
@@ -168,8 +196,10 @@ def test_free_space_is_checked_before_writing(tmp_path, monkeypatch, capsys, not
     target = tmp_path / "ck"
     assert cli_main(["stream", "--dir", str(target), *SMALL]) == 1
     line = _one_line(capsys.readouterr().err)
-    assert line == (f"dsv41 bench: --dir {target}: the checkpoint needs {need / GIB:.2f} GiB and the disk of "
-                    f"{tmp_path} has {free / GIB:.2f} GiB free; free some space or name a folder on another disk")
+    assert line == (
+        f"dsv41 bench: --dir {target}: the checkpoint needs {need / GIB:.2f} GiB and the disk of "
+        f"{tmp_path} has {free / GIB:.2f} GiB free; free some space or name a folder on another disk"
+    )
     assert not target.exists()
 
 
@@ -185,9 +215,18 @@ def test_a_dir_on_a_read_only_disk_is_refused(tmp_path, monkeypatch, capsys, not
     assert os.listdir(ro) == []
 
 
-@pytest.mark.parametrize("flag, value", [("--io-threads", "100000"), ("--layers", "1" + "0" * 400),
-                                         ("--tokens", "0"), ("--prompt", "1"), ("--runs", "-1"),
-                                         ("--experts", "5"), ("--disk-probe-mib", "1e3")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--io-threads", "100000"),
+        ("--layers", "1" + "0" * 400),
+        ("--tokens", "0"),
+        ("--prompt", "1"),
+        ("--runs", "-1"),
+        ("--experts", "5"),
+        ("--disk-probe-mib", "1e3"),
+    ],
+)
 def test_counts_out_of_range_are_usage_errors(tmp_path, capsys, nothing_runs, flag, value):
     """Reproduces: --io-threads 100000 went on to allocate 4 MiB per thread (400 GB), --layers 10**400
     was an OverflowError traceback."""
@@ -285,17 +324,24 @@ def test_a_killed_write_is_cleared_by_the_next_run_and_only_its_own_files(tmp_pa
                         f.write(b"\0" * 4096)
                 raise Killed
             return real(*args, **kwargs)
+
         return call
 
     def no_cleanup(*args):
         raise OSError("killed: no cleanup runs")
 
     if when == "writing":  # in the third shard, part of it written
-        monkeypatch.setattr(synthetic, "write_streamed_shard",
-                            dies_at(synthetic.write_streamed_shard, lambda calls: len(calls) == 3, partial=True))
+        monkeypatch.setattr(
+            synthetic,
+            "write_streamed_shard",
+            dies_at(synthetic.write_streamed_shard, lambda calls: len(calls) == 3, partial=True),
+        )
     else:  # moving the second written file in beside the marker
-        monkeypatch.setattr(os, "replace", dies_at(
-            os.replace, lambda calls: len([c for c in calls if stream.STAGING in str(c[0])]) == 2))
+        monkeypatch.setattr(
+            os,
+            "replace",
+            dies_at(os.replace, lambda calls: len([c for c in calls if stream.STAGING in str(c[0])]) == 2),
+        )
     monkeypatch.setattr(stream, "_remove_own", no_cleanup)
     folder = tmp_path / "ck"
     with pytest.raises(Killed):
@@ -359,9 +405,17 @@ def test_a_marker_that_lists_other_files_is_refused_and_nothing_removed(tmp_path
     assert (folder / "notes.txt").exists() and (tmp_path / "outside.txt").exists()
 
 
-@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"config": {}, "complete": true, "files": []}',
-                                     "[" * 100_000 + "]" * 100_000, '{"bytes": 1' + "0" * 5000 + "}",
-                                     '{"config": {}, "complete": true, "files": [], "bytes": "many"}'])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        "[1, 2]",
+        '{"config": {}, "complete": true, "files": []}',
+        "[" * 100_000 + "]" * 100_000,
+        '{"bytes": 1' + "0" * 5000 + "}",
+        '{"config": {}, "complete": true, "files": [], "bytes": "many"}',
+    ],
+)
 def test_an_unreadable_or_damaged_marker_is_one_sentence(tmp_path, content):
     folder = tmp_path / "ck"
     folder.mkdir()

@@ -31,13 +31,14 @@ def _memory_for(cfg, slots: int, max_seq_len: int) -> int:
 
 
 def _budgeted(path, cfg, slots, max_seq_len=64, **kw):
-    return dsv41.load(path, quiet=True, threads=1, max_seq_len=max_seq_len,
-                      memory=_memory_for(cfg, slots, max_seq_len), **kw)
+    return dsv41.load(
+        path, quiet=True, threads=1, max_seq_len=max_seq_len, memory=_memory_for(cfg, slots, max_seq_len), **kw
+    )
 
 
 # ---------------------------------------------------------------------- the budget
 def test_memory_sizes_read_binary_and_decimal_units():
-    assert byte_size("16GiB") == 16 << 30 and byte_size("12GB") == 12 * 10 ** 9 and byte_size("512 MiB") == 512 << 20
+    assert byte_size("16GiB") == 16 << 30 and byte_size("12GB") == 12 * 10**9 and byte_size("512 MiB") == 512 << 20
     for bad in ("16G", "-1GiB", "many", "", "nanGiB"):
         with pytest.raises(ValueError, match="memory size"):
             byte_size(bad)
@@ -48,7 +49,7 @@ def test_the_budget_gives_what_is_left_to_whole_expert_slots(plain):
     plan = plan_budget(cfg, "4GiB", max_seq_len=64)
     fixed = plan.dense + plan.kv + plan.draft + plan.baseline
     assert plan.slot_bytes == routed_expert_bytes(cfg) == ExpertCache(plain.checkpoint, 1).fetch(0, [0])[0].nbytes
-    assert plan.slots == (4 * 2 ** 30 - fixed) // plan.slot_bytes
+    assert plan.slots == (4 * 2**30 - fixed) // plan.slot_bytes
     assert plan.minimum == fixed + cfg.n_activated_experts * plan.slot_bytes
     assert "expert slots" in plan.line() and plan.as_dict()["slots"] == plan.slots
 
@@ -79,7 +80,9 @@ def test_slot_reads_are_the_stored_bytes(plain, reader, drop):
         got = cache.fetch(layer, ids)
         for e, packed in zip(ids, got):
             for a, b in zip(packed, old.fetch(layer, [e])[0]):
-                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                assert (
+                    a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                )
     assert cache.counters.bytes_read == cache.stats.bytes_read == 6 * cache.slot_bytes  # 3 + 2 + 1 misses
     assert [got.hits, got.misses] == [1, 1]  # expert 9 of layer 0 was still held
     cache.close()
@@ -98,8 +101,11 @@ def test_logits_are_identical_with_the_slot_cache(tiny_checkpoint, plain, slots)
     assert a == b
     stats = model.experts.stats
     wrong_guesses = stats.read_ahead - stats.read_ahead_used
-    assert model.experts.counters.bytes_read == stats.bytes_read == \
-        (sum(model.experts.counters.misses.values()) + wrong_guesses) * model.experts.slot_bytes
+    assert (
+        model.experts.counters.bytes_read
+        == stats.bytes_read
+        == (sum(model.experts.counters.misses.values()) + wrong_guesses) * model.experts.slot_bytes
+    )
 
 
 def test_reading_ahead_changes_no_logit_and_its_guesses_are_used(tiny_checkpoint, plain):
@@ -145,8 +151,9 @@ def test_a_call_never_evicts_what_it_still_needs():
 
 @pytest.mark.parametrize("policy", ["lru", "decay"])
 def test_the_lab_replays_the_running_cache_exactly(tiny_checkpoint, plain, policy):
-    model = _budgeted(tiny_checkpoint, plain.cfg, 20, max_seq_len=plain.max_seq_len, expert_policy=policy,
-                      read_ahead=False)  # the lab replays the calls' own reads, no guesses
+    model = _budgeted(
+        tiny_checkpoint, plain.cfg, 20, max_seq_len=plain.max_seq_len, expert_policy=policy, read_ahead=False
+    )  # the lab replays the calls' own reads, no guesses
     result = model.generate(PROMPT, max_new_tokens=12, trace=True)
     counters = model.experts.counters
     replayed = pool_hit_rates(pool_steps(result), 20, policies=(policy, "belady"))
@@ -171,17 +178,45 @@ def test_bench_stream_runs_end_to_end_on_a_tiny_geometry(tmp_path, capsys):
     from dsv41.bench.cli import cli_main
 
     out = tmp_path / "stream.json"
-    argv = ["stream", "--dir", str(tmp_path / "ck"), "--small", "--experts", "16", "--memory", "2GiB", "--tokens", "3",
-            "--prompt", "3", "--disk-probe-mib", "8", "--recorded-tokens", "4", "--io-threads", "2", "--json", str(out)]
+    argv = [
+        "stream",
+        "--dir",
+        str(tmp_path / "ck"),
+        "--small",
+        "--experts",
+        "16",
+        "--memory",
+        "2GiB",
+        "--tokens",
+        "3",
+        "--prompt",
+        "3",
+        "--disk-probe-mib",
+        "8",
+        "--recorded-tokens",
+        "4",
+        "--io-threads",
+        "2",
+        "--json",
+        str(out),
+    ]
     assert cli_main(argv) == 0
     report = json.loads(out.read_text())
     (run,) = report["runs"]
     wrong_guesses = run["read_ahead"] - run["read_ahead_used"]  # read ahead, not used by the next layer
-    assert run["bytes_read_per_token"] == \
-        (run["misses"] + wrong_guesses) * run["budget"]["slot_bytes"] / run["decode_tokens"]
+    assert (
+        run["bytes_read_per_token"]
+        == (run["misses"] + wrong_guesses) * run["budget"]["slot_bytes"] / run["decode_tokens"]
+    )
     assert run["prefill_bytes_read"] == run["prefill_distinct_experts"] * run["budget"]["slot_bytes"]
-    for key in ("disk_bytes_per_s_before", "disk_bytes_per_s_after", "in_flight_read_fraction",
-                "fraction_of_disk_floor", "peak_rss_bytes", "seconds_per_token"):
+    for key in (
+        "disk_bytes_per_s_before",
+        "disk_bytes_per_s_after",
+        "in_flight_read_fraction",
+        "fraction_of_disk_floor",
+        "peak_rss_bytes",
+        "seconds_per_token",
+    ):
         assert run[key] is not None and run[key] > 0, key
     assert isinstance(run["in_flight_measurement_error"], bool) and isinstance(run["floor_measurement_error"], bool)
     for label in ("uniform (random weights)", "recorded (miniature routing, same fraction held)"):
@@ -199,7 +234,8 @@ def test_large_tensors_are_filled_in_slabs_with_the_same_values(tiny_checkpoint,
     monkeypatch.setattr(loader, "SLAB_BYTES", 4096)  # every large-enough tensor of the tiny checkpoint goes by slabs
     model = _budgeted(tiny_checkpoint, plain.cfg, 40, max_seq_len=plain.max_seq_len)
     for (name, a), (_, b) in zip(plain.backbone.named_parameters(), model.backbone.named_parameters()):
-        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
-                                                  b.view(torch.uint8) if b.element_size() == 1 else b), name
+        assert a.dtype == b.dtype and torch.equal(
+            a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if b.element_size() == 1 else b
+        ), name
     assert model.report.parameters_filled == plain.report.parameters_filled
     assert len(model.report.dequantized) == len(plain.report.dequantized)

@@ -44,7 +44,9 @@ def _whole_number_checks(path: Path) -> list[str]:
 
 
 def test_the_whole_number_check_has_one_home():
-    homes = {str(p.relative_to(PACKAGE)): names for p in sorted(PACKAGE.rglob("*.py")) if (names := _whole_number_checks(p))}
+    homes = {
+        str(p.relative_to(PACKAGE)): names for p in sorted(PACKAGE.rglob("*.py")) if (names := _whole_number_checks(p))
+    }
     # config_json.is_int is unused since config.py reads text.is_whole; it goes with config.py's
     # re-export line, which another change removes
     assert set(homes) - {"config_json.py"} == {"text.py"}, homes

@@ -94,8 +94,12 @@ def test_bench_threads_reports_both_settings_and_their_ratio(tiny_checkpoint, tm
     monkeypatch.setattr(threads_module, "all_cores", lambda: 2)  # two settings even on a one-core runner
     torch.set_num_threads(2)
     out = tmp_path / "threads.json"
-    assert main(["bench", "threads", "--checkpoint", tiny_checkpoint, "--tokens", "2", "--repeats", "3",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            ["bench", "threads", "--checkpoint", tiny_checkpoint, "--tokens", "2", "--repeats", "3", "--json", str(out)]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "tokens/s" in printed and "all 2 cores / 1 thread" in printed and "picks 1" in printed
     report = json.loads(out.read_text())
@@ -108,7 +112,10 @@ def test_bench_threads_reports_both_settings_and_their_ratio(tiny_checkpoint, tm
         assert row["median_decode_s"] == decode[1] and row["best_decode_s"] == decode[0] > 0
         assert math.isclose(row["tokens_per_s"], 2 / row["median_decode_s"], rel_tol=1e-12)
         assert math.isclose(row["best_tokens_per_s"], 2 / row["best_decode_s"], rel_tol=1e-12)
-    assert math.isclose(report["ratio_all_over_one"],
-                        report["settings"]["2"]["tokens_per_s"] / report["settings"]["1"]["tokens_per_s"], rel_tol=1e-12)
+    assert math.isclose(
+        report["ratio_all_over_one"],
+        report["settings"]["2"]["tokens_per_s"] / report["settings"]["1"]["tokens_per_s"],
+        rel_tol=1e-12,
+    )
     assert isinstance(report["same_tokens"], bool)
     assert main(["bench", "threads", "--checkpoint", tiny_checkpoint, "--tokens", "0"]) == 2

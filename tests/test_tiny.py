@@ -17,8 +17,7 @@ from dsv41.engram import EngramLayout, build_compressed_token_map
 from dsv41.formats import dequantize, torch_dtype
 from dsv41.headers import INDEX_NAME, layout_problems, read_header
 from dsv41.inventory import derived_engram_rows, expected_tensors, shard_names
-from dsv41.tokenizer import (BOS_TOKEN, DSPARK_NOISE_TOKEN, EOS_TOKEN, IMAGE_TOKEN, PAD_TOKEN,
-                             build_tiny_tokenizer)
+from dsv41.tokenizer import BOS_TOKEN, DSPARK_NOISE_TOKEN, EOS_TOKEN, IMAGE_TOKEN, PAD_TOKEN, build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +99,10 @@ def test_every_inventory_tensor_present_with_dtype_shape_and_shard(tiny_checkpoi
             assert name not in on_disk, f"{name} is in two shards"
             on_disk[name] = (shard, entry.dtype, entry.shape)
     expected = {s.name: (s.shard, s.dtype, s.shape) for s in specs}
-    assert set(on_disk) == set(expected), (sorted(set(expected) - set(on_disk))[:5], sorted(set(on_disk) - set(expected))[:5])
+    assert set(on_disk) == set(expected), (
+        sorted(set(expected) - set(on_disk))[:5],
+        sorted(set(on_disk) - set(expected))[:5],
+    )
     wrong = [n for n in expected if on_disk[n] != expected[n]]
     assert not wrong, [(n, on_disk[n], expected[n]) for n in wrong[:5]]
     shards_on_disk = sorted(p.name for p in Path(tiny_checkpoint).glob("*.safetensors"))
@@ -140,11 +142,13 @@ def test_configs_round_trip_and_verify(tiny_checkpoint, cfg):
     assert flat.as_reference_dict() == nested.as_reference_dict()
     # the flat file is silent on exactly the nested-only fields
     from dsv41.config_fields import NESTED_ONLY_KEYS
+
     assert sorted(line.split(":")[0] for line in nested.differs_from(flat)) == sorted(NESTED_ONLY_KEYS)
     assert nested == tiny.tiny_config()
     assert nested.differs_from(TINY) == [
         f"engram_num_embeddings: {json.dumps(list(nested.engram_num_embeddings))} vs (absent)",
-        f"engram_compressed_vocab_size: {nested.engram_compressed_vocab_size} vs (absent)"]
+        f"engram_compressed_vocab_size: {nested.engram_compressed_vocab_size} vs (absent)",
+    ]
 
 
 def test_engram_rows_are_the_derived_layout(cfg, tensors):
@@ -196,12 +200,15 @@ def test_compressed_vocab_folds_case_accents_whitespace(tiny_checkpoint, cfg):
 
 
 def test_tokenizer_training_is_reproducible_across_processes():
-    code = ("import hashlib; from dsv41.tokenizer import build_tiny_tokenizer; "
-            "print(hashlib.sha256(build_tiny_tokenizer().to_str().encode()).hexdigest())")
+    code = (
+        "import hashlib; from dsv41.tokenizer import build_tiny_tokenizer; "
+        "print(hashlib.sha256(build_tiny_tokenizer().to_str().encode()).hexdigest())"
+    )
     digests = set()
     for env in ({"PYTHONHASHSEED": "1", "RAYON_NUM_THREADS": "1"}, {"PYTHONHASHSEED": "2", "RAYON_NUM_THREADS": "2"}):
-        run = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                             check=True)
+        run = subprocess.run(
+            [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, check=True
+        )
         digests.add(run.stdout.strip())
     digests.add(hashlib.sha256(build_tiny_tokenizer().to_str().encode()).hexdigest())
     assert len(digests) == 1
@@ -230,8 +237,12 @@ def test_weights_are_well_scaled(tensors, cfg):
         return dequantize(weight, tensors.get(name + ".scale")).std().item()
 
     # unit-variance outputs: std ~ 1/sqrt(fan_in), through FP8, FP4 and plain BF16 storage alike
-    for name, fan_in in (("layers.0.attn.wq_a", cfg.dim), ("layers.3.ffn.experts.5.w2", cfg.moe_inter_dim),
-                         ("layers.0.ffn.shared_experts.w1", cfg.dim), ("layers.0.ffn.gate", cfg.dim)):
+    for name, fan_in in (
+        ("layers.0.attn.wq_a", cfg.dim),
+        ("layers.3.ffn.experts.5.w2", cfg.moe_inter_dim),
+        ("layers.0.ffn.shared_experts.w1", cfg.dim),
+        ("layers.0.ffn.gate", cfg.dim),
+    ):
         assert abs(std(name) * math.sqrt(fan_in) - 1) < 0.15, name
     assert torch.equal(tensors["layers.0.attn_norm.weight"].float(), torch.ones(cfg.dim))
     assert torch.equal(tensors["layers.0.attn.attn_sink"], torch.zeros(cfg.n_heads))

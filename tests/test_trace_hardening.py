@@ -13,9 +13,17 @@ import pytest
 import torch
 
 from dsv41 import cache_policy as cp
+from dsv41.trace import (
+    AttentionRecord,
+    EngramRecord,
+    FiniteRecord,
+    ForwardTrace,
+    GenerationTrace,
+    RoutingRecord,
+    StepRecord,
+    TraceFileError,
+)
 from dsv41.trace import file as trace_module
-from dsv41.trace import (AttentionRecord, EngramRecord, FiniteRecord, ForwardTrace, GenerationTrace, RoutingRecord,
-                         StepRecord, TraceFileError)
 
 
 def _trace(first_ids=((0, 1), (1, 2)), later_ids=((2, 3),)):
@@ -23,12 +31,26 @@ def _trace(first_ids=((0, 1), (1, 2)), later_ids=((2, 3),)):
     first = torch.tensor([list(first_ids)])
     forward.routing.append(RoutingRecord(0, 0, first, torch.ones(first.shape)))
     later = torch.tensor([list(later_ids)])
-    forward.routing.append(RoutingRecord(0, first.shape[1], later, torch.ones(later.shape), cache_hits=1, cache_misses=1))
-    forward.attention.append(AttentionRecord(0, "full", 4, 0, 2, selected=torch.tensor([[[0, -1], [0, -1]]]),
-                                             reachable=torch.tensor([0, 0]), kth_score=torch.zeros(1, 2)))
+    forward.routing.append(
+        RoutingRecord(0, first.shape[1], later, torch.ones(later.shape), cache_hits=1, cache_misses=1)
+    )
+    forward.attention.append(
+        AttentionRecord(
+            0,
+            "full",
+            4,
+            0,
+            2,
+            selected=torch.tensor([[[0, -1], [0, -1]]]),
+            reachable=torch.tensor([0, 0]),
+            kth_score=torch.zeros(1, 2),
+        )
+    )
     forward.engram.append(EngramRecord(0, 0, torch.full((1, 2, 4), 0.5)))
     forward.finite.append(FiniteRecord(None, "head", 0, True))
-    return GenerationTrace(forward, [StepRecord(1, 5, 0.5, 0.01)], [{"start_pos": 0, "seqlen": 2, "layers": {0: [0, 3]}}])
+    return GenerationTrace(
+        forward, [StepRecord(1, 5, 0.5, 0.01)], [{"start_pos": 0, "seqlen": 2, "layers": {0: [0, 3]}}]
+    )
 
 
 META = {"n_routed_experts": 8, "expert_cache": 2}
@@ -83,7 +105,7 @@ def _claim_size(path, name: str, size: int) -> None:
     at = 0
     while (at := blob.find(b"PK\x01\x02", at)) >= 0:
         length = struct.unpack_from("<H", blob, at + 28)[0]
-        if blob[at + 46:at + 46 + length] == name.encode():
+        if blob[at + 46 : at + 46 + length] == name.encode():
             struct.pack_into("<I", blob, at + 24, size)
             open(path, "wb").write(bytes(blob))
             return
@@ -231,10 +253,12 @@ def test_every_member_is_sized_from_its_directory_and_header_before_reading(tmp_
 def test_member_headers_that_lie_are_one_sentence(tmp_path):
     good = _manifest(_members(_saved(tmp_path)))
     ids, weights = _member_of(good, "expert_ids"), _member_of(good, "weights")
-    for member in (_npy(np.asfortranarray(np.zeros((2, 2, 2), dtype=np.int64))),  # Fortran order
-                   _npy(np.zeros((1, 2, 2), dtype=">i8")),  # big-endian
-                   _npy(np.zeros((1, 2, 2), dtype=[("a", "<i8")])),  # a structured dtype
-                   b"PK not a numpy file"):
+    for member in (
+        _npy(np.asfortranarray(np.zeros((2, 2, 2), dtype=np.int64))),  # Fortran order
+        _npy(np.zeros((1, 2, 2), dtype=">i8")),  # big-endian
+        _npy(np.zeros((1, 2, 2), dtype=[("a", "<i8")])),  # a structured dtype
+        b"PK not a numpy file",
+    ):
         _refused(_tampered(tmp_path, members={ids: member}), ids)
     _refused(_tampered(tmp_path, members={weights: _npy_pickled()}), weights, "pickle")
     # a byte changed after writing: the member's CRC no longer matches
@@ -264,8 +288,14 @@ def _npy_pickled() -> bytes:
 # ---------------------------------------------------------------------- the manifest
 def test_a_manifest_nested_deep_or_malformed_is_one_sentence(tmp_path):
     _refused(_tampered(tmp_path, text="[" * 100_000), "nests")
-    _refused(_tampered(tmp_path, text='{"format": "dsv41.GenerationTrace", "version": 1, "forward": {},'
-                                      ' "meta": {"a": ' + "[" * 200 + "]" * 200 + "}}"), "nests")
+    _refused(
+        _tampered(
+            tmp_path,
+            text='{"format": "dsv41.GenerationTrace", "version": 1, "forward": {},'
+            ' "meta": {"a": ' + "[" * 200 + "]" * 200 + "}}",
+        ),
+        "nests",
+    )
     _refused(_tampered(tmp_path, text='{"format": ' + "9" * 5000 + "}"), "digits")
     _refused(_tampered(tmp_path, text='{"format": '), "not valid JSON")
     parts = _members(_saved(tmp_path))
@@ -275,32 +305,43 @@ def test_a_manifest_nested_deep_or_malformed_is_one_sentence(tmp_path):
     _refused(_write(tmp_path / "floats.npz", parts), "manifest")
 
 
-@pytest.mark.parametrize("label, edit, says", [
-    ("1-D expert ids", lambda m: None, ("expert_ids", "1-D")),
-    ("5-D expert ids", lambda m: None, ("expert_ids", "5-D")),
-    ("negative ids", lambda m: None, ("expert_ids", "-7")),
-    ("relabelled dtype", lambda m: _routing(m)["expert_ids"].update(dtype="float32"), ("expert_ids", "float32", "int64")),
-    ("ids as floats", lambda m: None, ("expert_ids", "integer")),
-    ("an unknown dtype", lambda m: _routing(m)["expert_ids"].update(dtype="load"), ("expert_ids", "'load'")),
-    ("layer -5", lambda m: _routing(m).update(layer=-5), ("routing record 0", "layer", "-5")),
-    ("start_pos -100", lambda m: _routing(m, 1).update(start_pos=-100), ("routing record 1", "start_pos", "-100")),
-    ("a bool as a layer", lambda m: _routing(m).update(layer=True), ("layer", "True")),
-    ("a string as a position", lambda m: _routing(m).update(start_pos="0"), ("start_pos",)),
-    ("weights of another shape", lambda m: None, ("weights", "expert_ids")),
-    ("an attention mode", lambda m: m["forward"]["attention"][0].update(mode="sideways"), ("mode", "sideways")),
-    ("a seqlen the tensors lack", lambda m: m["forward"]["attention"][0].update(seqlen=10**9), ("seqlen",)),
-    ("a finite site", lambda m: m["forward"]["finite"][0].update(site="elsewhere"), ("site",)),
-    ("a step token", lambda m: m["steps"][0].update(token=-1), ("step 0", "token")),
-    ("a cache step", lambda m: m["cache"][0].update(layers=[[0, [1]]]), ("cache step 0",)),
-    ("an unknown field", lambda m: _routing(m).update(colour="red"), ("colour",)),
-    ("a missing field", lambda m: _routing(m).pop("layer"), ("layer",)),
-    ("a tensor named twice", lambda m: _routing(m, 1).update(expert_ids=_routing(m)["expert_ids"]), ("second time",)),
-    ("a tensor reference to a path", lambda m: _routing(m)["expert_ids"].update(tensor="../x"), ("'../x'",)),
-    ("records not a list", lambda m: m["forward"].update(routing={"0": 1}), ("routing",)),
-    ("an unknown option", lambda m: m["forward"]["options"].update(keep_everything=True), ("keep_everything",)),
-    ("a version of True", lambda m: m.update(version=True), ("version",)),
-    ("an unknown key", lambda m: m.update(extra=1), ("'extra'",)),
-])
+@pytest.mark.parametrize(
+    "label, edit, says",
+    [
+        ("1-D expert ids", lambda m: None, ("expert_ids", "1-D")),
+        ("5-D expert ids", lambda m: None, ("expert_ids", "5-D")),
+        ("negative ids", lambda m: None, ("expert_ids", "-7")),
+        (
+            "relabelled dtype",
+            lambda m: _routing(m)["expert_ids"].update(dtype="float32"),
+            ("expert_ids", "float32", "int64"),
+        ),
+        ("ids as floats", lambda m: None, ("expert_ids", "integer")),
+        ("an unknown dtype", lambda m: _routing(m)["expert_ids"].update(dtype="load"), ("expert_ids", "'load'")),
+        ("layer -5", lambda m: _routing(m).update(layer=-5), ("routing record 0", "layer", "-5")),
+        ("start_pos -100", lambda m: _routing(m, 1).update(start_pos=-100), ("routing record 1", "start_pos", "-100")),
+        ("a bool as a layer", lambda m: _routing(m).update(layer=True), ("layer", "True")),
+        ("a string as a position", lambda m: _routing(m).update(start_pos="0"), ("start_pos",)),
+        ("weights of another shape", lambda m: None, ("weights", "expert_ids")),
+        ("an attention mode", lambda m: m["forward"]["attention"][0].update(mode="sideways"), ("mode", "sideways")),
+        ("a seqlen the tensors lack", lambda m: m["forward"]["attention"][0].update(seqlen=10**9), ("seqlen",)),
+        ("a finite site", lambda m: m["forward"]["finite"][0].update(site="elsewhere"), ("site",)),
+        ("a step token", lambda m: m["steps"][0].update(token=-1), ("step 0", "token")),
+        ("a cache step", lambda m: m["cache"][0].update(layers=[[0, [1]]]), ("cache step 0",)),
+        ("an unknown field", lambda m: _routing(m).update(colour="red"), ("colour",)),
+        ("a missing field", lambda m: _routing(m).pop("layer"), ("layer",)),
+        (
+            "a tensor named twice",
+            lambda m: _routing(m, 1).update(expert_ids=_routing(m)["expert_ids"]),
+            ("second time",),
+        ),
+        ("a tensor reference to a path", lambda m: _routing(m)["expert_ids"].update(tensor="../x"), ("'../x'",)),
+        ("records not a list", lambda m: m["forward"].update(routing={"0": 1}), ("routing",)),
+        ("an unknown option", lambda m: m["forward"]["options"].update(keep_everything=True), ("keep_everything",)),
+        ("a version of True", lambda m: m.update(version=True), ("version",)),
+        ("an unknown key", lambda m: m.update(extra=1), ("'extra'",)),
+    ],
+)
 def test_tampered_records_are_one_sentence(tmp_path, capsys, label, edit, says):
     good = _manifest(_members(_saved(tmp_path)))
     ids, weights = _member_of(good, "expert_ids"), _member_of(good, "weights")

@@ -72,9 +72,16 @@ def test_twin_trains_through_every_mechanism(tiny_checkpoint, twin):
     loss = torch.nn.functional.cross_entropy(out.logits[0, :-1], ids[0, 1:])
     loss.backward(retain_graph=True)
     grads = {k: v.grad for k, v in t.params.items()}
-    for name in ("layers.0.hc_attn_fn", "layers.0.hc_attn_base", "layers.1.engram.embed.weight",
-                 "layers.2.engram.q_weight", "layers.2.attn.compressor.wgate.weight", "layers.4.attn.wq_b.weight",
-                 "layers.7.ffn.shared_experts.w2.weight", "head.weight"):
+    for name in (
+        "layers.0.hc_attn_fn",
+        "layers.0.hc_attn_base",
+        "layers.1.engram.embed.weight",
+        "layers.2.engram.q_weight",
+        "layers.2.attn.compressor.wgate.weight",
+        "layers.4.attn.wq_b.weight",
+        "layers.7.ffn.shared_experts.w2.weight",
+        "head.weight",
+    ):
         assert grads[name] is not None and grads[name].abs().sum() > 0, name
     assert grads["layers.2.attn.indexer.wq_b.weight"] is None  # the LM loss does not reach the indexer
     used = out.expert_load[3].nonzero().flatten().tolist()
@@ -93,8 +100,21 @@ def test_dsv41_train_smoke_run_learns_resumes_and_writes_a_loadable_checkpoint(t
 
     from dsv41.train.cli import cli_main
 
-    common = ["--batch", "2", "--seq-len", "48", "--steps", "50", "--draft-steps", "2", "--no-compile",
-              "--threads", "1", "--held-out-windows", "2"]
+    common = [
+        "--batch",
+        "2",
+        "--seq-len",
+        "48",
+        "--steps",
+        "50",
+        "--draft-steps",
+        "2",
+        "--no-compile",
+        "--threads",
+        "1",
+        "--held-out-windows",
+        "2",
+    ]
     whole, halves = tmp_path / "whole", tmp_path / "halves"
     assert cli_main(["--out", str(whole), *common]) == 0
     assert cli_main(["--out", str(halves), "--stop-at", "26", *common]) == 0
@@ -112,7 +132,10 @@ def test_dsv41_train_smoke_run_learns_resumes_and_writes_a_loadable_checkpoint(t
     losses = [r["loss"] for r in state(whole)[0]["log"] if r["phase"] != "draft"]
     assert len(losses) == 50 and sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 1.0, losses
     assert facts["steps"] == 52 and facts["corpus"]["train"]["files"] > 100
-    assert facts["held_out"]["release_format"]["bits_per_byte"] < facts["held_out"]["random_initialization"]["bits_per_byte"]
+    assert (
+        facts["held_out"]["release_format"]["bits_per_byte"]
+        < facts["held_out"]["random_initialization"]["bits_per_byte"]
+    )
 
     a, b = state(whole)[1], state(halves)[1]
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), "a resumed run takes the same steps"

@@ -30,7 +30,15 @@ from dsv41.checkpoint import LoadError  # noqa: E402
 from dsv41.train import corpus as corpus_module  # noqa: E402
 from dsv41.train.cli import cli_main  # noqa: E402
 from dsv41.train.state import (  # noqa: E402
-    STATE_NAME, STEP_FIXED_BYTES, TrainError, TrainSettings, TrainState, TrainStateError, check_memory, step_bytes)
+    STATE_NAME,
+    STEP_FIXED_BYTES,
+    TrainError,
+    TrainSettings,
+    TrainState,
+    TrainStateError,
+    check_memory,
+    step_bytes,
+)
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("train-hardening")]
 
@@ -44,8 +52,12 @@ def small_corpus(root=None) -> corpus_module.Corpus:
     """A few standard-library files in place of the whole library (the corpus `load_corpus` reads)."""
     lib = sysconfig.get_paths()["stdlib"]
     read = {name: Path(lib, name).read_text(encoding="utf-8") for name in TRAIN_FILES + HELD_OUT_FILES}
-    return corpus_module.Corpus(train={n: read[n] for n in TRAIN_FILES}, held_out={n: read[n] for n in HELD_OUT_FILES},
-                                python="test", file_list_sha256="0" * 64)
+    return corpus_module.Corpus(
+        train={n: read[n] for n in TRAIN_FILES},
+        held_out={n: read[n] for n in HELD_OUT_FILES},
+        python="test",
+        file_list_sha256="0" * 64,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -181,15 +193,23 @@ TAMPERINGS = {
     "unknown field": lambda f: edit_state(f, lambda d: d.update(extra=None)),
     "tensors file elsewhere": lambda f: edit_state(f, lambda d: d["tensors"].update(file="../state.pt")),
     "tensors file cut": lambda f: (lambda p: p.write_bytes(p.read_bytes()[:-1000]))(
-        f / json.loads((f / STATE_NAME).read_text())["tensors"]["file"]),
+        f / json.loads((f / STATE_NAME).read_text())["tensors"]["file"]
+    ),
     "tensors file changed": lambda f: (lambda p: p.write_bytes(p.read_bytes()[:-1] + b"\x01"))(
-        f / json.loads((f / STATE_NAME).read_text())["tensors"]["file"]),
+        f / json.loads((f / STATE_NAME).read_text())["tensors"]["file"]
+    ),
     "missing tensor": lambda f: rewrite_tensors(f, lambda t: t.pop("param.head.weight")),
     "extra tensor": lambda f: rewrite_tensors(f, lambda t: t.update({"param.surprise": torch.zeros(2)})),
-    "wrong shape": lambda f: rewrite_tensors(f, lambda t: t.update({"param.head.weight": t["param.head.weight"][:, :-1].contiguous()})),
-    "wrong dtype": lambda f: rewrite_tensors(f, lambda t: t.update({"param.head.weight": t["param.head.weight"].double()})),
+    "wrong shape": lambda f: rewrite_tensors(
+        f, lambda t: t.update({"param.head.weight": t["param.head.weight"][:, :-1].contiguous()})
+    ),
+    "wrong dtype": lambda f: rewrite_tensors(
+        f, lambda t: t.update({"param.head.weight": t["param.head.weight"].double()})
+    ),
     "NaN weights": lambda f: rewrite_tensors(f, lambda t: t["param.norm.weight"].__setitem__(0, float("nan"))),
-    "moment of a frozen tensor": lambda f: rewrite_tensors(f, lambda t: t.update({"adam.mtp.0.norm.weight.step": torch.tensor(1.0)})),
+    "moment of a frozen tensor": lambda f: rewrite_tensors(
+        f, lambda t: t.update({"adam.mtp.0.norm.weight.step": torch.tensor(1.0)})
+    ),
     "moment without its step": lambda f: rewrite_tensors(f, lambda t: t.pop(next(k for k in t if k.endswith(".step")))),
 }
 
@@ -223,8 +243,13 @@ def small_state(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("small-state")
     gen = torch.Generator().manual_seed(0)
     params = {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
-    moments = {"a.weight": {"exp_avg": torch.randn(3, 4, generator=gen), "exp_avg_sq": torch.rand(3, 4, generator=gen),
-                            "step": torch.tensor(3.0)}}
+    moments = {
+        "a.weight": {
+            "exp_avg": torch.randn(3, 4, generator=gen),
+            "exp_avg_sq": torch.rand(3, 4, generator=gen),
+            "step": torch.tensor(3.0),
+        }
+    }
     settings = TrainSettings(backbone_steps=4, draft_steps=1, batch=2, seq_len=32, eval_every=4)
     log = [{"step": i, "phase": settings.phase(i), "loss": 7.0 - i, "seconds": 0.5, "lr": 1e-3} for i in range(3)]
     evals = [{"step": 2, "bits_per_byte": 6.5, "nats_per_token": 7.1, "tokens": 32, "bytes": 90}]
@@ -240,11 +265,14 @@ def test_the_small_state_round_trips(small_state):
 
 
 def _json_values():
-    scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=True),
-                        st.text(max_size=8))
-    return st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                         st.dictionaries(st.text(max_size=6), inner, max_size=3)),
-                        max_leaves=6)
+    scalars = st.one_of(
+        st.none(), st.booleans(), st.integers(-(10**12), 10**12), st.floats(allow_nan=True), st.text(max_size=8)
+    )
+    return st.recursive(
+        scalars,
+        lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+        max_leaves=6,
+    )
 
 
 def _paths(value, prefix=()):
@@ -286,7 +314,7 @@ def test_fuzz_the_state_loader(small_state, tmp_path_factory, data):
         (folder / STATE_NAME).write_bytes(data.draw(st.binary(max_size=300)))
     elif kind == "json cut":
         raw = (folder / STATE_NAME).read_bytes()
-        (folder / STATE_NAME).write_bytes(raw[:data.draw(st.integers(0, len(raw)))])
+        (folder / STATE_NAME).write_bytes(raw[: data.draw(st.integers(0, len(raw)))])
     elif kind == "field":
         path = data.draw(st.sampled_from(list(_paths(document))[1:]))
         target = document
@@ -296,7 +324,7 @@ def test_fuzz_the_state_loader(small_state, tmp_path_factory, data):
         (folder / STATE_NAME).write_text(json.dumps(document))
     elif kind == "tensors cut":
         raw = tensors_path.read_bytes()
-        tensors_path.write_bytes(raw[:data.draw(st.integers(0, len(raw)))])
+        tensors_path.write_bytes(raw[: data.draw(st.integers(0, len(raw)))])
     else:
         tensors = load(tensors_path.read_bytes())
         name = data.draw(st.sampled_from(sorted(tensors)))
@@ -305,7 +333,9 @@ def test_fuzz_the_state_loader(small_state, tmp_path_factory, data):
         if how == "reshape":
             tensors[name] = value.reshape(-1).contiguous() if value.dim() != 1 else value.reshape(1, -1).contiguous()
         elif how == "retype":
-            tensors[name] = value.to(data.draw(st.sampled_from([torch.float16, torch.bfloat16, torch.int32, torch.float64])))
+            tensors[name] = value.to(
+                data.draw(st.sampled_from([torch.float16, torch.bfloat16, torch.int32, torch.float64]))
+            )
         elif how == "nan":
             tensors[name] = value.clone().fill_(float("nan"))
         raw = save(tensors)
@@ -348,8 +378,20 @@ def test_its_own_folder_is_refused_where_it_would_replace_a_users_file(runs, tmp
 def test_a_run_writes_only_its_own_files_and_leaves_no_temporary_ones(runs):
     names = sorted(p.name for p in runs["finished"].iterdir())
     document = json.loads((runs["finished"] / STATE_NAME).read_text())
-    assert names == sorted(["checkpoint", "dsv41-train.json", "facts.json", "loss_curve.json", "loss_curve.png",
-                            "loss_curve.svg", STATE_NAME, document["tensors"]["file"], "tokenizer.json", "tokens.npz"])
+    assert names == sorted(
+        [
+            "checkpoint",
+            "dsv41-train.json",
+            "facts.json",
+            "loss_curve.json",
+            "loss_curve.png",
+            "loss_curve.svg",
+            STATE_NAME,
+            document["tensors"]["file"],
+            "tokenizer.json",
+            "tokens.npz",
+        ]
+    )
     marker = json.loads((runs["finished"] / "dsv41-train.json").read_text())
     assert marker["format"] == "dsv41-train-folder"
     assert marker["tokenizer_sha256"] == hashlib.sha256((runs["finished"] / "tokenizer.json").read_bytes()).hexdigest()
@@ -428,20 +470,38 @@ def test_out_that_cannot_be_written_is_one_sentence_before_any_work(tmp_path, mo
         refuse_writes_under(monkeypatch, readonly)
     else:
         readonly.chmod(0o555)
-    out = {"a file": afile, "under a file": afile / "run", "a read-only folder": readonly,
-           "under a read-only folder": readonly / "run"}[where]
+    out = {
+        "a file": afile,
+        "under a file": afile / "run",
+        "a read-only folder": readonly,
+        "under a read-only folder": readonly / "run",
+    }[where]
     monkeypatch.setattr(corpus_module, "load_corpus", lambda root=None: pytest.fail("the corpus was read"))
     assert cli_main(["--out", str(out), *NEW]) == 1
     err = one_line(capsys, "--out")
-    assert ("is a file" in err) if "file" in where else ("cannot write into" in err and "Read-only" in err or
-                                                        "Permission" in err)
+    assert (
+        ("is a file" in err)
+        if "file" in where
+        else ("cannot write into" in err and "Read-only" in err or "Permission" in err)
+    )
     assert afile.read_text() == "the user's" and list(readonly.iterdir()) == []
 
 
-@pytest.mark.parametrize("flag, value", [("--seed", str(10**30)), ("--seed", "-1"), ("--threads", "-1"),
-                                         ("--threads", "100000"), ("--threads", "0"), ("--steps", str(10**400)),
-                                         ("--steps", "1e3"), ("--draft-steps", "-1"), ("--seq-len", "100000"),
-                                         ("--stop-at", "0")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--seed", str(10**30)),
+        ("--seed", "-1"),
+        ("--threads", "-1"),
+        ("--threads", "100000"),
+        ("--threads", "0"),
+        ("--steps", str(10**400)),
+        ("--steps", "1e3"),
+        ("--draft-steps", "-1"),
+        ("--seq-len", "100000"),
+        ("--stop-at", "0"),
+    ],
+)
 def test_a_flag_out_of_range_is_a_usage_error(tmp_path, capsys, flag, value):
     with pytest.raises(SystemExit) as done:
         cli_main(["--out", str(tmp_path / "out"), flag, value])
@@ -470,8 +530,9 @@ def test_a_corrupt_tokens_cache_is_said_and_written_again(runs, tmp_path, capsys
     assert cli_main(["--out", str(folder), "--resume", "--stop-at", "2", *RUN]) == 0
     err = capsys.readouterr().err
     assert "tokens.npz is unreadable" in err and "tokenizing the corpus again" in err and "Traceback" not in err
-    from dsv41.train.data import cached_streams
     from tokenizers import Tokenizer
+
+    from dsv41.train.data import cached_streams
 
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     key = hashlib.sha256((small_corpus().file_list_sha256 + tokenizer.to_str()).encode()).hexdigest()[:16]
@@ -536,7 +597,13 @@ def test_a_resumed_run_goes_on_with_its_own_settings_and_its_counts_agree(runs):
 def test_a_flag_that_conflicts_with_the_run_is_one_sentence(runs, tmp_path, capsys):
     folder = copy_of(runs, "stopped", tmp_path)
     before = snapshot(folder)
-    for flag, value in (("--steps", "6"), ("--draft-steps", "3"), ("--seed", "1"), ("--batch", "3"), ("--seq-len", "48")):
+    for flag, value in (
+        ("--steps", "6"),
+        ("--draft-steps", "3"),
+        ("--seed", "1"),
+        ("--batch", "3"),
+        ("--seq-len", "48"),
+    ):
         assert cli_main(["--out", str(folder), "--resume", flag, value, "--no-compile"]) == 1
         one_line(capsys, flag, "leave")
     assert cli_main(["--out", str(folder), "--resume", "--draft-from", str(runs["finished"] / "checkpoint")]) == 1
@@ -605,16 +672,23 @@ def _edit_manifest(folder: Path, change) -> None:
 
 
 DRAFT_SOURCES = {
-    "a shard changed": (lambda f: (lambda p: p.write_bytes(p.read_bytes()[:-1] + b"\x07"))(f / "model-00011-of-00016.safetensors"),
-                        "model-00011-of-00016.safetensors"),
+    "a shard changed": (
+        lambda f: (lambda p: p.write_bytes(p.read_bytes()[:-1] + b"\x07"))(f / "model-00011-of-00016.safetensors"),
+        "model-00011-of-00016.safetensors",
+    ),
     "steps a string": (lambda f: _edit_manifest(f, lambda m: m.update(steps="5")), "steps"),
     "settings not an object": (lambda f: _edit_manifest(f, lambda m: m.update(settings=[4, 1])), "settings"),
     "a setting a string": (lambda f: _edit_manifest(f, lambda m: m["settings"].update(batch="2")), "settings"),
     "files a list": (lambda f: _edit_manifest(f, lambda m: m.update(files=list(m["files"]))), "files"),
-    "a size negative": (lambda f: _edit_manifest(f, lambda m: m["files"]["config.json"].update(size=-1)), "config.json"),
+    "a size negative": (
+        lambda f: _edit_manifest(f, lambda m: m["files"]["config.json"].update(size=-1)),
+        "config.json",
+    ),
     "no steps": (lambda f: _edit_manifest(f, lambda m: m.pop("steps")), "steps"),
-    "no tokenizer": (lambda f: (_edit_manifest(f, lambda m: m["files"].pop("tokenizer.json")),
-                                (f / "tokenizer.json").unlink()), "tokenizer.json"),
+    "no tokenizer": (
+        lambda f: (_edit_manifest(f, lambda m: m["files"].pop("tokenizer.json")), (f / "tokenizer.json").unlink()),
+        "tokenizer.json",
+    ),
     "not a miniature": (lambda f: (f / miniature.MANIFEST_NAME).unlink(), "not a miniature checkpoint"),
 }
 
@@ -637,7 +711,7 @@ def _tensor_offset(folder: Path, name: str) -> tuple[Path, int]:
     shard = folder / index["weight_map"][name]
     raw = shard.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    begin, end = json.loads(raw[8:8 + n])[name]["data_offsets"]
+    begin, end = json.loads(raw[8 : 8 + n])[name]["data_offsets"]
     return shard, 8 + n + (begin + end) // 2
 
 
@@ -659,9 +733,16 @@ def test_a_copy_of_the_miniature_with_one_byte_changed_is_a_load_error_naming_th
 
 
 MANIFEST_FIELDS = {
-    "steps": "many", "seed": -1, "training_seconds": None, "tokens_seen": "3M", "final_train_loss": [2.2],
-    "corpus": "python", "settings": "defaults", "held_out": {"release_format": {"bits_per_byte": "1.4"}},
-    "files": {"../../etc/passwd": {"size": 1, "sha256": "0" * 64}}, "format": "something-else",
+    "steps": "many",
+    "seed": -1,
+    "training_seconds": None,
+    "tokens_seen": "3M",
+    "final_train_loss": [2.2],
+    "corpus": "python",
+    "settings": "defaults",
+    "held_out": {"release_format": {"bits_per_byte": "1.4"}},
+    "files": {"../../etc/passwd": {"size": 1, "sha256": "0" * 64}},
+    "format": "something-else",
 }
 
 

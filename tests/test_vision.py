@@ -114,8 +114,18 @@ def test_plan_invariants_over_many_sizes():
 def test_token_types_layout():
     p = vision.plan(126, 84, TINY)  # 9 x 6 patches, 3 x 2 cells
     assert (p.llm_rows, p.llm_cols) == (2, 3)
-    assert p.token_types() == [IMAGE_START, IMAGE, IMAGE, IMAGE, IMAGE_NEWLINE, IMAGE, IMAGE, IMAGE,
-                               IMAGE_NEWLINE, IMAGE_END]
+    assert p.token_types() == [
+        IMAGE_START,
+        IMAGE,
+        IMAGE,
+        IMAGE,
+        IMAGE_NEWLINE,
+        IMAGE,
+        IMAGE,
+        IMAGE,
+        IMAGE_NEWLINE,
+        IMAGE_END,
+    ]
     assert (TEXT, IMAGE_START, IMAGE, IMAGE_NEWLINE, IMAGE_END) == (-1, 0, 1, 2, 3)
 
 
@@ -180,7 +190,7 @@ def test_patchify_normalizes_pads_grey_and_orders_row_major():
     want = ((pixels / 255 - 0.5) / 0.5).to(torch.bfloat16)
     for r in range(2):
         for c in range(5):
-            assert torch.equal(patches[r * 5 + c], want[:, r * p:(r + 1) * p, c * p:(c + 1) * p])
+            assert torch.equal(patches[r * 5 + c], want[:, r * p : (r + 1) * p, c * p : (c + 1) * p])
     # 255 -> 1, 0 -> -1; a 60 x 20 image padded to 70 x 28 keeps grey (127) around it
     magenta = Image.new("RGB", (60, 20), (255, 0, 255))
     plan, patches = vision.patchify(magenta, TINY.replace(vision_min_pixels=1))
@@ -242,7 +252,7 @@ def test_aligner_merges_blocks_channel_major_with_zero_padding():
     grid = torch.zeros(c, 6, 6, dtype=torch.bfloat16)
     grid[:, :rows, :cols] = x.view(rows, cols, c).permute(2, 0, 1)
     for cell, (br, bc) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
-        block = grid[:, br * r:(br + 1) * r, bc * r:(bc + 1) * r]  # [C, r, r]
+        block = grid[:, br * r : (br + 1) * r, bc * r : (bc + 1) * r]  # [C, r, r]
         assert torch.equal(seen["in"][cell], block.reshape(-1))  # channel, then row, then column
     assert torch.equal(out, aligner.w2(F.gelu(aligner.w1(seen["in"]))))
 
@@ -266,7 +276,10 @@ def test_prepare_replaces_each_placeholder_by_its_span(model):
     first = plain.index(marker)
     pa, pb = vision.plan(100, 60, model.cfg), vision.plan(60, 100, model.cfg)
     assert len(prompt.ids) == len(plain) - 2 + pa.span_tokens + pb.span_tokens
-    assert [i.start for i in prompt.images] == [first, first + pa.span_tokens + (plain.index(marker, first + 1) - first - 1)]
+    assert [i.start for i in prompt.images] == [
+        first,
+        first + pa.span_tokens + (plain.index(marker, first + 1) - first - 1),
+    ]
     assert prompt.ids[:first] == plain[:first] and prompt.token_types[:first] == [TEXT] * first
     span = slice(first, first + pa.span_tokens)
     assert prompt.token_types[span] == pa.token_types() and set(prompt.ids[span]) == {marker}
@@ -280,7 +293,7 @@ def test_prepare_without_a_marker_puts_images_first_and_counts_must_match(model)
     span = vision.plan(50, 50, model.cfg).span_tokens
     assert prompt.ids[0] == model.cfg.bos_token_id and prompt.token_types[0] == TEXT  # after the BOS
     assert [i.start for i in prompt.images] == [1, 1 + span]
-    assert prompt.ids[1 + 2 * span:] == model.encode("no marker here")[1:]
+    assert prompt.ids[1 + 2 * span :] == model.encode("no marker here")[1:]
     with pytest.raises(ImageError, match=r"marks 1 image place \(token 1001\) but 2 images were given"):
         model.prepare(f"one {MARK}", [im, im])
     with pytest.raises(ImageError, match="marks 2 image places .* but 1 image was given"):
@@ -298,8 +311,8 @@ def test_prepare_without_a_marker_puts_images_first_and_counts_must_match(model)
 def test_prompt_slices_keep_overlapping_images(model):
     prompt = model.prepare(f"a {MARK} b", [drawn(50, 50)])
     image = prompt.images[0]
-    cut = prompt[image.start + 3:]
-    assert cut.images[0].start == -3 and cut.ids == prompt.ids[image.start + 3:]
+    cut = prompt[image.start + 3 :]
+    assert cut.images[0].start == -3 and cut.ids == prompt.ids[image.start + 3 :]
     assert prompt[: image.start].images == ()
     longer = prompt.extend([5, 6])
     assert longer.ids[-2:] == [5, 6] and longer.token_types[-2:] == [TEXT, TEXT] and longer.images == prompt.images
@@ -319,8 +332,9 @@ def test_spans_hold_aligner_rows_and_learned_delimiters(model):
     bb = model.backbone
     assert torch.equal(image.features, bb.encode_image(image))  # [cells, dim]
     h = bb.embed(torch.tensor([prompt.ids]))
-    vision.write_spans(h, prompt.images, {IMAGE_START: bb.image_start, IMAGE_NEWLINE: bb.image_newline,
-                                          IMAGE_END: bb.image_end})
+    vision.write_spans(
+        h, prompt.images, {IMAGE_START: bb.image_start, IMAGE_NEWLINE: bb.image_newline, IMAGE_END: bb.image_end}
+    )
     types = prompt.token_types
     cells = [i for i, t in enumerate(types) if t == IMAGE]
     assert torch.equal(h[0, cells], image.features.to(h.dtype))  # reading order
@@ -371,13 +385,13 @@ def test_prefill_then_decode_equals_one_shot_under_parity(parity_model):
     for _ in range(5):
         rows.append(m(torch.tensor([[tokens[-1]]]), m.position))
         tokens.append(int(rows[-1].argmax(-1)))
-    one_shot = m(prompt.extend(tokens[:-1]), 0, all_positions=True)[0, len(prompt) - 1:]
+    one_shot = m(prompt.extend(tokens[:-1]), 0, all_positions=True)[0, len(prompt) - 1 :]
     assert torch.equal(torch.cat(rows), one_shot)
     # chunked prefill that cuts through both spans
     at, chunked = 0, []
     for size in (7, 9, 30, len(prompt)):
         if at < len(prompt):
-            chunked.append(m(prompt[at:at + size], at, all_positions=True)[0])
+            chunked.append(m(prompt[at : at + size], at, all_positions=True)[0])
             at += size
     assert torch.equal(torch.cat(chunked), m(prompt, 0, all_positions=True)[0])
 
@@ -417,8 +431,25 @@ def test_cli_generate_with_images(tiny_checkpoint, tmp_path, capsys):
 
     path = tmp_path / "pic.png"
     drawn(64, 40).save(path)
-    assert main(["generate", "--checkpoint", tiny_checkpoint, "--prompt", "hi", "--image", str(path),
-                 "--image", str(path), "--max-new-tokens", "2", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                tiny_checkpoint,
+                "--prompt",
+                "hi",
+                "--image",
+                str(path),
+                "--image",
+                str(path),
+                "--max-new-tokens",
+                "2",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"nope")
     capsys.readouterr()
@@ -438,10 +469,16 @@ def test_the_vision_tower_is_loaded_and_accounted(model):
     assert {report.tensors[n] for n in names} == {"loaded"}
     v, d, p, r = cfg.vision_dim, cfg.dim, cfg.vision_patch_size, cfg.vision_downsample_ratio
     bf16, f32 = 2, 4
-    per_block = (3 * v * v + 3 * v + v * v + v + 2 * cfg.vision_inter_dim * v + cfg.vision_inter_dim * v) * bf16 \
-        + 2 * v * f32  # norm1, norm2 held float32
-    derived = ((3 * p * p * v + v) * bf16 + cfg.vision_n_layers * per_block + v * f32
-               + (v * r * r * d + d + d * d + d) * bf16 + 3 * d * bf16)
+    per_block = (
+        3 * v * v + 3 * v + v * v + v + 2 * cfg.vision_inter_dim * v + cfg.vision_inter_dim * v
+    ) * bf16 + 2 * v * f32  # norm1, norm2 held float32
+    derived = (
+        (3 * p * p * v + v) * bf16
+        + cfg.vision_n_layers * per_block
+        + v * f32
+        + (v * r * r * d + d + d * d + d) * bf16
+        + 3 * d * bf16
+    )
     assert report.vision_bytes_retained == derived
     assert report.bytes_retained == report.predicted_bytes_retained
     assert model.backbone.vision.norm.weight.dtype == torch.float32
@@ -462,8 +499,7 @@ def test_routing_view_filters_text_and_image_tokens(model):
     import widgets
     from widgets.routing import render
 
-    result = model.generate(f"see {MARK} now", images=[drawn(60, 60)], max_new_tokens=2, trace=True,
-                            stop_at_eos=False)
+    result = model.generate(f"see {MARK} now", images=[drawn(60, 60)], max_new_tokens=2, trace=True, stop_at_eos=False)
     data = widgets.routing_data(result, n_experts=model.cfg.n_routed_experts)
     span = vision.plan(60, 60, model.cfg).span_tokens
     text, image = data["by_tokens"]["text"], data["by_tokens"]["image"]

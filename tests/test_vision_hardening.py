@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageOps
+from test_vision import MARK, drawn  # the same drawn test image
 
 import dsv41
 from dsv41 import vision
@@ -24,7 +25,6 @@ from dsv41.config import RELEASED, TINY
 from dsv41.config_fields import MIN_IMAGE_SPAN
 from dsv41.generate import NonFiniteLogits, locate_non_finite
 from dsv41.vision import ImageError
-from test_vision import MARK, drawn  # the same drawn test image
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,8 +39,9 @@ def _chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
 
-def crafted_png(width: int, height: int, channels: int = 3, row: bytes | None = None,
-                header_only: bool = False) -> bytes:
+def crafted_png(
+    width: int, height: int, channels: int = 3, row: bytes | None = None, header_only: bool = False
+) -> bytes:
     """An 8-bit PNG of any size written by hand: every row the same (`row`, default black), so a
     huge image compresses to a few MB; `header_only` leaves the pixel data a stub (fine for
     anything refused from the header)."""
@@ -82,8 +83,9 @@ def test_the_budget_comes_from_the_largest_plan():
     assert vision.source_pixel_budget(TINY) == vision.EXACT_DECODE_PIXELS == 89_478_485
 
 
-@pytest.mark.parametrize("size, channels", [((12000, 12000), 3), ((13300, 13300), 4), ((17895, 10000), 3),
-                                            ((20000, 20000), 3)])
+@pytest.mark.parametrize(
+    "size, channels", [((12000, 12000), 3), ((13300, 13300), 4), ((17895, 10000), 3), ((20000, 20000), 3)]
+)
 def test_sources_past_the_budget_are_one_sentence_without_a_warning(size, channels, no_bomb_warning):
     width, height = size
     data = crafted_png(width, height, channels, header_only=True)  # refused from the header: no decode
@@ -204,8 +206,9 @@ def test_the_reduced_frame_has_the_exact_frames_geometry(size):
     im = drawn(*size)
     shape = vision.plan(*size, TINY)
     frame = (shape.pixel_width, shape.pixel_height)
-    assert np.array_equal(np.asarray(vision.frame_reduced(im, shape)),
-                          np.asarray(ImageOps.pad(im, frame, color=vision.PAD_GREY)))
+    assert np.array_equal(
+        np.asarray(vision.frame_reduced(im, shape)), np.asarray(ImageOps.pad(im, frame, color=vision.PAD_GREY))
+    )
     assert vision.contained_size(*size, frame) == ImageOps.contain(im, frame).size
 
 
@@ -277,8 +280,11 @@ def test_a_single_image_where_a_list_goes_is_refused(model, tmp_path):
     path = tmp_path / "ok.png"
     drawn(40, 30).save(path)
     for single in (str(path), path, path.read_bytes(), drawn(40, 30)):
-        for call in (lambda: model.prepare("x", single), lambda: vision.prepare(TINY, [1], single),
-                     lambda: model.generate("x", images=single, max_new_tokens=1)):
+        for call in (
+            lambda: model.prepare("x", single),
+            lambda: vision.prepare(TINY, [1], single),
+            lambda: model.generate("x", images=single, max_new_tokens=1),
+        ):
             with pytest.raises(ImageError) as info:
                 call()
             message = str(info.value)

@@ -23,8 +23,14 @@ def _figure():
     return fig
 
 
-DATA = {"counts": np.array([3, 2, 1], dtype=np.int64), "total": np.int64(6), "mean": np.float32(2.0),
-        "labels": ("routed", "engram", "attention"), 7: "int key", "ratio": float("nan")}
+DATA = {
+    "counts": np.array([3, 2, 1], dtype=np.int64),
+    "total": np.int64(6),
+    "mean": np.float32(2.0),
+    "labels": ("routed", "engram", "attention"),
+    7: "int key",
+    "ratio": float("nan"),
+}
 
 
 def _read(paths):
@@ -62,6 +68,7 @@ def test_a_layout_solved_a_few_ulps_apart_exports_the_same_bytes(tmp_path, monke
     solve = Figure.draw_without_rendering
     exports = []
     for nudge in (0.0, 1e-15, -3e-16):
+
         def drifted(fig, nudge=nudge):
             solve(fig)
             for ax in fig.axes:
@@ -78,15 +85,17 @@ def test_identical_bytes_across_processes(tmp_path):
     # the SVG ids hash a salt; without a fixed one each process would pick a random salt
     script = textwrap.dedent(f"""
         import hashlib, sys
-        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
         from test_viz import _figure, DATA
         from dsv41 import viz
         paths = viz.export_figure(_figure(), "fig", sys.argv[1], DATA)
         print(" ".join(hashlib.sha256(open(paths[e], "rb").read()).hexdigest() for e in ("png", "svg", "json")))
     """)
-    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "proc")], check=True,
-                         capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "proc")], check=True, capture_output=True, text=True
+    ).stdout.split()
     import hashlib
+
     here = _read(viz.export_figure(_figure(), "fig", str(tmp_path / "here"), DATA))
     assert out == [hashlib.sha256(here[e]).hexdigest() for e in ("png", "svg", "json")]
 
@@ -94,8 +103,8 @@ def test_identical_bytes_across_processes(tmp_path):
 def _png_text_chunks(data: bytes) -> dict[str, bytes]:
     chunks, pos = {}, 8
     while pos < len(data):
-        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        body = data[pos + 8:pos + 8 + length]
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        body = data[pos + 8 : pos + 8 + length]
         if kind in (b"tEXt", b"iTXt", b"zTXt", b"tIME"):
             key = body.split(b"\0", 1)[0].decode("latin-1") if kind != b"tIME" else "tIME"
             chunks[key] = body
@@ -122,8 +131,14 @@ def test_sidecar_holds_the_plotted_numbers(tmp_path):
     paths = viz.export_figure(_figure(), "fig", str(tmp_path), DATA)
     text = open(paths["json"], encoding="utf-8").read()
     loaded = json.loads(text)
-    assert loaded == {"counts": [3, 2, 1], "total": 6, "mean": 2.0,
-                      "labels": ["routed", "engram", "attention"], "7": "int key", "ratio": "NaN"}
+    assert loaded == {
+        "counts": [3, 2, 1],
+        "total": 6,
+        "mean": 2.0,
+        "labels": ["routed", "engram", "attention"],
+        "7": "int key",
+        "ratio": "NaN",
+    }
     assert list(loaded) == sorted(loaded), "sidecar keys are not sorted"
     assert isinstance(loaded["total"], int)
     assert text.endswith("\n")

@@ -9,8 +9,14 @@ import pytest
 
 from dsv41.cli import main
 from dsv41.outdir import OutDirError
-from dsv41.released_synthetic import (MARKER_NAME, SyntheticError, is_hole, plan_bytes, released_synthetic_config,
-                                      write_released_synthetic)
+from dsv41.released_synthetic import (
+    MARKER_NAME,
+    SyntheticError,
+    is_hole,
+    plan_bytes,
+    released_synthetic_config,
+    write_released_synthetic,
+)
 
 pytestmark = pytest.mark.xdist_group("whole-geometry")
 
@@ -28,8 +34,11 @@ def test_the_layout_is_the_released_one_with_holes(small):
     from dsv41.inventory import shard_names
 
     cfg = load_config(small)
-    assert (cfg.n_layers, cfg.n_mtp_layers, cfg.n_routed_experts) == (RELEASED.n_layers, RELEASED.n_mtp_layers,
-                                                                       RELEASED.n_routed_experts)
+    assert (cfg.n_layers, cfg.n_mtp_layers, cfg.n_routed_experts) == (
+        RELEASED.n_layers,
+        RELEASED.n_mtp_layers,
+        RELEASED.n_routed_experts,
+    )
     assert sorted(f for f in os.listdir(small) if f.endswith(".safetensors")) == shard_names(cfg)
     sizes = plan_bytes(released_synthetic_config(small=True))
     apparent = sum(os.path.getsize(os.path.join(small, f)) for f in shard_names(cfg))
@@ -50,8 +59,19 @@ def test_the_audit_passes(small, capsys):
 
 
 def test_generate_under_a_budget(small, capsys):
-    code = main(["generate", "--checkpoint", small, "--memory", "3GiB", "--prompt", "The quick brown fox",
-                 "--max-new-tokens", "3"])
+    code = main(
+        [
+            "generate",
+            "--checkpoint",
+            small,
+            "--memory",
+            "3GiB",
+            "--prompt",
+            "The quick brown fox",
+            "--max-new-tokens",
+            "3",
+        ]
+    )
     _, err = capsys.readouterr()
     assert code == 0, err
     assert "memory budget 3.00 GiB" in err and "\n3 tokens (length)" in err  # random weights: any 3 tokens
@@ -59,8 +79,24 @@ def test_generate_under_a_budget(small, capsys):
 
 def test_the_whole_bench_adds_its_phases_up(small, tmp_path, capsys):
     report_path = str(tmp_path / "whole.json")
-    code = main(["bench", "whole", "--checkpoint", small, "--memory", "3GiB", "--prompt", "16", "--tokens", "2",
-                 "--probe-mib", "16", "--json", report_path])
+    code = main(
+        [
+            "bench",
+            "whole",
+            "--checkpoint",
+            small,
+            "--memory",
+            "3GiB",
+            "--prompt",
+            "16",
+            "--tokens",
+            "2",
+            "--probe-mib",
+            "16",
+            "--json",
+            report_path,
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     run = json.load(open(report_path))["runs"][0]
     assert run["n_layers"] == 40

@@ -17,7 +17,6 @@ from dsv41 import viz
 from dsv41.numerics import Numerics
 from widgets.cache import call_lookups, lru_replay, replay_counts
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # the shared fixture in conftest.py
 
 
@@ -53,12 +52,21 @@ def _routing_plain():
     load_all = [[a + b for a, b in zip(p, d)] for p, d in zip(load_pre, load_dec)]
     mean = lambda loads: [[0.5 if n else None for n in row] for row in loads]
     n_tokens = {"all": 3, "prefill": 2, "decode": 1}
-    return {"layers": [0, 1], "n_experts": 4, "top_k": 2, "n_tokens": n_tokens,
-            "load": {"all": load_all, "prefill": load_pre, "decode": load_dec},
-            "weight_sum": {}, "weight_mean": {"all": mean(load_all), "prefill": mean(load_pre), "decode": mean(load_dec)},
-            "balance": {"all": widgets.balance(load_all), "prefill": widgets.balance(load_pre),
-                        "decode": widgets.balance(load_dec)},
-            "chance": {phase: widgets.chance_balance(n, 4, 2) for phase, n in n_tokens.items()}}
+    return {
+        "layers": [0, 1],
+        "n_experts": 4,
+        "top_k": 2,
+        "n_tokens": n_tokens,
+        "load": {"all": load_all, "prefill": load_pre, "decode": load_dec},
+        "weight_sum": {},
+        "weight_mean": {"all": mean(load_all), "prefill": mean(load_pre), "decode": mean(load_dec)},
+        "balance": {
+            "all": widgets.balance(load_all),
+            "prefill": widgets.balance(load_pre),
+            "decode": widgets.balance(load_dec),
+        },
+        "chance": {phase: widgets.chance_balance(n, 4, 2) for phase, n in n_tokens.items()},
+    }
 
 
 def _bars(ax) -> list[float]:
@@ -66,15 +74,18 @@ def _bars(ax) -> list[float]:
     return [b.get_height() for b in ax.containers[0]]
 
 
-
 def _routing_layers(n_layers: int):
     """_routing_plain's two layers repeated to `n_layers` (the released model has 40)."""
     data = _routing_plain()
     rows = lambda grid: [grid[i % 2] for i in range(n_layers)]
     load = {phase: rows(grid) for phase, grid in data["load"].items()}
-    return {**data, "layers": list(range(n_layers)), "load": load,
-            "weight_mean": {phase: rows(grid) for phase, grid in data["weight_mean"].items()},
-            "balance": {phase: widgets.balance(grid) for phase, grid in load.items()}}
+    return {
+        **data,
+        "layers": list(range(n_layers)),
+        "load": load,
+        "weight_mean": {phase: rows(grid) for phase, grid in data["weight_mean"].items()},
+        "balance": {phase: widgets.balance(grid) for phase, grid in load.items()},
+    }
 
 
 def test_routing_render_at_forty_layers_labels_what_fits():
@@ -89,6 +100,7 @@ def test_routing_render_at_forty_layers_labels_what_fits():
     assert not ax_ent.texts and len(_bars(ax_ent)) == 40
     few = widgets.render_routing(_routing_layers(8), phase="prefill")
     assert len(few.axes[3].texts) == 8 and len(few.axes[2].get_xticklabels()) == 8
+
 
 def test_balance_by_hand():
     even, one = widgets.balance([[2, 2, 2, 2], [8, 0, 0, 0]]), widgets.balance([[0, 0, 0, 0]])
@@ -141,12 +153,21 @@ def test_chance_balance_is_uniform_random_routing_of_as_many_tokens():
 
 
 def _cache_plain():
-    return {"layers": [0, 1], "n_experts": 3, "capacity": 1,
-            "steps": [{"start_pos": 0, "seqlen": 4}, {"start_pos": 4, "seqlen": 1}],
-            "hits": [[0, 1], [0, 0]], "misses": [[3, 1], [2, 2]], "recorded_hit_rate": 1 / 8,
-            "lookups": [5, 4], "distinct": [3, 3], "lookup_ids": {},
-            "replay_sizes": [0, 1, 2, 3], "replay_hit_rate": [0.0, 0.125, 0.25, 0.25],
-            "replay_hit_rate_by_layer": [[0.0, 0.2, 0.4, 0.4], [0.0, 0.0, 0.0, 0.0]]}
+    return {
+        "layers": [0, 1],
+        "n_experts": 3,
+        "capacity": 1,
+        "steps": [{"start_pos": 0, "seqlen": 4}, {"start_pos": 4, "seqlen": 1}],
+        "hits": [[0, 1], [0, 0]],
+        "misses": [[3, 1], [2, 2]],
+        "recorded_hit_rate": 1 / 8,
+        "lookups": [5, 4],
+        "distinct": [3, 3],
+        "lookup_ids": {},
+        "replay_sizes": [0, 1, 2, 3],
+        "replay_hit_rate": [0.0, 0.125, 0.25, 0.25],
+        "replay_hit_rate_by_layer": [[0.0, 0.2, 0.4, 0.4], [0.0, 0.0, 0.0, 0.0]],
+    }
 
 
 def test_cache_render_draws_the_data():
@@ -170,16 +191,31 @@ def test_cache_render_draws_the_data():
 
 def _ties_plain(comparison=True):
     nan = None
-    data = {"positions": [0, 1, 2, 3, 4, 5], "prompt_tokens": 4, "layers": [0, 1, 2],
-            "rows": ["1 index", "1 blocks"], "row_layers": [1, 1],
-            "gap": [[nan, nan, 0.5, 0.0, 0.2, 0.0], [nan, nan, nan, 0.1, 0.0, 0.3]], "ties": [2, 1],
-            "first_cut": 2, "margin_positions": [3, 4, 5], "margins": [0.0, 0.3, 0.05], "tokens": [7, 8, 9],
-            "comparison": None}
+    data = {
+        "positions": [0, 1, 2, 3, 4, 5],
+        "prompt_tokens": 4,
+        "layers": [0, 1, 2],
+        "rows": ["1 index", "1 blocks"],
+        "row_layers": [1, 1],
+        "gap": [[nan, nan, 0.5, 0.0, 0.2, 0.0], [nan, nan, nan, 0.1, 0.0, 0.3]],
+        "ties": [2, 1],
+        "first_cut": 2,
+        "margin_positions": [3, 4, 5],
+        "margins": [0.0, 0.3, 0.05],
+        "tokens": [7, 8, 9],
+        "comparison": None,
+    }
     if comparison:
-        data["comparison"] = {"positions": 5, "max_abs_diff": [0.0, 0.0, 0.0, 0.4, 0.1], "max_abs_logit": 3.0,
-                              "first_logit_divergence": 3, "first_argmax_divergence": None,
-                              "selection_parting": {"1": [3], "2": [3, 4]}, "routing_parting": {"2": [4]},
-                              "numerics": Numerics().as_dict()}
+        data["comparison"] = {
+            "positions": 5,
+            "max_abs_diff": [0.0, 0.0, 0.0, 0.4, 0.1],
+            "max_abs_logit": 3.0,
+            "first_logit_divergence": 3,
+            "first_argmax_divergence": None,
+            "selection_parting": {"1": [3], "2": [3, 4]},
+            "routing_parting": {"2": [4]},
+            "numerics": Numerics().as_dict(),
+        }
     return data
 
 
@@ -196,8 +232,9 @@ def test_tie_render_draws_the_data():
     assert sorted(zip(sel.get_xdata(), sel.get_ydata())) == [(3, 1), (3, 2), (4, 2)]
     assert list(ax_diff.get_lines()[0].get_ydata()) == [0.0, 0.0, 0.0, 0.4, 0.1]
     assert [b.get_height() for b in ax_margin.patches] == [0.0, 0.3, 0.05]
-    assert [b.get_facecolor() for b in ax_margin.patches] == [to_rgba(c) for c in
-                                                              (viz.PALETTE[3], viz.PALETTE[2], viz.PALETTE[2])]
+    assert [b.get_facecolor() for b in ax_margin.patches] == [
+        to_rgba(c) for c in (viz.PALETTE[3], viz.PALETTE[2], viz.PALETTE[2])
+    ]
     # a looser tolerance marks near-ties too: gaps 0.1 and margin 0.05
     loose = widgets.render_ties(_ties_plain(), tol=0.1)
     ties = [ln for ln in loose.axes[0].get_lines() if ln.get_label().startswith("tie")][0]
@@ -276,8 +313,9 @@ def model(tiny_checkpoint):
 def run(model):
     """A cold-cache traced generation and the comparison over its first 12 traced positions."""
     model.reset_expert_cache()
-    result = model.generate("Routing, caching and ties on the tiny model", max_new_tokens=4, trace=True,
-                            stop_at_eos=False)
+    result = model.generate(
+        "Routing, caching and ties on the tiny model", max_new_tokens=4, trace=True, stop_at_eos=False
+    )
     comparison = model.compare_prefill_decode(widgets.traced_ids(result, 12))
     return result, comparison
 
@@ -290,13 +328,17 @@ def test_routing_adapter_on_a_generation(model, run):
     assert data["layers"] == list(range(cfg.n_layers)) and data["top_k"] == cfg.n_activated_experts
     assert data["n_tokens"] == {"all": n, "prefill": len(result.prompt_ids), "decode": len(result.ids) - 1}
     for phase in ("all", "prefill", "decode"):
-        assert [sum(row) for row in data["load"][phase]] == [data["n_tokens"][phase] * cfg.n_activated_experts] * cfg.n_layers
+        assert [sum(row) for row in data["load"][phase]] == [
+            data["n_tokens"][phase] * cfg.n_activated_experts
+        ] * cfg.n_layers
     ids = result.trace.routing()[3]["expert_ids"][0]
     assert data["load"]["all"][3] == torch.bincount(ids.flatten(), minlength=cfg.n_routed_experts).tolist()
     # chance for each phase and token type: uniform random routing of that many tokens
     for part in (data, data["by_tokens"]["text"], data["by_tokens"]["image"]):
         for phase, n_tokens in part["n_tokens"].items():
-            assert part["chance"][phase] == widgets.chance_balance(n_tokens, cfg.n_routed_experts, cfg.n_activated_experts)
+            assert part["chance"][phase] == widgets.chance_balance(
+                n_tokens, cfg.n_routed_experts, cfg.n_activated_experts
+            )
     assert data["chance"]["all"]["n_tokens"] == n and data["by_tokens"]["image"]["chance"]["all"] is None
     json.dumps(viz.to_jsonable(data), allow_nan=False)
 
@@ -311,7 +353,8 @@ def test_cache_adapter_replays_the_recorded_cache(model, run):
         assert sum(map(sum, recorded)) == data["lookups"][i]
     assert data["replay_hit_rate"][5] == data["recorded_hit_rate"]
     assert data["replay_hit_rate"][0] == 0.0 and data["replay_hit_rate"][-1] == pytest.approx(
-        1 - sum(data["distinct"]) / sum(data["lookups"]))
+        1 - sum(data["distinct"]) / sum(data["lookups"])
+    )
     rates = data["replay_hit_rate"]
     assert all(a <= b for a, b in zip(rates, rates[1:]))  # LRU is a stack algorithm
     # the first call is the prefill: a cold cache misses on every distinct expert
@@ -330,18 +373,24 @@ def test_cache_accounting_agrees_three_ways_and_with_the_replay(tiny_checkpoint)
     assert sorted(acc["per_layer"], key=int) == sorted(replay, key=int) == [str(i) for i in range(model.cfg.n_layers)]
     k = model.cfg.n_activated_experts
     for layer, row in acc["per_layer"].items():
-        assert (row["hits"], row["misses"]) == (row["record_hits"], row["record_misses"]) \
-            == (row["counter_hits"], row["counter_misses"]) == (replay[layer]["replay_hits"], replay[layer]["replay_misses"])
+        assert (
+            (row["hits"], row["misses"])
+            == (row["record_hits"], row["record_misses"])
+            == (row["counter_hits"], row["counter_misses"])
+            == (replay[layer]["replay_hits"], replay[layer]["replay_misses"])
+        )
         assert row["hits"] + row["misses"] == row["lookups"] <= row["token_choices"] == (len(result.all_ids) - 1) * k
         assert replay[layer]["replay_per_call_equal"] and replay[layer]["distinct"] <= row["lookups"]
     # a later call on the same model: the counters now hold more than this run, and say so
     model.generate("again", max_new_tokens=1)
     later = cache_accounting(result, model)
     assert not later["counters_only_this_run"]
-    assert {k: v for k, v in later.items() if k not in ("counters_only_this_run", "per_layer")} == \
-        {k: v for k, v in acc.items() if k not in ("counters_only_this_run", "per_layer")}
-    assert sum(r["counter_hits"] + r["counter_misses"] for r in later["per_layer"].values()) > \
-        sum(r["hits"] + r["misses"] for r in later["per_layer"].values())
+    assert {k: v for k, v in later.items() if k not in ("counters_only_this_run", "per_layer")} == {
+        k: v for k, v in acc.items() if k not in ("counters_only_this_run", "per_layer")
+    }
+    assert sum(r["counter_hits"] + r["counter_misses"] for r in later["per_layer"].values()) > sum(
+        r["hits"] + r["misses"] for r in later["per_layer"].values()
+    )
     with pytest.raises(ValueError, match="replay at the run's capacity"):
         widgets.replay_accounting(widgets.cache_data(result))
 
@@ -355,7 +404,7 @@ def test_tie_adapter_on_a_generation(model, run):
     # index_topk 8 at compress ratio 1: the first cut is at position 8, nothing before it
     assert data["first_cut"] == model.cfg.index_topk
     for row in data["gap"]:
-        assert all(g is None for g in row[:data["first_cut"]])
+        assert all(g is None for g in row[: data["first_cut"]])
         assert all(g >= 0 for g in row if g is not None)
     assert data["margins"] == result.trace.margins and data["tokens"] == result.ids
     assert data["never_cut"] == [row for row, gap in zip(data["rows"], data["gap"]) if all(g is None for g in gap)]
@@ -408,8 +457,11 @@ def test_prompt_probe_run_handler_refreshes_the_views(model):
 
 def test_prompt_probe_counts_tokens_and_refreshes_the_views_handed_to_it(model):
     probe0 = widgets.PromptProbe(model, "Once upon a time", 2, compare=False)
-    above = [widgets.RoutingView(probe0.views["routing"].data), widgets.CacheView(probe0.views["cache"].data),
-             widgets.TieView(probe0.views["ties"].data)]
+    above = [
+        widgets.RoutingView(probe0.views["routing"].data),
+        widgets.CacheView(probe0.views["cache"].data),
+        widgets.TieView(probe0.views["ties"].data),
+    ]
     probe = widgets.PromptProbe(model, "Once upon a time", 2, compare=False, result=probe0.result, refresh=above)
     probe.text.value, probe.tokens.value = "Something else entirely", 5
     probe.on_run()

@@ -34,6 +34,27 @@ from .speculation import render as render_speculation
 from .ties import TieView, tie_data
 from .ties import render as render_ties
 
-__all__ = ["CacheView", "PolicyView", "PromptProbe", "RoutingView", "SpeculationView", "TieView", "balance", "cache_data", "chance_balance", "lru_replay",
-           "policy_data", "render_cache", "render_policy", "render_routing", "render_speculation", "render_ties", "replay_accounting",
-           "replay_counts", "routing_data", "speculation_data", "tie_data", "traced_ids"]
+__all__ = [
+    "CacheView",
+    "PolicyView",
+    "PromptProbe",
+    "RoutingView",
+    "SpeculationView",
+    "TieView",
+    "balance",
+    "cache_data",
+    "chance_balance",
+    "lru_replay",
+    "policy_data",
+    "render_cache",
+    "render_policy",
+    "render_routing",
+    "render_speculation",
+    "render_ties",
+    "replay_accounting",
+    "replay_counts",
+    "routing_data",
+    "speculation_data",
+    "tie_data",
+    "traced_ids",
+]

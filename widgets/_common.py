@@ -23,11 +23,15 @@ def routing_calls(result) -> dict[int, list[dict]]:
     trace = _trace(result)
     out: dict[int, list[dict]] = {}
     for rec in trace.forward.routing:
-        out.setdefault(int(rec.layer), []).append({
-            "start_pos": int(rec.start_pos),
-            "expert_ids": rec.expert_ids[0].tolist(),
-            "weights": rec.weights[0].float().tolist(),
-            "hits": int(rec.cache_hits), "misses": int(rec.cache_misses)})
+        out.setdefault(int(rec.layer), []).append(
+            {
+                "start_pos": int(rec.start_pos),
+                "expert_ids": rec.expert_ids[0].tolist(),
+                "weights": rec.weights[0].float().tolist(),
+                "hits": int(rec.cache_hits),
+                "misses": int(rec.cache_misses),
+            }
+        )
     return dict(sorted(out.items()))
 
 
@@ -48,7 +52,8 @@ def as_float_grid(rows) -> "Any":
     import numpy as np
 
     return np.array([[np.nan if v is None else float(v) for v in row] for row in rows], dtype=float).reshape(
-        len(rows), -1)
+        len(rows), -1
+    )
 
 
 # ---------------------------------------------------------------------- the widget shell

@@ -62,25 +62,44 @@ def render(data: dict, policies: Optional[Sequence[str]] = None, capacity: Optio
             ax_layer.plot(data["layers"], _nan([row[at] for row in data["hit_rate_by_layer"][p]]), **style)
             ax_disk.plot(sizes, _nan(disk[p]), **style)
         if data.get("capacity") is not None and data.get("recorded_hit_rate") is not None:
-            ax_rate.plot([data["capacity"]], [data["recorded_hit_rate"]], ls="none", marker="*", ms=11,
-                         color=viz.PALETTE[-1], label=f"recorded run, size {data['capacity']}")
+            ax_rate.plot(
+                [data["capacity"]],
+                [data["recorded_hit_rate"]],
+                ls="none",
+                marker="*",
+                ms=11,
+                color=viz.PALETTE[-1],
+                label=f"recorded run, size {data['capacity']}",
+            )
         for ax in (ax_rate, ax_disk):
             ax.axvline(size, color="#999999", lw=0.8, ls="--", label=f"size {size}")
-        ax_rate.set(xlabel="experts cached per layer", ylabel="hit rate (hits / lookups)", ylim=(-0.02, 1.02),
-                    title=f"all {len(data['layers'])} MoE layers")
-        ax_layer.set(xlabel="MoE layer", ylabel="hit rate (hits / lookups)", ylim=(-0.02, 1.02),
-                     title=f"per layer, {size} experts cached")
-        ax_disk.set(xlabel="experts cached per layer",
-                    ylabel=f"disk MiB per {'decode ' if decode else ''}token",
-                    title=f"disk reads, {data['mib_per_miss']:.2f} MiB per miss")
+        ax_rate.set(
+            xlabel="experts cached per layer",
+            ylabel="hit rate (hits / lookups)",
+            ylim=(-0.02, 1.02),
+            title=f"all {len(data['layers'])} MoE layers",
+        )
+        ax_layer.set(
+            xlabel="MoE layer",
+            ylabel="hit rate (hits / lookups)",
+            ylim=(-0.02, 1.02),
+            title=f"per layer, {size} experts cached",
+        )
+        ax_disk.set(
+            xlabel="experts cached per layer",
+            ylabel=f"disk MiB per {'decode ' if decode else ''}token",
+            title=f"disk reads, {data['mib_per_miss']:.2f} MiB per miss",
+        )
         if not shown:
             for ax in (ax_rate, ax_layer, ax_disk):
                 ax.text(0.5, 0.5, "no policy picked", ha="center", va="center", transform=ax.transAxes, color="#777777")
         for ax in (ax_rate, ax_layer, ax_disk):
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(loc="best")
-        fig.suptitle(f"expert-cache policies over {data['calls']} calls, {data['tokens']} tokens "
-                     f"({data['decode_tokens']} decoded), {data['n_experts']} experts per layer")
+        fig.suptitle(
+            f"expert-cache policies over {data['calls']} calls, {data['tokens']} tokens "
+            f"({data['decode_tokens']} decoded), {data['n_experts']} experts per layer"
+        )
     return fig
 
 
@@ -91,15 +110,19 @@ class PolicyView(View):
     render = staticmethod(render)
 
     def __init__(self, data: dict, policies: Optional[Sequence[str]] = None, capacity: Optional[int] = None):
-        super().__init__(data, policies=list(data["policies"] if policies is None else policies),
-                         capacity=_size(data, capacity))
+        super().__init__(
+            data, policies=list(data["policies"] if policies is None else policies), capacity=_size(data, capacity)
+        )
 
     def _controls(self) -> list:
         import ipywidgets as w
 
-        picker = w.SelectMultiple(options=[(POLICY_NAMES.get(p, p), p) for p in self.data["policies"]],
-                                  value=tuple(self.options["policies"]), description="policies",
-                                  rows=len(self.data["policies"]))
+        picker = w.SelectMultiple(
+            options=[(POLICY_NAMES.get(p, p), p) for p in self.data["policies"]],
+            value=tuple(self.options["policies"]),
+            description="policies",
+            rows=len(self.data["policies"]),
+        )
         picker.observe(lambda change: self.set(policies=list(change["new"])), names="value")
         sizes = self.data["capacities"]
         slider = w.IntSlider(value=self.options["capacity"], min=min(sizes), max=max(sizes), description="cache size")
@@ -107,6 +130,8 @@ class PolicyView(View):
         return [w.HBox([picker, slider])]
 
     def update(self, data: dict) -> None:
-        self.options["policies"] = [p for p in self.options["policies"] if p in data["policies"]] or list(data["policies"])
+        self.options["policies"] = [p for p in self.options["policies"] if p in data["policies"]] or list(
+            data["policies"]
+        )
         self.options["capacity"] = _size(data, self.options.get("capacity"))
         super().update(data)

@@ -42,12 +42,26 @@ class PromptProbe:
     `compare_limit` caps the positions the prefill/decode comparison runs (it costs one forward
     per position). `refresh`: RoutingView / CacheView / TieView / SpeculationView objects shown
     elsewhere that each run refreshes too; `speculative`: the checkbox's first state (decode with the
-    DSpark draft stack; its runs add a speculation tab); `background`: run on a thread (default: when a person is looking)."""
+    DSpark draft stack; its runs add a speculation tab); `background`: run on a thread (default: when
+    a person is looking)."""
 
-    def __init__(self, model, prompt: str = "Once upon a time", max_new_tokens: int = 8, *, compare: bool = True,
-                 compare_limit: int | None = None, result=None, comparison=None, refresh=(),
-                 background: bool | None = None, chat: bool = False, messages=(), thinking: bool = False,
-                 speculative: bool = False):
+    def __init__(
+        self,
+        model,
+        prompt: str = "Once upon a time",
+        max_new_tokens: int = 8,
+        *,
+        compare: bool = True,
+        compare_limit: int | None = None,
+        result=None,
+        comparison=None,
+        refresh=(),
+        background: bool | None = None,
+        chat: bool = False,
+        messages=(),
+        thinking: bool = False,
+        speculative: bool = False,
+    ):
         import ipywidgets as w
 
         from dsv41 import viz
@@ -62,8 +76,9 @@ class PromptProbe:
         self.button = w.Button(description="run", button_style="primary")
         self.stop_button = w.Button(description="stop", button_style="warning", disabled=True)
         # speculative decoding with the DSpark draft stack: adds the speculation tab
-        self.speculate = w.Checkbox(value=speculative, description="speculative", indent=False,
-                                    layout=w.Layout(width="auto"))
+        self.speculate = w.Checkbox(
+            value=speculative, description="speculative", indent=False, layout=w.Layout(width="auto")
+        )
         self.progress = w.IntProgress(value=0, min=0, max=max(1, max_new_tokens), description="tokens")
         self.status = w.HTML()
         self.button.on_click(self.on_run)
@@ -91,13 +106,25 @@ class PromptProbe:
             return not self._stop_asked  # False ends the generation after this token
 
         if self.chat:
-            self.chat_result = self.model.chat(self.conversation(prompt), thinking=self.thinking,
-                                               max_new_tokens=max_new_tokens, trace=True, callback=counted,
-                                               reuse_prefix=False, keep_resume=False)
+            self.chat_result = self.model.chat(
+                self.conversation(prompt),
+                thinking=self.thinking,
+                max_new_tokens=max_new_tokens,
+                trace=True,
+                callback=counted,
+                reuse_prefix=False,
+                keep_resume=False,
+            )
             result = self.chat_result.generation
         else:
-            result = self.model.generate(prompt, max_new_tokens=max_new_tokens, trace=True, stop_at_eos=False,
-                                         callback=counted, speculative=self.speculate.value)
+            result = self.model.generate(
+                prompt,
+                max_new_tokens=max_new_tokens,
+                trace=True,
+                stop_at_eos=False,
+                callback=counted,
+                speculative=self.speculate.value,
+            )
         comparison = None
         if self.compare and len(result.prompt_ids) + len(result.ids) > 1:
             ids = traced_ids(result, self.compare_limit)
@@ -129,9 +156,11 @@ class PromptProbe:
     def _show(self, result, comparison) -> None:
         self.result, self.comparison = result, comparison
         n_experts = self.model.cfg.n_routed_experts
-        data = {"routing": routing_data(result, n_experts),
-                "cache": cache_data(result, capacity=self.model.experts.capacity, n_experts=n_experts),
-                "ties": tie_data(result, comparison)}
+        data = {
+            "routing": routing_data(result, n_experts),
+            "cache": cache_data(result, capacity=self.model.experts.capacity, n_experts=n_experts),
+            "ties": tie_data(result, comparison),
+        }
         kinds = {"routing": RoutingView, "cache": CacheView, "ties": TieView, "speculation": SpeculationView}
         if getattr(result, "speculation", None) is not None:
             data["speculation"] = speculation_data(result)
@@ -145,19 +174,22 @@ class PromptProbe:
         for view in self.refresh:  # the notebook's own views, by kind
             name = next((n for n, cls in kinds.items() if isinstance(view, cls)), None)
             if name is None:
-                raise TypeError(f"the probe refreshes routing, cache, tie and speculation views, not "
-                                f"{type(view).__name__}")
+                raise TypeError(
+                    f"the probe refreshes routing, cache, tie and speculation views, not {type(view).__name__}"
+                )
             if name in data:
                 view.update(data[name])
         if self._tabs is not None and len(self._tabs.children) != len(self.views):  # the speculation tab appeared
             self._tabs.children = [v.widget for v in self.views.values()]
             self._tabs.titles = tuple(TAB_TITLES[name] for name in self.views)
         rate = result.timings.get("tokens_per_s")
-        self.status.value = (f"{len(result.prompt_ids)} prompt tokens, {len(result.ids)} generated "
-                             f"({result.timings['prefill_s']:.2f} s prefill, {result.timings['decode_s']:.2f} s "
-                             f"decode{f', {rate:.1f} tokens/s' if rate else ''}"
-                             f"{', stopped' if result.finish_reason == 'callback' else ''}): "
-                             f"<code>{_escape(result.text)}</code>")
+        self.status.value = (
+            f"{len(result.prompt_ids)} prompt tokens, {len(result.ids)} generated "
+            f"({result.timings['prefill_s']:.2f} s prefill, {result.timings['decode_s']:.2f} s "
+            f"decode{f', {rate:.1f} tokens/s' if rate else ''}"
+            f"{', stopped' if result.finish_reason == 'callback' else ''}): "
+            f"<code>{_escape(result.text)}</code>"
+        )
         if self.chat and self.chat_result is not None and self.chat_result.generation is result:
             self.status.value += "<br>" + reply_html(self.chat_result.reply)
 

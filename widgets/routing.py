@@ -63,8 +63,9 @@ def _aggregate(calls, flags, layers, n_experts: int, top_k: int, tokens: str) ->
         out["n_tokens"][phase] = sum(loads[0]) // top_k
         out["load"][phase] = loads
         out["weight_sum"][phase] = sums
-        out["weight_mean"][phase] = [nan_to_none([s / n if n else math.nan for s, n in zip(ws, ls)])
-                                     for ws, ls in zip(sums, loads)]
+        out["weight_mean"][phase] = [
+            nan_to_none([s / n if n else math.nan for s, n in zip(ws, ls)]) for ws, ls in zip(sums, loads)
+        ]
         out["balance"][phase] = balance(loads)
         out["chance"][phase] = chance_balance(out["n_tokens"][phase], n_experts, top_k)
     return out
@@ -91,8 +92,10 @@ def _bias_vl_changes(result, layers) -> dict:
         tokens[int(rec.layer)] += int(mask.sum())
         for vl, text in zip(rec.expert_ids[0][mask].tolist(), rec.text_bias_ids[0][mask].tolist()):
             changed[int(rec.layer)] += len(set(vl) - set(text))
-    return {"image_tokens": [tokens[layer] for layer in layers],
-            "changed_selections": [changed[layer] for layer in layers]}
+    return {
+        "image_tokens": [tokens[layer] for layer in layers],
+        "changed_selections": [changed[layer] for layer in layers],
+    }
 
 
 def balance(loads: list[list[int]]) -> dict:
@@ -165,10 +168,17 @@ def render(data: dict, phase: str = "all", tokens: str = "all"):
     step = max(1, -(-len(layers) // 12))
     shown = list(range(0, len(layers), step))
     with viz.style():
-        for ax, grid, label, unit, cmap in ((ax_load, load, "tokens routed", "tokens", "viridis"),
-                                            (ax_w, mean_w, "mean weight when chosen", "routing weight", "magma")):
-            image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap=cmap,
-                              extent=(-0.5, n_experts - 0.5, len(layers) - 0.5, -0.5))
+        for ax, grid, label, unit, cmap in (
+            (ax_load, load, "tokens routed", "tokens", "viridis"),
+            (ax_w, mean_w, "mean weight when chosen", "routing weight", "magma"),
+        ):
+            image = ax.imshow(
+                np.ma.masked_invalid(grid),
+                aspect="auto",
+                interpolation="nearest",
+                cmap=cmap,
+                extent=(-0.5, n_experts - 0.5, len(layers) - 0.5, -0.5),
+            )
             ax.set_yticks(shown, [str(layers[i]) for i in shown])
             ax.set(xlabel="expert", ylabel="layer", title=label)
             ax.grid(False)
@@ -189,25 +199,48 @@ def render(data: dict, phase: str = "all", tokens: str = "all"):
         max_title, ent_title = "peak load (1 is even)", "distance from even (0 is even)"
         if chance is not None:
             for ax, stat, flip in ((ax_max, chance["max_over_mean"], False), (ax_ent, chance["entropy"], True)):
-                mean, low, high = ((1 - stat["mean"], 1 - stat["high"], 1 - stat["low"]) if flip
-                                   else (stat["mean"], stat["low"], stat["high"]))
+                mean, low, high = (
+                    (1 - stat["mean"], 1 - stat["high"], 1 - stat["low"])
+                    if flip
+                    else (stat["mean"], stat["low"], stat["high"])
+                )
                 ax.axhspan(low, high, color="#bbbbbb", alpha=0.45, lw=0, zorder=0.5)
                 ax.axhline(mean, color="#222222", lw=1.0, ls=":", zorder=3)
             top = max(top, 1.0 - chance["entropy"]["low"])
             max_title += f"; chance {chance['max_over_mean']['mean']:.2f}"
             ent_title += f"; chance {1 - chance['entropy']['mean']:.3f}"
-        ax_max.set(xticks=shown, xticklabels=[str(layers[i]) for i in shown], xlabel="layer", ylim=(0, None),
-                   ylabel="max / mean load", title=max_title)
-        ax_ent.set(xticks=shown, xticklabels=[str(layers[i]) for i in shown], xlabel="layer", ylim=(0, 1.25 * top or 1.0),
-                   ylabel="1 - entropy / log E", title=ent_title)
+        ax_max.set(
+            xticks=shown,
+            xticklabels=[str(layers[i]) for i in shown],
+            xlabel="layer",
+            ylim=(0, None),
+            ylabel="max / mean load",
+            title=max_title,
+        )
+        ax_ent.set(
+            xticks=shown,
+            xticklabels=[str(layers[i]) for i in shown],
+            xlabel="layer",
+            ylim=(0, 1.25 * top or 1.0),
+            ylabel="1 - entropy / log E",
+            title=ent_title,
+        )
         if not data["n_tokens"][phase]:
             for ax in axes.flat:
-                ax.text(0.5, 0.5, f"no {tokens if tokens != 'all' else ''} tokens in this phase".replace("  ", " "),
-                        transform=ax.transAxes, ha="center", va="center", color="#777777")
+                ax.text(
+                    0.5,
+                    0.5,
+                    f"no {tokens if tokens != 'all' else ''} tokens in this phase".replace("  ", " "),
+                    transform=ax.transAxes,
+                    ha="center",
+                    va="center",
+                    color="#777777",
+                )
         _chance_legend(fig, chance is not None, viz, labelled=step == 1)
         which = "" if tokens == "all" else f"{tokens} "
-        fig.suptitle(f"routing, {phase}: {data['n_tokens'][phase]} {which}tokens x top-{data['top_k']} of "
-                     f"{n_experts} experts")
+        fig.suptitle(
+            f"routing, {phase}: {data['n_tokens'][phase]} {which}tokens x top-{data['top_k']} of {n_experts} experts"
+        )
     return fig
 
 
@@ -217,12 +250,15 @@ def _chance_legend(fig, with_chance: bool, viz, labelled: bool = True) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    handles = [Line2D([], [], color="#444444", lw=0.8, ls="--", label="perfectly even load"),
-               Patch(color=viz.PALETTE[2], label="bar labels: entropy / log E" if labelled
-                     else "bars: 1 - entropy / log E")]
+    handles = [
+        Line2D([], [], color="#444444", lw=0.8, ls="--", label="perfectly even load"),
+        Patch(color=viz.PALETTE[2], label="bar labels: entropy / log E" if labelled else "bars: 1 - entropy / log E"),
+    ]
     if with_chance:
-        handles += [Line2D([], [], color="#222222", lw=1.0, ls=":", label="chance: uniform random routing, mean"),
-                    Patch(color="#bbbbbb", alpha=0.45, lw=0, label="its 5-95% range (as many tokens)")]
+        handles += [
+            Line2D([], [], color="#222222", lw=1.0, ls=":", label="chance: uniform random routing, mean"),
+            Patch(color="#bbbbbb", alpha=0.45, lw=0, label="its 5-95% range (as many tokens)"),
+        ]
     fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=7, frameon=False)
 
 

@@ -34,8 +34,10 @@ def tie_data(result, comparison=None) -> dict:
     positions: list[int] = []
     for layer, fields in sorted(att.items()):
         positions = fields["positions"].tolist()
-        for kth, nxt, label in (("kth_score", "next_score", "index"),
-                                ("candidate_kth_score", "candidate_next_score", "blocks")):
+        for kth, nxt, label in (
+            ("kth_score", "next_score", "index"),
+            ("candidate_kth_score", "candidate_next_score", "blocks"),
+        ):
             if kth in fields:
                 gap = (fields[kth][0].float() - fields[nxt][0].float()).tolist()  # [n], NaN: nothing cut
                 rows.append(f"{layer} {label}")
@@ -43,17 +45,24 @@ def tie_data(result, comparison=None) -> dict:
                 gaps.append(_finite_or_none(gap))
     cut = [p for row in gaps for p, g in zip(positions, row) if g is not None]
     data = {
-        "positions": positions, "prompt_tokens": len(result.prompt_ids), "layers": sorted(att),
-        "rows": rows, "row_layers": row_layers, "gap": gaps, "never_cut": never_cut(rows, gaps),
+        "positions": positions,
+        "prompt_tokens": len(result.prompt_ids),
+        "layers": sorted(att),
+        "rows": rows,
+        "row_layers": row_layers,
+        "gap": gaps,
+        "never_cut": never_cut(rows, gaps),
         "ties": [sum(1 for g in row if g == 0.0) for row in gaps],
         "first_cut": min(cut) if cut else None,
-        "margin_positions": [s.position for s in trace.steps], "margins": [s.margin for s in trace.steps],
+        "margin_positions": [s.position for s in trace.steps],
+        "margins": [s.margin for s in trace.steps],
         "tokens": [s.token for s in trace.steps],
         "comparison": None,
     }
     if comparison is not None:
         data["comparison"] = {
-            "positions": comparison.positions, "max_abs_diff": list(comparison.max_abs_diff),
+            "positions": comparison.positions,
+            "max_abs_diff": list(comparison.max_abs_diff),
             "max_abs_logit": comparison.max_abs_logit,
             "first_logit_divergence": comparison.first_logit_divergence,
             "first_argmax_divergence": comparison.first_argmax_divergence,
@@ -71,7 +80,10 @@ def never_cut(rows: list[str], gaps: list[list]) -> list[str]:
 
 # The Numerics fields in words a reader knows, per value; the title names what the comparison ran under.
 _PLAIN_NUMERICS = {
-    "window_layout": {"reference": "the released window-row layout", "uniform": "one window-row layout for both orders"},
+    "window_layout": {
+        "reference": "the released window-row layout",
+        "uniform": "one window-row layout for both orders",
+    },
     "pad_f32_rows": {False: "float32 products at each call's row count", True: "float32 products padded to 8 rows"},
     "tie_break": {"topk": "ties in torch.topk's order", "lowest": "ties to the lower position"},
     "fix_stale_index_keys": {False: "index keys republished as released", True: "index keys current at every call"},
@@ -100,22 +112,42 @@ def render(data: dict, tol: float = 0.0):
         shown = [i for i, row in enumerate(data["rows"]) if row not in skipped]
         gap = as_float_grid([data["gap"][i] for i in shown]) if shown else np.full((1, n), np.nan)
         ax_gap.set_facecolor("#eeeeee")  # grey: nothing cut at that position
-        image = ax_gap.imshow(np.ma.masked_invalid(gap), aspect="auto", interpolation="nearest", cmap="viridis",
-                              extent=(*extent_x, gap.shape[0] - 0.5, -0.5))
+        image = ax_gap.imshow(
+            np.ma.masked_invalid(gap),
+            aspect="auto",
+            interpolation="nearest",
+            cmap="viridis",
+            extent=(*extent_x, gap.shape[0] - 0.5, -0.5),
+        )
         near = np.argwhere(np.abs(np.nan_to_num(gap, nan=np.inf)) <= tol)
         if len(near):
             # white with a black outline: legible on viridis's dark small gaps and on its yellow alike
-            ax_gap.plot(near[:, 1], near[:, 0], ls="none", marker="x", ms=6, mew=1.8, color="white",
-                        path_effects=[effects.Stroke(linewidth=3.2, foreground="black"), effects.Normal()],
-                        label=f"tie (gap <= {tol:g})")
+            ax_gap.plot(
+                near[:, 1],
+                near[:, 0],
+                ls="none",
+                marker="x",
+                ms=6,
+                mew=1.8,
+                color="white",
+                path_effects=[effects.Stroke(linewidth=3.2, foreground="black"), effects.Normal()],
+                label=f"tie (gap <= {tol:g})",
+            )
             ax_gap.legend(loc="upper left", fontsize=7, facecolor="#dddddd")
         ax_gap.set_yticks(range(len(shown)), [data["rows"][i] for i in shown])
         title = "k-th minus (k+1)-th score (grey: nothing cut yet)"
         if skipped:
             title += f"; never cut here, not drawn: {', '.join(f'layer {row}' for row in skipped)}"
         if not shown:
-            ax_gap.text(0.5, 0.5, "no top-k cut at any position", transform=ax_gap.transAxes, ha="center",
-                        va="center", color="#777777")
+            ax_gap.text(
+                0.5,
+                0.5,
+                "no top-k cut at any position",
+                transform=ax_gap.transAxes,
+                ha="center",
+                va="center",
+                color="#777777",
+            )
         ax_gap.set(ylabel="layer, top-k", title=title)
         ax_gap.grid(False)
         fig.colorbar(image, ax=list(axes), shrink=0.35, anchor=(0.0, 1.0), label="score gap")
@@ -125,16 +157,36 @@ def render(data: dict, tol: float = 0.0):
         ax_part.set_yticks(range(len(data["layers"])), [str(layer) for layer in data["layers"]])
         ax_part.set(ylabel="layer")
         if cmp is None:
-            ax_part.text(0.5, 0.5, "no prefill / decode comparison given", transform=ax_part.transAxes,
-                         ha="center", va="center", color="#777777")
+            ax_part.text(
+                0.5,
+                0.5,
+                "no prefill / decode comparison given",
+                transform=ax_part.transAxes,
+                ha="center",
+                va="center",
+                color="#777777",
+            )
         else:
             row = {layer: k for k, layer in enumerate(data["layers"])}
-            for key, marker, color, label in (("selection_parting", "v", viz.PALETTE[0], "selections part"),
-                                              ("routing_parting", "o", viz.PALETTE[1], "routing parts")):
-                items = [(pos, row[int(layer)]) for layer, positions in cmp[key].items() if int(layer) in row
-                         for pos in positions]
-                ax_part.plot([p for p, _ in items], [r for _, r in items], ls="none", marker=marker, ms=6,
-                             color=color, label=label)
+            for key, marker, color, label in (
+                ("selection_parting", "v", viz.PALETTE[0], "selections part"),
+                ("routing_parting", "o", viz.PALETTE[1], "routing parts"),
+            ):
+                items = [
+                    (pos, row[int(layer)])
+                    for layer, positions in cmp[key].items()
+                    if int(layer) in row
+                    for pos in positions
+                ]
+                ax_part.plot(
+                    [p for p, _ in items],
+                    [r for _, r in items],
+                    ls="none",
+                    marker=marker,
+                    ms=6,
+                    color=color,
+                    label=label,
+                )
             if cmp["positions"] < n:  # positions the comparison did not cover
                 ax_part.axvspan(cmp["positions"] - 0.5, extent_x[1], color="#f2f2f2", zorder=0)
             ax_part.legend(loc="upper left", fontsize=7, ncol=2)
@@ -191,8 +243,9 @@ def _arithmetic_title(cmp) -> str:
         how = "arithmetic made independent of how the tokens are split into calls"
     else:
         reference = Numerics().as_dict()
-        how = "; ".join(_PLAIN_NUMERICS.get(k, {}).get(v, f"{k} = {v}") for k, v in numerics.items()
-                        if reference.get(k) != v)
+        how = "; ".join(
+            _PLAIN_NUMERICS.get(k, {}).get(v, f"{k} = {v}") for k, v in numerics.items() if reference.get(k) != v
+        )
     return f"Does one prefill give what the same tokens fed one at a time give?\nWith {how}"
 
 
@@ -207,7 +260,8 @@ class TieView(View):
     def _controls(self) -> list:
         import ipywidgets as w
 
-        slider = w.FloatSlider(value=self.options["tol"], min=0.0, max=0.5, step=0.005, readout_format=".3f",
-                               description="tie below")
+        slider = w.FloatSlider(
+            value=self.options["tol"], min=0.0, max=0.5, step=0.005, readout_format=".3f", description="tie below"
+        )
         slider.observe(lambda change: self.set(tol=change["new"]), names="value")
         return [slider]

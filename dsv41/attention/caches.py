@@ -28,7 +28,11 @@ WINDOW_FP8_BLOCK = 32
 CACHE_FORMATS = ("packed", "bf16")
 # The cache components, as `cache_bytes` and `csa2_stats` name them
 WINDOW_RING, COMPRESSED_KV, INDEX_KEYS, COMPRESSOR_TAILS = (
-    "window ring", "compressed KV", "index keys", "compressor tails")
+    "window ring",
+    "compressed KV",
+    "index keys",
+    "compressor tails",
+)
 
 
 def check_cache_format(cache_format: str) -> str:
@@ -125,17 +129,20 @@ class QuantizedCache(nn.Module):
     returns; `write` stores them; `read`, `save`, `load` and `reset` act on rows.
     """
 
-    def __init__(self, encoding: CacheEncoding, batch: int, rows: int, dim: int, dtype: torch.dtype,
-                 cache_format: str = "packed"):
+    def __init__(
+        self, encoding: CacheEncoding, batch: int, rows: int, dim: int, dtype: torch.dtype, cache_format: str = "packed"
+    ):
         super().__init__()
         self.encoding, self.dim, self.dtype = encoding, dim, dtype
         self.cache_format = check_cache_format(cache_format)
         if cache_format == "packed":
             layout = encoding.layout(cache_format)
-            self.register_buffer("values", torch.zeros(batch, rows, layout.data_bytes(dim), dtype=torch.uint8),
-                                 persistent=False)
-            self.register_buffer("scales", torch.zeros(batch, rows, layout.scale_bytes_for(dim), dtype=torch.uint8),
-                                 persistent=False)
+            self.register_buffer(
+                "values", torch.zeros(batch, rows, layout.data_bytes(dim), dtype=torch.uint8), persistent=False
+            )
+            self.register_buffer(
+                "scales", torch.zeros(batch, rows, layout.scale_bytes_for(dim), dtype=torch.uint8), persistent=False
+            )
         else:
             self.register_buffer("values", torch.zeros(batch, rows, dim, dtype=dtype), persistent=False)
 
@@ -200,8 +207,10 @@ class QuantizedCache(nn.Module):
 
     def nbytes(self) -> dict[str, int]:
         """Allocated bytes: {'data': values, 'scales': scales (0 for "bf16")}."""
-        return {"data": self.values.numel() * self.values.element_size(),
-                "scales": self.scales.numel() * self.scales.element_size() if self.packed else 0}
+        return {
+            "data": self.values.numel() * self.values.element_size(),
+            "scales": self.scales.numel() * self.scales.element_size() if self.packed else 0,
+        }
 
     def extra_repr(self) -> str:
         held = self.encoding.name if self.packed else f"{self.dtype} values on the {self.encoding.name} grid"
@@ -209,11 +218,21 @@ class QuantizedCache(nn.Module):
 
 
 # ---------------------------------------------------------------------------------- cache bytes
-CACHE_PARTS = ("window ring data", "window ring scales", "compressed KV data", "compressed KV scales",
-               "index key data", "index key scales", COMPRESSOR_TAILS)
-_PART_OF = {WINDOW_RING: ("window ring data", "window ring scales"),
-            COMPRESSED_KV: ("compressed KV data", "compressed KV scales"),
-            INDEX_KEYS: ("index key data", "index key scales"), COMPRESSOR_TAILS: (COMPRESSOR_TAILS,)}
+CACHE_PARTS = (
+    "window ring data",
+    "window ring scales",
+    "compressed KV data",
+    "compressed KV scales",
+    "index key data",
+    "index key scales",
+    COMPRESSOR_TAILS,
+)
+_PART_OF = {
+    WINDOW_RING: ("window ring data", "window ring scales"),
+    COMPRESSED_KV: ("compressed KV data", "compressed KV scales"),
+    INDEX_KEYS: ("index key data", "index key scales"),
+    COMPRESSOR_TAILS: (COMPRESSOR_TAILS,),
+}
 LONG_TERM = (COMPRESSED_KV, INDEX_KEYS)
 
 
@@ -256,23 +275,30 @@ class CacheBytes:
     @property
     def per_token_by_source(self) -> dict[int, float]:
         """{Full layer: (its compressed KV + index keys) bytes per position of one sequence}."""
-        return {layer: (kv + keys) / (self.max_batch_size * positions)
-                for layer, _, positions, kv, keys in self.sources if positions}
+        return {
+            layer: (kv + keys) / (self.max_batch_size * positions)
+            for layer, _, positions, kv, keys in self.sources
+            if positions
+        }
 
     @property
     def per_token(self) -> dict[str, float]:
-        out = {c: sum(s[3 + i] / (self.max_batch_size * s[2]) for s in self.sources if s[2])
-               for i, c in enumerate(LONG_TERM)}
+        out = {
+            c: sum(s[3 + i] / (self.max_batch_size * s[2]) for s in self.sources if s[2])
+            for i, c in enumerate(LONG_TERM)
+        }
         out["total"] = sum(out.values())
         return out
 
     def summary(self) -> str:
         per = self.per_token
-        return (f"attention caches ({self.cache_format}, batch {self.max_batch_size} x {self.max_seq_len} positions): "
-                f"{self.total:,} B = {self.long_term:,} B growing ({per[COMPRESSED_KV]:g} B/token compressed KV + "
-                f"{per[INDEX_KEYS]:g} B/token index keys = {per['total']:g} B/token) + {self.fixed:,} B fixed "
-                f"({self.components[WINDOW_RING]:,} window rings, "
-                f"{self.components[COMPRESSOR_TAILS]:,} compressor tails)")
+        return (
+            f"attention caches ({self.cache_format}, batch {self.max_batch_size} x {self.max_seq_len} positions): "
+            f"{self.total:,} B = {self.long_term:,} B growing ({per[COMPRESSED_KV]:g} B/token compressed KV + "
+            f"{per[INDEX_KEYS]:g} B/token index keys = {per['total']:g} B/token) + {self.fixed:,} B fixed "
+            f"({self.components[WINDOW_RING]:,} window rings, "
+            f"{self.components[COMPRESSOR_TAILS]:,} compressor tails)"
+        )
 
 
 def cache_bytes(layers) -> CacheBytes:
@@ -289,10 +315,22 @@ def cache_bytes(layers) -> CacheBytes:
             parts[k] += v
         if layer.compressor is not None:
             rows = layer.compress_kv_cache.rows
-            sources.append((layer.layer, layer.ratio, rows * layer.ratio,
-                            sum(mine[p] for p in _PART_OF[COMPRESSED_KV]), sum(mine[p] for p in _PART_OF[INDEX_KEYS])))
-    return CacheBytes(cache_format=first.cache_format, max_batch_size=first.max_batch_size,
-                      max_seq_len=first.max_seq_len, parts=parts, sources=tuple(sources))
+            sources.append(
+                (
+                    layer.layer,
+                    layer.ratio,
+                    rows * layer.ratio,
+                    sum(mine[p] for p in _PART_OF[COMPRESSED_KV]),
+                    sum(mine[p] for p in _PART_OF[INDEX_KEYS]),
+                )
+            )
+    return CacheBytes(
+        cache_format=first.cache_format,
+        max_batch_size=first.max_batch_size,
+        max_seq_len=first.max_seq_len,
+        parts=parts,
+        sources=tuple(sources),
+    )
 
 
 # ---------------------------------------------------------------------------------- predicted bytes
@@ -325,8 +363,12 @@ class SourceBytes:
         return self.per_entry / self.ratio
 
     def per_token_by_component(self) -> dict[str, float]:
-        return {"compressed KV data": self.kv_data / self.ratio, "compressed KV scales": self.kv_scales / self.ratio,
-                "index key data": self.key_data / self.ratio, "index key scales": self.key_scales / self.ratio}
+        return {
+            "compressed KV data": self.kv_data / self.ratio,
+            "compressed KV scales": self.kv_scales / self.ratio,
+            "index key data": self.key_data / self.ratio,
+            "index key scales": self.key_scales / self.ratio,
+        }
 
     def entries(self, context: int) -> int:
         return context // self.ratio
@@ -377,18 +419,26 @@ class KVCacheBytes:
         lines = []
         for name, dim in ((COMPRESSED_KV, cfg.head_dim), (INDEX_KEYS, cfg.index_head_dim), (WINDOW_RING, cfg.head_dim)):
             enc = e[name]
-            scale = (f" + {dim}/{enc.scale_block} x {enc.scale_bytes} B scales" if enc.scale_block else "")
-            lines.append(f"{name} entry ({enc.name}): {dim} x {enc.bits}/8 B{scale} = "
-                         f"{enc.data_bytes(dim) + enc.scale_bytes_for(dim)} B")
+            scale = f" + {dim}/{enc.scale_block} x {enc.scale_bytes} B scales" if enc.scale_block else ""
+            lines.append(
+                f"{name} entry ({enc.name}): {dim} x {enc.bits}/8 B{scale} = "
+                f"{enc.data_bytes(dim) + enc.scale_bytes_for(dim)} B"
+            )
         for s in self.sources:
-            lines.append(f"layer {s.layer} (ratio {s.ratio}): ({s.kv_data + s.kv_scales} + {s.key_data + s.key_scales}) "
-                         f"/ {s.ratio} = {s.per_token:g} B per token")
+            lines.append(
+                f"layer {s.layer} (ratio {s.ratio}): ({s.kv_data + s.kv_scales} + {s.key_data + s.key_scales}) "
+                f"/ {s.ratio} = {s.per_token:g} B per token"
+            )
         lines.append(f"per token: {' + '.join(f'{s.per_token:g}' for s in self.sources)} = {self.per_token:g} B")
-        lines.append(f"window rings (fixed): {self.n_window_rings} layers x {self.window_size} x {self.window_entry} B "
-                     f"= {self.window_ring_bytes:,} B")
+        lines.append(
+            f"window rings (fixed): {self.n_window_rings} layers x {self.window_size} x {self.window_entry} B "
+            f"= {self.window_ring_bytes:,} B"
+        )
         if self.tail_bytes:
-            lines.append(f"compressor tails (fixed, float32 kv_state + score_state): "
-                         f"{' + '.join(f'{b:,}' for b in self.tail_bytes.values())} = {sum(self.tail_bytes.values()):,} B")
+            lines.append(
+                f"compressor tails (fixed, float32 kv_state + score_state): "
+                f"{' + '.join(f'{b:,}' for b in self.tail_bytes.values())} = {sum(self.tail_bytes.values()):,} B"
+            )
         return lines
 
 
@@ -405,11 +455,25 @@ def kv_cache_bytes(cfg: Config, holding: str = "stored") -> KVCacheBytes:
     for layer in cfg.kv_source_layers:
         ratio = cfg.compress_ratios[layer]
         kv, key = enc[COMPRESSED_KV], enc[INDEX_KEYS]
-        sources.append(SourceBytes(layer, ratio, kv.data_bytes(cfg.head_dim), kv.scale_bytes_for(cfg.head_dim),
-                                   key.data_bytes(cfg.index_head_dim), key.scale_bytes_for(cfg.index_head_dim)))
+        sources.append(
+            SourceBytes(
+                layer,
+                ratio,
+                kv.data_bytes(cfg.head_dim),
+                kv.scale_bytes_for(cfg.head_dim),
+                key.data_bytes(cfg.index_head_dim),
+                key.scale_bytes_for(cfg.index_head_dim),
+            )
+        )
         if ratio > 1:
             tails[layer] = 2 * ratio * cfg.head_dim * TAIL_BYTES
     win = enc[WINDOW_RING]
-    return KVCacheBytes(holding=holding, encodings=dict(enc), sources=tuple(sources),
-                        window_entry=win.data_bytes(cfg.head_dim) + win.scale_bytes_for(cfg.head_dim),
-                        window_size=cfg.window_size, n_window_rings=cfg.n_layers, tail_bytes=tails)
+    return KVCacheBytes(
+        holding=holding,
+        encodings=dict(enc),
+        sources=tuple(sources),
+        window_entry=win.data_bytes(cfg.head_dim) + win.scale_bytes_for(cfg.head_dim),
+        window_size=cfg.window_size,
+        n_window_rings=cfg.n_layers,
+        tail_bytes=tails,
+    )

@@ -21,10 +21,10 @@ class Compressor(nn.Module):
     Returns the normalized latents of the groups completed by this call, before RoPE (the
     indexer needs them unrotated), or None when no group completes. The trailing partial group
     waits in kv_state / score_state for the next call; a call of several tokens at a later
-    position completes it first, so any split of a sequence into calls pools the same groups. Ratio 1 has no group to pool: no gate, a
-    plain BF16 projection. Above ratio 1 the projections and pooling run in float32 (the weights
-    are held in float32, as the reference runtime promotes them). Its site (`layers.N.attn.compressor`)
-    sees what each call returns: the latents, or None.
+    position completes it first, so any split of a sequence into calls pools the same groups.
+    Ratio 1 has no group to pool: no gate, a plain BF16 projection. Above ratio 1 the projections
+    and pooling run in float32 (the weights are held in float32, as the reference runtime promotes
+    them). Its site (`layers.N.attn.compressor`) sees what each call returns: the latents, or None.
     """
 
     SITES = ("",)

@@ -18,8 +18,7 @@ from .caches import INDEX_FP4_BLOCK, INDEX_KEY_ENCODING, QuantizedCache
 from .runtime import AttentionRuntime
 
 
-def candidate_block_scores(logits: torch.Tensor, compress_lens: torch.Tensor | int,
-                           block_size: int) -> torch.Tensor:
+def candidate_block_scores(logits: torch.Tensor, compress_lens: torch.Tensor | int, block_size: int) -> torch.Tensor:
     """[..., T] position scores -> [..., ceil(T / block_size)] block scores: a block's best
     position, -inf when none is reachable, and +inf for the block holding the query's newest
     reachable position (index compress_len - 1), which is pinned in."""
@@ -47,8 +46,9 @@ def top_k(scores: torch.Tensor, k: int, tie_break: str = "topk") -> tuple[torch.
     return order.values[..., :k], order.indices[..., :k]
 
 
-def select_candidate_blocks(logits: torch.Tensor, compress_lens: torch.Tensor | int,
-                            topk_blocks: int, block_size: int, tie_break: str = "topk") -> torch.Tensor:
+def select_candidate_blocks(
+    logits: torch.Tensor, compress_lens: torch.Tensor | int, topk_blocks: int, block_size: int, tie_break: str = "topk"
+) -> torch.Tensor:
     """Level one of the two-level top-k: a bool mask shaped like `logits` [..., T] keeping each
     query's `topk_blocks` best blocks of `block_size` compressed positions, the block holding its
     newest position always among them. `logits` must already be -inf where the query cannot
@@ -81,8 +81,16 @@ class Indexer(nn.Module):
     SITES = ("",)
     named_sites = NO_SITES
 
-    def __init__(self, cfg: Config, layer: int, max_batch_size: int = 1, max_seq_len: int = 4096, *,
-                 numerics: Numerics = Numerics(), cache_format: str = "packed"):
+    def __init__(
+        self,
+        cfg: Config,
+        layer: int,
+        max_batch_size: int = 1,
+        max_seq_len: int = 4096,
+        *,
+        numerics: Numerics = Numerics(),
+        cache_format: str = "packed",
+    ):
         super().__init__()
         self.layer, self.numerics = layer, numerics
         self.ratio = cfg.compress_ratios[layer]
@@ -96,15 +104,16 @@ class Indexer(nn.Module):
         self.head_dim = cfg.index_head_dim
         self.rope_head_dim = cfg.rope_head_dim
         self.index_topk = cfg.index_topk
-        self.softmax_scale = self.head_dim ** -0.5
+        self.softmax_scale = self.head_dim**-0.5
         act = activation_dtype(cfg)
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype=linear_dtype(cfg))
         self.weights_proj = Linear(cfg.dim, self.n_heads, dtype=act)
         if self.owns_k:
             self.wk = Linear(cfg.head_dim, self.head_dim, dtype=act)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, dtype=act)
-            self.k_cache = QuantizedCache(INDEX_KEY_ENCODING, max_batch_size, max_seq_len // self.ratio,
-                                          self.head_dim, act, cache_format)
+            self.k_cache = QuantizedCache(
+                INDEX_KEY_ENCODING, max_batch_size, max_seq_len // self.ratio, self.head_dim, act, cache_format
+            )
 
     def reset_state(self) -> None:
         if self.owns_k:
@@ -113,8 +122,15 @@ class Indexer(nn.Module):
     def _random_init_(self, gen: torch.Generator) -> None:
         pass
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, latent: Optional[torch.Tensor], start_pos: int,
-                freqs_cis: torch.Tensor, runtime: AttentionRuntime) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        latent: Optional[torch.Tensor],
+        start_pos: int,
+        freqs_cis: torch.Tensor,
+        runtime: AttentionRuntime,
+    ) -> torch.Tensor:
         """Compressed positions [b, s, min(index_topk, T)] per query, sorted, -1 where unreachable
         (T = (start_pos + s) // ratio). `latent` is this layer's pre-RoPE compressor output.
         Publishes keys and candidate blocks to `runtime` as the layer's role says; the
@@ -127,22 +143,30 @@ class Indexer(nn.Module):
             if latent is not None or self.numerics.fix_stale_index_keys:
                 runtime.index_k, runtime.index_k_from = self.k_cache, self.layer
         if runtime.index_k is None:
-            raise RuntimeError(f"layer {self.layer}: no index keys have been published; run the layers in "
-                               f"order from a prefill at position 0 (and after reset_state)")
+            raise RuntimeError(
+                f"layer {self.layer}: no index keys have been published; run the layers in "
+                f"order from a prefill at position 0 (and after reset_state)"
+            )
 
         width = (start_pos + seqlen) // self.ratio
         score, reachable = self.scores(x, qr, runtime.index_k.read(bsz, width), start_pos, freqs_cis)
         lens = reachable.unsqueeze(-1)  # [s, 1]
         if self.is_candidate_source:
-            mask = select_candidate_blocks(score, lens, self.candidate_topk_blocks, self.candidate_block_size,
-                                           self.numerics.tie_break)
+            mask = select_candidate_blocks(
+                score, lens, self.candidate_topk_blocks, self.candidate_block_size, self.numerics.tie_break
+            )
             runtime.candidates, runtime.candidates_from = mask, self.layer
             runtime.candidates_call = (start_pos, seqlen)
         elif self.uses_candidates:
-            if runtime.candidates is None or runtime.candidates_call != (start_pos, seqlen) \
-                    or runtime.candidates.shape != score.shape:
-                raise RuntimeError(f"layer {self.layer}: the candidate source has not run for this call "
-                                   f"(or compresses at another ratio); run the layers in order")
+            if (
+                runtime.candidates is None
+                or runtime.candidates_call != (start_pos, seqlen)
+                or runtime.candidates.shape != score.shape
+            ):
+                raise RuntimeError(
+                    f"layer {self.layer}: the candidate source has not run for this call "
+                    f"(or compresses at another ratio); run the layers in order"
+                )
             mask = runtime.candidates
             score = score.masked_fill(~mask, -torch.inf)
         else:
@@ -151,8 +175,17 @@ class Indexer(nn.Module):
         selected = self.select(score, lens)
         own = site(self, "")
         if own:
-            own.exit(selected, {"score": score, "reachable": reachable, "mask": mask, "indexer": self,
-                                "index_keys_from": runtime.index_k_from, "candidates_from": runtime.candidates_from})
+            own.exit(
+                selected,
+                {
+                    "score": score,
+                    "reachable": reachable,
+                    "mask": mask,
+                    "indexer": self,
+                    "index_keys_from": runtime.index_k_from,
+                    "candidates_from": runtime.candidates_from,
+                },
+            )
         return selected
 
     def unreachable(self, bsz: int, seqlen: int, device) -> torch.Tensor:
@@ -178,8 +211,9 @@ class Indexer(nn.Module):
         parts, _ = self.k_cache.quantize(k)  # FP4, one E8M0 scale per 32
         self.k_cache.write(slice(first, first + k.size(1)), parts)
 
-    def scores(self, x: torch.Tensor, qr: torch.Tensor, index_k: torch.Tensor, start_pos: int,
-               freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def scores(
+        self, x: torch.Tensor, qr: torch.Tensor, index_k: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(index scores [b, s, T] in the activation dtype, -inf where a query cannot reach;
         reachable counts [s]) against keys index_k [b, >= T, index_head_dim]."""
         seqlen = x.size(1)
@@ -189,7 +223,7 @@ class Indexer(nn.Module):
         apply_rotary_emb(q[..., -self.rope_head_dim :], freqs_cis[start_pos:end_pos])
         fp4_act_quant(q, INDEX_FP4_BLOCK, inplace=True)
 
-        weights = self.weights_proj(x) * (self.softmax_scale * self.n_heads ** -0.5)  # [b, s, heads]
+        weights = self.weights_proj(x) * (self.softmax_scale * self.n_heads**-0.5)  # [b, s, heads]
         score = torch.einsum("bshd,btd->bsht", q, index_k[:, :width])
         score = (score.relu_() * weights.unsqueeze(-1)).sum(dim=2)  # [b, s, T], activation dtype
 

@@ -29,8 +29,7 @@ from .runtime import AttentionRuntime, Published
 from .state import LayerRows
 
 
-def window_rows(start_pos: int, seqlen: int, window: int, layout: str = "reference",
-                device=None) -> torch.Tensor:
+def window_rows(start_pos: int, seqlen: int, window: int, layout: str = "reference", device=None) -> torch.Tensor:
     """Which rows of the window KV each query attends to, int64 [s, width] (a decode step's single
     query: [1, width]), -1 = absent. The window KV is the call's own KV on a prefill (row =
     position), the ring on a decode step (row = position % window), and on a call of several
@@ -87,8 +86,16 @@ class Attention(nn.Module):
     SITES = ("", "topk")
     named_sites = NO_SITES
 
-    def __init__(self, cfg: Config, layer: int, *, numerics: Numerics = Numerics(), max_batch_size: int = 1,
-                 max_seq_len: int = 4096, cache_format: str = "packed"):
+    def __init__(
+        self,
+        cfg: Config,
+        layer: int,
+        *,
+        numerics: Numerics = Numerics(),
+        max_batch_size: int = 1,
+        max_seq_len: int = 4096,
+        cache_format: str = "packed",
+    ):
         super().__init__()
         n_total = cfg.n_layers + cfg.n_mtp_layers
         if not 0 <= layer < n_total:
@@ -102,7 +109,7 @@ class Attention(nn.Module):
         self.ratio = cfg.compress_ratios[layer]
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.cache_format = check_cache_format(cache_format)
-        self.softmax_scale = self.head_dim ** -0.5
+        self.softmax_scale = self.head_dim**-0.5
         # MTP layers are never sources; within the backbone the config decides
         self.mode = cfg.layer_mode(layer) if layer < cfg.n_layers else "reuse"
         if self.mode != "reuse" and self.ratio == 0:
@@ -121,24 +128,29 @@ class Attention(nn.Module):
         self.wo_a = Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank, dtype=act)
         self.wo_b = Linear(self.n_groups * self.o_lora_rank, cfg.dim, dtype=lin)
 
-        self.compressor = (Compressor(cfg, layer, max_batch_size, numerics=numerics)
-                           if self.mode == "full" else None)
-        self.indexer = (Indexer(cfg, layer, max_batch_size, max_seq_len, numerics=numerics, cache_format=cache_format)
-                        if self.mode in ("full", "reindex") else None)
+        self.compressor = Compressor(cfg, layer, max_batch_size, numerics=numerics) if self.mode == "full" else None
+        self.indexer = (
+            Indexer(cfg, layer, max_batch_size, max_seq_len, numerics=numerics, cache_format=cache_format)
+            if self.mode in ("full", "reindex")
+            else None
+        )
 
-        self.window_kv_cache = QuantizedCache(WINDOW_ENCODING, max_batch_size, self.window_size, self.head_dim,
-                                              act, cache_format)
+        self.window_kv_cache = QuantizedCache(
+            WINDOW_ENCODING, max_batch_size, self.window_size, self.head_dim, act, cache_format
+        )
         if self.mode == "full":
-            self.compress_kv_cache = QuantizedCache(COMPRESSED_ENCODING, max_batch_size, max_seq_len // self.ratio,
-                                                    self.head_dim, act, cache_format)
+            self.compress_kv_cache = QuantizedCache(
+                COMPRESSED_ENCODING, max_batch_size, max_seq_len // self.ratio, self.head_dim, act, cache_format
+            )
         # layers reading compressed positions rotate at compress_rope_theta with YaRN; pure window
         # layers at rope_theta without
         if self.ratio:
             base, original = cfg.compress_rope_theta, cfg.original_seq_len
         else:
             base, original = cfg.rope_theta, 0
-        freqs = precompute_freqs_cis(self.rope_head_dim, max_seq_len, original, base, cfg.rope_factor,
-                                     cfg.beta_fast, cfg.beta_slow)
+        freqs = precompute_freqs_cis(
+            self.rope_head_dim, max_seq_len, original, base, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow
+        )
         self.register_buffer("freqs_cis", freqs, persistent=False)
 
     # ------------------------------------------------------------------ state
@@ -215,8 +227,11 @@ class Attention(nn.Module):
         if self.mode == "full":
             published = replace(published, compress_kv=self.compress_kv_cache, compress_kv_from=self.layer)
         indexer = self.indexer
-        if indexer is not None and indexer.owns_k and (
-                self.numerics.fix_stale_index_keys or end // self.ratio > start // self.ratio):
+        if (
+            indexer is not None
+            and indexer.owns_k
+            and (self.numerics.fix_stale_index_keys or end // self.ratio > start // self.ratio)
+        ):
             published = replace(published, index_k=indexer.k_cache, index_k_from=self.layer)
         return published
 
@@ -229,8 +244,9 @@ class Attention(nn.Module):
         if self.compressor is not None:
             caches.append((COMPRESSED_KV, self.compress_kv_cache))
             if self.compressor.ratio > 1:
-                out[COMPRESSOR_TAILS] = sum(b.numel() * b.element_size()
-                                            for b in (self.compressor.kv_state, self.compressor.score_state))
+                out[COMPRESSOR_TAILS] = sum(
+                    b.numel() * b.element_size() for b in (self.compressor.kv_state, self.compressor.score_state)
+                )
         if self.indexer is not None and self.indexer.owns_k:
             caches.append(("index key", self.indexer.k_cache))
         for name, cache in caches:
@@ -248,8 +264,10 @@ class Attention(nn.Module):
         Reads and writes `runtime`."""
         bsz, seqlen, _ = x.shape
         if start_pos + seqlen > self.max_seq_len or bsz > self.max_batch_size:
-            raise ValueError(f"layer {self.layer}: batch {bsz} x positions up to {start_pos + seqlen} exceed the "
-                             f"caches ({self.max_batch_size} x {self.max_seq_len}); build with larger limits")
+            raise ValueError(
+                f"layer {self.layer}: batch {bsz} x positions up to {start_pos + seqlen} exceed the "
+                f"caches ({self.max_batch_size} x {self.max_seq_len}); build with larger limits"
+            )
         own = site(self, "")
         if own:
             own.enter()
@@ -270,8 +288,9 @@ class Attention(nn.Module):
         o = sparse_attn(q, kv, self.attn_sink, idxs, self.softmax_scale)  # [b, s, heads, head_dim]
         out = self.project_out(o, freqs)
         if own:
-            own.exit(out, {"layer": self.layer, "mode": self.mode, "compress_ratio": self.ratio,
-                           "start_pos": start_pos})
+            own.exit(
+                out, {"layer": self.layer, "mode": self.mode, "compress_ratio": self.ratio, "start_pos": start_pos}
+            )
         return out
 
     def queries(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,8 +348,9 @@ class Attention(nn.Module):
         return window_kv, idxs.int().unsqueeze(0).expand(bsz, seqlen, -1)
 
     @staticmethod
-    def _compressed_rows(cache: "QuantizedCache", bsz: int, width: int,
-                         selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compressed_rows(
+        cache: "QuantizedCache", bsz: int, width: int, selected: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(compressed rows for sparse_attn, where each selection sits in them: like `selected`).
 
         BF16 storage hands over every reachable row [b, T, head_dim], indexed by position (the
@@ -368,8 +388,10 @@ class Attention(nn.Module):
             runtime.topk, runtime.topk_from, runtime.topk_call = selected, self.layer, (start_pos, seqlen)
         else:
             if runtime.topk is None or runtime.topk_call != (start_pos, seqlen) or runtime.topk.size(0) != bsz:
-                raise RuntimeError(f"layer {self.layer} reuses an index source's top-k, but none ran for this call; "
-                                   f"run the layers in order")
+                raise RuntimeError(
+                    f"layer {self.layer} reuses an index source's top-k, but none ran for this call; "
+                    f"run the layers in order"
+                )
             selected = runtime.topk
 
         if latent is not None:

@@ -55,6 +55,8 @@ class AttentionRuntime:
         self.index_k, self.index_k_from = published.index_k, published.index_k_from
 
     def __repr__(self) -> str:
-        return (f"AttentionRuntime(compress_kv_from={self.compress_kv_from}, "
-                f"index_k_from={self.index_k_from}, topk_from={self.topk_from}, "
-                f"candidates_from={self.candidates_from})")
+        return (
+            f"AttentionRuntime(compress_kv_from={self.compress_kv_from}, "
+            f"index_k_from={self.index_k_from}, topk_from={self.topk_from}, "
+            f"candidates_from={self.candidates_from})"
+        )

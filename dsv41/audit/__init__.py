@@ -16,12 +16,35 @@ Standard library plus the package's config, inventory and header modules: no tor
 from dsv41.audit.checks import CHECKS
 from dsv41.audit.evidence import SHOWN
 from dsv41.audit.report import (
-    FAIL, GIB, PASS, UNDECIDED, AuditReport, CategoryRow, CheckResult, ShardFile, describe_shards, format_ranges,
+    FAIL,
+    GIB,
+    PASS,
+    UNDECIDED,
+    AuditReport,
+    CategoryRow,
+    CheckResult,
+    ShardFile,
+    describe_shards,
+    format_ranges,
 )
 from dsv41.audit.runner import AuditError, cli_main, find_shard_files, list_tensors, run_audit
 
 __all__ = [
-    "AuditError", "AuditReport", "CHECKS", "CategoryRow", "CheckResult", "FAIL", "GIB", "PASS", "SHOWN",
-    "ShardFile", "UNDECIDED", "cli_main", "describe_shards", "find_shard_files", "format_ranges",
-    "list_tensors", "run_audit",
+    "AuditError",
+    "AuditReport",
+    "CHECKS",
+    "CategoryRow",
+    "CheckResult",
+    "FAIL",
+    "GIB",
+    "PASS",
+    "SHOWN",
+    "ShardFile",
+    "UNDECIDED",
+    "cli_main",
+    "describe_shards",
+    "find_shard_files",
+    "format_ranges",
+    "list_tensors",
+    "run_audit",
 ]

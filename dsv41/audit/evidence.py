@@ -21,9 +21,15 @@ class Evidence:
     """What is known about each tensor name: its header entry if a local shard has it, whether it
     is present at all (the index decides presence when there is one), and which shard to wait on."""
 
-    def __init__(self, expected: dict[str, TensorSpec], headers: dict[str, tuple[HeaderEntry, str, str]],
-                 index_map: dict[str, str] | None, on_disk: set[str], layer_shards: dict[tuple[str, int], str],
-                 unreadable: set[str]):
+    def __init__(
+        self,
+        expected: dict[str, TensorSpec],
+        headers: dict[str, tuple[HeaderEntry, str, str]],
+        index_map: dict[str, str] | None,
+        on_disk: set[str],
+        layer_shards: dict[tuple[str, int], str],
+        unreadable: set[str],
+    ):
         self.expected = expected
         self.headers = headers  # name -> (entry, shard, path)
         self.index_map = index_map
@@ -91,7 +97,9 @@ def spec_mismatch(spec: TensorSpec, e: HeaderEntry, name_what_differs: bool = Fa
 
 def verdict(problems: list[str], passed: str) -> tuple[str, str]:
     if problems:
-        return FAIL, "; ".join(problems[:SHOWN]) + (f"; ... and {len(problems) - SHOWN} more" if len(problems) > SHOWN else "")
+        return FAIL, "; ".join(problems[:SHOWN]) + (
+            f"; ... and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
+        )
     return PASS, passed
 
 
@@ -178,6 +186,7 @@ class Tally:
 @dataclass
 class Context:
     """Everything a check may read."""
+
     cfg: Config
     ev: Evidence
     specs: list[TensorSpec]  # the config's inventory, in inventory order
@@ -218,5 +227,7 @@ def registry(group: str) -> tuple[list[Check], Callable]:
         def register(fn):
             checks.append(Check(cid, group, title, fn, needs_inventory, needs_index))
             return fn
+
         return register
+
     return checks, check

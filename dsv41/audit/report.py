@@ -41,6 +41,7 @@ class CategoryRow:
 @dataclass
 class ValueFinding:
     """A tensor whose payload holds codes that are not finite values (`dsv41 audit --values`)."""
+
     tensor: str
     shard: str  # the file's name
     dtype: str
@@ -57,6 +58,7 @@ class ValueFinding:
 @dataclass
 class ValueScan:
     """What `--values` read: tensors and bytes read, those with non-finite codes, those it could not read."""
+
     files: int = 0
     tensors: int = 0  # floating-point tensors read
     bytes: int = 0
@@ -84,7 +86,9 @@ class AuditReport:
     missing_shards: list[str]
     checks: list[CheckResult]
     categories: list[CategoryRow]
-    layer_modes: dict[str, list[int]]  # full / reindex / reuse (and unknown, while shards are missing) from tensor presence
+    layer_modes: dict[
+        str, list[int]
+    ]  # full / reindex / reuse (and unknown, while shards are missing) from tensor presence
     layer_tensor_counts: list[int | None]  # tensors per backbone layer (None: not known yet)
     tensors: int
     bytes: int
@@ -115,8 +119,14 @@ class AuditReport:
 
     def as_required_complete(self) -> "AuditReport":
         """The same report with every undecided check failed, as --require-complete reports it."""
-        checks = [CheckResult(c.id, c.group, c.title, FAIL, f"undecided, which --require-complete fails: {c.detail}",
-                              list(c.waits_on)) if c.status == UNDECIDED else c for c in self.checks]
+        checks = [
+            CheckResult(
+                c.id, c.group, c.title, FAIL, f"undecided, which --require-complete fails: {c.detail}", list(c.waits_on)
+            )
+            if c.status == UNDECIDED
+            else c
+            for c in self.checks
+        ]
         return replace(self, checks=checks, require_complete=True)
 
     def check(self, check_id: str) -> CheckResult:
@@ -126,13 +136,24 @@ class AuditReport:
         doc = asdict(self)
         doc["duplicates"] = [{"path": a, "same_header_as": b} for a, b in self.duplicates]
         doc["unreadable"] = [{"path": a, "reason": b} for a, b in self.unreadable]
-        doc["totals"] = {"tensors": self.tensors, "bytes": self.bytes, "gib": round(self.bytes / GIB, 2),
-                         "expected_tensors": self.expected_tensors, "expected_bytes": self.expected_bytes,
-                         "index_tensors": self.index_tensors, "shards_on_disk": len(self.files),
-                         "shards_missing": len(self.missing_shards)}
-        doc["summary"] = {"checks": len(self.checks), "passed": self.passed, "failed": self.failed,
-                          "undecided": self.undecided, "gib": round(self.bytes / GIB, 2),
-                          "exit_code": self.exit_code}
+        doc["totals"] = {
+            "tensors": self.tensors,
+            "bytes": self.bytes,
+            "gib": round(self.bytes / GIB, 2),
+            "expected_tensors": self.expected_tensors,
+            "expected_bytes": self.expected_bytes,
+            "index_tensors": self.index_tensors,
+            "shards_on_disk": len(self.files),
+            "shards_missing": len(self.missing_shards),
+        }
+        doc["summary"] = {
+            "checks": len(self.checks),
+            "passed": self.passed,
+            "failed": self.failed,
+            "undecided": self.undecided,
+            "gib": round(self.bytes / GIB, 2),
+            "exit_code": self.exit_code,
+        }
         if self.values is None:
             del doc["values"]  # without --values the document is what it always was
         else:
@@ -189,22 +210,33 @@ def _size(n: int, total: int) -> str:
 
 def _format_report(r: AuditReport) -> list[str]:
     kind = " (header prefixes)" if r.header_prefix else ""
-    lines = [f"checkpoint  {r.checkpoint_dir}{kind}",
-             f"config      {r.config_path} ({r.config_layout}): {r.config_summary}"]
+    lines = [
+        f"checkpoint  {r.checkpoint_dir}{kind}",
+        f"config      {r.config_path} ({r.config_layout}): {r.config_summary}",
+    ]
     if r.index_path:
-        lines.append(f"index       {r.index_path}: " + (f"{r.index_tensors:,} tensors" if r.index_tensors is not None else "unreadable"))
+        lines.append(
+            f"index       {r.index_path}: "
+            + (f"{r.index_tensors:,} tensors" if r.index_tensors is not None else "unreadable")
+        )
     n_shards = len(r.files) + len(r.missing_shards)
-    lines.append(f"shards      {len(r.files)} of {n_shards} on disk" + (f"; missing: {describe_shards(r.missing_shards)}" if r.missing_shards else ""))
+    lines.append(
+        f"shards      {len(r.files)} of {n_shards} on disk"
+        + (f"; missing: {describe_shards(r.missing_shards)}" if r.missing_shards else "")
+    )
     for path, same in r.duplicates:
         lines.append(f"  skipped {os.path.basename(path)}: its header duplicates {os.path.basename(same)}")
-    for path, why in r.unreadable:
+    for _path, why in r.unreadable:
         lines.append(f"  unreadable: {why}")
     lines.append(f"tensors     {r.tensors:,} of {r.expected_tensors:,} readable, {r.bytes:,} bytes ({_gib(r.bytes)})")
     lines.append("")
     lines.append(f"{'category':<30} {'tensors':>9} {'expected':>9} {'bytes':>14} {'share':>6}")
     for row in r.categories:
         share = f"{100 * row.bytes / r.bytes:.1f}%" if r.bytes else "-"
-        lines.append(f"{row.category:<30} {row.tensors:>9,} {row.expected_tensors:>9,} {_size(row.bytes, r.bytes):>14} {share:>6}")
+        lines.append(
+            f"{row.category:<30} {row.tensors:>9,} {row.expected_tensors:>9,} "
+            f"{_size(row.bytes, r.bytes):>14} {share:>6}"
+        )
     lines.append(f"{'total':<30} {r.tensors:>9,} {r.expected_tensors:>9,} {_size(r.bytes, r.bytes):>14}")
     lines.append("")
     lines.append("CSA2 layer modes, from tensor presence:")
@@ -216,8 +248,11 @@ def _format_report(r: AuditReport) -> list[str]:
         groups = defaultdict(list)
         for i, n in known:
             groups[n].append(i)
-        parts = [f"{n:,} x {len(ids)}" + (f" (layer{'s' if len(ids) > 1 else ''} {format_ranges(ids)})" if len(ids) <= 4 else "")
-                 for n, ids in sorted(groups.items())]
+        parts = [
+            f"{n:,} x {len(ids)}"
+            + (f" (layer{'s' if len(ids) > 1 else ''} {format_ranges(ids)})" if len(ids) <= 4 else "")
+            for n, ids in sorted(groups.items())
+        ]
         lines.append("  tensors per backbone layer: " + "; ".join(parts))
     lines.append("")
     lines.append("checks:")
@@ -230,8 +265,10 @@ def _format_report(r: AuditReport) -> list[str]:
         lines += [""] + _format_values(r.values)
         values = f"; values: {r.values.problems} tensor(s) with non-finite codes"
     lines.append("")
-    lines.append(f"{len(r.checks)} checks: {r.passed} passed, {r.failed} failed, {r.undecided} undecided; "
-                 f"{r.tensors:,} tensors, {r.bytes:,} bytes ({_gib(r.bytes)}){values}; exit {r.exit_code}")
+    lines.append(
+        f"{len(r.checks)} checks: {r.passed} passed, {r.failed} failed, {r.undecided} undecided; "
+        f"{r.tensors:,} tensors, {r.bytes:,} bytes ({_gib(r.bytes)}){values}; exit {r.exit_code}"
+    )
     return lines
 
 
@@ -239,9 +276,11 @@ VALUES_SHOWN = 20  # tensors the text report names; --json lists every one
 
 
 def _format_values(v: ValueScan) -> list[str]:
-    lines = [f"values (--values): {v.tensors:,} floating-point tensors read ({_size(v.bytes, v.bytes)}) in {v.files} files, "
-             f"{v.not_float:,} integer tensors skipped; "
-             + (f"{v.problems:,} hold NaN or Inf codes:" if v.problems else "no NaN or Inf codes")]
+    lines = [
+        f"values (--values): {v.tensors:,} floating-point tensors read ({_size(v.bytes, v.bytes)}) in {v.files} files, "
+        f"{v.not_float:,} integer tensors skipped; "
+        + (f"{v.problems:,} hold NaN or Inf codes:" if v.problems else "no NaN or Inf codes")
+    ]
     for f in v.findings[:VALUES_SHOWN]:
         lines.append(f"  [FAIL     ] {f.sentence()}")
     if v.problems > VALUES_SHOWN:

@@ -13,10 +13,9 @@ from dsv41.audit.checks import CHECKS
 from dsv41.audit.evidence import Context, Evidence, Missing, Tally
 from dsv41.audit.report import FAIL, AuditReport, CategoryRow, CheckResult, ShardFile
 from dsv41.config import Config, ConfigError, load_config, resolve_config_path
+from dsv41.errors import Dsv41Error
 from dsv41.headers import INDEX_NAME, HeaderError, ShardHeader, layout_problems, plausible_header_length, read_header
 from dsv41.inventory import TensorSpec, category_of, category_totals, expected_tensors, layer_of, shard_names
-from dsv41.errors import Dsv41Error
-
 
 VALUE_BOUNDS_CHECK = "config.required_keys"  # the check that reports the config's impossible values
 
@@ -43,10 +42,16 @@ def find_shard_files(checkpoint_dir: str) -> list[str]:
     return found
 
 
-def run_audit(checkpoint_dir: str, config: str | None = None, index: str | None = None,
-              header_prefix: bool = False, require_complete: bool = False,
-              expect_fp8_block: tuple[int, int] | None = None, values: bool = False,
-              progress: bool = False) -> AuditReport:
+def run_audit(
+    checkpoint_dir: str,
+    config: str | None = None,
+    index: str | None = None,
+    header_prefix: bool = False,
+    require_complete: bool = False,
+    expect_fp8_block: tuple[int, int] | None = None,
+    values: bool = False,
+    progress: bool = False,
+) -> AuditReport:
     """Audit a checkpoint directory (or a directory of header prefixes, with header_prefix=True).
     config and index default to the directory's own files. values=True also reads every tensor's
     payload and counts its NaN and Inf codes (report.values; any found makes the exit code 1),
@@ -92,22 +97,36 @@ def run_audit(checkpoint_dir: str, config: str | None = None, index: str | None 
     layer_shards = {layer_of(s.name): s.shard for s in specs if s.name.endswith(".attn_norm.weight")}
 
     ev = Evidence(expected, headers, index_map, on_disk, layer_shards, broken)
-    ctx = Context(cfg, ev, specs, block, files, layout, index_problem, index_total, dict(owners), inventory_error,
-                  value_problems)
+    ctx = Context(
+        cfg, ev, specs, block, files, layout, index_problem, index_total, dict(owners), inventory_error, value_problems
+    )
     checks = _run_checks(ctx, with_index=index_path is not None)
 
     n_layers = cfg.n_layers if isinstance(cfg.n_layers, int) and not value_problems else 0
     modes = ev.presence_modes(n_layers) if specs else []
     counts = _layer_tensor_counts(ev, n_layers, complete=index_map is not None or not missing_shards)
     report = AuditReport(
-        checkpoint_dir=checkpoint_dir, config_path=config_path, config_layout=cfg.layout, index_path=index_path,
-        header_prefix=header_prefix, require_complete=False, files=files, duplicates=duplicates,
-        unreadable=unreadable, missing_shards=missing_shards, checks=checks,
-        categories=_categories(specs, expected, headers), layer_modes=_mode_map(modes), layer_tensor_counts=counts,
-        tensors=len(headers), bytes=sum(f.bytes for f in files) - _duplicated_bytes(headers, owners),
-        expected_tensors=len(specs), expected_bytes=sum(s.nbytes for s in specs),
+        checkpoint_dir=checkpoint_dir,
+        config_path=config_path,
+        config_layout=cfg.layout,
+        index_path=index_path,
+        header_prefix=header_prefix,
+        require_complete=False,
+        files=files,
+        duplicates=duplicates,
+        unreadable=unreadable,
+        missing_shards=missing_shards,
+        checks=checks,
+        categories=_categories(specs, expected, headers),
+        layer_modes=_mode_map(modes),
+        layer_tensor_counts=counts,
+        tensors=len(headers),
+        bytes=sum(f.bytes for f in files) - _duplicated_bytes(headers, owners),
+        expected_tensors=len(specs),
+        expected_bytes=sum(s.nbytes for s in specs),
         index_tensors=len(index_map) if index_map is not None else None,
-        config_summary=_summary(cfg))
+        config_summary=_summary(cfg),
+    )
     if values:
         from dsv41.audit.values import scan_values
 
@@ -121,8 +140,11 @@ def _inputs(checkpoint_dir: str, config: str | None, index: str | None) -> tuple
         raise AuditError(f"{checkpoint_dir}: no such directory; pass the folder holding the shards")
     paths = find_shard_files(checkpoint_dir)
     if not paths:
-        raise AuditError(f"{checkpoint_dir}: no safetensors shards here (no *.safetensors file and no file that "
-                         "starts with a safetensors header)", "point --checkpoint-dir at the downloaded shards")
+        raise AuditError(
+            f"{checkpoint_dir}: no safetensors shards here (no *.safetensors file and no file that "
+            "starts with a safetensors header)",
+            "point --checkpoint-dir at the downloaded shards",
+        )
     try:
         config_path = resolve_config_path(config or checkpoint_dir)
         cfg = load_config(config_path)
@@ -224,8 +246,10 @@ def _categories(specs: list[TensorSpec], expected: dict[str, TensorSpec], header
         row = local[spec.category if spec else category_of(name)]
         row[0] += 1
         row[1] += entry.end - entry.begin
-    return [CategoryRow(c, local[c][0], local[c][1], *totals.get(c, (0, 0)))
-            for c in list(totals) + sorted(set(local) - set(totals))]
+    return [
+        CategoryRow(c, local[c][0], local[c][1], *totals.get(c, (0, 0)))
+        for c in list(totals) + sorted(set(local) - set(totals))
+    ]
 
 
 def _mode_map(modes: list[str | None]) -> dict[str, list[int]]:
@@ -267,21 +291,47 @@ def list_tensors(report: AuditReport, pattern) -> list[tuple[str, str, str, int,
 
 
 def cli_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dsv41 audit", description=(
-        "Header-only audit of a checkpoint directory against its config: never reads a payload. "
-        "Each check passes, fails, or is undecided while its evidence is in a shard not on disk."))
-    parser.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="folder holding the shards (or header prefixes)")
-    parser.add_argument("--config", metavar="P", help="config file or folder (default: DIR/config.json, then DIR/inference/config.json)")
+    parser = argparse.ArgumentParser(
+        prog="dsv41 audit",
+        description=(
+            "Header-only audit of a checkpoint directory against its config: never reads a payload. "
+            "Each check passes, fails, or is undecided while its evidence is in a shard not on disk."
+        ),
+    )
+    parser.add_argument(
+        "--checkpoint-dir", required=True, metavar="DIR", help="folder holding the shards (or header prefixes)"
+    )
+    parser.add_argument(
+        "--config", metavar="P", help="config file or folder (default: DIR/config.json, then DIR/inference/config.json)"
+    )
     parser.add_argument("--index", metavar="P", help=f"index file (default: DIR/{INDEX_NAME} when present)")
-    parser.add_argument("--header-prefix", action="store_true", help="the files hold only the start of each shard: skip the end-of-file test")
+    parser.add_argument(
+        "--header-prefix",
+        action="store_true",
+        help="the files hold only the start of each shard: skip the end-of-file test",
+    )
     parser.add_argument("--require-complete", action="store_true", help="an undecided check counts as a failure")
     parser.add_argument("--json", metavar="OUT", help="write every check, the totals and the category table here")
-    parser.add_argument("--list-tensors", metavar="PATTERN", help="print name, dtype, shape, bytes, shard (tab-separated) of the "
-                        "tensors on disk whose name matches this regular expression, instead of the report")
-    parser.add_argument("--expect-fp8-block", nargs=2, type=int, metavar=("R", "C"), help="FP8 block the scale check expects (default: the config's)")
-    parser.add_argument("--values", action="store_true", help="also read every tensor's payload (the whole checkpoint) and "
-                        "report, per tensor, its NaN and Inf codes (FP8 E4M3 0x7F/0xFF, E8M0 0xFF, BF16/F16/F32 "
-                        "NaN and Inf); exit 1 when any is found")
+    parser.add_argument(
+        "--list-tensors",
+        metavar="PATTERN",
+        help="print name, dtype, shape, bytes, shard (tab-separated) of the "
+        "tensors on disk whose name matches this regular expression, instead of the report",
+    )
+    parser.add_argument(
+        "--expect-fp8-block",
+        nargs=2,
+        type=int,
+        metavar=("R", "C"),
+        help="FP8 block the scale check expects (default: the config's)",
+    )
+    parser.add_argument(
+        "--values",
+        action="store_true",
+        help="also read every tensor's payload (the whole checkpoint) and "
+        "report, per tensor, its NaN and Inf codes (FP8 E4M3 0x7F/0xFF, E8M0 0xFF, BF16/F16/F32 "
+        "NaN and Inf); exit 1 when any is found",
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
@@ -294,12 +344,22 @@ def cli_main(argv: list[str]) -> int:
         try:
             pattern = re.compile(args.list_tensors)
         except re.error as exc:
-            print(f"dsv41 audit: --list-tensors {args.list_tensors!r} is not a regular expression ({exc})", file=sys.stderr)
+            print(
+                f"dsv41 audit: --list-tensors {args.list_tensors!r} is not a regular expression ({exc})",
+                file=sys.stderr,
+            )
             return 2
     try:
-        report = run_audit(args.checkpoint_dir, args.config, args.index, args.header_prefix, args.require_complete,
-                           tuple(args.expect_fp8_block) if args.expect_fp8_block else None,
-                           values=args.values, progress=args.values)
+        report = run_audit(
+            args.checkpoint_dir,
+            args.config,
+            args.index,
+            args.header_prefix,
+            args.require_complete,
+            tuple(args.expect_fp8_block) if args.expect_fp8_block else None,
+            values=args.values,
+            progress=args.values,
+        )
     except AuditError as exc:
         print(f"dsv41 audit: {exc}", file=sys.stderr)
         return 1
@@ -309,8 +369,11 @@ def cli_main(argv: list[str]) -> int:
         rows = list_tensors(report, pattern)
         for row in rows:
             print("\t".join(str(x) for x in row))
-        print(f"{len(rows)} tensor(s) match; audit: {report.passed} passed, {report.failed} failed, "
-              f"{report.undecided} undecided", file=sys.stderr)
+        print(
+            f"{len(rows)} tensor(s) match; audit: {report.passed} passed, {report.failed} failed, "
+            f"{report.undecided} undecided",
+            file=sys.stderr,
+        )
     else:
         print(report.format())
     if args.json:

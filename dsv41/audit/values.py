@@ -70,12 +70,24 @@ def scan_values(paths: list[str], progress: bool = True) -> ValueScan:
             if e.dtype not in SCANNED:
                 scan.not_float += 1
             elif e.end > header.data_size:
-                scan.unread.append((e.name, f"its bytes {e.begin:,}-{e.end:,} run past the end of "
-                                            f"{os.path.basename(path)} (a header prefix or a truncated file)"))
+                scan.unread.append(
+                    (
+                        e.name,
+                        f"its bytes {e.begin:,}-{e.end:,} run past the end of "
+                        f"{os.path.basename(path)} (a header prefix or a truncated file)",
+                    )
+                )
             else:
                 plan.append((path, header.data_start, e))
-    bar = tqdm(total=sum(e.nbytes for _, _, e in plan), desc="reading values", unit="B", unit_scale=True,
-               file=sys.stderr, disable=not progress, leave=False)
+    bar = tqdm(
+        total=sum(e.nbytes for _, _, e in plan),
+        desc="reading values",
+        unit="B",
+        unit_scale=True,
+        file=sys.stderr,
+        disable=not progress,
+        leave=False,
+    )
     handle, opened = None, None
     try:
         for path, data_start, e in plan:
@@ -100,8 +112,11 @@ def scan_values(paths: list[str], progress: bool = True) -> ValueScan:
             scan.tensors += 1
             scan.bytes += e.nbytes - left
             if nan or inf:
-                scan.findings.append(ValueFinding(e.name, os.path.basename(path), e.dtype, list(e.shape),
-                                                  e.nbytes // _itemsize(e.dtype), nan, inf))
+                scan.findings.append(
+                    ValueFinding(
+                        e.name, os.path.basename(path), e.dtype, list(e.shape), e.nbytes // _itemsize(e.dtype), nan, inf
+                    )
+                )
     except OSError as exc:
         scan.unread.append((os.path.basename(opened or ""), f"cannot be read ({exc.strerror or exc})"))
     finally:

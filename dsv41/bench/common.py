@@ -10,7 +10,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -94,8 +94,13 @@ def reset_peak_rss() -> bool:
 
 # ---------------------------------------------------------------------- the phase clock
 # site pattern -> the phase its span is counted in ("other" is what no site covers)
-PHASE_SITES = {"layers.*.attn": "attention", "layers.*.ffn.routed": "routed experts",
-               "layers.*.ffn.shared": "shared expert", "layers.*.engram": "Engram", "head": "head"}
+PHASE_SITES = {
+    "layers.*.attn": "attention",
+    "layers.*.ffn.routed": "routed experts",
+    "layers.*.ffn.shared": "shared expert",
+    "layers.*.engram": "Engram",
+    "head": "head",
+}
 
 
 class PhaseClock:
@@ -142,7 +147,6 @@ def token_list(text: str) -> list[int]:
     return values
 
 
-
 class BenchError(Dsv41Error, ValueError):
     """A benchmark's argument or folder it cannot use: one sentence naming it and the fix."""
 
@@ -160,12 +164,14 @@ def check_report_path(path: str, flag: str = "--json") -> None:
     if blocker is not None:
         raise BenchError(f"{flag} {path} runs through the file {blocker}; name a file in a folder")
     if not target.parent.is_dir():
-        raise BenchError(f"{flag} {path}: there is no folder {target.parent}; create it or name a file in a folder "
-                         f"that exists")
+        raise BenchError(
+            f"{flag} {path}: there is no folder {target.parent}; create it or name a file in a folder that exists"
+        )
     refused = creation_refused(target.parent)
     if refused:
-        raise BenchError(f"{flag} {path}: cannot write into {target.parent} ({refused}); name a file in a "
-                         f"writable folder")
+        raise BenchError(
+            f"{flag} {path}: cannot write into {target.parent} ({refused}); name a file in a writable folder"
+        )
 
 
 def write_report(path: str, report: dict) -> None:
@@ -189,11 +195,13 @@ def save_report(path: str, report: dict, flag: str = "--json") -> int:
         write_report(path, report)
     except OSError as exc:
         print(json.dumps(report, indent=2), flush=True)
-        print(f"dsv41 bench: {flag} {path} could not be written ({exc.strerror or exc}); the report is printed "
-              f"on stdout instead", file=sys.stderr)
+        print(
+            f"dsv41 bench: {flag} {path} could not be written ({exc.strerror or exc}); the report is printed "
+            f"on stdout instead",
+            file=sys.stderr,
+        )
         return 1
     return 0
-
 
 
 def require_cuda(device: str) -> None:
@@ -203,8 +211,10 @@ def require_cuda(device: str) -> None:
     from dsv41.kernels.triton_experts import available
 
     if not available():
-        raise ValueError(f"--device {device} needs a CUDA device and Triton; this machine has "
-                         f"{'no CUDA device' if not torch.cuda.is_available() else 'no Triton'}")
+        raise ValueError(
+            f"--device {device} needs a CUDA device and Triton; this machine has "
+            f"{'no CUDA device' if not torch.cuda.is_available() else 'no Triton'}"
+        )
     if not device.startswith("cuda"):
         raise ValueError(f"--device takes cpu, cuda or cuda:N, got {device!r}")
 
@@ -228,8 +238,10 @@ def on_synthetic_checkpoint(args, prefix: str, write: Callable[[str], str], run:
             path = temporary = tempfile.mkdtemp(prefix=prefix)
         if not os.path.isfile(os.path.join(path, "config.json")):
             if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-                print(f"dsv41 bench: {path} is neither a checkpoint nor an empty folder to write one into",
-                      file=sys.stderr)
+                print(
+                    f"dsv41 bench: {path} is neither a checkpoint nor an empty folder to write one into",
+                    file=sys.stderr,
+                )
                 return 2
             began = time.perf_counter()
             what = write(path)
@@ -244,4 +256,3 @@ def on_synthetic_checkpoint(args, prefix: str, write: Callable[[str], str], run:
     if args.json:
         write_report(args.json, report)
     return 0
-

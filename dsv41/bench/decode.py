@@ -20,10 +20,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import released, speculative
 from dsv41.config import Config
 from dsv41.moe import RoutedExperts
 
+from . import released, speculative
 from .common import DIM, INTER, TOPK, PhaseClock, on_synthetic_checkpoint, rss_bytes
 from .experts import _baseline_expert, _expand_bf16
 
@@ -38,10 +38,23 @@ def decode_config(dim: int = DIM, inter: int = INTER):
     from dsv41.tiny import tiny_config
 
     cfg = tiny_config().replace(
-        dim=dim, moe_inter_dim=inter, n_layers=2, n_mtp_layers=1, compress_ratios=(0, 2, 0),
-        kv_source_layers=(1,), index_source_layers=(1,), candidate_source_layer=1, engram_layer_ids=(1,),
-        engram_num_embeddings=None, dspark_target_layer_ids=(1,), n_routed_experts=8, n_activated_experts=TOPK,
-        dspark_n_routed_experts=6, dspark_n_activated_experts=2, vision_n_layers=0)
+        dim=dim,
+        moe_inter_dim=inter,
+        n_layers=2,
+        n_mtp_layers=1,
+        compress_ratios=(0, 2, 0),
+        kv_source_layers=(1,),
+        index_source_layers=(1,),
+        candidate_source_layer=1,
+        engram_layer_ids=(1,),
+        engram_num_embeddings=None,
+        dspark_target_layer_ids=(1,),
+        n_routed_experts=8,
+        n_activated_experts=TOPK,
+        dspark_n_routed_experts=6,
+        dspark_n_activated_experts=2,
+        vision_n_layers=0,
+    )
     cfg = cfg.replace(engram_num_embeddings=derived_engram_rows(cfg))
     problems = cfg.verify()
     if problems:
@@ -49,9 +62,9 @@ def decode_config(dim: int = DIM, inter: int = INTER):
     return cfg
 
 
-
-def write_decode_checkpoint(out_dir: str, dim: int = DIM, inter: int = INTER, seed: int = 0, *,
-                            cfg: Config | None = None) -> str:
+def write_decode_checkpoint(
+    out_dir: str, dim: int = DIM, inter: int = INTER, seed: int = 0, *, cfg: Config | None = None
+) -> str:
     """Write the decode benchmark's checkpoint (release layout, `decode_config`, or `cfg`) into
     out_dir with `synthetic.random_fill` values."""
     from dsv41.synthetic import random_fill, write_release_layout
@@ -71,8 +84,9 @@ class _ExpandedExperts(RoutedExperts):
         y = torch.zeros(x.shape, dtype=torch.float32)
         for e in selected:
             rows, slot = torch.where(expert_ids == e)
-            y.index_add_(0, rows, _baseline_expert(x[rows], fetched[e], self.swiglu_limit,
-                                                   weights[rows, slot, None]).float())
+            y.index_add_(
+                0, rows, _baseline_expert(x[rows], fetched[e], self.swiglu_limit, weights[rows, slot, None]).float()
+            )
         return y
 
 
@@ -81,8 +95,9 @@ def _shared_form(shared, fused: bool) -> Callable:
     (the earlier runtime)."""
     from dsv41.kernels.experts import PackedExpert, clamped_swiglu, expert_ffn
 
-    packed = PackedExpert(shared.w1.weight, shared.w1.scale, shared.w2.weight, shared.w2.scale,
-                          shared.w3.weight, shared.w3.scale)
+    packed = PackedExpert(
+        shared.w1.weight, shared.w1.scale, shared.w2.weight, shared.w2.scale, shared.w3.weight, shared.w3.scale
+    )
     limit = shared.swiglu_limit
     if fused:
         return lambda x: expert_ffn(x, packed, limit)
@@ -100,12 +115,16 @@ def _attach_forms(model, fused: bool) -> None:
     model's own), through `MoE.attach_store`."""
     for block in model.backbone.layers:
         moe = block.ffn
-        moe.attach_store(moe.experts.store, routed=None if fused else _ExpandedExperts,
-                         shared=_shared_form(moe.shared_experts, fused))
+        moe.attach_store(
+            moe.experts.store,
+            routed=None if fused else _ExpandedExperts,
+            shared=_shared_form(moe.shared_experts, fused),
+        )
 
 
-def bench_decode(checkpoint: str, *, prompt_tokens: int, decode_tokens: int,
-                 log: Callable[[str], None] = print) -> dict:
+def bench_decode(
+    checkpoint: str, *, prompt_tokens: int, decode_tokens: int, log: Callable[[str], None] = print
+) -> dict:
     """Prefill then decode greedily, baseline then fused; tokens/s and per-phase seconds per token."""
     import dsv41
     from dsv41.kernels import native
@@ -115,10 +134,20 @@ def bench_decode(checkpoint: str, *, prompt_tokens: int, decode_tokens: int,
     cfg = model.cfg
     g = torch.Generator().manual_seed(0)
     prompt = [cfg.bos_token_id] + torch.randint(3, cfg.vocab_size, (prompt_tokens - 1,), generator=g).tolist()
-    report = {"command": "bench decode", "checkpoint": checkpoint, "dim": cfg.dim, "inter": cfg.moe_inter_dim,
-              "n_layers": cfg.n_layers, "n_experts": cfg.n_routed_experts, "topk": cfg.n_activated_experts,
-              "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens, "threads": torch.get_num_threads(),
-              "fused_cpu_kernel": "native" if native.available() else "torch", "modes": {}}
+    report = {
+        "command": "bench decode",
+        "checkpoint": checkpoint,
+        "dim": cfg.dim,
+        "inter": cfg.moe_inter_dim,
+        "n_layers": cfg.n_layers,
+        "n_experts": cfg.n_routed_experts,
+        "topk": cfg.n_activated_experts,
+        "prompt_tokens": prompt_tokens,
+        "decode_tokens": decode_tokens,
+        "threads": torch.get_num_threads(),
+        "fused_cpu_kernel": "native" if native.available() else "torch",
+        "modes": {},
+    }
     for mode in ("baseline", "fused"):
         clock = PhaseClock(PHASES)
         _attach_forms(model, mode == "fused")
@@ -134,50 +163,78 @@ def bench_decode(checkpoint: str, *, prompt_tokens: int, decode_tokens: int,
             decode_s = time.perf_counter() - began
         per_token = {phase: t / decode_tokens for phase, t in clock.seconds.items()}
         per_token["other"] = decode_s / decode_tokens - sum(per_token.values())
-        report["modes"][mode] = {"prefill_s": prefill_s, "decode_s": decode_s, "tokens_per_s": decode_tokens / decode_s,
-                                 "phases_s_per_token": per_token, "tokens": tokens}
+        report["modes"][mode] = {
+            "prefill_s": prefill_s,
+            "decode_s": decode_s,
+            "tokens_per_s": decode_tokens / decode_s,
+            "phases_s_per_token": per_token,
+            "tokens": tokens,
+        }
     base, fused = report["modes"]["baseline"], report["modes"]["fused"]
     report["speedup"] = fused["tokens_per_s"] / base["tokens_per_s"]
     report["same_tokens"] = base["tokens"] == fused["tokens"]
-    log(f"{cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_routed_experts} routed experts ({cfg.n_activated_experts} "
+    log(
+        f"{cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_routed_experts} routed experts ({cfg.n_activated_experts} "
         f"active) of inter {cfg.moe_inter_dim}; prompt {prompt_tokens} tokens, {decode_tokens} decoded; "
-        f"fused experts on the {report['fused_cpu_kernel']} CPU kernel")
+        f"fused experts on the {report['fused_cpu_kernel']} CPU kernel"
+    )
     log(f"{'s per decoded token':<20} {'baseline':>10} {'fused':>10}")
     for phase in (*PHASES, "other"):
         log(f"{phase:<20} {base['phases_s_per_token'][phase]:>10.4f} {fused['phases_s_per_token'][phase]:>10.4f}")
     log(f"{'tokens/s':<20} {base['tokens_per_s']:>10.3f} {fused['tokens_per_s']:>10.3f}   ({report['speedup']:.1f}x)")
     log(f"{'prefill s':<20} {base['prefill_s']:>10.3f} {fused['prefill_s']:>10.3f}")
     report["end"] = rss_bytes()
-    log(f"resident memory: {report['end']['rss_bytes'] / 2**20:.0f} MiB now, "
-        f"{report['end']['peak_rss_bytes'] / 2**20:.0f} MiB peak")
+    log(
+        f"resident memory: {report['end']['rss_bytes'] / 2**20:.0f} MiB now, "
+        f"{report['end']['peak_rss_bytes'] / 2**20:.0f} MiB peak"
+    )
     return report
-
 
 
 # ---------------------------------------------------------------------- the subcommand
 def add_parser(sub) -> None:
     de = sub.add_parser("decode", help="end-to-end tokens/s and phases on a synthetic checkpoint, baseline vs fused")
-    de.add_argument("--checkpoint", metavar="DIR", help="use this checkpoint; an empty or missing folder is "
-                    "filled with the synthetic one and kept (default: a temporary folder)")
+    de.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="use this checkpoint; an empty or missing folder is "
+        "filled with the synthetic one and kept (default: a temporary folder)",
+    )
     de.add_argument("--tokens", type=int, default=4, help="tokens to decode (default 4)")
     de.add_argument("--prompt", type=int, default=8, help="prompt length (default 8)")
     de.add_argument("--json", metavar="OUT", help="also write the report as JSON here")
     de.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     de.add_argument("--dims", default=f"{DIM},{INTER}", help=argparse.SUPPRESS)
-    de.add_argument("--geometry", choices=("experts", "released"), default="experts",
-                    help="experts (default): the embedded attention with released expert sizes, baseline vs "
-                         "fused; released: every released dimension on a few layers, per phase against the "
-                         "bandwidth floor, at 1 thread and at every core, with the 40-layer prediction")
+    de.add_argument(
+        "--geometry",
+        choices=("experts", "released"),
+        default="experts",
+        help="experts (default): the embedded attention with released expert sizes, baseline vs "
+        "fused; released: every released dimension on a few layers, per phase against the "
+        "bandwidth floor, at 1 thread and at every core, with the 40-layer prediction",
+    )
     de.add_argument("--layers", type=int, default=2, help="backbone layers with --geometry released (default 2)")
-    de.add_argument("--experts", type=int, default=8, help="routed experts per layer with --geometry released "
-                    "(default 8)")
-    de.add_argument("--repeats", type=int, default=2, help="rounds per thread setting with --geometry released, "
-                    "the fastest kept (default 2)")
-    de.add_argument("--device", default="cpu", help="with --geometry released: cpu (default), or cuda / cuda:N "
-                    "to hold and run the routed experts there (dense layers on the host)")
-    de.add_argument("--speculative", action="store_true",
-                    help="plain greedy decoding against speculative decoding with the draft stack and with a "
-                         "forced-acceptance draft source (the best case), on the experts geometry")
+    de.add_argument(
+        "--experts", type=int, default=8, help="routed experts per layer with --geometry released (default 8)"
+    )
+    de.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="rounds per thread setting with --geometry released, the fastest kept (default 2)",
+    )
+    de.add_argument(
+        "--device",
+        default="cpu",
+        help="with --geometry released: cpu (default), or cuda / cuda:N "
+        "to hold and run the routed experts there (dense layers on the host)",
+    )
+    de.add_argument(
+        "--speculative",
+        action="store_true",
+        help="plain greedy decoding against speculative decoding with the draft stack and with a "
+        "forced-acceptance draft source (the best case), on the experts geometry",
+    )
     de.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # the released plan at tiny dims
     de.add_argument("--copy-mib", type=int, default=256, help=argparse.SUPPRESS)
 
@@ -200,6 +257,9 @@ def main(args) -> int:
         write_decode_checkpoint(path, dim, inter)
         return "the synthetic checkpoint"
 
-    return on_synthetic_checkpoint(args, "dsv41-bench-decode-", write,
-                                    lambda path: bench(path, prompt_tokens=args.prompt, decode_tokens=args.tokens))
-
+    return on_synthetic_checkpoint(
+        args,
+        "dsv41-bench-decode-",
+        write,
+        lambda path: bench(path, prompt_tokens=args.prompt, decode_tokens=args.tokens),
+    )

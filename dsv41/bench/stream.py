@@ -39,8 +39,16 @@ from dsv41.headers import INDEX_NAME
 from dsv41.outdir import usable_folder
 from dsv41.text import LongInteger, bounded_ints
 
-from .common import (BenchError, PhaseClock, check_report_path, measurement_error, read_bandwidth, reset_peak_rss,
-                     rss_bytes, save_report)
+from .common import (
+    BenchError,
+    PhaseClock,
+    check_report_path,
+    measurement_error,
+    read_bandwidth,
+    reset_peak_rss,
+    rss_bytes,
+    save_report,
+)
 
 if TYPE_CHECKING:  # annotations only
     from dsv41.model import Model
@@ -58,15 +66,22 @@ SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 FILES_ALLOWANCE = 64 << 20
 GIB = 1 << 30
 # A workstation the 40-layer prediction is also made for (stated, not measured).
-WORKSTATION = {"name": "NVMe workstation", "disk_bytes_per_s": 7e9, "memory_bytes_per_s": 70e9,
-               "memory": "116GiB", "ram": "128 GB",
-               "note": "PCIe 4 NVMe at 7 GB/s, DDR5-5600 dual channel (~70 GB/s sustained), 128 GB RAM"}
+WORKSTATION = {
+    "name": "NVMe workstation",
+    "disk_bytes_per_s": 7e9,
+    "memory_bytes_per_s": 70e9,
+    "memory": "116GiB",
+    "ram": "128 GB",
+    "note": "PCIe 4 NVMe at 7 GB/s, DDR5-5600 dual channel (~70 GB/s sustained), 128 GB RAM",
+}
 # The held-out text the recorded routing comes from: not in the miniature's training corpus (the
 # standard library's sources and pydoc topics); plain English prose about this project's subject.
-HELD_OUT = ("A small machine can run a very large mixture of experts when most of the experts stay on "
-            "disk. Each token asks for a handful of them in every layer, and the ones it asks for are "
-            "read into memory, used once, and kept only while there is room for them. Whether the next "
-            "token asks for the same ones decides how much has to be read again.")
+HELD_OUT = (
+    "A small machine can run a very large mixture of experts when most of the experts stay on "
+    "disk. Each token asks for a handful of them in every layer, and the ones it asks for are "
+    "read into memory, used once, and kept only while there is room for them. Whether the next "
+    "token asks for the same ones decides how much has to be read again."
+)
 
 
 # ---------------------------------------------------------------------- the checkpoint, once
@@ -90,8 +105,10 @@ def plan_run(cfg: Config, memory, positions: int):
     from dsv41.budget import budget_bytes, check_machine, plan_budget
 
     if positions > cfg.max_seq_len:
-        raise BenchError(f"--prompt + --tokens + 8 = {positions:,} positions, more than the config's "
-                         f"{cfg.max_seq_len:,}; ask for fewer tokens")
+        raise BenchError(
+            f"--prompt + --tokens + 8 = {positions:,} positions, more than the config's "
+            f"{cfg.max_seq_len:,}; ask for fewer tokens"
+        )
     check_machine(budget_bytes(memory))  # as the load checks it
     return plan_budget(cfg, memory, max_seq_len=positions)
 
@@ -126,19 +143,33 @@ def read_marker(folder: str) -> dict | None:
         with open(path, encoding="utf-8") as f:  # a marker is a few KiB: more is not one this bench wrote
             marker = json.loads(f.read(1 << 20), parse_int=bounded_ints(30))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        reason = (f"an integer of {exc.digits:,} digits" if isinstance(exc, LongInteger) else "nested too deeply"
-                  if isinstance(exc, RecursionError) else getattr(exc, "strerror", None) or str(exc))
+        reason = (
+            f"an integer of {exc.digits:,} digits"
+            if isinstance(exc, LongInteger)
+            else "nested too deeply"
+            if isinstance(exc, RecursionError)
+            else getattr(exc, "strerror", None) or str(exc)
+        )
         raise BenchError(f"{path} cannot be read ({reason}); remove the folder or name another --dir") from None
     if isinstance(marker, dict) and "files" not in marker:  # written before markers listed their files
-        marker["files"] = [n for n in [*LAYOUT_FILES, *sorted(os.listdir(folder))]
-                           if _is_own_name(n) and os.path.isfile(os.path.join(folder, n))]
-    fine = (isinstance(marker, dict) and isinstance(marker.get("config"), dict)
-            and isinstance(marker.get("complete"), bool) and isinstance(marker["files"], list)
-            and all(_is_own_name(n) for n in marker["files"])
-            and (not marker["complete"] or (isinstance(marker.get("bytes"), int) and marker["bytes"] >= 0)))
+        marker["files"] = [
+            n
+            for n in [*LAYOUT_FILES, *sorted(os.listdir(folder))]
+            if _is_own_name(n) and os.path.isfile(os.path.join(folder, n))
+        ]
+    fine = (
+        isinstance(marker, dict)
+        and isinstance(marker.get("config"), dict)
+        and isinstance(marker.get("complete"), bool)
+        and isinstance(marker["files"], list)
+        and all(_is_own_name(n) for n in marker["files"])
+        and (not marker["complete"] or (isinstance(marker.get("bytes"), int) and marker["bytes"] >= 0))
+    )
     if not fine:
-        raise BenchError(f"{path} is not a marker this bench wrote (its fields are not config, complete, files and "
-                         f"bytes as it writes them); remove the folder or name another --dir")
+        raise BenchError(
+            f"{path} is not a marker this bench wrote (its fields are not config, complete, files and "
+            f"bytes as it writes them); remove the folder or name another --dir"
+        )
     return marker
 
 
@@ -178,14 +209,19 @@ def ensure_checkpoint(folder: str, cfg: Config, log: Callable[[str], None] = pri
 
     want = {"config": json.loads(json.dumps(cfg.as_nested_dict(), default=str)), "complete": True}
     marker = read_marker(folder)
-    if marker is not None and marker["complete"] and marker["config"] == want["config"] and all(
-            os.path.isfile(os.path.join(folder, n)) for n in {*marker["files"], *shard_names(cfg)}):
+    if (
+        marker is not None
+        and marker["complete"]
+        and marker["config"] == want["config"]
+        and all(os.path.isfile(os.path.join(folder, n)) for n in {*marker["files"], *shard_names(cfg)})
+    ):
         log(f"reusing the checkpoint in {folder} ({marker['bytes'] / GIB:.2f} GiB)")
         return marker
     entries = os.listdir(folder) if os.path.isdir(folder) else []
     if marker is None and set(entries) - {STAGING}:
-        raise BenchError(f"--dir {folder} holds files but no {MARKER}; name an empty or missing folder (or one this "
-                         f"bench wrote)")
+        raise BenchError(
+            f"--dir {folder} holds files but no {MARKER}; name an empty or missing folder (or one this bench wrote)"
+        )
     own = marker["files"] if marker is not None else []
     usable_folder(folder, "--dir")  # not a file, nor under one, and it (or where it would be made) takes files
     where, free = _free_bytes(folder)
@@ -193,11 +229,15 @@ def ensure_checkpoint(folder: str, cfg: Config, log: Callable[[str], None] = pri
     reclaimed = sum(os.path.getsize(os.path.join(folder, n)) for n in own if os.path.isfile(os.path.join(folder, n)))
     if need > free + reclaimed:
         also = f" besides the {reclaimed / GIB:.2f} GiB of the earlier checkpoint it replaces" if reclaimed else ""
-        raise BenchError(f"--dir {folder}: the checkpoint needs {need / GIB:.2f} GiB and the disk of {where} has "
-                         f"{free / GIB:.2f} GiB free{also}; free some space or name a folder on another disk")
+        raise BenchError(
+            f"--dir {folder}: the checkpoint needs {need / GIB:.2f} GiB and the disk of {where} has "
+            f"{free / GIB:.2f} GiB free{also}; free some space or name a folder on another disk"
+        )
     if own or STAGING in entries:
-        log(f"removing the {'unfinished ' if marker is None or not marker['complete'] else ''}checkpoint "
-            f"an earlier run left in {folder}")
+        log(
+            f"removing the {'unfinished ' if marker is None or not marker['complete'] else ''}checkpoint "
+            f"an earlier run left in {folder}"
+        )
         _remove_own(folder, own)
     created = not os.path.isdir(folder)
     began = time.perf_counter()
@@ -206,15 +246,19 @@ def ensure_checkpoint(folder: str, cfg: Config, log: Callable[[str], None] = pri
         os.makedirs(folder, exist_ok=True)
         _write_marker(folder, {**want, "complete": False, "files": files})
         write_release_layout(staging, cfg, random_fill(), progress="writing", streamed=True)
-        files = sorted(os.path.relpath(os.path.join(root, f), staging)
-                       for root, _, names in os.walk(staging) for f in names)
+        files = sorted(
+            os.path.relpath(os.path.join(root, f), staging) for root, _, names in os.walk(staging) for f in names
+        )
         _write_marker(folder, {**want, "complete": False, "files": files})
         for name in files:
             os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
             os.replace(os.path.join(staging, name), os.path.join(folder, name))
         shutil.rmtree(staging)
-        want.update(files=files, bytes=sum(os.path.getsize(os.path.join(folder, n)) for n in files),
-                    write_seconds=time.perf_counter() - began)
+        want.update(
+            files=files,
+            bytes=sum(os.path.getsize(os.path.join(folder, n)) for n in files),
+            write_seconds=time.perf_counter() - began,
+        )
         _write_marker(folder, want)
     except BaseException as exc:
         try:  # leave nothing half written: the next run starts from a clean folder either way
@@ -227,9 +271,11 @@ def ensure_checkpoint(folder: str, cfg: Config, log: Callable[[str], None] = pri
         if not isinstance(exc, OSError):
             raise
         _, now = _free_bytes(folder)
-        raise BenchError(f"--dir {folder}: writing the checkpoint failed at {exc.filename or folder} "
-                         f"({exc.strerror or exc}); its partial files were removed (it needs {need / GIB:.2f} GiB, "
-                         f"{now / GIB:.2f} GiB are free now)") from None
+        raise BenchError(
+            f"--dir {folder}: writing the checkpoint failed at {exc.filename or folder} "
+            f"({exc.strerror or exc}); its partial files were removed (it needs {need / GIB:.2f} GiB, "
+            f"{now / GIB:.2f} GiB are free now)"
+        ) from None
     log(f"wrote {want['bytes'] / GIB:.2f} GiB to {folder} in {want['write_seconds']:.0f} s")
     return want
 
@@ -261,7 +307,7 @@ def disk_bandwidth(path: str, nbytes: int, threads: int, piece: int = 4 << 20, o
         def read(i):
             view, total = memoryview(bufs[i % threads]), 0
             for at in range(offset + i * piece, offset + nbytes, threads * piece):
-                total += os.preadv(fd, [view[:min(piece, offset + nbytes - at)]], at)
+                total += os.preadv(fd, [view[: min(piece, offset + nbytes - at)]], at)
             return total
 
         began = time.perf_counter()
@@ -289,24 +335,39 @@ def recorded_steps(tokens: int, log: Callable[[str], None] = print):
 
 
 # ---------------------------------------------------------------------- one run
-def measure(folder: str, cfg: Config, *, memory, policy: str, prompt_tokens: int, decode_tokens: int, io_threads: int,
-            disk_probe: int, recorded, log: Callable[[str], None] = print) -> dict:
+def measure(
+    folder: str,
+    cfg: Config,
+    *,
+    memory,
+    policy: str,
+    prompt_tokens: int,
+    decode_tokens: int,
+    io_threads: int,
+    disk_probe: int,
+    recorded,
+    log: Callable[[str], None] = print,
+) -> dict:
     """One measured run: page cache emptied, disk bandwidth, load under `memory`, prefill, decode."""
     import dsv41
-    from dsv41.budget import plan_budget
     from dsv41.cache_policy import pool_hit_rates, pool_steps
     from dsv41.generate import decode_n, prefill
-    from dsv41.trace import ForwardTrace
-
     from dsv41.inventory import shard_names
+    from dsv41.trace import ForwardTrace
 
     files = [os.path.join(folder, name) for name in shard_names(cfg)]  # this config's, whatever else lies there
     page_cache = drop_page_cache(files)
     probe = max(files, key=os.path.getsize)  # a layer shard: nearly all of it experts
     disk_before = disk_bandwidth(probe, disk_probe, io_threads, offset=os.path.getsize(probe) // 2)
     peak_reset = reset_peak_rss()
-    model = dsv41.load(folder, quiet=True, threads=None, memory=memory, expert_policy=policy,
-                       max_seq_len=run_positions(prompt_tokens, decode_tokens))
+    model = dsv41.load(
+        folder,
+        quiet=True,
+        threads=None,
+        memory=memory,
+        expert_policy=policy,
+        max_seq_len=run_positions(prompt_tokens, decode_tokens),
+    )
     cache = model.experts
     cache.set_io_threads(io_threads)
     plan = model.report.budget_plan
@@ -345,22 +406,46 @@ def measure(folder: str, cfg: Config, *, memory, policy: str, prompt_tokens: int
     rec_slots = min(rec_keys, max(1, round(slots * rec_keys / (cfg.n_layers * cfg.n_routed_experts))))
     recorded_rates = pool_hit_rates(rec_steps, rec_slots, ("lru", "decay", "belady"))
     report = {
-        "memory": plan["memory"], "budget": plan, "policy": policy, "page_cache": page_cache,
-        "slot_cache_page_cache": cache.page_cache, "io_threads": io_threads,
-        "disk_bytes_per_s_before": disk_before, "disk_bytes_per_s_after": disk_after, "disk_bytes_per_s": disk,
-        "prefill_tokens": prompt_tokens, "prefill_s": prefill_s, "prefill_bytes_read": prefill_bytes,
+        "memory": plan["memory"],
+        "budget": plan,
+        "policy": policy,
+        "page_cache": page_cache,
+        "slot_cache_page_cache": cache.page_cache,
+        "io_threads": io_threads,
+        "disk_bytes_per_s_before": disk_before,
+        "disk_bytes_per_s_after": disk_after,
+        "disk_bytes_per_s": disk,
+        "prefill_tokens": prompt_tokens,
+        "prefill_s": prefill_s,
+        "prefill_bytes_read": prefill_bytes,
         "prefill_distinct_experts": len({k for layer in steps[0] for k in layer}),
-        "decode_tokens": decode_tokens, "decode_s": decode_s, "seconds_per_token": per_token_s,
-        "tokens_per_s": 1 / per_token_s, "bytes_read_per_token": per_token_bytes,
-        "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else None,
+        "decode_tokens": decode_tokens,
+        "decode_s": decode_s,
+        "seconds_per_token": per_token_s,
+        "tokens_per_s": 1 / per_token_s,
+        "bytes_read_per_token": per_token_bytes,
+        "hits": hits,
+        "misses": misses,
+        "hit_rate": hits / (hits + misses) if hits + misses else None,
         "read_ahead": after["read_ahead"] - before["read_ahead"],
-        "read_ahead_used": after["read_ahead_used"] - before["read_ahead_used"], "read_seconds": read_s, "wait_seconds": wait_s, "wait_fraction_of_token": wait_s / decode_s,
-        "in_flight_read_fraction": in_flight, "in_flight_measurement_error": measurement_error(in_flight),
-        "fraction_of_disk_floor": floor, "floor_measurement_error": measurement_error(floor),
-        "policies": {"uniform (random weights)": {"slots": slots, **uniform},
-                     "recorded (miniature routing, same fraction held)": {"slots": rec_slots,
-                                                                           "keys": rec_keys, **recorded_rates}},
-        "peak_rss_bytes": memory_end["peak_rss_bytes"], "peak_rss_since_load": peak_reset,
+        "read_ahead_used": after["read_ahead_used"] - before["read_ahead_used"],
+        "read_seconds": read_s,
+        "wait_seconds": wait_s,
+        "wait_fraction_of_token": wait_s / decode_s,
+        "in_flight_read_fraction": in_flight,
+        "in_flight_measurement_error": measurement_error(in_flight),
+        "fraction_of_disk_floor": floor,
+        "floor_measurement_error": measurement_error(floor),
+        "policies": {
+            "uniform (random weights)": {"slots": slots, **uniform},
+            "recorded (miniature routing, same fraction held)": {
+                "slots": rec_slots,
+                "keys": rec_keys,
+                **recorded_rates,
+            },
+        },
+        "peak_rss_bytes": memory_end["peak_rss_bytes"],
+        "peak_rss_since_load": peak_reset,
         "peak_rss_over_budget": memory_end["peak_rss_bytes"] / plan["memory"],
         "compute_seconds_per_token": (decode_s - wait_s) / decode_tokens,
         "head_seconds_per_token": clock.seconds["head"] / decode_tokens,
@@ -373,9 +458,9 @@ def measure(folder: str, cfg: Config, *, memory, policy: str, prompt_tokens: int
 def predict_40(run: dict, cfg: Config, model: Model) -> dict:
     """Seconds per token of the 40-layer released model from this run: per layer the compute
     measured here (the token's time without waiting on reads, less the head, per layer; the head
-    once) and the
-    misses a budget of that size leaves (uniform routing: slots / experts held), read at the disk's
-    bandwidth, for this machine (a budget of nine tenths of its RAM) and the stated workstation; overlapped (the larger of the two) and serial (their sum). A prediction."""
+    once) and the misses a budget of that size leaves (uniform routing: slots / experts held),
+    read at the disk's bandwidth, for this machine (a budget of nine tenths of its RAM) and the
+    stated workstation; overlapped (the larger of the two) and serial (their sum). A prediction."""
     from dsv41.budget import plan_budget
     from dsv41.config import RELEASED
 
@@ -386,66 +471,131 @@ def predict_40(run: dict, cfg: Config, model: Model) -> dict:
     read_bw = read_bandwidth(256 << 20)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     here = int(ram * 0.9)  # this machine's RAM less a tenth for the system
-    for name, disk, mem_bw, memory in (("this machine", run["disk_bytes_per_s"], read_bw, here),
-                                       (WORKSTATION["name"], WORKSTATION["disk_bytes_per_s"],
-                                        WORKSTATION["memory_bytes_per_s"], WORKSTATION["memory"])):
+    for name, disk, mem_bw, memory in (
+        ("this machine", run["disk_bytes_per_s"], read_bw, here),
+        (
+            WORKSTATION["name"],
+            WORKSTATION["disk_bytes_per_s"],
+            WORKSTATION["memory_bytes_per_s"],
+            WORKSTATION["memory"],
+        ),
+    ):
         try:
             plan = plan_budget(RELEASED, memory, max_seq_len=4096)
             slots = plan.slots
         except ValueError:
-            out[name] = {"memory": memory, "note": "below the released model's minimum budget "
-                                                   f"({plan_budget(RELEASED, 1 << 50, max_seq_len=4096).minimum / GIB:.2f} GiB)"}
+            out[name] = {
+                "memory": memory,
+                "note": "below the released model's minimum budget "
+                f"({plan_budget(RELEASED, 1 << 50, max_seq_len=4096).minimum / GIB:.2f} GiB)",
+            }
             continue
         held = min(1.0, slots / (RELEASED.n_layers * RELEASED.n_routed_experts))
         miss_bytes = RELEASED.n_layers * RELEASED.n_activated_experts * expert * (1 - held)
         compute = (head + RELEASED.n_layers * compute_layer) * (read_bw / mem_bw)
         read = miss_bytes / disk
-        out[name] = {"memory": plan.memory, "slots": slots, "uniform_hit_rate": held, "bytes_read_per_token": miss_bytes,
-                     "read_seconds": read, "compute_seconds": compute, "seconds_per_token_overlapped": max(read, compute),
-                     "seconds_per_token_serial": read + compute, "disk_bytes_per_s": disk, "memory_bytes_per_s": mem_bw}
-    out["note"] = ("a prediction from this run's measured compute per layer (scaled by memory bandwidth) and the "
-                   "uniform-routing miss rate of the released model's budget, not a measurement")
+        out[name] = {
+            "memory": plan.memory,
+            "slots": slots,
+            "uniform_hit_rate": held,
+            "bytes_read_per_token": miss_bytes,
+            "read_seconds": read,
+            "compute_seconds": compute,
+            "seconds_per_token_overlapped": max(read, compute),
+            "seconds_per_token_serial": read + compute,
+            "disk_bytes_per_s": disk,
+            "memory_bytes_per_s": mem_bw,
+        }
+    out["note"] = (
+        "a prediction from this run's measured compute per layer (scaled by memory bandwidth) and the "
+        "uniform-routing miss rate of the released model's budget, not a measurement"
+    )
     return out
 
 
 def _log_run(i: int, r: dict, log: Callable[[str], None]) -> None:
     gb = 1e9
     flag = lambda x, err: "-" if x is None else f"{x:.0%}" + (" (measurement error)" if err else "")
-    log(f"run {i}: disk {r['disk_bytes_per_s_before'] / gb:.2f} GB/s before, {r['disk_bytes_per_s_after'] / gb:.2f} after; "
+    in_flight = flag(r["in_flight_read_fraction"], r["in_flight_measurement_error"])
+    log(
+        f"run {i}: disk {r['disk_bytes_per_s_before'] / gb:.2f} GB/s before, "
+        f"{r['disk_bytes_per_s_after'] / gb:.2f} after; "
         f"{r['seconds_per_token']:.2f} s/token, {r['bytes_read_per_token'] / 1e6:.1f} MB read/token, hit rate "
-        f"{r['hit_rate']:.1%}; reads in flight at {flag(r['in_flight_read_fraction'], r['in_flight_measurement_error'])} "
+        f"{r['hit_rate']:.1%}; reads in flight at {in_flight} "
         f"of the disk; token at {flag(r['fraction_of_disk_floor'], r['floor_measurement_error'])} of its disk floor; "
         f"waited on reads {r['wait_fraction_of_token']:.0%} of the time; peak RSS "
-        f"{r['peak_rss_bytes'] / GIB:.2f} GiB of {r['memory'] / GIB:.2f} GiB ({r['peak_rss_over_budget']:.0%})")
-    log(f"  prefill {r['prefill_tokens']} tokens: {r['prefill_bytes_read'] / gb:.2f} GB read for "
-        f"{r['prefill_distinct_experts']} distinct experts in {r['prefill_s']:.1f} s")
+        f"{r['peak_rss_bytes'] / GIB:.2f} GiB of {r['memory'] / GIB:.2f} GiB ({r['peak_rss_over_budget']:.0%})"
+    )
+    log(
+        f"  prefill {r['prefill_tokens']} tokens: {r['prefill_bytes_read'] / gb:.2f} GB read for "
+        f"{r['prefill_distinct_experts']} distinct experts in {r['prefill_s']:.1f} s"
+    )
     for label, p in r["policies"].items():
-        log(f"  {label} at {p['slots']} slots: " + ", ".join(
-            f"{name} {p[name]['hit_rate']:.1%}" for name in ("lru", "decay", "belady") if p[name]["hit_rate"] is not None))
+        log(
+            f"  {label} at {p['slots']} slots: "
+            + ", ".join(
+                f"{name} {p[name]['hit_rate']:.1%}"
+                for name in ("lru", "decay", "belady")
+                if p[name]["hit_rate"] is not None
+            )
+        )
     for name, p in r["prediction"].items():
         if isinstance(p, dict) and "seconds_per_token_overlapped" not in p:
             log(f"  40 layers, {name}: {p['memory'] / GIB:.1f} GiB is {p['note']}")
         elif isinstance(p, dict):
-            log(f"  40 layers, {name} ({p['memory'] / GIB:.0f} GiB, {p['slots']} slots): "
+            log(
+                f"  40 layers, {name} ({p['memory'] / GIB:.0f} GiB, {p['slots']} slots): "
                 f"{p['seconds_per_token_overlapped']:.2f}-{p['seconds_per_token_serial']:.2f} s/token, "
-                f"{p['bytes_read_per_token'] / gb:.2f} GB read/token (a prediction)")
+                f"{p['bytes_read_per_token'] / gb:.2f} GB read/token (a prediction)"
+            )
 
 
-def bench_stream(folder: str, *, layers: int = 2, experts: int = 384, memory="12GiB", policy: str = "decay",
-                 prompt_tokens: int = 4, decode_tokens: int = 8, runs: int = 1, io_threads: int = 8,
-                 disk_probe: int = 2 * GIB, small: bool = False, recorded_tokens: int = 96,
-                 log: Callable[[str], None] = print) -> dict:
+def bench_stream(
+    folder: str,
+    *,
+    layers: int = 2,
+    experts: int = 384,
+    memory="12GiB",
+    policy: str = "decay",
+    prompt_tokens: int = 4,
+    decode_tokens: int = 8,
+    runs: int = 1,
+    io_threads: int = 8,
+    disk_probe: int = 2 * GIB,
+    small: bool = False,
+    recorded_tokens: int = 96,
+    log: Callable[[str], None] = print,
+) -> dict:
     cfg = stream_config(layers, experts, small)
     plan_run(cfg, memory, run_positions(prompt_tokens, decode_tokens))  # before 23.5 GiB are written, not after
     marker = ensure_checkpoint(folder, cfg, log)
     recorded = recorded_steps(recorded_tokens, log)
-    report = {"command": "bench stream", "dir": folder, "checkpoint_bytes": marker["bytes"], "n_layers": cfg.n_layers,
-              "n_experts": cfg.n_routed_experts, "topk": cfg.n_activated_experts, "dim": cfg.dim,
-              "threads": torch.get_num_threads(), "workstation": WORKSTATION,
-              "note": "wall times on a possibly shared machine; each run's ratios are measured within it", "runs": []}
+    report = {
+        "command": "bench stream",
+        "dir": folder,
+        "checkpoint_bytes": marker["bytes"],
+        "n_layers": cfg.n_layers,
+        "n_experts": cfg.n_routed_experts,
+        "topk": cfg.n_activated_experts,
+        "dim": cfg.dim,
+        "threads": torch.get_num_threads(),
+        "workstation": WORKSTATION,
+        "note": "wall times on a possibly shared machine; each run's ratios are measured within it",
+        "runs": [],
+    }
     for i in range(runs):
-        r = measure(folder, cfg, memory=memory, policy=policy, prompt_tokens=prompt_tokens,
-                    decode_tokens=decode_tokens, io_threads=io_threads, disk_probe=disk_probe, recorded=recorded, log=log)
+        r = measure(
+            folder,
+            cfg,
+            memory=memory,
+            policy=policy,
+            prompt_tokens=prompt_tokens,
+            decode_tokens=decode_tokens,
+            io_threads=io_threads,
+            disk_probe=disk_probe,
+            recorded=recorded,
+            log=log,
+        )
         report["runs"].append(r)
         _log_run(i + 1, r, log)
     return report
@@ -459,41 +609,78 @@ def add_parser(sub) -> None:
     from dsv41.eviction import DEFAULT_POLICY, EXPERT_POLICIES
 
     positions = RELEASED.max_seq_len
-    st = sub.add_parser("stream", help="routed experts streamed from disk under a memory budget: disk bandwidth, "
-                                       "bytes and seconds per token, hit rates by policy, peak memory")
-    st.add_argument("--dir", required=True, metavar="FOLDER", help="where the synthetic all-experts checkpoint is "
-                    "written once and reused (a missing or empty folder, or one this bench wrote)")
+    st = sub.add_parser(
+        "stream",
+        help="routed experts streamed from disk under a memory budget: disk bandwidth, "
+        "bytes and seconds per token, hit rates by policy, peak memory",
+    )
+    st.add_argument(
+        "--dir",
+        required=True,
+        metavar="FOLDER",
+        help="where the synthetic all-experts checkpoint is "
+        "written once and reused (a missing or empty folder, or one this bench wrote)",
+    )
     st.add_argument("--memory", type=memory_size, default=12 * GIB, metavar="SIZE", help="the budget (default 12GiB)")
     st.add_argument("--expert-policy", choices=EXPERT_POLICIES, default=DEFAULT_POLICY)
-    st.add_argument("--layers", type=whole_number(2, RELEASED.n_layers, "layers"), default=2,
-                    help=f"backbone layers, 2 to {RELEASED.n_layers} (default 2; 7.2 GB of experts each)")
-    st.add_argument("--experts", type=whole_number(6, RELEASED.n_routed_experts, "experts"), default=384,
-                    help=argparse.SUPPRESS)
-    st.add_argument("--tokens", type=whole_number(1, positions, "tokens"), default=8,
-                    help="tokens to decode per run (default 8)")
+    st.add_argument(
+        "--layers",
+        type=whole_number(2, RELEASED.n_layers, "layers"),
+        default=2,
+        help=f"backbone layers, 2 to {RELEASED.n_layers} (default 2; 7.2 GB of experts each)",
+    )
+    st.add_argument(
+        "--experts", type=whole_number(6, RELEASED.n_routed_experts, "experts"), default=384, help=argparse.SUPPRESS
+    )
+    st.add_argument(
+        "--tokens", type=whole_number(1, positions, "tokens"), default=8, help="tokens to decode per run (default 8)"
+    )
     st.add_argument("--prompt", type=whole_number(2, positions, "tokens"), default=4, help="prompt length (default 4)")
-    st.add_argument("--runs", type=whole_number(1, 1000, "runs"), default=1,
-                    help="measured runs, each from an emptied page cache (default 1)")
+    st.add_argument(
+        "--runs",
+        type=whole_number(1, 1000, "runs"),
+        default=1,
+        help="measured runs, each from an emptied page cache (default 1)",
+    )
     # each reader of the disk probe holds a 4 MiB buffer: 256 of them are 1 GiB
-    st.add_argument("--io-threads", type=whole_number(1, 256, "threads"), default=8,
-                    help="reads in flight, 1 to 256 (default 8)")
-    st.add_argument("--disk-probe-mib", type=whole_number(1, 1 << 20, "MiB"), default=2048,
-                    help="bytes the disk bandwidth is measured on")
+    st.add_argument(
+        "--io-threads", type=whole_number(1, 256, "threads"), default=8, help="reads in flight, 1 to 256 (default 8)"
+    )
+    st.add_argument(
+        "--disk-probe-mib",
+        type=whole_number(1, 1 << 20, "MiB"),
+        default=2048,
+        help="bytes the disk bandwidth is measured on",
+    )
     # the recorded routing runs on the embedded miniature, its caches sized for 4096 positions
     st.add_argument("--recorded-tokens", type=whole_number(1, 2048, "tokens"), default=96, help=argparse.SUPPRESS)
     st.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # tiny dims, for tests
-    st.add_argument("--json", metavar="OUT", help="also write the report as JSON here (checked before the run; "
-                    "printed on stdout if it cannot be written at the end)")
+    st.add_argument(
+        "--json",
+        metavar="OUT",
+        help="also write the report as JSON here (checked before the run; "
+        "printed on stdout if it cannot be written at the end)",
+    )
 
 
 def main(args) -> int:
     try:
         if args.json:
             check_report_path(args.json)  # before the run, not after it
-        report = bench_stream(args.dir, layers=args.layers, experts=args.experts, memory=args.memory,
-                              policy=args.expert_policy, prompt_tokens=args.prompt, decode_tokens=args.tokens,
-                              runs=args.runs, io_threads=args.io_threads, disk_probe=args.disk_probe_mib << 20,
-                              small=args.small, recorded_tokens=args.recorded_tokens)
+        report = bench_stream(
+            args.dir,
+            layers=args.layers,
+            experts=args.experts,
+            memory=args.memory,
+            policy=args.expert_policy,
+            prompt_tokens=args.prompt,
+            decode_tokens=args.tokens,
+            runs=args.runs,
+            io_threads=args.io_threads,
+            disk_probe=args.disk_probe_mib << 20,
+            small=args.small,
+            recorded_tokens=args.recorded_tokens,
+        )
     except (Dsv41Error, ValueError) as exc:  # BenchError, LoadError (BudgetError among them): one sentence each
         print(f"dsv41 bench: {exc}", file=sys.stderr)
         return 1

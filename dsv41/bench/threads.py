@@ -16,8 +16,14 @@ from .common import write_report
 THREADS_PROMPT = "The harbor lights came on one by one as the ferry pulled away from the old stone pier."
 
 
-def bench_threads(checkpoint: str, *, decode_tokens: int, repeats: int, prompt: str = THREADS_PROMPT,
-                  log: Callable[[str], None] = print) -> dict:
+def bench_threads(
+    checkpoint: str,
+    *,
+    decode_tokens: int,
+    repeats: int,
+    prompt: str = THREADS_PROMPT,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Greedy decode of `decode_tokens` tokens after `prompt` at 1 thread and at all cores
     (`threads.all_cores()`), taking turns for `repeats` rounds. Each setting's tokens/s is taken
     from its median decode time (the best is reported too: on a shared machine one lucky run
@@ -34,8 +40,9 @@ def bench_threads(checkpoint: str, *, decode_tokens: int, repeats: int, prompt: 
         cfg = model.cfg
         ids = model.encode(prompt)
         if len(ids) + decode_tokens > model.max_seq_len:
-            raise ValueError(f"{len(ids)} prompt tokens + {decode_tokens} decoded exceed the model's "
-                             f"{model.max_seq_len} positions")
+            raise ValueError(
+                f"{len(ids)} prompt tokens + {decode_tokens} decoded exceed the model's {model.max_seq_len} positions"
+            )
         auto, why = auto_threads(cfg)
         runs = {n: [] for n in settings}
         tokens = {}
@@ -58,24 +65,45 @@ def bench_threads(checkpoint: str, *, decode_tokens: int, repeats: int, prompt: 
     for n in settings:
         decode = [r["decode_s"] for r in runs[n]]
         median = statistics.median(decode)
-        rows[str(n)] = {"threads": n, "median_decode_s": median, "tokens_per_s": decode_tokens / median,
-                        "best_decode_s": min(decode), "best_tokens_per_s": decode_tokens / min(decode),
-                        "median_prefill_s": statistics.median(r["prefill_s"] for r in runs[n]), "runs": runs[n]}
-    report = {"command": "bench threads", "checkpoint": checkpoint, "dim": cfg.dim, "inter": cfg.moe_inter_dim,
-              "n_layers": cfg.n_layers, "prompt_tokens": len(ids), "decode_tokens": decode_tokens,
-              "repeats": max(1, repeats), "all_cores": cores, "cpu_count": os.cpu_count(),
-              "fused_cpu_kernel": "native" if native.available() else "torch",
-              "auto_threads": auto, "auto_reason": why, "settings": rows,
-              "same_tokens": len({tuple(t) for t in tokens.values()}) == 1,
-              "note": "tokens_per_s from the median run; the settings take turns, so load elsewhere hits both alike"}
+        rows[str(n)] = {
+            "threads": n,
+            "median_decode_s": median,
+            "tokens_per_s": decode_tokens / median,
+            "best_decode_s": min(decode),
+            "best_tokens_per_s": decode_tokens / min(decode),
+            "median_prefill_s": statistics.median(r["prefill_s"] for r in runs[n]),
+            "runs": runs[n],
+        }
+    report = {
+        "command": "bench threads",
+        "checkpoint": checkpoint,
+        "dim": cfg.dim,
+        "inter": cfg.moe_inter_dim,
+        "n_layers": cfg.n_layers,
+        "prompt_tokens": len(ids),
+        "decode_tokens": decode_tokens,
+        "repeats": max(1, repeats),
+        "all_cores": cores,
+        "cpu_count": os.cpu_count(),
+        "fused_cpu_kernel": "native" if native.available() else "torch",
+        "auto_threads": auto,
+        "auto_reason": why,
+        "settings": rows,
+        "same_tokens": len({tuple(t) for t in tokens.values()}) == 1,
+        "note": "tokens_per_s from the median run; the settings take turns, so load elsewhere hits both alike",
+    }
     one = rows["1"]
-    log(f"{checkpoint}: {cfg.n_layers} layers, dim {cfg.dim}, expert inter {cfg.moe_inter_dim}; prompt {len(ids)} "
+    log(
+        f"{checkpoint}: {cfg.n_layers} layers, dim {cfg.dim}, expert inter {cfg.moe_inter_dim}; prompt {len(ids)} "
         f"tokens, {decode_tokens} decoded greedily, median of {report['repeats']} runs; "
-        f"experts on the {report['fused_cpu_kernel']} CPU kernel")
+        f"experts on the {report['fused_cpu_kernel']} CPU kernel"
+    )
     log(f"{'threads':>8} {'tokens/s':>10} {'s/token':>10} {'best tok/s':>11} {'prefill s':>10}")
     for row in rows.values():
-        log(f"{row['threads']:>8} {row['tokens_per_s']:>10.2f} {row['median_decode_s'] / decode_tokens:>10.4f} "
-            f"{row['best_tokens_per_s']:>11.2f} {row['median_prefill_s']:>10.3f}")
+        log(
+            f"{row['threads']:>8} {row['tokens_per_s']:>10.2f} {row['median_decode_s'] / decode_tokens:>10.4f} "
+            f"{row['best_tokens_per_s']:>11.2f} {row['median_prefill_s']:>10.3f}"
+        )
     if cores > 1:
         every = rows[str(cores)]
         report["ratio_all_over_one"] = every["tokens_per_s"] / one["tokens_per_s"]
@@ -93,7 +121,9 @@ def add_parser(sub) -> None:
     th = sub.add_parser("threads", help="decode tokens/s at 1 torch thread and at all cores, and their ratio")
     th.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded tiny one)")
     th.add_argument("--tokens", type=int, default=16, help="tokens to decode per run (default 16)")
-    th.add_argument("--repeats", type=int, default=5, help="runs per setting, taking turns; the median counts (default 5)")
+    th.add_argument(
+        "--repeats", type=int, default=5, help="runs per setting, taking turns; the median counts (default 5)"
+    )
     th.add_argument("--json", metavar="OUT", help="also write the report as JSON here")
 
 
@@ -117,4 +147,3 @@ def main(args) -> int:
     if args.json:
         write_report(args.json, report)
     return 0
-

@@ -12,8 +12,15 @@ import torch
 from .common import best_time, write_report
 
 
-def bench_vision(width: int, height: int, *, blocks: Optional[int] = None, repeats: int = 1,
-                 device: str = "cpu", log: Callable[[str], None] = print) -> dict:
+def bench_vision(
+    width: int,
+    height: int,
+    *,
+    blocks: Optional[int] = None,
+    repeats: int = 1,
+    device: str = "cpu",
+    log: Callable[[str], None] = print,
+) -> dict:
     """One image's vision tower (ViT and aligner, bf16 as the released runtime holds them) at the
     released geometry on synthetic weights: the resize plan of a `width x height` image, the seconds
     of the best of `repeats` runs and the tower's weight bytes. `blocks` overrides the 32 ViT blocks."""
@@ -25,7 +32,7 @@ def bench_vision(width: int, height: int, *, blocks: Optional[int] = None, repea
     plan = vision.plan(width, height, cfg)
     vit, aligner = init_random_(vision.ViT(cfg), 0).to(device), init_random_(vision.Aligner(cfg), 1).to(device)
     g = torch.Generator().manual_seed(2)
-    patches = (torch.rand(plan.patches, 3, cfg.vision_patch_size, cfg.vision_patch_size, generator=g) * 2 - 1)
+    patches = torch.rand(plan.patches, 3, cfg.vision_patch_size, cfg.vision_patch_size, generator=g) * 2 - 1
     image = vision.ImageInput(0, plan, patches.to(torch.bfloat16))
 
     def run():
@@ -38,23 +45,39 @@ def bench_vision(width: int, height: int, *, blocks: Optional[int] = None, repea
     run()  # warm-up: allocator, kernels
     seconds = best_time(run, repeats, budget_s=600.0)
     weight_bytes = sum(p.numel() * p.element_size() for m in (vit, aligner) for p in m.parameters())
-    report = {"width": width, "height": height, "pixel_size": [plan.pixel_width, plan.pixel_height],
-              "vit_grid": [plan.vit_rows, plan.vit_cols], "patches": plan.patches,
-              "llm_grid": [plan.llm_rows, plan.llm_cols], "span_tokens": plan.span_tokens,
-              "vit_blocks": cfg.vision_n_layers, "vision_dim": cfg.vision_dim, "device": str(device),
-              "threads": torch.get_num_threads(), "seconds": seconds, "weight_bytes": weight_bytes}
-    log(f"vision tower, {cfg.vision_n_layers} blocks of dim {cfg.vision_dim} ({weight_bytes / 2**30:.2f} GiB bf16): "
+    report = {
+        "width": width,
+        "height": height,
+        "pixel_size": [plan.pixel_width, plan.pixel_height],
+        "vit_grid": [plan.vit_rows, plan.vit_cols],
+        "patches": plan.patches,
+        "llm_grid": [plan.llm_rows, plan.llm_cols],
+        "span_tokens": plan.span_tokens,
+        "vit_blocks": cfg.vision_n_layers,
+        "vision_dim": cfg.vision_dim,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "seconds": seconds,
+        "weight_bytes": weight_bytes,
+    }
+    log(
+        f"vision tower, {cfg.vision_n_layers} blocks of dim {cfg.vision_dim} ({weight_bytes / 2**30:.2f} GiB bf16): "
         f"a {width}x{height} image -> {plan.pixel_width}x{plan.pixel_height} px, {plan.patches:,} patches "
         f"({plan.vit_rows}x{plan.vit_cols}) -> {plan.cells} cells ({plan.llm_rows}x{plan.llm_cols}), "
-        f"{plan.span_tokens} span tokens: {seconds:.2f} s on {device} ({torch.get_num_threads()} threads)")
+        f"{plan.span_tokens} span tokens: {seconds:.2f} s on {device} ({torch.get_num_threads()} threads)"
+    )
     return report
 
 
 # ---------------------------------------------------------------------- the subcommand
 def add_parser(sub) -> None:
     vi = sub.add_parser("vision", help="one image through the vision tower (ViT and aligner) at the released geometry")
-    vi.add_argument("--size", default="1344x1344", metavar="WxH",
-                    help="the image's pixel size before the resize plan (default 1344x1344: the full token budget)")
+    vi.add_argument(
+        "--size",
+        default="1344x1344",
+        metavar="WxH",
+        help="the image's pixel size before the resize plan (default 1344x1344: the full token budget)",
+    )
     vi.add_argument("--repeats", type=int, default=1, help="runs, best kept (default 1)")
     vi.add_argument("--device", default="cpu", help="cpu (default) or a CUDA device")
     vi.add_argument("--json", metavar="OUT", help="also write the report as JSON here")

@@ -29,7 +29,20 @@ from .layout import EngramError, EngramLayout, is_prime, next_unused_prime
 from .report import MAX_BENCH_TOKENS, cli_main, engram_report
 
 __all__ = [
-    "EngramError", "EngramLayout", "MAX_BENCH_TOKENS", "NgramHasher", "bench_hasher", "bucket_load",
-    "build_compressed_token_map", "cli_main", "compute_hash_multipliers", "engram_report", "is_prime",
-    "load_tokenizer", "next_unused_prime", "normalize_token_text", "poisson_rows", "split_equality",
+    "EngramError",
+    "EngramLayout",
+    "MAX_BENCH_TOKENS",
+    "NgramHasher",
+    "bench_hasher",
+    "bucket_load",
+    "build_compressed_token_map",
+    "cli_main",
+    "compute_hash_multipliers",
+    "engram_report",
+    "is_prime",
+    "load_tokenizer",
+    "next_unused_prime",
+    "normalize_token_text",
+    "poisson_rows",
+    "split_equality",
 ]

@@ -37,8 +37,7 @@ def split_equality(hasher: NgramHasher, token_ids, token_mask=None) -> dict:
         equal.append(bool(np.array_equal(np.concatenate(pieces, axis=seq_axis), whole)))
     hasher.reset()
     first = next((k for k, ok in enumerate(equal, start=1) if not ok), None)
-    return {"n_splits": len(equal), "equal": equal, "all_equal": all(equal), "first_unequal": first,
-            "whole": whole}
+    return {"n_splits": len(equal), "equal": equal, "all_equal": all(equal), "first_unequal": first, "whole": whole}
 
 
 def poisson_rows(n_positions: int, primes, length: int | None = None) -> list[float]:
@@ -95,16 +94,28 @@ def bucket_load(layout: EngramLayout, hash_ids) -> dict:
             counts.append(np.bincount(rel[ok], minlength=p))
         loads = np.concatenate(counts)  # positions per bucket row, every column of the layer
         used = loads[loads > 0]
-        layers.append({"layer": layer, "positions": seq, "rows": int(loads.size), "rows_used": int(used.size),
-                       "max_load": int(loads.max()), "mean_load_used": float(used.mean()) if used.size else 0.0,
-                       "outside": outside, "histogram": np.bincount(loads).tolist()})
-    length = max([len(e["histogram"]) for e in layers]
-                 + [len(poisson_rows(seq, row)) for row in layout.flat_primes])
+        layers.append(
+            {
+                "layer": layer,
+                "positions": seq,
+                "rows": int(loads.size),
+                "rows_used": int(used.size),
+                "max_load": int(loads.max()),
+                "mean_load_used": float(used.mean()) if used.size else 0.0,
+                "outside": outside,
+                "histogram": np.bincount(loads).tolist(),
+            }
+        )
+    length = max([len(e["histogram"]) for e in layers] + [len(poisson_rows(seq, row)) for row in layout.flat_primes])
     for e, row in zip(layers, layout.flat_primes):
         e["histogram"] += [0] * (length - len(e["histogram"]))  # no row holds that many
         e["poisson"] = poisson_rows(seq, row, length)
-    return {"n_positions": seq, "layer_ids": list(layout.layer_ids), "layers": layers,
-            "inside_buckets": all(e["outside"] == 0 for e in layers)}
+    return {
+        "n_positions": seq,
+        "layer_ids": list(layout.layer_ids),
+        "layers": layers,
+        "inside_buckets": all(e["outside"] == 0 for e in layers),
+    }
 
 
 # ---------------------------------------------------------------------- benchmark
@@ -138,9 +149,13 @@ def bench_hasher(n_tokens: int = 32768, cfg: Config | None = None, repeats: int 
     hasher.reset()
     start = time.perf_counter()
     for t in range(steps):
-        hasher.hash_ids(ids[:, t:t + 1])
+        hasher.hash_ids(ids[:, t : t + 1])
     per_step = (time.perf_counter() - start) / steps
-    return {"n_tokens": n_tokens, "n_layers": layout.n_layers, "n_hash_cols": layout.n_hash_cols,
-            "prefill_s": best, "tokens_per_s": n_tokens / best if best > 0 else float("inf"),
-            "decode_step_s": per_step}
-
+    return {
+        "n_tokens": n_tokens,
+        "n_layers": layout.n_layers,
+        "n_hash_cols": layout.n_hash_cols,
+        "prefill_s": best,
+        "tokens_per_s": n_tokens / best if best > 0 else float("inf"),
+        "decode_step_s": per_step,
+    }

@@ -20,16 +20,18 @@ _MULTIPLIER_SEED_STRIDE = 10007
 def _normalizer():
     from tokenizers import Regex, normalizers
 
-    return normalizers.Sequence([
-        normalizers.NFKC(),
-        normalizers.NFD(),
-        normalizers.StripAccents(),
-        normalizers.Lowercase(),
-        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
-        normalizers.Replace(Regex(r"^ $"), _LONE_SPACE),
-        normalizers.Strip(),
-        normalizers.Replace(_LONE_SPACE, " "),
-    ])
+    return normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            normalizers.NFD(),
+            normalizers.StripAccents(),
+            normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+            normalizers.Replace(Regex(r"^ $"), _LONE_SPACE),
+            normalizers.Strip(),
+            normalizers.Replace(_LONE_SPACE, " "),
+        ]
+    )
 
 
 def normalize_token_text(text: str) -> str:
@@ -128,12 +130,16 @@ class NgramHasher:
 
         declared = getattr(cfg, "engram_compressed_vocab_size", None)
         if declared is None:
-            raise EngramError(f"the config does not set engram_compressed_vocab_size; the tokenizer folds to "
-                              f"{n_compressed:,} compressed ids, so set it to that")
+            raise EngramError(
+                f"the config does not set engram_compressed_vocab_size; the tokenizer folds to "
+                f"{n_compressed:,} compressed ids, so set it to that"
+            )
         if int(n_compressed) != int(declared):
-            raise EngramError(f"the tokenizer folds to {int(n_compressed):,} compressed ids but the config "
-                              f"declares engram_compressed_vocab_size {int(declared):,}; hashing with either "
-                              f"number would read the wrong Engram rows")
+            raise EngramError(
+                f"the tokenizer folds to {int(n_compressed):,} compressed ids but the config "
+                f"declares engram_compressed_vocab_size {int(declared):,}; hashing with either "
+                f"number would read the wrong Engram rows"
+            )
         self.layout = layout if layout is not None else EngramLayout.from_config(cfg)
         self.token_map = np.asarray(token_map, dtype=np.int64)
         if self.token_map.ndim != 1 or self.token_map.size == 0:
@@ -210,10 +216,12 @@ class NgramHasher:
         if self._history is None:
             self._history = np.full((batch, look_back), self.DEAD, dtype=np.int64)
         elif self._history.shape[0] != batch:
-            raise EngramError(f"this hasher is carrying {self._history.shape[0]} sequences but was given a "
-                              f"batch of {batch}; call reset() before starting a different batch")
+            raise EngramError(
+                f"this hasher is carrying {self._history.shape[0]} sequences but was given a "
+                f"batch of {batch}; call reset() before starting a different batch"
+            )
         window = np.concatenate([self._history, compressed], axis=1)  # [batch, look_back + seq]
-        self._history = window[:, window.shape[1] - look_back:].copy()
+        self._history = window[:, window.shape[1] - look_back :].copy()
         self.n_positions += seq
         out = self._hash_window(window, seq)
         if squeeze:
@@ -233,7 +241,7 @@ class NgramHasher:
         rolling = None
         hashes = []
         for shift in range(self.layout.max_ngram_size):
-            source = window[:, look_back - shift: look_back - shift + seq]  # the token `shift` back
+            source = window[:, look_back - shift : look_back - shift + seq]  # the token `shift` back
             blocked |= source == self.DEAD  # sticky: a blocked n-gram blocks every longer one
             token = np.where(blocked, self.pad_id, source)
             product = token[:, :, None] * self.multipliers[:, shift]  # [batch, seq, layers]
@@ -242,4 +250,3 @@ class NgramHasher:
                 # the (shift+1)-gram hash, reduced into each head's prime bucket
                 hashes.append(rolling[..., None] % self.primes[:, shift - 1])  # [batch, seq, layers, heads]
         return np.concatenate(hashes, axis=-1) + self.offsets  # [batch, seq, layers, cols]
-

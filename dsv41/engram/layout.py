@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from dsv41.config import Config
 from dsv41.errors import Dsv41Error
 
-
 # Miller-Rabin with the first twelve primes as bases is exact for every n < 3.3e24, far beyond any
 # bucket size a config can ask for.
 _MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
@@ -82,16 +81,26 @@ class EngramLayout:
     @classmethod
     def from_config(cls, cfg: Config) -> "EngramLayout":
         """Derive the layout from a Config (engram_num_embeddings may be None: it is not needed)."""
-        missing = [name for name in ("engram_layer_ids", "engram_max_ngram_size", "engram_n_heads",
-                                     "engram_head_dim", "engram_vocab_size")
-                   if getattr(cfg, name, None) is None]
+        missing = [
+            name
+            for name in (
+                "engram_layer_ids",
+                "engram_max_ngram_size",
+                "engram_n_heads",
+                "engram_head_dim",
+                "engram_vocab_size",
+            )
+            if getattr(cfg, name, None) is None
+        ]
         if missing:
             raise EngramError(f"cannot derive the Engram layout: the config does not set {', '.join(missing)}")
         layer_ids = tuple(int(i) for i in cfg.engram_layer_ids)
         n, heads = int(cfg.engram_max_ngram_size), int(cfg.engram_n_heads)
         if n < 2 or heads < 1:
-            raise EngramError(f"cannot derive the Engram layout: engram_max_ngram_size {n} must be >= 2 "
-                              f"and engram_n_heads {heads} >= 1")
+            raise EngramError(
+                f"cannot derive the Engram layout: engram_max_ngram_size {n} must be >= 2 "
+                f"and engram_n_heads {heads} >= 1"
+            )
         taken: set[int] = set()
         primes = []
         for _ in layer_ids:
@@ -115,8 +124,13 @@ class EngramLayout:
             offsets.append(tuple(starts))
         declared = cfg.engram_num_embeddings
         return cls(
-            layer_ids=layer_ids, max_ngram_size=n, n_heads=heads, head_dim=int(cfg.engram_head_dim),
-            vocab_size=int(cfg.engram_vocab_size), primes=tuple(primes), offsets=tuple(offsets),
+            layer_ids=layer_ids,
+            max_ngram_size=n,
+            n_heads=heads,
+            head_dim=int(cfg.engram_head_dim),
+            vocab_size=int(cfg.engram_vocab_size),
+            primes=tuple(primes),
+            offsets=tuple(offsets),
             declared_num_embeddings=None if declared is None else tuple(int(r) for r in declared),
         )
 
@@ -161,8 +175,9 @@ class EngramLayout:
         seen: set[int] = set()
         for k, (layer, row, starts) in enumerate(zip(self.layer_ids, self.flat_primes, self.offsets)):
             if len(row) != self.n_hash_cols or len(starts) != self.n_hash_cols:
-                problems.append(f"layer {layer}: {len(row)} primes and {len(starts)} offsets for "
-                                f"{self.n_hash_cols} hash columns")
+                problems.append(
+                    f"layer {layer}: {len(row)} primes and {len(starts)} offsets for {self.n_hash_cols} hash columns"
+                )
                 continue
             for c, p in enumerate(row):
                 if p < self.vocab_size or not is_prime(p):
@@ -175,22 +190,24 @@ class EngramLayout:
             for c, (p, start) in enumerate(zip(row, starts)):
                 if start != end:
                     kind = "gap" if start > end else "overlap"
-                    problems.append(f"layer {layer} column {c}: bucket starts at {start}, the previous "
-                                    f"one ends at {end} ({kind} of {abs(start - end)} rows)")
+                    problems.append(
+                        f"layer {layer} column {c}: bucket starts at {start}, the previous "
+                        f"one ends at {end} ({kind} of {abs(start - end)} rows)"
+                    )
                 end = start + p
             derived = self.derived_num_embeddings[k]
             if end != derived:
                 problems.append(f"layer {layer}: buckets end at row {end}, the primes sum to {derived}")
         declared = self.declared_num_embeddings
         if declared is None:
-            problems.append(f"engram_num_embeddings is not set; the layout derives "
-                            f"{list(self.derived_num_embeddings)}")
+            problems.append(f"engram_num_embeddings is not set; the layout derives {list(self.derived_num_embeddings)}")
         elif len(declared) != self.n_layers:
             problems.append(f"engram_num_embeddings has {len(declared)} entries for {self.n_layers} Engram layers")
         else:
             for layer, want, got in zip(self.layer_ids, declared, self.derived_num_embeddings):
                 if want != got:
-                    problems.append(f"layer {layer}: engram_num_embeddings declares {want:,} rows, the prime "
-                                    f"layout derives {got:,} (difference {want - got:+,})")
+                    problems.append(
+                        f"layer {layer}: engram_num_embeddings declares {want:,} rows, the prime "
+                        f"layout derives {got:,} (difference {want - got:+,})"
+                    )
         return problems
-

@@ -41,12 +41,16 @@ def engram_report(cfg: Config, tokenizer=None, text: str | None = None, tokenize
         declared = declared_rows[k] if declared_rows is not None and k < len(declared_rows) else None
         lo, hi = layout.prime_range(k)
         entry = {
-            "layer": layer, "declared_rows": declared, "derived_rows": derived,
+            "layer": layer,
+            "declared_rows": declared,
+            "derived_rows": derived,
             "difference": None if declared is None else declared - derived,
             "derived_gib": layout.table_bytes(derived)[0] / _GIB,
             "derived_scale_gib": layout.table_bytes(derived)[1] / _GIB,
             "declared_gib": None if declared is None else layout.table_bytes(declared)[0] / _GIB,
-            "prime_first": lo, "prime_last": hi, "n_primes": len(layout.flat_primes[k]),
+            "prime_first": lo,
+            "prime_last": hi,
+            "n_primes": len(layout.flat_primes[k]),
             "multipliers": None if multipliers is None else [int(m) for m in multipliers[k]],
         }
         report["layers"].append(entry)
@@ -56,18 +60,27 @@ def engram_report(cfg: Config, tokenizer=None, text: str | None = None, tokenize
     backend = _as_backend(tokenizer)
     token_map, n_compressed = build_compressed_token_map(backend)
     pad = cfg.engram_pad_id
-    tok = {"path": tokenizer_label, "n_ids": int(token_map.size), "compressed_size": n_compressed,
-           "config_compressed_size": declared_vocab, "pad_id": pad,
-           "pad_compressed_id": int(token_map[pad]) if pad is not None and 0 <= pad < token_map.size else None}
+    tok = {
+        "path": tokenizer_label,
+        "n_ids": int(token_map.size),
+        "compressed_size": n_compressed,
+        "config_compressed_size": declared_vocab,
+        "pad_id": pad,
+        "pad_compressed_id": int(token_map[pad]) if pad is not None and 0 <= pad < token_map.size else None,
+    }
     report["tokenizer"] = tok
     if declared_vocab is not None and n_compressed != declared_vocab:
-        problems.append(f"the tokenizer folds to {n_compressed:,} compressed ids but the config declares "
-                        f"engram_compressed_vocab_size {declared_vocab:,}")
+        problems.append(
+            f"the tokenizer folds to {n_compressed:,} compressed ids but the config declares "
+            f"engram_compressed_vocab_size {declared_vocab:,}"
+        )
     if tok["pad_compressed_id"] is None:
         problems.append(f"engram_pad_id {pad} is not a token id of this {token_map.size}-id tokenizer")
     if cfg.vocab_size is not None and token_map.size > cfg.vocab_size:
         # the embedding has no row for the tokenizer's highest ids
-        problems.append(f"the tokenizer has {token_map.size:,} ids, more than the config's vocab_size {cfg.vocab_size:,}")
+        problems.append(
+            f"the tokenizer has {token_map.size:,} ids, more than the config's vocab_size {cfg.vocab_size:,}"
+        )
     if text is None:
         return report
 
@@ -90,8 +103,9 @@ def engram_report(cfg: Config, tokenizer=None, text: str | None = None, tokenize
         if k >= len(rows) or col.min() < 0 or col.max() >= rows[k]:
             inside = False
             limit = rows[k] if k < len(rows) else "?"
-            problems.append(f"layer {layer}: hash ids span [{int(col.min())}, {int(col.max())}], outside the "
-                            f"table's {limit} rows")
+            problems.append(
+                f"layer {layer}: hash ids span [{int(col.min())}, {int(col.max())}], outside the table's {limit} rows"
+            )
     entry["inside_tables"] = inside
     return report
 
@@ -116,8 +130,10 @@ def _print_report(report: dict) -> None:
     tok = report.get("tokenizer")
     if tok:
         cfg_size = tok["config_compressed_size"]
-        print(f"tokenizer {tok['path'] or ''}: {tok['n_ids']:,} ids fold to {tok['compressed_size']:,} compressed "
-              f"ids; the config declares {'nothing' if cfg_size is None else f'{cfg_size:,}'}")
+        print(
+            f"tokenizer {tok['path'] or ''}: {tok['n_ids']:,} ids fold to {tok['compressed_size']:,} compressed "
+            f"ids; the config declares {'nothing' if cfg_size is None else f'{cfg_size:,}'}"
+        )
         print(f"  pad id {tok['pad_id']} -> compressed id {tok['pad_compressed_id']}")
     text = report.get("text")
     if text:
@@ -129,8 +145,11 @@ def _print_report(report: dict) -> None:
             print(f"  every hash id inside its table: {'yes' if text['inside_tables'] else 'NO'}")
     for p in report["problems"]:
         print(f"[problem] {p}")
-    print("[ok] the Engram front end agrees with the config" if not report["problems"]
-          else f"[fail] {len(report['problems'])} problem(s)")
+    print(
+        "[ok] the Engram front end agrees with the config"
+        if not report["problems"]
+        else f"[fail] {len(report['problems'])} problem(s)"
+    )
 
 
 def _not_utf8(text: str) -> str | None:
@@ -160,17 +179,30 @@ def cli_main(argv: list[str]) -> int:
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(prog="dsv41 engram", description=(
-        "Derive the Engram bucket layout and hash multipliers from a config, compare them with the "
-        "declared row counts and (with --tokenizer) the compressed vocabulary; exit non-zero on any "
-        "disagreement."))
-    parser.add_argument("--config", metavar="PATH", help="config file or checkpoint directory (required unless --bench)")
+    parser = argparse.ArgumentParser(
+        prog="dsv41 engram",
+        description=(
+            "Derive the Engram bucket layout and hash multipliers from a config, compare them with the "
+            "declared row counts and (with --tokenizer) the compressed vocabulary; exit non-zero on any "
+            "disagreement."
+        ),
+    )
+    parser.add_argument(
+        "--config", metavar="PATH", help="config file or checkpoint directory (required unless --bench)"
+    )
     parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer.json or the directory holding it")
-    parser.add_argument("--text", metavar="STR", help="encode this text (UTF-8) and print its hash ids (needs --tokenizer)")
+    parser.add_argument(
+        "--text", metavar="STR", help="encode this text (UTF-8) and print its hash ids (needs --tokenizer)"
+    )
     parser.add_argument("--json", metavar="OUT", help="write the report here (also when a check fails)")
     parser.add_argument("--bench", action="store_true", help="time the hasher on a synthetic prompt and exit")
-    parser.add_argument("--bench-tokens", type=whole_number(1, MAX_BENCH_TOKENS, "tokens"), default=32768, metavar="N",
-                        help=f"prompt length for --bench: 1 to {MAX_BENCH_TOKENS:,} tokens (default 32,768)")
+    parser.add_argument(
+        "--bench-tokens",
+        type=whole_number(1, MAX_BENCH_TOKENS, "tokens"),
+        default=32768,
+        metavar="N",
+        help=f"prompt length for --bench: 1 to {MAX_BENCH_TOKENS:,} tokens (default 32,768)",
+    )
     args = parser.parse_args(argv)
     if args.text is not None and args.tokenizer is None:
         parser.error("--text needs --tokenizer to turn the text into token ids")
@@ -195,8 +227,9 @@ def cli_main(argv: list[str]) -> int:
         return True
 
     if args.json and (why := _json_target_problem(args.json)):
-        return fail(f"--json {args.json}: cannot write the report there ({why}); pass a file path in an "
-                    f"existing folder")
+        return fail(
+            f"--json {args.json}: cannot write the report there ({why}); pass a file path in an existing folder"
+        )
 
     from dsv41.config import ConfigError, load_config
 
@@ -219,9 +252,11 @@ def cli_main(argv: list[str]) -> int:
             result = bench_hasher(args.bench_tokens, cfg)
         except EngramError as exc:
             return fail(f"cannot benchmark this config: {exc}")
-        print(f"hashed a {result['n_tokens']:,}-token prompt into {result['n_layers']} layers x "
-              f"{result['n_hash_cols']} columns in {result['prefill_s'] * 1e3:.1f} ms "
-              f"({result['tokens_per_s'] / 1e6:.2f} M tokens/s); one decode step {result['decode_step_s'] * 1e6:.0f} us")
+        print(
+            f"hashed a {result['n_tokens']:,}-token prompt into {result['n_layers']} layers x "
+            f"{result['n_hash_cols']} columns in {result['prefill_s'] * 1e3:.1f} ms "
+            f"({result['tokens_per_s'] / 1e6:.2f} M tokens/s); one decode step {result['decode_step_s'] * 1e6:.0f} us"
+        )
         return 0 if write_json({"bench": result}) else 1
 
     tokenizer = None

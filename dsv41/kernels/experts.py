@@ -115,9 +115,18 @@ class PackedExpert(NamedTuple):
 
 
 # ---------------------------------------------------------------------- experts
-def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: Optional[Experts],
-                   swiglu_limit: float = 0.0, *, cpu_kernel: str = "auto", batch_invariant: bool = False,
-                   product: Optional[Callable] = None, batches: Optional[Iterable] = None) -> torch.Tensor:
+def routed_experts(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: Optional[Experts],
+    swiglu_limit: float = 0.0,
+    *,
+    cpu_kernel: str = "auto",
+    batch_invariant: bool = False,
+    product: Optional[Callable] = None,
+    batches: Optional[Iterable] = None,
+) -> torch.Tensor:
     """y = sum_k weights[:, k] * expert_{expert_ids[:, k]}(x), float32 [n, dim] on x's device.
 
     Call contract (the same for `routed_experts_reference`): x [n, dim] activations (bf16 in the
@@ -147,18 +156,21 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
     flat_weights = weights.reshape(-1).float()  # [n*k]
     pairs_of = dict(zip(ids.tolist(), torch.split(order, counts.tolist())))  # ascending id
     outs = {}
-    for source in ([experts] if batches is None else batches):
+    for source in [experts] if batches is None else batches:
         wanted = list(pairs_of) if batches is None else sorted(e for e in source if e in pairs_of)
-        groups = [(a[pairs_of[e] // k], a_s[pairs_of[e] // k], source[e], flat_weights[pairs_of[e]].unsqueeze(1))
-                  for e in wanted]  # per expert its tokens' rows [c] and routing weights [c, 1]
+        groups = [
+            (a[pairs_of[e] // k], a_s[pairs_of[e] // k], source[e], flat_weights[pairs_of[e]].unsqueeze(1))
+            for e in wanted
+        ]  # per expert its tokens' rows [c] and routing weights [c, 1]
         outs.update(zip(wanted, _run_experts(groups, x.dtype, swiglu_limit, cpu_kernel, batch_invariant, product)))
     for e, pairs in pairs_of.items():
         y.index_add_(0, pairs // k, outs[e].to(y.device, torch.float32))  # ascending expert id, as the reference adds
     return y
 
 
-def routed_experts_reference(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                             experts: Experts, swiglu_limit: float = 0.0) -> torch.Tensor:
+def routed_experts_reference(
+    x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: Experts, swiglu_limit: float = 0.0
+) -> torch.Tensor:
     """The plain reference for `routed_experts`: per selected expert (ascending id), its tokens
     gathered, quantized to FP8 and multiplied by the op layer's `fp4_gemm`, which expands each
     weight matrix to float32; the expert outputs summed in float32."""
@@ -176,13 +188,21 @@ def _check_routing(x, expert_ids, weights):
     if x.dim() != 2:
         raise ValueError(f"x must be [tokens, dim], got shape {tuple(x.shape)}")
     if expert_ids.shape != weights.shape or expert_ids.dim() != 2 or expert_ids.size(0) != x.size(0):
-        raise ValueError(f"expert_ids and weights must both be [{x.size(0)}, k], got "
-                         f"{tuple(expert_ids.shape)} and {tuple(weights.shape)}")
+        raise ValueError(
+            f"expert_ids and weights must both be [{x.size(0)}, k], got "
+            f"{tuple(expert_ids.shape)} and {tuple(weights.shape)}"
+        )
 
 
-def expert_ffn(x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0,
-               weights: Optional[torch.Tensor] = None, *, cpu_kernel: str = "auto",
-               batch_invariant: bool = False) -> torch.Tensor:
+def expert_ffn(
+    x: torch.Tensor,
+    expert: Expert,
+    swiglu_limit: float = 0.0,
+    weights: Optional[torch.Tensor] = None,
+    *,
+    cpu_kernel: str = "auto",
+    batch_invariant: bool = False,
+) -> torch.Tensor:
     """One SwiGLU expert (FP4 routed or FP8 shared weights) on x [n, dim] -> [n, dim] in x's dtype,
     through the same GEMMs as `routed_experts`; `weights` [n, 1] scales the activation before the
     down projection."""
@@ -190,11 +210,15 @@ def expert_ffn(x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0,
     return _run_experts([(a, a_s, expert, weights)], x.dtype, swiglu_limit, cpu_kernel, batch_invariant)[0]
 
 
-def expert_ffn_reference(x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0,
-                         weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+def expert_ffn_reference(
+    x: torch.Tensor, expert: Expert, swiglu_limit: float = 0.0, weights: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """`expert_ffn` through the op layer's reference `linear` (each weight expanded whole)."""
-    h = clamped_swiglu(linear(x, _as_fp4(expert.w1), expert.w1_scale, kernel="reference"),
-                       linear(x, _as_fp4(expert.w3), expert.w3_scale, kernel="reference"), swiglu_limit)
+    h = clamped_swiglu(
+        linear(x, _as_fp4(expert.w1), expert.w1_scale, kernel="reference"),
+        linear(x, _as_fp4(expert.w3), expert.w3_scale, kernel="reference"),
+        swiglu_limit,
+    )
     if weights is not None:
         h = weights * h
     return linear(h.to(x.dtype), _as_fp4(expert.w2), expert.w2_scale, kernel="reference")
@@ -214,18 +238,27 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return F.silu(gate) * up
 
 
-def _run_experts(groups, dtype, swiglu_limit: float, cpu_kernel: str, batch_invariant: bool,
-                 product: Optional[Callable] = None) -> list:
+def _run_experts(
+    groups, dtype, swiglu_limit: float, cpu_kernel: str, batch_invariant: bool, product: Optional[Callable] = None
+) -> list:
     """Experts on FP8-quantized tokens: groups [(a, a_s, expert, routing weights [c, 1] or None)]
     -> each expert's output in `dtype`: gate/up -> clamped SwiGLU -> routing weight -> down.
     Every GEMM output is rounded to the activation dtype, as the reference's linears return it.
     All gate and up projections go to `_products` as one list, then all down projections, so the
     native kernel takes each list in one parallel pass (its threads start twice per layer)."""
-    ups = _products([(a, a_s, w, s) for a, a_s, expert, _ in groups
-                     for w, s in ((expert.w1, expert.w1_scale), (expert.w3, expert.w3_scale))],
-                    dtype, cpu_kernel, batch_invariant, product)
+    ups = _products(
+        [
+            (a, a_s, w, s)
+            for a, a_s, expert, _ in groups
+            for w, s in ((expert.w1, expert.w1_scale), (expert.w3, expert.w3_scale))
+        ],
+        dtype,
+        cpu_kernel,
+        batch_invariant,
+        product,
+    )
     downs = []
-    for (a, a_s, expert, weights), gate, up in zip(groups, ups[0::2], ups[1::2]):
+    for (_a, _a_s, expert, weights), gate, up in zip(groups, ups[0::2], ups[1::2]):
         h = clamped_swiglu(gate, up, swiglu_limit)  # [c, inter] float32
         if weights is not None:
             h = weights.to(h.device) * h  # the routing weight scales the activation before the down projection
@@ -264,10 +297,26 @@ def _products(jobs, dtype, cpu_kernel: str, batch_invariant: bool, product: Opti
     shared_tokens = []  # runs of (job index, a, a_s, w, s, op) with the same tokens and format
     for i, a, a_s, w, s, op in on_cpu:
         a_raw, w_raw = _e8m0_bytes(a_s.reshape(op.m, op.k // _BLOCK)), _e8m0_bytes(s)
-        if (kernels is not None and a_raw is not None and w_raw is not None
-                and (op.m <= native.BLOCK_ORDER_MAX_TOKENS or batch_invariant)):
-            block_order.append((i, (op.fp4, a.reshape(op.m, op.k).view(torch.uint8), a_raw, _BLOCK,
-                                    w.view(torch.uint8), w_raw, op.rows_per_scale)))
+        if (
+            kernels is not None
+            and a_raw is not None
+            and w_raw is not None
+            and (op.m <= native.BLOCK_ORDER_MAX_TOKENS or batch_invariant)
+        ):
+            block_order.append(
+                (
+                    i,
+                    (
+                        op.fp4,
+                        a.reshape(op.m, op.k).view(torch.uint8),
+                        a_raw,
+                        _BLOCK,
+                        w.view(torch.uint8),
+                        w_raw,
+                        op.rows_per_scale,
+                    ),
+                )
+            )
             continue
         # more tokens, or scales the native kernel does not read: an expert's gate and up
         # projections read the same tokens, so they decode them once and share one GEMM
@@ -277,8 +326,9 @@ def _products(jobs, dtype, cpu_kernel: str, batch_invariant: bool, product: Opti
             shared_tokens.append([(i, a, a_s, w, s, op)])
     for run in shared_tokens:
         _, a, a_s, *_ = run[0]
-        products = _fused_products(a, a_s, [(w, s, op) for _, _, _, w, s, op in run], _BLOCK, kernels,
-                                   batch_invariant, dtype)
+        products = _fused_products(
+            a, a_s, [(w, s, op) for _, _, _, w, s, op in run], _BLOCK, kernels, batch_invariant, dtype
+        )
         for (i, *_), out in zip(run, products):
             outs[i] = out.to(dtype)
     if block_order:
@@ -331,8 +381,14 @@ def fp8_gemm_fused(
     return out.to(out_dtype).reshape(*a.shape[:-1], op.n)
 
 
-def linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None, *,
-                 cpu_kernel: str = "auto", batch_invariant: bool = False) -> torch.Tensor:
+def linear_fused(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: Optional[torch.Tensor] = None,
+    *,
+    cpu_kernel: str = "auto",
+    batch_invariant: bool = False,
+) -> torch.Tensor:
     """The op layer's `linear` (FP8 activation quantization, then the FP4 or FP8 product, output in
     x's dtype) through the fused GEMMs; other weights are plain F.linear."""
     if weight.dtype in (torch.int8, torch.uint8):
@@ -346,14 +402,30 @@ def linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Te
     return gemm(a, a_s, weight, scale, out_dtype=x.dtype, cpu_kernel=cpu_kernel, batch_invariant=batch_invariant)
 
 
-def _fused(a, a_s, w, s, op: Operands, act_block: int, kernels: Optional["native.NativeKernels"],
-           batch_invariant: bool, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _fused(
+    a,
+    a_s,
+    w,
+    s,
+    op: Operands,
+    act_block: int,
+    kernels: Optional["native.NativeKernels"],
+    batch_invariant: bool,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """One fused CPU GEMM (`_fused_products` of one weight)."""
     return _fused_products(a, a_s, [(w, s, op)], act_block, kernels, batch_invariant, out_dtype)[0]
 
 
-def _fused_products(a, a_s, weights: list, act_block: int, kernels: Optional["native.NativeKernels"],
-                    batch_invariant: bool, out_dtype: torch.dtype = torch.float32) -> list:
+def _fused_products(
+    a,
+    a_s,
+    weights: list,
+    act_block: int,
+    kernels: Optional["native.NativeKernels"],
+    batch_invariant: bool,
+    out_dtype: torch.dtype = torch.float32,
+) -> list:
     """The fused CPU GEMMs of one set of tokens with weights [(w, s, op)] of one format and K (the
     operands `check_operands` passed) -> float32 [M, N] each: the native kernel where it is loaded
     and all scales are E8M0 (the weights' rows in one pass), the torch kernel otherwise; rows and
@@ -365,22 +437,35 @@ def _fused_products(a, a_s, weights: list, act_block: int, kernels: Optional["na
     m, k = op.m, op.k
     if m == 0 or any(w_op.n == 0 for _, _, w_op in weights):
         if len(weights) > 1:  # one at a time, so the empty ones come back empty
-            return [_fused(a, a_s, w, s, w_op, act_block, kernels, batch_invariant, out_dtype)
-                    for w, s, w_op in weights]
+            return [
+                _fused(a, a_s, w, s, w_op, act_block, kernels, batch_invariant, out_dtype) for w, s, w_op in weights
+            ]
         return [torch.zeros(m, op.n, dtype=torch.float32)]
     a_raw = _e8m0_bytes(a_s.reshape(m, -1))  # a_s [M, K/act_block]
     w_raws = [_e8m0_bytes(s) for _, s, _ in weights]
     if kernels is not None and a_raw is not None and all(raw is not None for raw in w_raws):
         bf16 = out_dtype == torch.bfloat16 and native.prefill_path(kernels) in _BF16_PATHS
-        results = kernels.gemm(op.fp4, a.reshape(m, k).view(torch.uint8), a_raw, act_block,
-                               [(_words(w).view(torch.uint8), raw) for (w, _, _), raw in zip(weights, w_raws)],
-                               op.rows_per_scale, _SPAN_OCTAVES, _BF16_CHUNK_VALUES if bf16 else _CHUNK_VALUES,
-                               block_order=batch_invariant, bf16=bf16)
+        results = kernels.gemm(
+            op.fp4,
+            a.reshape(m, k).view(torch.uint8),
+            a_raw,
+            act_block,
+            [(_words(w).view(torch.uint8), raw) for (w, _, _), raw in zip(weights, w_raws)],
+            op.rows_per_scale,
+            _SPAN_OCTAVES,
+            _BF16_CHUNK_VALUES if bf16 else _CHUNK_VALUES,
+            block_order=batch_invariant,
+            bf16=bf16,
+        )
     else:  # the torch kernel (also for scales that are not E8M0, which the native kernel does not read)
-        results = [_torch_fused(a, a_s, w, s, w_op, act_block, raw, batch_invariant)
-                   for (w, s, w_op), raw in zip(weights, w_raws)]
-    return [_out_of_span(out, a_ok, w_ok, a, a_s, w, s, w_op, act_block)
-            for (out, a_ok, w_ok), (w, s, w_op) in zip(results, weights)]
+        results = [
+            _torch_fused(a, a_s, w, s, w_op, act_block, raw, batch_invariant)
+            for (w, s, w_op), raw in zip(weights, w_raws)
+        ]
+    return [
+        _out_of_span(out, a_ok, w_ok, a, a_s, w, s, w_op, act_block)
+        for (out, a_ok, w_ok), (w, s, w_op) in zip(results, weights)
+    ]
 
 
 def _torch_fused(a, a_s, w, s, op: Operands, act_block: int, w_raw: Optional[torch.Tensor], batch_invariant: bool):
@@ -428,7 +513,8 @@ def _out_of_span(out, a_ok, w_ok, a, a_s, w, s, op: Operands, act_block: int) ->
             for r0 in range(0, n, rows):
                 idx = torch.arange(r0, min(n, r0 + rows))
                 out[bad_tokens.unsqueeze(1), idx.unsqueeze(0)] = _reference_rows(
-                    a2[bad_tokens], s2[bad_tokens], w, s, idx, op, act_block).to(out.dtype)
+                    a2[bad_tokens], s2[bad_tokens], w, s, idx, op, act_block
+                ).to(out.dtype)
     return out
 
 
@@ -534,8 +620,13 @@ def _permute_columns(x: torch.Tensor, codec: _WordCodec) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- the chunked product
-def _chunked_product(a_perm: torch.Tensor, words: torch.Tensor, rel: torch.Tensor, codec: _WordCodec,
-                     table_decode: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
+def _chunked_product(
+    a_perm: torch.Tensor,
+    words: torch.Tensor,
+    rel: torch.Tensor,
+    codec: _WordCodec,
+    table_decode: Optional[Callable[[torch.Tensor], torch.Tensor]],
+) -> torch.Tensor:
     """sum_k a_perm[m, k] * w[n, k] * rel[n, k/32] -> float32 [M, N], a chunk of rows at a time.
 
     a_perm is already scaled and in the chunk column order; `table_decode` (bytes [rows, B] ->

@@ -124,8 +124,9 @@ def fp4_gemm(
 LINEAR_KERNELS = ("auto", "native", "reference")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None, *,
-           kernel: str = "auto") -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None, *, kernel: str = "auto"
+) -> torch.Tensor:
     """y = x @ weight^T, choosing the FP4, FP8 or plain path from weight.dtype.
 
     Quantized weights: the activation is quantized to FP8 over blocks of 32, then multiplied by
@@ -179,7 +180,8 @@ def _native_linear(a, a_s, weight, scale, out_dtype, *, required: bool) -> Optio
     rows_per_scale = 1 if fp4 else FP4_WEIGHT_BLOCK  # FP8 scales cover 32 x 32 blocks
     a_bytes = a.reshape(m, k).view(torch.uint8)  # [M, K] E4M3 codes
     a_scale = a_s.reshape(m, k // FP4_WEIGHT_BLOCK).view(torch.uint8)  # [M, K/32] E8M0 bytes
-    out = native.load().gemm_many([(fp4, a_bytes, a_scale, FP4_WEIGHT_BLOCK, weight.view(torch.uint8),
-                                    scale.view(torch.uint8), rows_per_scale)])[0]  # float32 [M, N]
+    out = native.load().gemm_many(
+        [(fp4, a_bytes, a_scale, FP4_WEIGHT_BLOCK, weight.view(torch.uint8), scale.view(torch.uint8), rows_per_scale)]
+    )[0]  # float32 [M, N]
     # the kernel writes [N, M]; the callers (RoPE, views) want the reference's row-major [M, N]
     return out.to(out_dtype, memory_format=torch.contiguous_format).reshape(*a.shape[:-1], n)

@@ -45,8 +45,12 @@ _ABI_VERSION = 11  # must equal ABI_VERSION in native.c
 ISA_LEVELS = ("plain", "avx2", "avx512", "avx512_bf16", "amx")
 ISA_ENV = "DSV41_ISA"
 # What each level adds to the one below it, in torch's names for the CPU's features.
-_LEVEL_FEATURES = {"avx2": ("avx2", "fma3", "f16c"), "avx512": ("avx512_f", "avx512_bw", "avx512_dq", "avx512_vl"),
-                   "avx512_bf16": ("avx512_bf16",), "amx": ("amx_tile", "amx_bf16")}
+_LEVEL_FEATURES = {
+    "avx2": ("avx2", "fma3", "f16c"),
+    "avx512": ("avx512_f", "avx512_bw", "avx512_dq", "avx512_vl"),
+    "avx512_bf16": ("avx512_bf16",),
+    "amx": ("amx_tile", "amx_bf16"),
+}
 # -ffp-contract=off: a multiply and an add stay two roundings, as in the reference
 _COMMON_FLAGS = ["-shared", "-fPIC", "-pthread", "-std=c11", "-ffp-contract=off", "-Wall"]
 _BLOCK = 32
@@ -101,8 +105,20 @@ class NativeKernels:
                 buf = kept[(name, dtype)] = torch.empty(numel, dtype=dtype)
         return buf[:numel].view(rows, cols)
 
-    def gemm(self, fp4: bool, a: torch.Tensor, a_scale: torch.Tensor, act_block: int, weights: list,
-             rows_per_scale: int, span: int, chunk_values: int, *, block_order: bool = False, bf16: bool = False):
+    def gemm(
+        self,
+        fp4: bool,
+        a: torch.Tensor,
+        a_scale: torch.Tensor,
+        act_block: int,
+        weights: list,
+        rows_per_scale: int,
+        span: int,
+        chunk_values: int,
+        *,
+        block_order: bool = False,
+        bf16: bool = False,
+    ):
         """The fused GEMMs of one set of tokens with one or more weights of one format, E8M0-scaled
         -> for each weight (its product [M, N], token ok bool [M] or None, row ok bool [N] or None);
         None: every token and row is ok.
@@ -131,18 +147,19 @@ class NativeKernels:
         weights = [(packed.contiguous(), w_scale.contiguous()) for packed, w_scale in weights]
         m, k = a.shape
         if m <= BLOCK_ORDER_MAX_TOKENS or block_order:
-            outs = self.gemm_many([(fp4, a, a_scale, act_block, packed, w_scale, rows_per_scale)
-                                   for packed, w_scale in weights])
+            outs = self.gemm_many(
+                [(fp4, a, a_scale, act_block, packed, w_scale, rows_per_scale) for packed, w_scale in weights]
+            )
             return [(out, None, None) for out in outs]
 
         shapes = f"K={k} act_block={act_block}"
         dtype = torch.bfloat16 if bf16 else torch.float32
         values, a_top, a_low = self._decoded_activations(a, a_scale, act_block, dtype, shapes)
         tops = [self._scale_range(w_scale, shapes) for _, w_scale in weights]
-        out_t, first_rows = self._decoded_products(fp4, values, weights, tops, rows_per_scale, chunk_values,
-                                                   dtype, shapes)
-        return self._scaled_products(out_t, weights, tops, first_rows, a_top, a_low, rows_per_scale, span,
-                                     bf16, shapes)
+        out_t, first_rows = self._decoded_products(
+            fp4, values, weights, tops, rows_per_scale, chunk_values, dtype, shapes
+        )
+        return self._scaled_products(out_t, weights, tops, first_rows, a_top, a_low, rows_per_scale, span, bf16, shapes)
 
     def _decoded_activations(self, a, a_scale, act_block: int, dtype, shapes: str):
         """The activations decoded to `dtype` values [M, K] (dsv41_activation) and each token's scale
@@ -150,9 +167,20 @@ class NativeKernels:
         m, k = a.shape
         values = self._workspace("activations", m, k, dtype)
         a_top, a_low = torch.empty(m, dtype=torch.int32), torch.empty(m, dtype=torch.int32)
-        self._check(self._lib.dsv41_activation(a.data_ptr(), a_scale.data_ptr(), m, k, act_block, values.data_ptr(),
-                                                a_top.data_ptr(), a_low.data_ptr(), int(dtype == torch.bfloat16)),
-                    shapes)
+        self._check(
+            self._lib.dsv41_activation(
+                a.data_ptr(),
+                a_scale.data_ptr(),
+                m,
+                k,
+                act_block,
+                values.data_ptr(),
+                a_top.data_ptr(),
+                a_low.data_ptr(),
+                int(dtype == torch.bfloat16),
+            ),
+            shapes,
+        )
         return values, a_top, a_low
 
     def _scale_range(self, w_scale, shapes: str):
@@ -160,12 +188,15 @@ class NativeKernels:
         `split_powers` takes it."""
         scale_rows, blocks = w_scale.shape
         w_top, w_low = torch.empty(scale_rows, dtype=torch.int32), torch.empty(scale_rows, dtype=torch.int32)
-        self._check(self._lib.dsv41_scale_range(w_scale.data_ptr(), scale_rows, blocks, w_top.data_ptr(),
-                                                 w_low.data_ptr()), shapes)
+        self._check(
+            self._lib.dsv41_scale_range(w_scale.data_ptr(), scale_rows, blocks, w_top.data_ptr(), w_low.data_ptr()),
+            shapes,
+        )
         return w_top, w_low
 
-    def _decoded_products(self, fp4: bool, values, weights: list, tops: list, rows_per_scale: int,
-                          chunk_values: int, dtype, shapes: str):
+    def _decoded_products(
+        self, fp4: bool, values, weights: list, tops: list, rows_per_scale: int, chunk_values: int, dtype, shapes: str
+    ):
         """(every weight's product before the powers of two, [sum N, M] (a transposed view for BF16),
         the first row of each weight in it)."""
         # the weights' rows end to end, each chunk of rows one GEMM: BF16 into the columns of one
@@ -188,14 +219,38 @@ class NativeKernels:
                 r0, r1 = max(c0, first) - first, min(c1, first + packed.size(0)) - first  # this weight's rows
                 if r0 < r1:
                     into = buf[first + r0 - c0]
-                    self._check(self._lib.dsv41_decode(int(fp4), packed.data_ptr(), w_scale.data_ptr(),
-                                                        w_top.data_ptr(), rows_per_scale, into.data_ptr(), r0, r1,
-                                                        k, threads, int(bf16)), shapes)
+                    self._check(
+                        self._lib.dsv41_decode(
+                            int(fp4),
+                            packed.data_ptr(),
+                            w_scale.data_ptr(),
+                            w_top.data_ptr(),
+                            rows_per_scale,
+                            into.data_ptr(),
+                            r0,
+                            r1,
+                            k,
+                            threads,
+                            int(bf16),
+                        ),
+                        shapes,
+                    )
             torch.mm(buf[: c1 - c0], values.t(), out=out_t[c0:c1])
         return out_t, first_rows
 
-    def _scaled_products(self, out_t, weights: list, tops: list, first_rows: list, a_top, a_low,
-                         rows_per_scale: int, span: int, bf16: bool, shapes: str) -> list:
+    def _scaled_products(
+        self,
+        out_t,
+        weights: list,
+        tops: list,
+        first_rows: list,
+        a_top,
+        a_low,
+        rows_per_scale: int,
+        span: int,
+        bf16: bool,
+        shapes: str,
+    ) -> list:
         """Each weight's (product [M, N] with the powers of two applied, token ok, row ok)."""
         m, total = out_t.size(1), out_t.size(0)
         threads = torch.get_num_threads()
@@ -206,8 +261,12 @@ class NativeKernels:
             w_pow, row_ok = (t.repeat_interleave(rows_per_scale)[:n] for t in split_powers(w_top, w_low, span))
             product = out_t[first : first + n].t()  # [M, N]
             if bf16:
-                self._check(self._lib.dsv41_apply_powers(product.data_ptr(), m, n, total, a_top.data_ptr(),
-                                                          w_top.data_ptr(), rows_per_scale, threads), shapes)
+                self._check(
+                    self._lib.dsv41_apply_powers(
+                        product.data_ptr(), m, n, total, a_top.data_ptr(), w_top.data_ptr(), rows_per_scale, threads
+                    ),
+                    shapes,
+                )
             else:  # the token's power of two first, then the row's, as the reference applies a_s, w_s
                 product = product * a_pow.unsqueeze(1) * w_pow.unsqueeze(0)
             results.append((product, token_ok, row_ok))
@@ -221,10 +280,23 @@ class NativeKernels:
         codes = torch.empty(m, k, dtype=torch.uint8)
         scales = torch.empty(m, k // block, dtype=torch.uint8)
         threads = torch.get_num_threads() if m * k >= _QUANT_PARALLEL_VALUES else 1
-        self._check(self._lib.dsv41_act_quant(flat.data_ptr(), int(flat.dtype == torch.bfloat16), m, k, block,
-                                               codes.data_ptr(), scales.data_ptr(), threads), f"K={k} block={block}")
-        return (codes.view(torch.float8_e4m3fn).reshape(x.shape),
-                scales.view(torch.float8_e8m0fnu).reshape(*x.shape[:-1], k // block))
+        self._check(
+            self._lib.dsv41_act_quant(
+                flat.data_ptr(),
+                int(flat.dtype == torch.bfloat16),
+                m,
+                k,
+                block,
+                codes.data_ptr(),
+                scales.data_ptr(),
+                threads,
+            ),
+            f"K={k} block={block}",
+        )
+        return (
+            codes.view(torch.float8_e4m3fn).reshape(x.shape),
+            scales.view(torch.float8_e8m0fnu).reshape(*x.shape[:-1], k // block),
+        )
 
     def gemm_many(self, products: list) -> list[torch.Tensor]:
         """Several block-order products (the op layer's own order, any token count) in one
@@ -243,9 +315,17 @@ class NativeKernels:
             desc.w, desc.w_scale, desc.a, desc.a_scale = (t.data_ptr() for t in (packed, w_scale, a, a_scale))
             desc.out = out_t.data_ptr()
             desc.rows_per_scale, desc.act_block, desc.m, desc.n, desc.k, desc.fp4 = (
-                rows_per_scale, act_block, m, n, k, int(fp4))
-        self._check(self._lib.dsv41_gemm_many(descs, len(products), torch.get_num_threads()),
-                    ", ".join(f"K={d.k} act_block={d.act_block}" for d in descs))
+                rows_per_scale,
+                act_block,
+                m,
+                n,
+                k,
+                int(fp4),
+            )
+        self._check(
+            self._lib.dsv41_gemm_many(descs, len(products), torch.get_num_threads()),
+            ", ".join(f"K={d.k} act_block={d.act_block}" for d in descs),
+        )
         return [out_t.t() for out_t in outs]
 
     @staticmethod
@@ -253,16 +333,28 @@ class NativeKernels:
         if status == -2:
             raise MemoryError("the native expert kernel could not allocate its working memory")
         if status != 0:
-            raise ValueError(f"the native expert kernel does not take {shapes} "
-                             f"(K and act_block multiples of {_BLOCK}, act_block dividing K)")
+            raise ValueError(
+                f"the native expert kernel does not take {shapes} "
+                f"(K and act_block multiples of {_BLOCK}, act_block dividing K)"
+            )
 
 
 class _GemmDesc(ctypes.Structure):
     """native.c's dsv41_gemm_desc, field for field."""
-    _fields_ = [("w", ctypes.c_void_p), ("w_scale", ctypes.c_void_p), ("a", ctypes.c_void_p),
-                ("a_scale", ctypes.c_void_p), ("out", ctypes.c_void_p), ("rows_per_scale", ctypes.c_int64),
-                ("act_block", ctypes.c_int64), ("m", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("fp4", ctypes.c_int64)]
+
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("w_scale", ctypes.c_void_p),
+        ("a", ctypes.c_void_p),
+        ("a_scale", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("rows_per_scale", ctypes.c_int64),
+        ("act_block", ctypes.c_int64),
+        ("m", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("fp4", ctypes.c_int64),
+    ]
 
 
 def split_powers(top: torch.Tensor, low: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,8 +410,10 @@ def check_isa_level(level: str, source: str = "level") -> str:
     if level not in ISA_LEVELS:
         raise ValueError(f"{source} {level!r} is not an instruction-set level; use one of {', '.join(ISA_LEVELS)}")
     if level not in runnable_isa_levels():
-        raise ValueError(f"{source} {level!r} is above what this CPU has ({cpu_isa_level()}): "
-                         f"a level can hold the kernels lower, never higher")
+        raise ValueError(
+            f"{source} {level!r} is above what this CPU has ({cpu_isa_level()}): "
+            f"a level can hold the kernels lower, never higher"
+        )
     return level
 
 
@@ -481,8 +575,9 @@ def _compile(compiler: str, flags: list[str], path: Path) -> Optional[str]:
             os.close(fd)
             temps.append(tmp)
         library, record = temps
-        done = subprocess.run([compiler, *flags, *_COMMON_FLAGS, "-o", library, str(SOURCE)],
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [compiler, *flags, *_COMMON_FLAGS, "-o", library, str(SOURCE)], capture_output=True, text=True, timeout=300
+        )
         if done.returncode != 0:
             lines = (done.stderr or done.stdout).strip().splitlines()
             errors = [line for line in lines if "error" in line] or lines

@@ -30,8 +30,14 @@ class Operands(NamedTuple):
 _FP4_NAME = "packed FP4 (float4_e2m1fn_x2, uint8 or int8)"
 
 
-def check_operands(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, s: torch.Tensor, act_block: int = 32,
-                   kind: Optional[str] = None) -> Operands:
+def check_operands(
+    a: torch.Tensor,
+    a_s: torch.Tensor,
+    w: torch.Tensor,
+    s: torch.Tensor,
+    act_block: int = 32,
+    kind: Optional[str] = None,
+) -> Operands:
     """The one shape and dtype check of a packed-weight product, for every kernel here and in
     triton_experts: FP8 E4M3 activations a [..., K] with scales a_s [..., K/act_block] against a
     packed FP4 weight [N, K/2] with scales [N, K/32] or an FP8 E4M3 weight [N, K] with scales

@@ -49,9 +49,16 @@ def act_quant(
     if scale_dtype == torch.float8_e8m0fnu and not power_of_two:
         raise ValueError("E8M0 scales need scale_fmt='ue8m0': an arbitrary float32 scale does not fit")
 
-    if (not inplace and power_of_two and scale_dtype == torch.float8_e8m0fnu and x.device.type == "cpu"
-            and x.dtype in (torch.float32, torch.bfloat16) and block_size % 32 == 0 and x.size(-1) % block_size == 0
-            and x.numel() > 0):
+    if (
+        not inplace
+        and power_of_two
+        and scale_dtype == torch.float8_e8m0fnu
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and block_size % 32 == 0
+        and x.size(-1) % block_size == 0
+        and x.numel() > 0
+    ):
         from . import native
 
         kernels = native.load()
@@ -60,8 +67,9 @@ def act_quant(
     return _act_quant_torch(x, block_size, power_of_two, scale_dtype, inplace)
 
 
-def _act_quant_torch(x: torch.Tensor, block_size: int, power_of_two: bool, scale_dtype: torch.dtype,
-                     inplace: bool) -> Union[Quantized, torch.Tensor]:
+def _act_quant_torch(
+    x: torch.Tensor, block_size: int, power_of_two: bool, scale_dtype: torch.dtype, inplace: bool
+) -> Union[Quantized, torch.Tensor]:
     """act_quant in tensor operations: the definition the native kernel follows byte for byte."""
     blocks = _blocks(x, block_size)
     amax = blocks.abs().amax(dim=-1).clamp_min(_FP8_AMAX_FLOOR)  # [..., n_blocks]

@@ -71,9 +71,22 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _fp4_gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, N, NB,
-                         stride_am, stride_asm, stride_wn, stride_wsn, stride_cm,
-                         BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):
+    def _fp4_gemv_kernel(
+        a_ptr,
+        as_ptr,
+        w_ptr,
+        ws_ptr,
+        c_ptr,
+        N,
+        NB,
+        stride_am,
+        stride_asm,
+        stride_wn,
+        stride_wsn,
+        stride_cm,
+        BLOCK_N: tl.constexpr,
+        BLOCKS: tl.constexpr,
+    ):
         m = tl.program_id(1)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -84,24 +97,46 @@ if triton is not None:
             kb = kb0 + offs_b  # [BLOCKS]
             mask_b = kb < NB
             w_mask = mask_n[:, None, None] & mask_b[None, :, None]
-            wb = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + kb[None, :, None] * 16 + offs_h[None, None, :],
-                         mask=w_mask, other=0)  # [BLOCK_N, BLOCKS, 16] bytes
+            wb = tl.load(
+                w_ptr + offs_n[:, None, None] * stride_wn + kb[None, :, None] * 16 + offs_h[None, None, :],
+                mask=w_mask,
+                other=0,
+            )  # [BLOCK_N, BLOCKS, 16] bytes
             a_base = a_ptr + m * stride_am + kb[:, None] * 32 + 2 * offs_h[None, :]
             a_even = tl.load(a_base, mask=mask_b[:, None], other=0.0)  # [BLOCKS, 16]
             a_odd = tl.load(a_base + 1, mask=mask_b[:, None], other=0.0)
             part = tl.sum(_e2m1(wb) * a_even[None, :, :], axis=2) + tl.sum(_e2m1(wb >> 4) * a_odd[None, :, :], axis=2)
             a_sc = tl.load(as_ptr + m * stride_asm + kb, mask=mask_b, other=0.0)  # [BLOCKS]
-            w_sc = _e8m0(tl.load(ws_ptr + offs_n[:, None] * stride_wsn + kb[None, :],
-                                 mask=mask_n[:, None] & mask_b[None, :], other=127))  # [BLOCK_N, BLOCKS]
+            w_sc = _e8m0(
+                tl.load(
+                    ws_ptr + offs_n[:, None] * stride_wsn + kb[None, :],
+                    mask=mask_n[:, None] & mask_b[None, :],
+                    other=127,
+                )
+            )  # [BLOCK_N, BLOCKS]
             part = part * a_sc[None, :]  # activation scale first, then the weight's, as the reference
             part = part * w_sc
             acc += tl.sum(part, axis=1)
         tl.store(c_ptr + m * stride_cm + offs_n, acc, mask=mask_n)
 
     @triton.jit
-    def _fp4_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, NB,
-                         stride_am, stride_asm, stride_wn, stride_wsn, stride_cm,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _fp4_gemm_kernel(
+        a_ptr,
+        as_ptr,
+        w_ptr,
+        ws_ptr,
+        c_ptr,
+        M,
+        N,
+        NB,
+        stride_am,
+        stride_asm,
+        stride_wn,
+        stride_wsn,
+        stride_cm,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M
@@ -109,8 +144,9 @@ if triton is not None:
         offs_h = tl.arange(0, 16)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, NB):
-            wb = tl.load(w_ptr + offs_n[:, None] * stride_wn + kb * 16 + offs_h[None, :],
-                         mask=mask_n[:, None], other=0)  # [BLOCK_N, 16]
+            wb = tl.load(
+                w_ptr + offs_n[:, None] * stride_wn + kb * 16 + offs_h[None, :], mask=mask_n[:, None], other=0
+            )  # [BLOCK_N, 16]
             a_base = a_ptr + offs_m[:, None] * stride_am + kb * 32 + 2 * offs_h[None, :]
             a_even = tl.load(a_base, mask=mask_m[:, None], other=0.0).to(tl.float16)  # exact: E4M3 values
             a_odd = tl.load(a_base + 1, mask=mask_m[:, None], other=0.0).to(tl.float16)
@@ -122,8 +158,7 @@ if triton is not None:
             part = part * a_sc[:, None]
             part = part * w_sc[None, :]
             acc += part
-        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc,
-                 mask=mask_m[:, None] & mask_n[None, :])
+        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
 def fp4_gemm_triton(
@@ -152,11 +187,40 @@ def fp4_gemm_triton(
         if m <= GEMV_MAX_TOKENS:
             block_n, blocks = 16, 8
             grid = (triton.cdiv(n, block_n), m)
-            _fp4_gemv_kernel[grid](values, scales, w, ws, out, n, nb, values.stride(0), scales.stride(0),
-                                   w.stride(0), ws.stride(0), out.stride(0), BLOCK_N=block_n, BLOCKS=blocks)
+            _fp4_gemv_kernel[grid](
+                values,
+                scales,
+                w,
+                ws,
+                out,
+                n,
+                nb,
+                values.stride(0),
+                scales.stride(0),
+                w.stride(0),
+                ws.stride(0),
+                out.stride(0),
+                BLOCK_N=block_n,
+                BLOCKS=blocks,
+            )
         else:
             block_m, block_n = (16 if m <= 16 else 64), 64
             grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-            _fp4_gemm_kernel[grid](values, scales, w, ws, out, m, n, nb, values.stride(0), scales.stride(0),
-                                   w.stride(0), ws.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n)
+            _fp4_gemm_kernel[grid](
+                values,
+                scales,
+                w,
+                ws,
+                out,
+                m,
+                n,
+                nb,
+                values.stride(0),
+                scales.stride(0),
+                w.stride(0),
+                ws.stride(0),
+                out.stride(0),
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+            )
     return out.to(out_dtype).reshape(*a.shape[:-1], n)

@@ -13,6 +13,17 @@ from .generation import GenerationTrace
 from .records import AttentionRecord, EngramRecord, FiniteRecord, ForwardTrace, RoutingRecord, StepRecord, Trace
 
 __all__ = [
-    "MAX_MANIFEST_BYTES", "MAX_TRACE_BYTES", "TRACE_FORMAT", "TRACE_VERSION", "AttentionRecord", "EngramRecord",
-    "FiniteRecord", "ForwardTrace", "GenerationTrace", "RoutingRecord", "StepRecord", "Trace", "TraceFileError",
+    "MAX_MANIFEST_BYTES",
+    "MAX_TRACE_BYTES",
+    "TRACE_FORMAT",
+    "TRACE_VERSION",
+    "AttentionRecord",
+    "EngramRecord",
+    "FiniteRecord",
+    "ForwardTrace",
+    "GenerationTrace",
+    "RoutingRecord",
+    "StepRecord",
+    "Trace",
+    "TraceFileError",
 ]

@@ -53,8 +53,9 @@ class TraceContents(NamedTuple):
     meta: dict
 
 
-def write_trace_file(path: str | os.PathLike, forward: ForwardTrace, steps: list[StepRecord], cache: list[dict],
-                     meta: dict) -> str:
+def write_trace_file(
+    path: str | os.PathLike, forward: ForwardTrace, steps: list[StepRecord], cache: list[dict], meta: dict
+) -> str:
     import numpy as np
 
     path = os.fspath(path)
@@ -79,15 +80,25 @@ def write_trace_file(path: str | os.PathLike, forward: ForwardTrace, steps: list
 
     fwd = forward
     manifest = {
-        "format": TRACE_FORMAT, "version": TRACE_VERSION,
-        "forward": {"class": type(fwd).__name__,
-                    "options": {"keep_index_scores": fwd.keep_index_scores, "keep_outputs": fwd.keep_outputs,
-                                "check_finite": getattr(fwd, "check_finite", False)},
-                    **{name: [record(r) for r in getattr(fwd, name, [])] for name in _RECORDS}},
+        "format": TRACE_FORMAT,
+        "version": TRACE_VERSION,
+        "forward": {
+            "class": type(fwd).__name__,
+            "options": {
+                "keep_index_scores": fwd.keep_index_scores,
+                "keep_outputs": fwd.keep_outputs,
+                "check_finite": getattr(fwd, "check_finite", False),
+            },
+            **{name: [record(r) for r in getattr(fwd, name, [])] for name in _RECORDS},
+        },
         "steps": [record(s) for s in steps],
-        "cache": [{**{k: v for k, v in step.items() if k != "layers"},
-                   "layers": [[int(layer), [int(c) for c in counts]] for layer, counts in step.get("layers", {}).items()]}
-                  for step in cache],
+        "cache": [
+            {
+                **{k: v for k, v in step.items() if k != "layers"},
+                "layers": [[int(layer), [int(c) for c in counts]] for layer, counts in step.get("layers", {}).items()],
+            }
+            for step in cache
+        ],
         "meta": meta,
     }
     try:
@@ -126,9 +137,18 @@ _TENSOR_KEY = re.compile(r"t[0-9]{1,9}")
 _MANIFEST_KEYS = ("format", "version", "forward", "steps", "cache", "meta")
 _OPTIONS = ("keep_index_scores", "keep_outputs", "check_finite")
 # the torch dtypes a trace file may name, and the numpy dtype each is stored as
-_STORED_AS = {"bool": "bool", "uint8": "uint8", "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64",
-              "float16": "float16", "float32": "float32", "float64": "float64",
-              **{str(t).removeprefix("torch."): str(v).removeprefix("torch.") for t, v in _VIEW_AS.items()}}
+_STORED_AS = {
+    "bool": "bool",
+    "uint8": "uint8",
+    "int8": "int8",
+    "int16": "int16",
+    "int32": "int32",
+    "int64": "int64",
+    "float16": "float16",
+    "float32": "float32",
+    "float64": "float64",
+    **{str(t).removeprefix("torch."): str(v).removeprefix("torch.") for t, v in _VIEW_AS.items()},
+}
 _INTEGER = ("uint8", "int8", "int16", "int32", "int64")
 
 
@@ -153,6 +173,7 @@ def _whole(low: int, high: int, what: str):
     def check(value):
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             return f"{what} from {low:,} to {high:,}"
+
     return check
 
 
@@ -180,33 +201,64 @@ _LAYER = _whole(0, MAX_LAYER_INDEX, "a layer index")
 _POSITION = _whole(0, MAX_POSITION, "a position")
 _COUNT = _whole(0, MAX_COUNT, "a count")
 _SCALARS = {
-    AttentionRecord: {"layer": _LAYER, "mode": _one_of("full", "reindex", "reuse"),
-                      "compress_ratio": _whole(0, MAX_POSITION, "a compression ratio"), "start_pos": _POSITION,
-                      "seqlen": _whole(0, MAX_POSITION, "a token count"), "selected_by": _optional(_LAYER),
-                      "index_keys_from": _optional(_LAYER),
-                      "candidates_from": _optional(_LAYER), "wrote_compressed": _flag},
+    AttentionRecord: {
+        "layer": _LAYER,
+        "mode": _one_of("full", "reindex", "reuse"),
+        "compress_ratio": _whole(0, MAX_POSITION, "a compression ratio"),
+        "start_pos": _POSITION,
+        "seqlen": _whole(0, MAX_POSITION, "a token count"),
+        "selected_by": _optional(_LAYER),
+        "index_keys_from": _optional(_LAYER),
+        "candidates_from": _optional(_LAYER),
+        "wrote_compressed": _flag,
+    },
     RoutingRecord: {"layer": _LAYER, "start_pos": _POSITION, "cache_hits": _COUNT, "cache_misses": _COUNT},
     EngramRecord: {"layer": _LAYER, "start_pos": _POSITION},
     # the sites a ForwardTrace checks (its _FINITE_SITES)
-    FiniteRecord: {"layer": _optional(_LAYER), "site": _one_of("embedding", "engram", "attention", "ffn", "head"),
-                   "start_pos": _POSITION, "finite": _flag},
-    StepRecord: {"position": _POSITION, "token": _whole(0, VALUE_BOUNDS["vocab_size"][1] - 1, "a token id"),
-                 "margin": _number, "seconds": _seconds},
+    FiniteRecord: {
+        "layer": _optional(_LAYER),
+        "site": _one_of("embedding", "engram", "attention", "ffn", "head"),
+        "start_pos": _POSITION,
+        "finite": _flag,
+    },
+    StepRecord: {
+        "position": _POSITION,
+        "token": _whole(0, VALUE_BOUNDS["vocab_size"][1] - 1, "a token id"),
+        "margin": _number,
+        "seconds": _seconds,
+    },
 }
 # per tensor field: its kind of dtype, its axes (one letter each; a letter is one size within a
 # record, and "s" is an attention record's seqlen), and the range its values keep (None: any;
 # "experts": expert ids below the trace's routed-expert count)
-_AXES = {"b": "batch", "s": "tokens", "k": "k", "w": "index_topk", "T": "compressed positions", "n": "blocks",
-         "d": "dim", "h": "hc_mult"}
+_AXES = {
+    "b": "batch",
+    "s": "tokens",
+    "k": "k",
+    "w": "index_topk",
+    "T": "compressed positions",
+    "n": "blocks",
+    "d": "dim",
+    "h": "hc_mult",
+}
 _TENSORS = {
-    AttentionRecord: {"selected": ("integer", "bsw", (-1, MAX_POSITION)),
-                      "reachable": ("integer", "s", (0, MAX_POSITION)),
-                      "kth_score": ("float", "bs", None), "next_score": ("float", "bs", None),
-                      "index_scores": ("float", "bsT", None), "candidate_blocks": ("bool", "bsn", None),
-                      "candidate_kth_score": ("float", "bs", None), "candidate_next_score": ("float", "bs", None),
-                      "output": ("float", "bsd", None)},
-    RoutingRecord: {"expert_ids": ("integer", "bsk", "experts"), "weights": ("float", "bsk", None),
-                    "image_mask": ("bool", "bs", None), "text_bias_ids": ("integer", "bsk", "experts")},
+    AttentionRecord: {
+        "selected": ("integer", "bsw", (-1, MAX_POSITION)),
+        "reachable": ("integer", "s", (0, MAX_POSITION)),
+        "kth_score": ("float", "bs", None),
+        "next_score": ("float", "bs", None),
+        "index_scores": ("float", "bsT", None),
+        "candidate_blocks": ("bool", "bsn", None),
+        "candidate_kth_score": ("float", "bs", None),
+        "candidate_next_score": ("float", "bs", None),
+        "output": ("float", "bsd", None),
+    },
+    RoutingRecord: {
+        "expert_ids": ("integer", "bsk", "experts"),
+        "weights": ("float", "bsk", None),
+        "image_mask": ("bool", "bs", None),
+        "text_bias_ids": ("integer", "bsk", "experts"),
+    },
     EngramRecord: {"gate": ("float", "bsh", None)},
     FiniteRecord: {},
     StepRecord: {},
@@ -272,14 +324,17 @@ def _read_trace(archive: zipfile.ZipFile, limit: int, path: str) -> TraceContent
         raise _NotATrace("no manifest")
     for name, info in members.items():
         if not _MEMBER_NAME.fullmatch(name):
-            raise _Damage(f"it holds a member {_shown(name)}, which GenerationTrace.save never writes; nothing "
-                          "in it was read")
+            raise _Damage(
+                f"it holds a member {_shown(name)}, which GenerationTrace.save never writes; nothing in it was read"
+            )
         if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) or info.flag_bits & 1:
             raise _Damage(f"member {name} is encrypted or compressed in a way GenerationTrace.save never writes")
     declared = sum(info.file_size for info in members.values())
     if declared > limit:
-        raise _Damage(f"its members declare {declared:,} bytes uncompressed, past the {limit:,} a trace may take "
-                      "here (GenerationTrace.load(path, max_bytes=N) reads a larger one)")
+        raise _Damage(
+            f"its members declare {declared:,} bytes uncompressed, past the {limit:,} a trace may take "
+            "here (GenerationTrace.load(path, max_bytes=N) reads a larger one)"
+        )
 
     manifest = _read_manifest(archive, members[f"{_MANIFEST}.npy"])
     if not isinstance(manifest, dict) or manifest.get("format") != TRACE_FORMAT:
@@ -288,27 +343,29 @@ def _read_trace(archive: zipfile.ZipFile, limit: int, path: str) -> TraceContent
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise _Damage(f"its manifest's version is {_shown(version)}, not a version number")
     if version > TRACE_VERSION:
-        raise TraceFileError(f"{path} is a trace file of version {version:,}; this dsv41 reads version "
-                             f"{TRACE_VERSION} and older")
+        raise TraceFileError(
+            f"{path} is a trace file of version {version:,}; this dsv41 reads version {TRACE_VERSION} and older"
+        )
     refs: dict[str, _TensorRef] = {}
     plan = _check_manifest(manifest, refs)
     for key, ref in refs.items():
         if f"{key}.npy" not in members:
             raise _Damage(f"{ref.where} names member {key}.npy, but the archive has no such member")
     for name in members:
-        if name != f"{_MANIFEST}.npy" and name[:-len(".npy")] not in refs:
+        if name != f"{_MANIFEST}.npy" and name[: -len(".npy")] not in refs:
             raise _Damage(f"it holds a member {name} that its manifest does not name; nothing in it was read")
 
     # every header first: shapes and dtypes are checked before any array is read
     headers = {key: _read_header(archive, members[f"{key}.npy"]) for key in refs}
     for key, ref in refs.items():
         _check_stored(ref, headers[key])
-    for kind, records in plan["records"].items():
+    for records in plan["records"].values():
         for cls, where, fields in records:
             _check_shapes(cls, where, fields, headers)
     n_experts = plan["meta"].get("n_routed_experts")
-    expert_bound = ((n_experts, "its meta declares") if n_experts is not None
-                    else (MAX_ROUTED_EXPERTS, "a config may have"))
+    expert_bound = (
+        (n_experts, "its meta declares") if n_experts is not None else (MAX_ROUTED_EXPERTS, "a config may have")
+    )
 
     def tensor(ref: _TensorRef) -> torch.Tensor:
         array = _read_array(archive, headers[ref.key], ref.where)
@@ -320,7 +377,7 @@ def _read_trace(archive: zipfile.ZipFile, limit: int, path: str) -> TraceContent
 
     forward = ForwardTrace(**plan["options"])
     for kind, records in plan["records"].items():
-        for cls, where, fields in records:
+        for cls, _where, fields in records:
             record = cls(**{k: tensor(v) if isinstance(v, _TensorRef) else v for k, v in fields.items()})
             getattr(forward, kind).append(record)
     steps = [cls(**fields) for cls, where, fields in plan["steps"]]
@@ -341,8 +398,9 @@ def _read_header(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> _Header:
             elif version == (2, 0):
                 shape, fortran, dtype = fmt.read_array_header_2_0(f)
             else:
-                raise _Damage(f"member {name} is a .npy file of version {version}, which GenerationTrace.save "
-                              "never writes")
+                raise _Damage(
+                    f"member {name} is a .npy file of version {version}, which GenerationTrace.save never writes"
+                )
             offset = f.tell()
     except _Damage:
         raise
@@ -356,8 +414,10 @@ def _read_header(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> _Header:
         raise _Damage(f"member {name} declares the shape {_shown(shape)}, which no trace tensor has")
     nbytes = math.prod(shape) * dtype.itemsize
     if offset + nbytes != info.file_size:
-        raise _Damage(f"member {name}'s header declares {_shown(tuple(shape))} values of {dtype}, {nbytes:,} bytes, "
-                      f"but the archive says it holds {max(info.file_size - offset, 0):,}")
+        raise _Damage(
+            f"member {name}'s header declares {_shown(tuple(shape))} values of {dtype}, {nbytes:,} bytes, "
+            f"but the archive says it holds {max(info.file_size - offset, 0):,}"
+        )
     return _Header(info, tuple(shape), dtype, offset)
 
 
@@ -389,8 +449,10 @@ def _read_manifest(archive: zipfile.ZipFile, info: zipfile.ZipInfo):
     if header.dtype != np.uint8 or len(header.shape) != 1:
         raise _NotATrace("its manifest is not the UTF-8 bytes of a JSON text")
     if header.shape[0] > MAX_MANIFEST_BYTES:
-        raise _Damage(f"its manifest declares {header.shape[0]:,} bytes, past the {MAX_MANIFEST_BYTES:,} a trace's "
-                      "manifest may take")
+        raise _Damage(
+            f"its manifest declares {header.shape[0]:,} bytes, past the {MAX_MANIFEST_BYTES:,} a trace's "
+            "manifest may take"
+        )
     raw = _read_array(archive, header, "its manifest").tobytes()
     try:
         return json.loads(raw.decode("utf-8"), parse_int=bounded_ints(MAX_MANIFEST_INT_DIGITS))
@@ -440,20 +502,28 @@ def _check_manifest(manifest: dict, refs: dict) -> dict:
     records = {}
     for kind, cls in _RECORDS.items():
         listed = _listed(forward.get(kind, []), f"its {kind} records")
-        records[kind] = [(cls, f"{kind} record {i}", _check_record(cls, f"{kind} record {i}", fields, refs))
-                         for i, fields in enumerate(listed)]
-    steps = [(StepRecord, f"step {i}", _check_record(StepRecord, f"step {i}", fields, refs))
-             for i, fields in enumerate(_listed(manifest.get("steps", []), "its steps"))]
-    cache = [_check_cache_step(f"cache step {i}", step)
-             for i, step in enumerate(_listed(manifest.get("cache", []), "its cache steps"))]
+        records[kind] = [
+            (cls, f"{kind} record {i}", _check_record(cls, f"{kind} record {i}", fields, refs))
+            for i, fields in enumerate(listed)
+        ]
+    steps = [
+        (StepRecord, f"step {i}", _check_record(StepRecord, f"step {i}", fields, refs))
+        for i, fields in enumerate(_listed(manifest.get("steps", []), "its steps"))
+    ]
+    cache = [
+        _check_cache_step(f"cache step {i}", step)
+        for i, step in enumerate(_listed(manifest.get("cache", []), "its cache steps"))
+    ]
 
     meta = manifest.get("meta", {})
     if not isinstance(meta, dict):
         raise _Damage(f"its meta is {_shown(meta)}, not an object")
     if _too_deep(meta):
         raise _Damage(f"its meta nests more than {MAX_MANIFEST_DEPTH} levels deep")
-    for name, check in (("n_routed_experts", _whole(1, MAX_ROUTED_EXPERTS, "a count of routed experts")),
-                        ("expert_cache", _whole(0, MAX_COUNT, "a cache size"))):
+    for name, check in (
+        ("n_routed_experts", _whole(1, MAX_ROUTED_EXPERTS, "a count of routed experts")),
+        ("expert_cache", _whole(0, MAX_COUNT, "a cache size")),
+    ):
         if name in meta and (expected := check(meta[name])):
             raise _Damage(f"its meta's {name} is {_shown(meta[name])}, not {expected}")
     return {"options": options, "records": records, "steps": steps, "cache": cache, "meta": dict(meta)}
@@ -500,8 +570,9 @@ def _tensor_ref(where: str, value, spec, refs: dict) -> _TensorRef:
     if dtype not in _STORED_AS:
         raise _Damage(f"{where} has the dtype {_shown(dtype)}, which a trace file does not store")
     if key in refs:
-        raise _Damage(f"{where} names member {key}.npy a second time ({refs[key].where} names it too; each "
-                      "tensor is stored once)")
+        raise _Damage(
+            f"{where} names member {key}.npy a second time ({refs[key].where} names it too; each tensor is stored once)"
+        )
     kind, axes, values = spec
     refs[key] = _TensorRef(key, dtype, where, kind, axes, values)
     return refs[key]
@@ -515,8 +586,14 @@ def _check_cache_step(where: str, step) -> dict:
             raise _Damage(f"{where}'s {name} is {_shown(step.get(name))}, not {expected}")
     layers = step.get("layers", [])
     pairs = isinstance(layers, list) and all(
-        isinstance(p, list) and len(p) == 2 and _LAYER(p[0]) is None and isinstance(p[1], list)
-        and len(p[1]) == 2 and all(_COUNT(c) is None for c in p[1]) for p in layers)
+        isinstance(p, list)
+        and len(p) == 2
+        and _LAYER(p[0]) is None
+        and isinstance(p[1], list)
+        and len(p[1]) == 2
+        and all(_COUNT(c) is None for c in p[1])
+        for p in layers
+    )
     if not pairs:
         raise _Damage(f"{where}'s layers are {_shown(layers)}, not [layer, [hits, misses]] pairs")
     if _too_deep(step):
@@ -529,15 +606,22 @@ def _check_stored(ref: _TensorRef, header: _Header) -> None:
 
     member = header.info.filename
     if header.dtype != np.dtype(_STORED_AS[ref.dtype]):
-        raise _Damage(f"{ref.where} (member {member}) is stored as {header.dtype} values, but the manifest calls "
-                      f"it {ref.dtype}, which is stored as {_STORED_AS[ref.dtype]}")
-    is_kind = {"integer": ref.dtype in _INTEGER, "bool": ref.dtype == "bool",
-               "float": ref.dtype not in _INTEGER and ref.dtype != "bool"}[ref.kind]
+        raise _Damage(
+            f"{ref.where} (member {member}) is stored as {header.dtype} values, but the manifest calls "
+            f"it {ref.dtype}, which is stored as {_STORED_AS[ref.dtype]}"
+        )
+    is_kind = {
+        "integer": ref.dtype in _INTEGER,
+        "bool": ref.dtype == "bool",
+        "float": ref.dtype not in _INTEGER and ref.dtype != "bool",
+    }[ref.kind]
     if not is_kind:
         raise _Damage(f"{ref.where} (member {member}) holds {ref.dtype} values, not {ref.kind} ones")
     if len(header.shape) != len(ref.axes):
-        raise _Damage(f"{ref.where} (member {member}) is {len(header.shape)}-D {list(header.shape)}; it is "
-                      f"[{', '.join(_AXES[a] for a in ref.axes)}]")
+        raise _Damage(
+            f"{ref.where} (member {member}) is {len(header.shape)}-D {list(header.shape)}; it is "
+            f"[{', '.join(_AXES[a] for a in ref.axes)}]"
+        )
 
 
 def _check_shapes(cls, where: str, fields: dict, headers: dict) -> None:
@@ -559,8 +643,10 @@ def _check_shapes(cls, where: str, fields: dict, headers: dict) -> None:
                 raise _Damage(f"{where}'s {name} has {_AXES[axis]} = {size:,}, but {theirs}")
     tokens = sizes.get("s", (0, ""))[0]
     if "start_pos" in fields and fields["start_pos"] + tokens > MAX_POSITION:
-        raise _Damage(f"{where} runs from position {fields['start_pos']:,} over {tokens:,} tokens, past the "
-                      f"{MAX_POSITION:,} positions any config may have")
+        raise _Damage(
+            f"{where} runs from position {fields['start_pos']:,} over {tokens:,} tokens, past the "
+            f"{MAX_POSITION:,} positions any config may have"
+        )
 
 
 def _check_values(ref: _TensorRef, t: torch.Tensor, expert_bound) -> None:
@@ -571,8 +657,9 @@ def _check_values(ref: _TensorRef, t: torch.Tensor, expert_bound) -> None:
         n, source = expert_bound
         if low < 0 or high >= n:
             bad = low if low < 0 else high
-            raise _Damage(f"{ref.where} holds expert {bad:,}, outside the {n:,} routed experts {source} "
-                          f"(ids 0 to {n - 1:,})")
+            raise _Damage(
+                f"{ref.where} holds expert {bad:,}, outside the {n:,} routed experts {source} (ids 0 to {n - 1:,})"
+            )
         return
     lowest, highest = ref.values
     if low < lowest or high > highest:

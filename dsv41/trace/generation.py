@@ -48,12 +48,17 @@ class GenerationTrace:
 
     def to_dict(self) -> dict:
         """Nested lists and numbers only (JSON-ready)."""
+
         def plain(groups):
             return {str(layer): {k: v.tolist() for k, v in fields.items()} for layer, fields in groups.items()}
 
-        return {"steps": [vars(s) for s in self.steps], "cache": self.cache,
-                "routing": plain(self.routing()), "engram": plain(self.engram_gates()),
-                "attention": plain(self.attention())}
+        return {
+            "steps": [vars(s) for s in self.steps],
+            "cache": self.cache,
+            "routing": plain(self.routing()),
+            "engram": plain(self.engram_gates()),
+            "attention": plain(self.attention()),
+        }
 
     # ------------------------------------------------------------------ files (no pickle)
     def save(self, path: str | os.PathLike, meta: Optional[dict] = None) -> str:

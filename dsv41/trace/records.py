@@ -99,8 +99,15 @@ class Trace:
         out: dict[int, dict[str, torch.Tensor]] = {}
         for layer, recs in grouped.items():
             fields: dict[str, torch.Tensor] = {"positions": torch.cat([r.positions for r in recs])}
-            for name in ("selected", "kth_score", "next_score", "candidate_blocks",
-                         "candidate_kth_score", "candidate_next_score", "output"):
+            for name in (
+                "selected",
+                "kth_score",
+                "next_score",
+                "candidate_blocks",
+                "candidate_kth_score",
+                "candidate_next_score",
+                "output",
+            ):
                 parts = [getattr(r, name) for r in recs]
                 if all(p is not None for p in parts):
                     fields[name] = _cat_queries(parts)
@@ -214,11 +221,18 @@ class ForwardTrace(Trace):
         if any(r.image_mask is not None for r in self.routing):
             for layer, fields in out.items():
                 recs = [r for r in self.routing if r.layer == layer]
-                fields["image_mask"] = torch.cat([r.image_mask if r.image_mask is not None else
-                                                  torch.zeros(r.expert_ids.shape[:2], dtype=torch.bool)
-                                                  for r in recs], dim=1)
-                fields["text_bias_ids"] = torch.cat([r.expert_ids if r.text_bias_ids is None else r.text_bias_ids
-                                                     for r in recs], dim=1)
+                fields["image_mask"] = torch.cat(
+                    [
+                        r.image_mask
+                        if r.image_mask is not None
+                        else torch.zeros(r.expert_ids.shape[:2], dtype=torch.bool)
+                        for r in recs
+                    ],
+                    dim=1,
+                )
+                fields["text_bias_ids"] = torch.cat(
+                    [r.expert_ids if r.text_bias_ids is None else r.text_bias_ids for r in recs], dim=1
+                )
         return out
 
     def engram_by_layer(self) -> dict[int, dict[str, torch.Tensor]]:
@@ -227,8 +241,13 @@ class ForwardTrace(Trace):
 
 
 # site (the last part of its name) -> the FiniteRecord site it is checked as
-_FINITE_SITES = {"embed": "embedding", "engram": "engram", "resid_mid": "attention", "resid_post": "ffn",
-                 "head": "head"}
+_FINITE_SITES = {
+    "embed": "embedding",
+    "engram": "engram",
+    "resid_mid": "attention",
+    "resid_post": "ffn",
+    "head": "head",
+}
 # an attention layer's own site (its record completes there) and its parts' (they add to it)
 _ATTENTION_SITES = ("layers.*.attn", "layers.*.attn.compressor", "layers.*.attn.indexer", "layers.*.attn.topk")
 
@@ -250,8 +269,9 @@ class _Recorder:
             _ATTENTION_PARTS[kind](self.trace, fields, value, context)
             return
         if kind == "attn":
-            self.trace.attention.append(_attention_record(self.trace, self.attention_parts.pop(name, {}),
-                                                          value, context))
+            self.trace.attention.append(
+                _attention_record(self.trace, self.attention_parts.pop(name, {}), value, context)
+            )
             return
         layer = int(parts[1]) if parts[0] == "layers" else None
         if kind == "ffn":
@@ -259,8 +279,9 @@ class _Recorder:
         elif kind == "engram":
             self.trace.engram.append(EngramRecord(layer, self.start_pos, context["gate"].detach().cpu()))
         if getattr(self.trace, "check_finite", False) and kind in _FINITE_SITES:
-            self.trace.finite.append(FiniteRecord(layer, _FINITE_SITES[kind], self.start_pos,
-                                                  bool(torch.isfinite(value).all())))
+            self.trace.finite.append(
+                FiniteRecord(layer, _FINITE_SITES[kind], self.start_pos, bool(torch.isfinite(value).all()))
+            )
 
 
 def _attention_record(trace: Trace, fields: dict, out: torch.Tensor, context: dict) -> AttentionRecord:
@@ -271,8 +292,9 @@ def _attention_record(trace: Trace, fields: dict, out: torch.Tensor, context: di
         fields["reachable"] = (torch.arange(start_pos, start_pos + seqlen) + 1) // ratio
     if trace.keep_outputs:
         fields["output"] = out.detach().cpu()
-    return AttentionRecord(layer=context["layer"], mode=context["mode"], compress_ratio=ratio,
-                           start_pos=start_pos, seqlen=seqlen, **fields)
+    return AttentionRecord(
+        layer=context["layer"], mode=context["mode"], compress_ratio=ratio, start_pos=start_pos, seqlen=seqlen, **fields
+    )
 
 
 def _compressor_fields(trace: Trace, fields: dict, latent, context: dict) -> None:
@@ -302,7 +324,8 @@ def _indexer_fields(trace: Trace, fields: dict, selected: torch.Tensor, context:
         block_scores = indexer.block_scores(score, reachable)
         reach_blocks = -(-reachable // indexer.candidate_block_size)
         fields["candidate_kth_score"], fields["candidate_next_score"] = (
-            t.cpu() for t in _cut_scores(block_scores, reach_blocks, indexer.candidate_topk_blocks))
+            t.cpu() for t in _cut_scores(block_scores, reach_blocks, indexer.candidate_topk_blocks)
+        )
     if mask is not None:
         fields["candidate_blocks"] = mask[..., :: indexer.candidate_block_size].cpu()
         fields["candidates_from"] = context["candidates_from"]
@@ -330,12 +353,16 @@ def _routing_record(layer: int, start_pos: int, context: dict) -> RoutingRecord:
     fetched = getattr(context["experts"], "last_fetch", None)  # None: a stand-in without counts
     images = image_mask is not None and bool(image_mask.any())
     return RoutingRecord(
-        layer, start_pos, ids.reshape(*lead, -1).cpu(), weights.reshape(*lead, -1).detach().cpu(),
+        layer,
+        start_pos,
+        ids.reshape(*lead, -1).cpu(),
+        weights.reshape(*lead, -1).detach().cpu(),
         cache_hits=fetched.hits if fetched is not None else 0,
         cache_misses=fetched.misses if fetched is not None else 0,
         image_mask=image_mask.reshape(lead).cpu() if images else None,
         # a second routing with the text bias, for the record only: the forward used the first
-        text_bias_ids=context["gate"](x.reshape(-1, x.shape[-1]))[1].reshape(*lead, -1).cpu() if images else None)
+        text_bias_ids=context["gate"](x.reshape(-1, x.shape[-1]))[1].reshape(*lead, -1).cpu() if images else None,
+    )
 
 
 def _by_layer(records, names) -> dict[int, dict[str, torch.Tensor]]:

@@ -44,13 +44,25 @@ def finish(trainer, *, progress: bool, windows: int | None = None) -> dict:
         "steps": state.step,
         "training_seconds": round(state.seconds, 1),
         "tokens_seen": settings.batch * settings.seq_len * min(state.step, settings.backbone_steps),
-        "held_out": {"master_weights": master, "release_format": release, "random_initialization": random,
-                     "compressors_bits_per_byte": compressors},
+        "held_out": {
+            "master_weights": master,
+            "release_format": release,
+            "random_initialization": random,
+            "compressors_bits_per_byte": compressors,
+        },
         "final_train_loss": final_backbone_loss(state, settings, trainer.continued_from),
-        "draft_agreement_by_row": ([sum(r["agreement_by_row"][i] for r in draft_log[-20:]) / len(draft_log[-20:])
-                                    for i in range(len(draft_log[-1]["agreement_by_row"]))] if draft_log else None),
-        "parameters": {"total": sum(v.numel() for v in state.params.values()),
-                       "draft": sum(v.numel() for k, v in state.params.items() if k.startswith("mtp."))},
+        "draft_agreement_by_row": (
+            [
+                sum(r["agreement_by_row"][i] for r in draft_log[-20:]) / len(draft_log[-20:])
+                for i in range(len(draft_log[-1]["agreement_by_row"]))
+            ]
+            if draft_log
+            else None
+        ),
+        "parameters": {
+            "total": sum(v.numel() for v in state.params.values()),
+            "draft": sum(v.numel() for k, v in state.params.items() if k.startswith("mtp.")),
+        },
         "torch": torch.__version__,
     }
     if trainer.continued_from is not None:
@@ -58,8 +70,9 @@ def finish(trainer, *, progress: bool, windows: int | None = None) -> dict:
         facts["tokens_seen"] = trainer.continued_from["tokens_seen"]
         facts["draft_continued_from"] = {k: v for k, v in trainer.continued_from.items() if k != "path"}
     write_loss_curve(os.path.join(trainer.folder, LOSS_CURVE_STEM), state, facts)
-    out = write_miniature(os.path.join(trainer.folder, CHECKPOINT_NAME), trainer.cfg, trainer.tokenizer,
-                          state.params, facts)
+    out = write_miniature(
+        os.path.join(trainer.folder, CHECKPOINT_NAME), trainer.cfg, trainer.tokenizer, state.params, facts
+    )
     write_json(os.path.join(trainer.folder, FACTS_NAME), facts)
     say(f"wrote {out}")
     return facts
@@ -99,12 +112,18 @@ def write_loss_curve(stem: str, state, facts: dict) -> None:
     left.set_ylabel("nats / token")
     left.legend()
     evals = state.evals
-    right.plot([e["step"] for e in evals], [e["bits_per_byte"] for e in evals], "o-", label="held-out (periodic subset)")
+    right.plot(
+        [e["step"] for e in evals], [e["bits_per_byte"] for e in evals], "o-", label="held-out (periodic subset)"
+    )
     for name, value in facts["held_out"]["compressors_bits_per_byte"].items():
         if value is not None:
             right.axhline(value, ls="--", lw=1, label=f"{name}: {value:.3f}")
-    right.axhline(facts["held_out"]["release_format"]["bits_per_byte"], color="k", lw=1,
-                  label=f"release format, all held-out: {facts['held_out']['release_format']['bits_per_byte']:.3f}")
+    right.axhline(
+        facts["held_out"]["release_format"]["bits_per_byte"],
+        color="k",
+        lw=1,
+        label=f"release format, all held-out: {facts['held_out']['release_format']['bits_per_byte']:.3f}",
+    )
     right.set_xlabel("step")
     right.set_ylabel("bits / byte")
     right.legend(fontsize=8)
@@ -126,33 +145,89 @@ def cli_main(argv: list[str]) -> int:
     def bounded(name: str, unit: str):
         return whole_number(*INT_BOUNDS[name], unit)
 
-    parser = argparse.ArgumentParser(prog="dsv41 train", description=(
-        "Train the miniature V4.1 from scratch on the running Python's standard library (2 cores, no GPU, "
-        "40 to 60 min at the default steps here: 36 min of training and 4 of final measurement alone, 55 and 6 beside "
-        "other jobs), then write it in the release format to OUT/checkpoint. OUT must be new, empty or a folder "
-        "dsv41 train wrote; --resume goes on with the settings the run was started with."))
-    parser.add_argument("--out", default="outputs/train", help="work folder: state, tokenizer, figures, checkpoint (default outputs/train)")
-    parser.add_argument("--resume", action="store_true", help="go on from OUT's last checkpoint, with the run's own settings")
-    parser.add_argument("--steps", type=bounded("backbone_steps", "steps"), default=None, help=f"backbone steps (default {defaults.backbone_steps})")
-    parser.add_argument("--draft-steps", type=bounded("draft_steps", "steps"), default=None, help=f"DSpark draft steps after them (default {defaults.draft_steps})")
-    parser.add_argument("--seed", type=bounded("seed", "the seed"), default=None, help=f"seed of the initial weights and the batches (default {defaults.seed})")
-    parser.add_argument("--batch", type=bounded("batch", "sequences"), default=None,
-                        help=f"sequences a step (default {defaults.batch}; at most what this machine's memory holds)")
-    parser.add_argument("--seq-len", type=bounded("seq_len", "tokens"), default=None, help=f"tokens a sequence (default {defaults.seq_len})")
-    parser.add_argument("--draft-from", default=None, metavar="CHECKPOINT",
-                        help="go on with the draft phase of a miniature checkpoint (OUT/checkpoint of a finished run, or "
-                             "the packaged one; its files held to its manifest's sha256s), its backbone frozen as released "
-                             "and its settings (--steps, --seed, --batch, --seq-len) kept, up to --draft-steps draft steps in all")
-    parser.add_argument("--stop-at", type=whole_number(1, 2 * MAX_STEPS, "steps"), default=None, metavar="STEP",
-                        help="stop after STEP steps with a checkpoint, to go on later with --resume")
-    parser.add_argument("--held-out-windows", type=whole_number(1, MAX_WINDOWS, "windows"), default=None, metavar="N",
-                        help="measure the final held-out loss on the first N windows only (default: all of them)")
+    parser = argparse.ArgumentParser(
+        prog="dsv41 train",
+        description=(
+            "Train the miniature V4.1 from scratch on the running Python's standard library (2 cores, no GPU, "
+            "40 to 60 min at the default steps here: 36 min of training and 4 of final measurement alone, "
+            "55 and 6 beside other jobs), then write it in the release format to OUT/checkpoint. "
+            "OUT must be new, empty or a folder dsv41 train wrote; "
+            "--resume goes on with the settings the run was started with."
+        ),
+    )
+    parser.add_argument(
+        "--out",
+        default="outputs/train",
+        help="work folder: state, tokenizer, figures, checkpoint (default outputs/train)",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="go on from OUT's last checkpoint, with the run's own settings"
+    )
+    parser.add_argument(
+        "--steps",
+        type=bounded("backbone_steps", "steps"),
+        default=None,
+        help=f"backbone steps (default {defaults.backbone_steps})",
+    )
+    parser.add_argument(
+        "--draft-steps",
+        type=bounded("draft_steps", "steps"),
+        default=None,
+        help=f"DSpark draft steps after them (default {defaults.draft_steps})",
+    )
+    parser.add_argument(
+        "--seed",
+        type=bounded("seed", "the seed"),
+        default=None,
+        help=f"seed of the initial weights and the batches (default {defaults.seed})",
+    )
+    parser.add_argument(
+        "--batch",
+        type=bounded("batch", "sequences"),
+        default=None,
+        help=f"sequences a step (default {defaults.batch}; at most what this machine's memory holds)",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=bounded("seq_len", "tokens"),
+        default=None,
+        help=f"tokens a sequence (default {defaults.seq_len})",
+    )
+    parser.add_argument(
+        "--draft-from",
+        default=None,
+        metavar="CHECKPOINT",
+        help="go on with the draft phase of a miniature checkpoint (OUT/checkpoint of a finished run, or "
+        "the packaged one; its files held to its manifest's sha256s), its backbone frozen as released "
+        "and its settings (--steps, --seed, --batch, --seq-len) kept, up to --draft-steps draft steps in all",
+    )
+    parser.add_argument(
+        "--stop-at",
+        type=whole_number(1, 2 * MAX_STEPS, "steps"),
+        default=None,
+        metavar="STEP",
+        help="stop after STEP steps with a checkpoint, to go on later with --resume",
+    )
+    parser.add_argument(
+        "--held-out-windows",
+        type=whole_number(1, MAX_WINDOWS, "windows"),
+        default=None,
+        metavar="N",
+        help="measure the final held-out loss on the first N windows only (default: all of them)",
+    )
     parser.add_argument("--no-compile", action="store_true", help="run the Sinkhorn split eagerly (no torch.compile)")
-    parser.add_argument("--threads", type=whole_number(1, machine_cores(), "threads"), default=None,
-                        help="torch threads (default: every CPU)")
+    parser.add_argument(
+        "--threads",
+        type=whole_number(1, machine_cores(), "threads"),
+        default=None,
+        help="torch threads (default: every CPU)",
+    )
     args = parser.parse_args(argv)
-    given = {name: getattr(args, flag[2:].replace("-", "_")) for name, flag in FLAGS.items()
-             if getattr(args, flag[2:].replace("-", "_")) is not None}
+    given = {
+        name: getattr(args, flag[2:].replace("-", "_"))
+        for name, flag in FLAGS.items()
+        if getattr(args, flag[2:].replace("-", "_")) is not None
+    }
     import torch
 
     from .loop import Trainer
@@ -163,31 +238,45 @@ def cli_main(argv: list[str]) -> int:
     started = time.perf_counter()
     trainer = None
     try:
-        trainer = Trainer(args.out, given, resume=args.resume, compile=not args.no_compile, progress=None,
-                          draft_from=args.draft_from)
+        trainer = Trainer(
+            args.out, given, resume=args.resume, compile=not args.no_compile, progress=None, draft_from=args.draft_from
+        )
         trainer.run(stop_at=args.stop_at)
         if trainer.state.step < trainer.settings.steps:
-            print(f"dsv41 train: stopped at step {trainer.state.step} of {trainer.settings.steps}; "
-                  f"`dsv41 train --out {args.out} --resume` goes on", file=sys.stderr)
+            print(
+                f"dsv41 train: stopped at step {trainer.state.step} of {trainer.settings.steps}; "
+                f"`dsv41 train --out {args.out} --resume` goes on",
+                file=sys.stderr,
+            )
             return 0
         facts = finish(trainer, progress=True, windows=args.held_out_windows)
     except KeyboardInterrupt:
         step = saved_step(trainer.folder if trainer is not None else args.out)
         if step is None:
-            print("dsv41 train: interrupted before the run's first checkpoint, so there is nothing to resume; "
-                  f"`dsv41 train --out {args.out}` starts it again", file=sys.stderr)
+            print(
+                "dsv41 train: interrupted before the run's first checkpoint, so there is nothing to resume; "
+                f"`dsv41 train --out {args.out}` starts it again",
+                file=sys.stderr,
+            )
         else:
-            print(f"dsv41 train: interrupted; `dsv41 train --out {args.out} --resume` goes on from the checkpoint "
-                  f"at step {step}", file=sys.stderr)
+            print(
+                f"dsv41 train: interrupted; `dsv41 train --out {args.out} --resume` goes on from the checkpoint "
+                f"at step {step}",
+                file=sys.stderr,
+            )
         return 130
     except (TrainError, Dsv41Error) as exc:
         print(f"dsv41 train: {exc}", file=sys.stderr)
         return 1
     held = facts["held_out"]
-    print(f"{args.out}/checkpoint: {facts['steps']} steps in {facts['training_seconds'] / 60:.1f} min of training "
-          f"({(time.perf_counter() - started) / 60:.1f} min this run); held-out bits/byte: "
-          f"{held['release_format']['bits_per_byte']:.3f} release format, {held['master_weights']['bits_per_byte']:.3f} "
-          f"before quantization, {held['random_initialization']['bits_per_byte']:.3f} random; "
-          + ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} not measured (no zstd)"
-                      for k, v in held["compressors_bits_per_byte"].items()))
+    print(
+        f"{args.out}/checkpoint: {facts['steps']} steps in {facts['training_seconds'] / 60:.1f} min of training "
+        f"({(time.perf_counter() - started) / 60:.1f} min this run); held-out bits/byte: "
+        f"{held['release_format']['bits_per_byte']:.3f} release format, {held['master_weights']['bits_per_byte']:.3f} "
+        f"before quantization, {held['random_initialization']['bits_per_byte']:.3f} random; "
+        + ", ".join(
+            f"{k} {v:.3f}" if v is not None else f"{k} not measured (no zstd)"
+            for k, v in held["compressors_bits_per_byte"].items()
+        )
+    )
     return 0

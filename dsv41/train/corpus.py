@@ -33,9 +33,15 @@ class Corpus:
     def manifest(self) -> dict:
         def stats(docs):
             return {"files": len(docs), "bytes": sum(len(t.encode("utf-8")) for t in docs.values())}
-        return {"source": "the Python standard library's .py sources and pydoc topics",
-                "python": self.python, "file_list_sha256": self.file_list_sha256,
-                "held_out_every": HELD_OUT_EVERY, "train": stats(self.train), "held_out": stats(self.held_out)}
+
+        return {
+            "source": "the Python standard library's .py sources and pydoc topics",
+            "python": self.python,
+            "file_list_sha256": self.file_list_sha256,
+            "held_out_every": HELD_OUT_EVERY,
+            "train": stats(self.train),
+            "held_out": stats(self.held_out),
+        }
 
 
 def is_held_out(name: str) -> bool:
@@ -80,6 +86,8 @@ def load_corpus(root: str | None = None) -> Corpus:
         (corpus.held_out if is_held_out(name) else corpus.train)[name] = text
     corpus.file_list_sha256 = listing.hexdigest()
     if not corpus.train or not corpus.held_out:
-        raise RuntimeError("the standard library sources could not be found to train on "
-                           f"(looked under {root or sysconfig.get_paths()['stdlib']})")
+        raise RuntimeError(
+            "the standard library sources could not be found to train on "
+            f"(looked under {root or sysconfig.get_paths()['stdlib']})"
+        )
     return corpus

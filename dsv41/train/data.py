@@ -81,8 +81,10 @@ def cached_streams(cache: str, key: str, corpus: Corpus, vocab: int):
     when it holds another key's (a stale cache); (None, what is wrong) when it is unreadable or
     its arrays are not token streams of this corpus (sizes checked before anything is read)."""
     # a token is at least one byte of text, or the EOS after a document
-    most = {name: 4 * (sum(len(t.encode("utf-8")) for t in docs.values()) + len(docs)) + 4096
-            for name, docs in (("train", corpus.train), ("held_out", corpus.held_out))}
+    most = {
+        name: 4 * (sum(len(t.encode("utf-8")) for t in docs.values()) + len(docs)) + 4096
+        for name, docs in (("train", corpus.train), ("held_out", corpus.held_out))
+    }
     try:
         with zipfile.ZipFile(cache) as archive:
             sizes = {info.filename: info.file_size for info in archive.infolist()}
@@ -97,8 +99,13 @@ def cached_streams(cache: str, key: str, corpus: Corpus, vocab: int):
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
         return None, f"is unreadable ({str(exc)[:80] or type(exc).__name__})"
     for array in arrays:
-        if array.dtype != np.int32 or array.ndim != 1 or not len(array) or int(array.min()) < 0 \
-                or int(array.max()) >= vocab:
+        if (
+            array.dtype != np.int32
+            or array.ndim != 1
+            or not len(array)
+            or int(array.min()) < 0
+            or int(array.max()) >= vocab
+        ):
             return None, "holds arrays that are not token ids of this tokenizer"
     return arrays, None
 

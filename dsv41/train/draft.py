@@ -15,14 +15,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..attention.caches import WINDOW_ENCODING
 from .schedule import lr_at
 from .state import restore_moments
 from .twin import TwinOutput, bf16, on_grid, rms_norm, rotate
-from ..attention.caches import WINDOW_ENCODING
 
 
-def draft_forward(twin, W, main_hidden: torch.Tensor, anchors: torch.Tensor, block_tokens: torch.Tensor,
-                  previous: torch.Tensor, *, qat: bool, out: TwinOutput | None = None):
+def draft_forward(
+    twin,
+    W,
+    main_hidden: torch.Tensor,
+    anchors: torch.Tensor,
+    block_tokens: torch.Tensor,
+    previous: torch.Tensor,
+    *,
+    qat: bool,
+    out: TwinOutput | None = None,
+):
     """Drafts of a batch of anchors.
 
     main_hidden [b, s, dim * n_targets] (the target's, positions 0..s-1); anchors int64 [b, A]
@@ -35,7 +44,9 @@ def draft_forward(twin, W, main_hidden: torch.Tensor, anchors: torch.Tensor, blo
     block, win, rope = c.dspark_block_size, c.window_size, c.rope_head_dim
     n = bsz * n_anchor
     freqs_table = twin.window_freqs  # draft stages compress nothing: window-layer rotation
-    main_x = rms_norm(twin.linear(W, "mtp.0.main_proj.weight", main_hidden, qat), W["mtp.0.main_norm.weight"], c.norm_eps)
+    main_x = rms_norm(
+        twin.linear(W, "mtp.0.main_proj.weight", main_hidden, qat), W["mtp.0.main_norm.weight"], c.norm_eps
+    )
     p = anchors.reshape(n)  # [n]
     slots = torch.arange(win)
     ring_pos = p.unsqueeze(-1) - (p.unsqueeze(-1) - slots) % win  # [n, win]: the position in each slot
@@ -51,25 +62,33 @@ def draft_forward(twin, W, main_hidden: torch.Tensor, anchors: torch.Tensor, blo
     for stage in range(c.n_mtp_layers):
         sp = f"mtp.{stage}."
         layer = c.n_layers + stage
-        ring_all = rms_norm(twin.linear(W, sp + "attn.wkv.weight", main_x, qat), W[sp + "attn.kv_norm.weight"], c.norm_eps)
+        ring_all = rms_norm(
+            twin.linear(W, sp + "attn.wkv.weight", main_x, qat), W[sp + "attn.kv_norm.weight"], c.norm_eps
+        )
         ring_all = on_grid(rotate(ring_all, freqs_table[: main_x.size(1)], rope), WINDOW_ENCODING)  # [b, s, head_dim]
         ring = ring_all[batch_row, ring_pos]  # [n, win, head_dim]
 
         def attend(h, sp=sp, ring=ring):
             qr = rms_norm(twin.linear(W, sp + "attn.wq_a.weight", h, qat), W[sp + "attn.q_norm.weight"], c.norm_eps)
-            q = rotate(twin.linear(W, sp + "attn.wq_b.weight", qr, qat).unflatten(-1, (c.n_heads, c.head_dim)),
-                       block_freqs, rope)
+            q = rotate(
+                twin.linear(W, sp + "attn.wq_b.weight", qr, qat).unflatten(-1, (c.n_heads, c.head_dim)),
+                block_freqs,
+                rope,
+            )
             kv = rms_norm(twin.linear(W, sp + "attn.wkv.weight", h, qat), W[sp + "attn.kv_norm.weight"], c.norm_eps)
-            kv = torch.cat([ring, on_grid(rotate(kv, block_freqs, rope), WINDOW_ENCODING)], dim=1)  # [n, win + block, d]
+            kv = torch.cat(
+                [ring, on_grid(rotate(kv, block_freqs, rope), WINDOW_ENCODING)], dim=1
+            )  # [n, win + block, d]
             idxs = torch.arange(win + block, dtype=torch.int32).view(1, 1, -1).expand(n, block, -1)
-            o = bf16(twin.attend(q, kv, W[sp + "attn.attn_sink"], idxs, c.head_dim ** -0.5))
+            o = bf16(twin.attend(q, kv, W[sp + "attn.attn_sink"], idxs, c.head_dim**-0.5))
             o = rotate(o, block_freqs, rope, inverse=True).view(n, block, c.o_groups, -1)
             wo_a = W[sp + "attn.wo_a.weight"].view(c.o_groups, c.o_lora_rank, -1)
             o = twin.bf16_product(torch.einsum, o, wo_a, "bsgd,grd->bsgr")
             return twin.linear(W, sp + "attn.wo_b.weight", o.flatten(2), qat)
 
-        x, pre = twin.block_sites(W, sp, x, pre, qat, attend,
-                                  lambda f, sp=sp, layer=layer: twin.moe(W, sp + "ffn.", f, qat, scratch, layer))
+        x, pre = twin.block_sites(
+            W, sp, x, pre, qat, attend, lambda f, sp=sp, layer=layer: twin.moe(W, sp + "ffn.", f, qat, scratch, layer)
+        )
     last = f"mtp.{c.n_mtp_layers - 1}."
     hidden = bf16(twin.hc_pre(x, pre))  # [n, block, dim]
     logits = F.linear(rms_norm(hidden, W[last + "norm.weight"], c.norm_eps), W["head.weight"])
@@ -91,8 +110,9 @@ class DraftTrainer:
         self.twin = trainer.twin
         self.names = self.twin.trainable(prefix="mtp.")
         with torch.no_grad():
-            self.target_weights = {k: v.detach() for k, v in self.twin.weights(qat=True).items()
-                                   if not k.startswith("mtp.")}
+            self.target_weights = {
+                k: v.detach() for k, v in self.twin.weights(qat=True).items() if not k.startswith("mtp.")
+            }
 
     def optimizer(self, saved=None):
         opt = self.trainer.optimizer_for(self.names, self.trainer.settings.draft_lr)
@@ -104,8 +124,12 @@ class DraftTrainer:
         c = self.twin.cfg
         gen = torch.Generator().manual_seed(self.trainer.settings.seed * 7_000_003 + step)
         low, high = c.window_size - 1, seq_len - c.dspark_block_size - 1  # ring full, every row labelled
-        return torch.stack([torch.randperm(high - low, generator=gen)[: self.trainer.settings.draft_anchors] + low
-                            for _ in range(batch)])  # [b, A]
+        return torch.stack(
+            [
+                torch.randperm(high - low, generator=gen)[: self.trainer.settings.draft_anchors] + low
+                for _ in range(batch)
+            ]
+        )  # [b, A]
 
     def batch(self, inputs: torch.Tensor, anchors: torch.Tensor):
         """(block tokens, previous tokens) [b, A, block] for anchors [b, A] of inputs [b, s]."""
@@ -122,8 +146,14 @@ class DraftTrainer:
         c = self.twin.cfg
         inputs, _ = t.batch(step)
         with torch.no_grad():
-            target = self.twin.forward(inputs, t.hash_ids(inputs), qat=True, index_loss=False,
-                                       want_main_hidden=True, weights=self._target_view())
+            target = self.twin.forward(
+                inputs,
+                t.hash_ids(inputs),
+                qat=True,
+                index_loss=False,
+                want_main_hidden=True,
+                weights=self._target_view(),
+            )
         anchors = self.anchors(step, inputs.size(1), inputs.size(0))
         tokens, previous, offsets = self.batch(inputs, anchors)
         lr = lr_at(step - s.backbone_steps, s.draft_steps, s.draft_lr, s.warmup, s.min_lr_fraction)
@@ -131,8 +161,9 @@ class DraftTrainer:
             group["lr"] = lr
         W = self.twin.weights(qat=True)
         out = TwinOutput(logits=None)
-        logits, confidence, hidden, markov = draft_forward(self.twin, W, target.main_hidden, anchors, tokens,
-                                                           previous, qat=True, out=out)
+        logits, confidence, hidden, markov = draft_forward(
+            self.twin, W, target.main_hidden, anchors, tokens, previous, qat=True, out=out
+        )
         # row i learns the target's distribution at position p + 1 + i
         rows = torch.arange(inputs.size(0)).view(-1, 1, 1)
         teacher = target.logits[rows, offsets].reshape(-1, c.dspark_block_size, c.vocab_size)
@@ -149,8 +180,14 @@ class DraftTrainer:
         opt.step()
         t.balance({k: v for k, v in out.expert_load.items()})
         by_row = accepted.mean(0).tolist()
-        return {"step": step, "phase": "draft", "loss": kl.item(), "confidence_bce": bce.item(), "lr": lr,
-                "agreement_by_row": by_row}
+        return {
+            "step": step,
+            "phase": "draft",
+            "loss": kl.item(),
+            "confidence_bce": bce.item(),
+            "lr": lr,
+            "agreement_by_row": by_row,
+        }
 
     def _target_view(self):
         return {**self.twin.params, **self.target_weights}

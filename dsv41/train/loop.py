@@ -23,8 +23,18 @@ from ..outdir import replace_file
 from .data import build_streams, held_out_windows, nats_to_bits, train_batch
 from .schedule import lr_at
 from .state import (
-    FLAGS, STATE_NAME, TrainError, TrainSettings, TrainState, check_document, check_memory,
-    optimizer_moments, read_state_json, restore_moments, settings_from)
+    FLAGS,
+    STATE_NAME,
+    TrainError,
+    TrainSettings,
+    TrainState,
+    check_document,
+    check_memory,
+    optimizer_moments,
+    read_state_json,
+    restore_moments,
+    settings_from,
+)
 from .twin import Twin, logical_shape, trainable_names, weight_specs
 from .workdir import TOKENIZER_NAME, TOKENS_NAME, claim, inspect, record_tokenizer, tokenizer_written
 
@@ -42,8 +52,10 @@ def new_settings(given: dict) -> TrainSettings:
     least once in a short run."""
     settings = settings_from(given, "the settings given")
     if "eval_every" not in given:
-        settings = settings_from({**given, "eval_every": max(1, min(TrainSettings.eval_every, settings.backbone_steps))},
-                                 "the settings given")
+        settings = settings_from(
+            {**given, "eval_every": max(1, min(TrainSettings.eval_every, settings.backbone_steps))},
+            "the settings given",
+        )
     return settings
 
 
@@ -52,8 +64,10 @@ def conflicting(given: dict, settings: TrainSettings, what: str) -> None:
     for name, value in given.items():
         if getattr(settings, name) != value:
             flag = FLAGS.get(name, name)
-            raise TrainError(f"{what} has {flag} {getattr(settings, name)}, not {value}; it goes on with its own "
-                             f"settings: leave {flag} out, or start a new run in another --out")
+            raise TrainError(
+                f"{what} has {flag} {getattr(settings, name)}, not {value}; it goes on with its own "
+                f"settings: leave {flag} out, or start a new run in another --out"
+            )
 
 
 def read_source(path: str) -> tuple[dict, dict]:
@@ -64,15 +78,19 @@ def read_source(path: str) -> tuple[dict, dict]:
     from ..miniature import MANIFEST_NAME, MiniatureError, verify
 
     if not os.path.isdir(path):
-        raise TrainError(f"--draft-from {path} is not a folder; it takes what dsv41 train wrote (OUT/checkpoint) "
-                         f"or the packaged miniature")
+        raise TrainError(
+            f"--draft-from {path} is not a folder; it takes what dsv41 train wrote (OUT/checkpoint) "
+            f"or the packaged miniature"
+        )
     try:
         manifest = verify(path)
     except MiniatureError as exc:
         raise TrainError(f"--draft-from: {exc}") from None
     if manifest is None:
-        raise TrainError(f"--draft-from {path} is not a miniature checkpoint (no {MANIFEST_NAME}); it takes what "
-                         f"dsv41 train wrote (OUT/checkpoint) or the packaged miniature")
+        raise TrainError(
+            f"--draft-from {path} is not a miniature checkpoint (no {MANIFEST_NAME}); it takes what "
+            f"dsv41 train wrote (OUT/checkpoint) or the packaged miniature"
+        )
     where = os.path.join(path, MANIFEST_NAME)
     for name in ("steps", "training_seconds", "settings"):
         if name not in manifest:
@@ -83,8 +101,10 @@ def read_source(path: str) -> tuple[dict, dict]:
     if missing:
         raise TrainError(f"--draft-from: {where}: settings lacks {missing[0]}")
     if not os.path.isfile(os.path.join(path, TOKENIZER_NAME)):
-        raise TrainError(f"--draft-from {path} holds no {TOKENIZER_NAME}, which the run goes on with; give the "
-                         f"whole checkpoint folder")
+        raise TrainError(
+            f"--draft-from {path} holds no {TOKENIZER_NAME}, which the run goes on with; give the "
+            f"whole checkpoint folder"
+        )
     from ..config import load_config
 
     _, cfg = miniature_tokenizer(os.path.join(path, TOKENIZER_NAME))
@@ -92,16 +112,25 @@ def read_source(path: str) -> tuple[dict, dict]:
     theirs = {name: logical_shape(spec) for name, (spec, _) in weight_specs(load_config(path)).items()}
     wrong = next((n for n in sorted(set(ours) | set(theirs)) if theirs.get(n) != ours.get(n)), None)
     if wrong is not None:
-        raise TrainError(f"--draft-from {path} is not of the miniature's geometry ({wrong}: "
-                         f"{list(theirs[wrong]) if wrong in theirs else 'none'}, not "
-                         f"{list(ours[wrong]) if wrong in ours else 'none'})")
+        raise TrainError(
+            f"--draft-from {path} is not of the miniature's geometry ({wrong}: "
+            f"{list(theirs[wrong]) if wrong in theirs else 'none'}, not "
+            f"{list(ours[wrong]) if wrong in ours else 'none'})"
+        )
     steps = manifest["steps"]
     if not source_settings.backbone_steps <= steps <= source_settings.steps:
-        raise TrainError(f"--draft-from: {where}: steps {steps:,} is not within its run of "
-                         f"{source_settings.backbone_steps:,} backbone and {source_settings.draft_steps:,} draft steps")
-    carried = {"path": os.path.realpath(path), "manifest_sha256": file_sha256(where), "steps": steps,
-               "training_seconds": float(manifest["training_seconds"]),
-               "final_train_loss": manifest.get("final_train_loss"), "tokens_seen": manifest.get("tokens_seen")}
+        raise TrainError(
+            f"--draft-from: {where}: steps {steps:,} is not within its run of "
+            f"{source_settings.backbone_steps:,} backbone and {source_settings.draft_steps:,} draft steps"
+        )
+    carried = {
+        "path": os.path.realpath(path),
+        "manifest_sha256": file_sha256(where),
+        "steps": steps,
+        "training_seconds": float(manifest["training_seconds"]),
+        "final_train_loss": manifest.get("final_train_loss"),
+        "tokens_seen": manifest.get("tokens_seen"),
+    }
     return carried, {name: getattr(source_settings, name) for name in SOURCE_SETTINGS}
 
 
@@ -121,8 +150,9 @@ def miniature_tokenizer(path: str):
     if problem is None and tokenizer.get_vocab_size(with_added_tokens=True) != cfg.vocab_size:
         problem = f"{tokenizer.get_vocab_size(with_added_tokens=True):,} ids, not {cfg.vocab_size:,}"
     if problem:
-        raise TrainError(f"{path} is not a tokenizer the miniature can use ({problem}); give another "
-                         f"--draft-from, or another --out")
+        raise TrainError(
+            f"{path} is not a tokenizer the miniature can use ({problem}); give another --draft-from, or another --out"
+        )
     return tokenizer, cfg
 
 
@@ -132,13 +162,17 @@ def draft_settings(given: dict, carried: dict, source: dict, path: str) -> Train
     for name, value in source.items():
         if name in given and given[name] != value:
             flag = FLAGS[name]
-            raise TrainError(f"--draft-from {path} was trained with {flag} {value}; leave {flag} out to go on "
-                             f"with it, or give {flag} {value}")
+            raise TrainError(
+                f"--draft-from {path} was trained with {flag} {value}; leave {flag} out to go on "
+                f"with it, or give {flag} {value}"
+            )
     settings = new_settings({**given, **source})
     done = carried["steps"] - settings.backbone_steps
     if settings.draft_steps <= done:
-        raise TrainError(f"--draft-from {path} has had {done} draft steps already; --draft-steps counts them all, "
-                         f"so ask for more than {done}")
+        raise TrainError(
+            f"--draft-from {path} has had {done} draft steps already; --draft-steps counts them all, "
+            f"so ask for more than {done}"
+        )
     return settings
 
 
@@ -164,8 +198,16 @@ class Trainer:
     `resume`, the run's own, which those given must equal. Everything about the folder, the
     source and the saved state's settings is checked before any work (TrainError otherwise)."""
 
-    def __init__(self, folder: str, given: dict | None = None, *, resume: bool = False, compile: bool = True,
-                 progress: bool | None = None, draft_from: str | None = None):
+    def __init__(
+        self,
+        folder: str,
+        given: dict | None = None,
+        *,
+        resume: bool = False,
+        compile: bool = True,
+        progress: bool | None = None,
+        draft_from: str | None = None,
+    ):
         from ..engram import NgramHasher
         from .corpus import load_corpus
 
@@ -178,8 +220,10 @@ class Trainer:
         state_path = os.path.join(self.folder, STATE_NAME)
         if resume:
             if not os.path.lexists(state_path):
-                raise TrainError(f"{folder}: nothing to resume (no {STATE_NAME}: the run never reached its first "
-                                 f"checkpoint); start it without --resume")
+                raise TrainError(
+                    f"{folder}: nothing to resume (no {STATE_NAME}: the run never reached its first "
+                    f"checkpoint); start it without --resume"
+                )
             document = read_state_json(self.folder)
             settings, _ = check_document(document, state_path)
             conflicting(given, settings, f"the run in {folder}")
@@ -188,11 +232,15 @@ class Trainer:
                 went_on = f"went on from {recorded['path']}" if recorded else "did not go on from a checkpoint"
                 raise TrainError(f"the run in {folder} {went_on}; resume it without --draft-from")
             if not tokenizer_written(self.folder):
-                raise TrainError(f"{os.path.join(self.folder, TOKENIZER_NAME)} is missing or not the tokenizer the "
-                                 f"run started with; the run cannot go on: start it again in a new folder")
+                raise TrainError(
+                    f"{os.path.join(self.folder, TOKENIZER_NAME)} is missing or not the tokenizer the "
+                    f"run started with; the run cannot go on: start it again in a new folder"
+                )
         elif os.path.lexists(state_path):
-            raise TrainError(f"{folder} already holds a training run ({STATE_NAME}); pass --resume to go on "
-                             f"with it, or give another --out")
+            raise TrainError(
+                f"{folder} already holds a training run ({STATE_NAME}); pass --resume to go on "
+                f"with it, or give another --out"
+            )
         else:
             settings = draft_settings(given, carried, source, draft_from) if carried else new_settings(given)
         check_memory(settings)
@@ -216,12 +264,18 @@ class Trainer:
             self.tokenizer, self.cfg = miniature_tokenizer(tok_path)
             if carried is not None:
                 # the backbone as released, decoded: the draft phase freezes it on its storage grid again
-                self.state = TrainState(settings, Twin.from_checkpoint(draft_from).params, step=carried["steps"],
-                                        seconds=carried["training_seconds"], continued_from=carried)
+                self.state = TrainState(
+                    settings,
+                    Twin.from_checkpoint(draft_from).params,
+                    step=carried["steps"],
+                    seconds=carried["training_seconds"],
+                    continued_from=carried,
+                )
             else:
                 self.state = TrainState(settings, Twin.initialized(self.cfg, settings.seed).params)
-        self.streams = build_streams(self.corpus, self.tokenizer, int(self.cfg.eos_token_id),
-                                     os.path.join(self.folder, TOKENS_NAME))
+        self.streams = build_streams(
+            self.corpus, self.tokenizer, int(self.cfg.eos_token_id), os.path.join(self.folder, TOKENS_NAME)
+        )
         self.hasher = NgramHasher.from_tokenizer(self.cfg, self.tokenizer)
         self.continued_from = self.state.continued_from
         self.settings = self.state.settings
@@ -240,8 +294,9 @@ class Trainer:
 
     def batch(self, step: int):
         gen = torch.Generator().manual_seed(self.settings.seed * 1_000_003 + step)
-        return train_batch(self.streams.train, self.settings.batch, self.settings.seq_len,
-                           int(self.cfg.bos_token_id), gen)
+        return train_batch(
+            self.streams.train, self.settings.batch, self.settings.seq_len, int(self.cfg.bos_token_id), gen
+        )
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -261,15 +316,20 @@ class Trainer:
             n_bytes += int(self.streams.token_bytes[targets.numpy()].sum())
             batch_in.clear(), batch_out.clear()
 
-        for inputs, targets in held_out_windows(self.streams.held_out, self.settings.seq_len,
-                                                int(self.cfg.bos_token_id), limit):
+        for inputs, targets in held_out_windows(
+            self.streams.held_out, self.settings.seq_len, int(self.cfg.bos_token_id), limit
+        ):
             batch_in.append(inputs), batch_out.append(targets)
             if len(batch_in) == self.settings.batch:
                 flush()
         if batch_in:
             flush()
-        return {"nats_per_token": nats / tokens, "bits_per_byte": nats_to_bits(nats) / n_bytes,
-                "tokens": tokens, "bytes": n_bytes}
+        return {
+            "nats_per_token": nats / tokens,
+            "bits_per_byte": nats_to_bits(nats) / n_bytes,
+            "tokens": tokens,
+            "bytes": n_bytes,
+        }
 
     # ------------------------------------------------------------------ backbone
     def optimizer_for(self, names: list[str], lr: float) -> torch.optim.Optimizer:
@@ -277,8 +337,11 @@ class Trainer:
             self.twin.params[name].requires_grad_(name in names)
         decay = [self.twin.params[n] for n in names if self.twin.params[n].dim() >= 2]
         other = [self.twin.params[n] for n in names if self.twin.params[n].dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.settings.weight_decay},
-                                 {"params": other, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.settings.weight_decay}, {"params": other, "weight_decay": 0.0}],
+            lr=lr,
+            betas=(0.9, 0.95),
+        )
         return opt
 
     def backbone_step(self, step: int, opt) -> dict:
@@ -296,8 +359,15 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
         opt.step()
         spread = self.balance(out.expert_load)
-        return {"step": step, "phase": s.phase(step), "loss": lm.item(), "index_kl": float(kl.detach()) if torch.is_tensor(kl) else float(kl), "lr": lr,
-                "grad_norm": float(grad_norm), "load_spread": spread}
+        return {
+            "step": step,
+            "phase": s.phase(step),
+            "loss": lm.item(),
+            "index_kl": float(kl.detach()) if torch.is_tensor(kl) else float(kl),
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "load_spread": spread,
+        }
 
     @torch.no_grad()
     def balance(self, loads: dict) -> float:
@@ -318,12 +388,18 @@ class Trainer:
         """Train up to the last step (or `stop_at`), with a checkpoint at the end."""
         from tqdm import tqdm
 
-
         s, state = self.settings, self.state
         draft = None
         opt = None
-        bar = tqdm(total=s.steps, initial=state.step, desc="train", unit="step", file=sys.stderr,
-                   disable=not self.progress, dynamic_ncols=True)
+        bar = tqdm(
+            total=s.steps,
+            initial=state.step,
+            desc="train",
+            unit="step",
+            file=sys.stderr,
+            disable=not self.progress,
+            dynamic_ncols=True,
+        )
         tokens_per_step = s.batch * s.seq_len
         last_save = time.perf_counter()
         try:
@@ -334,8 +410,11 @@ class Trainer:
                 if phase == "draft":
                     if draft is None:
                         from .draft import DraftTrainer
+
                         draft = DraftTrainer(self)
-                        opt = draft.optimizer(state.optimizer if state.optimizer and state.optimizer["phase"] == "draft" else None)
+                        opt = draft.optimizer(
+                            state.optimizer if state.optimizer and state.optimizer["phase"] == "draft" else None
+                        )
                     record = draft.step(step, opt)
                 else:
                     if opt is None:
@@ -353,16 +432,19 @@ class Trainer:
                 if phase != "draft" and (state.step % s.eval_every == 0 or state.step == s.backbone_steps):
                     held = self.held_out_loss(qat=phase == "qat", limit=s.eval_windows)
                     state.evals.append({"step": state.step, **held})
-                    bar.write(f"step {state.step}: held-out {held['bits_per_byte']:.3f} bits/byte "
-                              f"({held['nats_per_token']:.3f} nats/token)")
+                    bar.write(
+                        f"step {state.step}: held-out {held['bits_per_byte']:.3f} bits/byte "
+                        f"({held['nats_per_token']:.3f} nats/token)"
+                    )
                 if state.step == s.backbone_steps:
                     opt = None  # the draft phase builds its own
                     state.optimizer = None
-                if state.step % s.checkpoint_every == 0 or state.step == end \
-                        or time.perf_counter() - last_save > 300:
+                if state.step % s.checkpoint_every == 0 or state.step == end or time.perf_counter() - last_save > 300:
                     if opt is not None:
-                        state.optimizer = {"phase": "draft" if phase == "draft" else "backbone",
-                                           "moments": optimizer_moments(opt, self.names_of)}
+                        state.optimizer = {
+                            "phase": "draft" if phase == "draft" else "backbone",
+                            "moments": optimizer_moments(opt, self.names_of),
+                        }
                     state.save(self.folder)
                     last_save = time.perf_counter()
         except KeyboardInterrupt:

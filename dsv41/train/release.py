@@ -32,8 +32,14 @@ def write_miniature(folder: str, cfg: Config, tokenizer, params: dict, facts: di
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.", suffix=".partial", dir=parent)
     try:
-        write_release_layout(tmp, cfg, lambda specs, by_name: stored_tensors(
-            specs, by_name, lambda name, shape: params[name].detach().float().reshape(shape)), tokenizer=tokenizer)
+        write_release_layout(
+            tmp,
+            cfg,
+            lambda specs, by_name: stored_tensors(
+                specs, by_name, lambda name, shape: params[name].detach().float().reshape(shape)
+            ),
+            tokenizer=tokenizer,
+        )
         files = {}
         for root, _, names in os.walk(tmp):
             for name in sorted(names):
@@ -49,4 +55,3 @@ def write_miniature(folder: str, cfg: Config, tokenizer, params: dict, facts: di
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
-

@@ -48,16 +48,29 @@ MAX_STEPS = 100_000
 MAX_SEED = 2**32 - 1  # seed * 7,000,003 + step stays a valid torch generator seed
 MIN_SEQ_LEN, MAX_SEQ_LEN = 16, 4096
 MAX_WINDOWS = 10**7
-INT_BOUNDS = {"backbone_steps": (1, MAX_STEPS), "draft_steps": (0, MAX_STEPS), "batch": (1, 10**6),
-              "seq_len": (MIN_SEQ_LEN, MAX_SEQ_LEN), "warmup": (0, MAX_STEPS), "draft_anchors": (1, MAX_SEQ_LEN),
-              "seed": (0, MAX_SEED), "checkpoint_every": (1, MAX_STEPS), "eval_every": (1, MAX_STEPS),
-              "eval_windows": (1, MAX_WINDOWS)}
+INT_BOUNDS = {
+    "backbone_steps": (1, MAX_STEPS),
+    "draft_steps": (0, MAX_STEPS),
+    "batch": (1, 10**6),
+    "seq_len": (MIN_SEQ_LEN, MAX_SEQ_LEN),
+    "warmup": (0, MAX_STEPS),
+    "draft_anchors": (1, MAX_SEQ_LEN),
+    "seed": (0, MAX_SEED),
+    "checkpoint_every": (1, MAX_STEPS),
+    "eval_every": (1, MAX_STEPS),
+    "eval_windows": (1, MAX_WINDOWS),
+}
 # The rates and weights (lr, decay, loss weights): non-negative, and 10 is far past any that trains;
 # the fractions at most 1.
 MAX_RATE = 10
 # The settings a run is started with from the command line, and the flag of each.
-FLAGS = {"backbone_steps": "--steps", "draft_steps": "--draft-steps", "seed": "--seed", "batch": "--batch",
-         "seq_len": "--seq-len"}
+FLAGS = {
+    "backbone_steps": "--steps",
+    "draft_steps": "--draft-steps",
+    "seed": "--seed",
+    "batch": "--batch",
+    "seq_len": "--seq-len",
+}
 
 # Memory of one training step, measured on the miniature's geometry (the fast twin, a
 # quantization-aware forward and backward, peak resident growth): about 0.39 MiB a token plus
@@ -121,12 +134,20 @@ def settings_from(values: dict, where: str) -> TrainSettings:
         if FIELDS[name] == "int":
             low, high = INT_BOUNDS[name]
             if not (is_whole(value) and low <= value <= high):
-                raise TrainError(f"{where}: {name} must be a whole number from {low} to {high:,}, got "
-                                 f"{number_text(value) if is_whole(value) else brief(value)}")
-        elif not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-                  and 0 <= value <= (1 if name.endswith("fraction") else MAX_RATE)):
-            raise TrainError(f"{where}: {name} must be a finite number from 0 to "
-                             f"{1 if name.endswith('fraction') else MAX_RATE}, got {brief(value)}")
+                raise TrainError(
+                    f"{where}: {name} must be a whole number from {low} to {high:,}, got "
+                    f"{number_text(value) if is_whole(value) else brief(value)}"
+                )
+        elif not (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and 0 <= value <= (1 if name.endswith("fraction") else MAX_RATE)
+        ):
+            raise TrainError(
+                f"{where}: {name} must be a finite number from 0 to "
+                f"{1 if name.endswith('fraction') else MAX_RATE}, got {brief(value)}"
+            )
     return TrainSettings(**{k: float(v) if FIELDS[k] == "float" else v for k, v in values.items()})
 
 
@@ -148,9 +169,11 @@ def check_memory(settings: TrainSettings) -> None:
     per_sequence = step_bytes(1, settings.seq_len) - STEP_FIXED_BYTES
     most = max(0, (limit - STEP_FIXED_BYTES) // per_sequence)
     fix = f"give at most --batch {most:,}" if most else "give a shorter --seq-len"
-    raise TrainError(f"--batch {settings.batch:,} at --seq-len {settings.seq_len:,} needs about "
-                     f"{gib_text(need, up=True)} GiB for a training step, more than the {gib_text(limit, up=False)} "
-                     f"GiB {what}; {fix}")
+    raise TrainError(
+        f"--batch {settings.batch:,} at --seq-len {settings.seq_len:,} needs about "
+        f"{gib_text(need, up=True)} GiB for a training step, more than the {gib_text(limit, up=False)} "
+        f"GiB {what}; {fix}"
+    )
 
 
 # ---------------------------------------------------------------------- the state
@@ -186,11 +209,18 @@ class TrainState:
                 f.write(data)
 
         replace_file(os.path.join(folder, name), write_tensors)
-        document = {"format": STATE_FORMAT, "version": STATE_VERSION,
-                    "tensors": {"file": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()},
-                    "settings": dataclasses.asdict(self.settings), "step": self.step, "seconds": self.seconds,
-                    "optimizer": None if self.optimizer is None else self.optimizer["phase"],
-                    "log": self.log, "evals": self.evals, "continued_from": self.continued_from}
+        document = {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "tensors": {"file": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()},
+            "settings": dataclasses.asdict(self.settings),
+            "step": self.step,
+            "seconds": self.seconds,
+            "optimizer": None if self.optimizer is None else self.optimizer["phase"],
+            "log": self.log,
+            "evals": self.evals,
+            "continued_from": self.continued_from,
+        }
         text = json.dumps(document, indent=None, sort_keys=True)
 
         def write_json(tmp: str) -> None:
@@ -210,11 +240,20 @@ class TrainState:
         path = os.path.join(folder, STATE_NAME)
         settings, step = check_document(document, path)
         tensors = read_tensors(folder, document["tensors"], path)
-        params, moments = check_tensors(tensors, shapes, optimizer_names.get(document["optimizer"], []),
-                                        document["tensors"]["file"], folder)
+        params, moments = check_tensors(
+            tensors, shapes, optimizer_names.get(document["optimizer"], []), document["tensors"]["file"], folder
+        )
         phase = document["optimizer"]
-        return cls(settings, params, step, None if phase is None else {"phase": phase, "moments": moments},
-                   document["log"], document["evals"], float(document["seconds"]), document["continued_from"])
+        return cls(
+            settings,
+            params,
+            step,
+            None if phase is None else {"phase": phase, "moments": moments},
+            document["log"],
+            document["evals"],
+            float(document["seconds"]),
+            document["continued_from"],
+        )
 
 
 def saved_step(folder: str) -> int | None:
@@ -233,12 +272,16 @@ def read_state_json(folder: str) -> dict:
     if os.path.isdir(path):
         raise TrainStateError(f"{path} is a folder, not the training state file; remove it, or give another --out")
     if os.path.lexists(path) and not os.path.isfile(path):  # a FIFO or device would block or never end
-        raise TrainStateError(f"{path} is not a regular file, so not a training state; remove it, or give another --out")
+        raise TrainStateError(
+            f"{path} is not a regular file, so not a training state; remove it, or give another --out"
+        )
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_STATE_JSON_BYTES + 1)
     except OSError as exc:
-        raise TrainStateError(f"{path} cannot be read ({exc.strerror or exc}); start the run again in a new folder") from None
+        raise TrainStateError(
+            f"{path} cannot be read ({exc.strerror or exc}); start the run again in a new folder"
+        ) from None
     if len(raw) > MAX_STATE_JSON_BYTES:
         raise TrainStateError(f"{path} is over {MAX_STATE_JSON_BYTES >> 20} MiB, which no training state is")
     try:
@@ -254,9 +297,14 @@ def read_state_json(folder: str) -> dict:
 
 _KEYS = ("continued_from", "evals", "format", "log", "optimizer", "seconds", "settings", "step", "tensors", "version")
 # What a --draft-from run carries from its source, and the kind of each.
-CONTINUED_KEYS = {"path": "a path", "manifest_sha256": "a sha256", "steps": "a whole number",
-                  "training_seconds": "a number", "final_train_loss": "a number or null",
-                  "tokens_seen": "a whole number or null"}
+CONTINUED_KEYS = {
+    "path": "a path",
+    "manifest_sha256": "a sha256",
+    "steps": "a whole number",
+    "training_seconds": "a number",
+    "final_train_loss": "a number or null",
+    "tokens_seen": "a whole number or null",
+}
 
 
 def _number(value) -> bool:
@@ -265,6 +313,7 @@ def _number(value) -> bool:
 
 def check_document(document: dict, path: str) -> tuple[TrainSettings, int]:
     """The settings and step of a state.json object whose every field is checked."""
+
     def bad(message: str):
         return TrainStateError(f"{path}: {message}; the run cannot go on from it")
 
@@ -285,25 +334,43 @@ def check_document(document: dict, path: str) -> tuple[TrainSettings, int]:
         raise TrainStateError(f"{exc}; the run cannot go on from it") from None
     step = document["step"]
     if not (is_whole(step) and 0 <= step <= settings.steps):
-        raise bad(f"step must be a whole number from 0 to the run's {settings.steps:,} steps, got "
-                  f"{number_text(step) if is_whole(step) else brief(step)}")
+        raise bad(
+            f"step must be a whole number from 0 to the run's {settings.steps:,} steps, got "
+            f"{number_text(step) if is_whole(step) else brief(step)}"
+        )
     seconds = document["seconds"]
     if not (_number(seconds) and math.isfinite(seconds) and seconds >= 0):
         raise bad(f"seconds must be a finite number of seconds, got {brief(seconds)}")
     phase = document["optimizer"]
     if phase is not None and phase not in OPTIMIZER_PHASES:
         raise bad(f"optimizer must be null or one of {', '.join(OPTIMIZER_PHASES)}, got {brief(phase)}")
-    if phase == "backbone" and not step < settings.backbone_steps or phase == "draft" and not step > settings.backbone_steps:
+    if (
+        phase == "backbone"
+        and not step < settings.backbone_steps
+        or phase == "draft"
+        and not step > settings.backbone_steps
+    ):
         raise bad(f"a {phase} optimizer at step {step} of {settings.backbone_steps} backbone steps")
     tensors = document["tensors"]
-    if not (isinstance(tensors, dict) and set(tensors) == {"file", "size", "sha256"}
-            and isinstance(tensors["file"], str) and TENSORS_FILE.fullmatch(tensors["file"])
-            and is_whole(tensors["size"]) and tensors["size"] > 0
-            and isinstance(tensors["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", tensors["sha256"])):
-        raise bad("tensors must name a state-NNNNNNN.safetensors file in the same folder with its size and sha256, "
-                  f"got {brief(tensors)}")
-    problem = (_log_problem(document["log"], settings, step) or _evals_problem(document["evals"], step)
-               or continued_problem(document["continued_from"], allow_none=True))
+    if not (
+        isinstance(tensors, dict)
+        and set(tensors) == {"file", "size", "sha256"}
+        and isinstance(tensors["file"], str)
+        and TENSORS_FILE.fullmatch(tensors["file"])
+        and is_whole(tensors["size"])
+        and tensors["size"] > 0
+        and isinstance(tensors["sha256"], str)
+        and re.fullmatch(r"[0-9a-f]{64}", tensors["sha256"])
+    ):
+        raise bad(
+            "tensors must name a state-NNNNNNN.safetensors file in the same folder with its size and sha256, "
+            f"got {brief(tensors)}"
+        )
+    problem = (
+        _log_problem(document["log"], settings, step)
+        or _evals_problem(document["evals"], step)
+        or continued_problem(document["continued_from"], allow_none=True)
+    )
     if problem:
         raise bad(problem)
     return settings, step
@@ -349,14 +416,19 @@ def continued_problem(continued, *, allow_none: bool = False) -> str | None:
         return None
     if not isinstance(continued, dict) or set(continued) != set(CONTINUED_KEYS):
         return f"continued_from must be null or an object of {', '.join(CONTINUED_KEYS)}, got {brief(continued)}"
-    ok = {"path": isinstance(continued["path"], str),
-          "manifest_sha256": isinstance(continued["manifest_sha256"], str)
-          and re.fullmatch(r"[0-9a-f]{64}", continued["manifest_sha256"]),
-          "steps": is_whole(continued["steps"]) and 0 <= continued["steps"] <= 2 * MAX_STEPS,
-          "training_seconds": _number(continued["training_seconds"]) and math.isfinite(continued["training_seconds"])
-          and continued["training_seconds"] >= 0,
-          "final_train_loss": continued["final_train_loss"] is None or _number(continued["final_train_loss"]),
-          "tokens_seen": continued["tokens_seen"] is None or is_whole(continued["tokens_seen"]) and continued["tokens_seen"] >= 0}
+    ok = {
+        "path": isinstance(continued["path"], str),
+        "manifest_sha256": isinstance(continued["manifest_sha256"], str)
+        and re.fullmatch(r"[0-9a-f]{64}", continued["manifest_sha256"]),
+        "steps": is_whole(continued["steps"]) and 0 <= continued["steps"] <= 2 * MAX_STEPS,
+        "training_seconds": _number(continued["training_seconds"])
+        and math.isfinite(continued["training_seconds"])
+        and continued["training_seconds"] >= 0,
+        "final_train_loss": continued["final_train_loss"] is None or _number(continued["final_train_loss"]),
+        "tokens_seen": continued["tokens_seen"] is None
+        or is_whole(continued["tokens_seen"])
+        and continued["tokens_seen"] >= 0,
+    }
     wrong = next((key for key, good in ok.items() if not good), None)
     return f"continued_from.{wrong} must be {CONTINUED_KEYS[wrong]}, got {brief(continued[wrong])}" if wrong else None
 
@@ -365,11 +437,17 @@ def _evals_problem(evals, step: int) -> str | None:
     if not isinstance(evals, list):
         return f"evals must be an array, got {json_kind(evals)}"
     for i, record in enumerate(evals):
-        if not (isinstance(record, dict) and set(record) == {"step", "bits_per_byte", "nats_per_token", "tokens", "bytes"}
-                and is_whole(record["step"]) and 0 < record["step"] <= step
-                and all(_number(record[k]) for k in ("bits_per_byte", "nats_per_token"))
-                and all(is_whole(record[k]) and record[k] >= 0 for k in ("tokens", "bytes"))):
-            return f"evals[{i}] must be an evaluation (step, bits_per_byte, nats_per_token, tokens, bytes) of a step run"
+        if not (
+            isinstance(record, dict)
+            and set(record) == {"step", "bits_per_byte", "nats_per_token", "tokens", "bytes"}
+            and is_whole(record["step"])
+            and 0 < record["step"] <= step
+            and all(_number(record[k]) for k in ("bits_per_byte", "nats_per_token"))
+            and all(is_whole(record[k]) and record[k] >= 0 for k in ("tokens", "bytes"))
+        ):
+            return (
+                f"evals[{i}] must be an evaluation (step, bits_per_byte, nats_per_token, tokens, bytes) of a step run"
+            )
     return None
 
 
@@ -384,15 +462,18 @@ def read_tensors(folder: str, entry: dict, path: str) -> list:
         if not os.path.isfile(tensors_path):
             raise TrainStateError(f"{where} is missing or not a file; the run cannot go on from this state")
         if os.path.getsize(tensors_path) != entry["size"]:
-            raise TrainStateError(f"{where} is {os.path.getsize(tensors_path):,} bytes, not the {entry['size']:,} "
-                                  f"it was written with (cut short or replaced); the run cannot go on from it")
+            raise TrainStateError(
+                f"{where} is {os.path.getsize(tensors_path):,} bytes, not the {entry['size']:,} "
+                f"it was written with (cut short or replaced); the run cannot go on from it"
+            )
         with open(tensors_path, "rb") as f:
             data = f.read(entry["size"] + 1)
     except OSError as exc:
         raise TrainStateError(f"{tensors_path} cannot be read ({exc.strerror or exc})") from None
     if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise TrainStateError(f"{where} does not match its sha256 there (changed after it was written); "
-                              f"the run cannot go on from it")
+        raise TrainStateError(
+            f"{where} does not match its sha256 there (changed after it was written); the run cannot go on from it"
+        )
     try:
         return deserialize(data)
     except Exception as exc:  # noqa: BLE001 (safetensors' own error type: any of them is a damaged file)
@@ -410,10 +491,10 @@ def check_tensors(entries: list, shapes: dict[str, tuple], trained: list[str], f
     params, moments = {}, {}
     trained = set(trained)
     for name, info in entries:
-        if name.startswith(PARAM) and name[len(PARAM):] in shapes:
-            expected = shapes[name[len(PARAM):]]
+        if name.startswith(PARAM) and name[len(PARAM) :] in shapes:
+            expected = shapes[name[len(PARAM) :]]
         elif name.startswith(MOMENT) and name.rsplit(".", 1)[-1] in MOMENT_KINDS:
-            owner = name[len(MOMENT):].rsplit(".", 1)[0]
+            owner = name[len(MOMENT) :].rsplit(".", 1)[0]
             if owner not in trained:
                 raise bad(f"{brief(name)} is a moment of a parameter this optimizer does not update")
             expected = () if name.endswith(".step") else shapes[owner]
@@ -426,9 +507,9 @@ def check_tensors(entries: list, shapes: dict[str, tuple], trained: list[str], f
         if not torch.isfinite(value).all():
             raise bad(f"{name} holds NaN or infinite values")
         if name.startswith(PARAM):
-            params[name[len(PARAM):]] = value
+            params[name[len(PARAM) :]] = value
         else:
-            owner, kind = name[len(MOMENT):].rsplit(".", 1)
+            owner, kind = name[len(MOMENT) :].rsplit(".", 1)
             moments.setdefault(owner, {})[kind] = value
     missing = sorted(set(shapes) - set(params))
     if missing:
@@ -454,5 +535,9 @@ def restore_moments(opt: torch.optim.Optimizer, names_of: dict[int, str], moment
     """Load moments by parameter name (as `optimizer_moments` gives them) into `opt`."""
     index = {names_of[id(p)]: i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
     current = opt.state_dict()
-    opt.load_state_dict({"state": {index[name]: dict(parts) for name, parts in moments.items()},
-                         "param_groups": current["param_groups"]})
+    opt.load_state_dict(
+        {
+            "state": {index[name]: dict(parts) for name, parts in moments.items()},
+            "param_groups": current["param_groups"],
+        }
+    )

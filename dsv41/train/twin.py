@@ -88,8 +88,9 @@ def hc_post_fast(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
     return post.unsqueeze(-1) * out.float().unsqueeze(-2) + torch.einsum("bsij,bsid->bsjd", comb, residual.float())
 
 
-def masked_attention(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idxs: torch.Tensor,
-                     softmax_scale: float) -> torch.Tensor:
+def masked_attention(
+    q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idxs: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
     """`kernels.sparse_attn` as one dense product under a mask built from idxs (the rows each query
     reads): the same softmax with its sink and bf16-rounded weights, summed in another order.
     q [b, m, h, d], kv [b, n, d], idxs [b, m, k] (-1 absent) -> float32 [b, m, h, d]."""
@@ -122,8 +123,13 @@ def rotate(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool = 
 def trainable_names(names, prefix: str = "", exclude: tuple = ()) -> list[str]:
     """Of `names`, those the optimizer updates: under `prefix`, neither untrained nor a routing
     bias (the balancing sets those) nor under one of `exclude`."""
-    return [n for n in names if n.startswith(prefix) and not n.startswith(UNTRAINED_PREFIXES + exclude)
-            and not n.endswith(("gate.bias", "gate.bias_vl"))]
+    return [
+        n
+        for n in names
+        if n.startswith(prefix)
+        and not n.startswith(UNTRAINED_PREFIXES + exclude)
+        and not n.endswith(("gate.bias", "gate.bias_vl"))
+    ]
 
 
 def logical_shape(spec) -> tuple[int, ...]:
@@ -206,18 +212,27 @@ class Twin:
         self.attend = sparse_attn if exact else masked_attention
         self.split = split or hc_split_sinkhorn  # training passes a compiled one
         c = self.cfg
-        self.window_freqs = precompute_freqs_cis(c.rope_head_dim, c.max_seq_len, 0, c.rope_theta, c.rope_factor,
-                                                 c.beta_fast, c.beta_slow)
-        self.compressed_freqs = precompute_freqs_cis(c.rope_head_dim, c.max_seq_len, c.original_seq_len,
-                                                     c.compress_rope_theta, c.rope_factor, c.beta_fast, c.beta_slow)
+        self.window_freqs = precompute_freqs_cis(
+            c.rope_head_dim, c.max_seq_len, 0, c.rope_theta, c.rope_factor, c.beta_fast, c.beta_slow
+        )
+        self.compressed_freqs = precompute_freqs_cis(
+            c.rope_head_dim,
+            c.max_seq_len,
+            c.original_seq_len,
+            c.compress_rope_theta,
+            c.rope_factor,
+            c.beta_fast,
+            c.beta_slow,
+        )
 
     @classmethod
     def initialized(cls, cfg, seed: int, **kw) -> "Twin":
         """Weights drawn as the embedded random checkpoint draws them (`tiny._values`), float32."""
         from ..tiny import _values
 
-        params = {name: _values(seed, name, logical_shape(spec)).float()
-                  for name, (spec, _) in weight_specs(cfg).items()}
+        params = {
+            name: _values(seed, name, logical_shape(spec)).float() for name, (spec, _) in weight_specs(cfg).items()
+        }
         return cls(cfg, params, **kw)
 
     @classmethod
@@ -230,7 +245,7 @@ class Twin:
         cfg = load_config(path)
         ckpt = Checkpoint(path)
         params = {}
-        for name, (spec, scale_spec) in weight_specs(cfg).items():
+        for name, (_spec, scale_spec) in weight_specs(cfg).items():
             value = ckpt.read(name)
             params[name] = dequantize(value, ckpt.read(scale_spec.name) if scale_spec is not None else None).float()
         return cls(cfg, params)
@@ -246,14 +261,25 @@ class Twin:
         out = {}
         for name, value in self.params.items():
             spec, scale = self.specs[name]
-            out[name] = straight_through(value, round_to_storage(value, spec, scale)) if value.requires_grad \
+            out[name] = (
+                straight_through(value, round_to_storage(value, spec, scale))
+                if value.requires_grad
                 else round_to_storage(value, spec, scale)
+            )
         return out
 
     # ------------------------------------------------------------------ forward
-    def forward(self, ids: torch.Tensor, hash_ids: Optional[torch.Tensor], *, qat: bool = False,
-                index_loss: bool = True, want_main_hidden: bool = False,
-                weights: Optional[dict] = None, keep_targets: bool = False) -> TwinOutput:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        hash_ids: Optional[torch.Tensor],
+        *,
+        qat: bool = False,
+        index_loss: bool = True,
+        want_main_hidden: bool = False,
+        weights: Optional[dict] = None,
+        keep_targets: bool = False,
+    ) -> TwinOutput:
         """ids int64 [b, s] from position 0; hash_ids [b, s, n_engram_layers, n_hash_cols] (the
         model's n-gram hasher) -> TwinOutput (with keep_targets, its attention_target too)."""
         c = self.cfg
@@ -273,9 +299,15 @@ class Twin:
                 h = self.engram(W, layer, h, cols, qat)
             if want_main_hidden and layer in targets:
                 hidden.append(h.mean(dim=2))
-            h, pre = self.block_sites(W, p, h, pre, qat,
-                                      lambda a: self.attention(W, layer, a, shared, qat, out, index_loss),
-                                      lambda f: self.moe(W, p + "ffn.", f, qat, out, layer))
+            h, pre = self.block_sites(
+                W,
+                p,
+                h,
+                pre,
+                qat,
+                lambda a: self.attention(W, layer, a, shared, qat, out, index_loss),
+                lambda f: self.moe(W, p + "ffn.", f, qat, out, layer),
+            )
         h = rms_norm(bf16(self.hc_pre(h, pre)), W["norm.weight"], c.norm_eps)
         out.logits = F.linear(h, W["head.weight"])
         if hidden:
@@ -287,13 +319,33 @@ class Twin:
         expansion -> (h, the next block's pre)."""
         c = self.cfg
         residual = h
-        attn_pre, post, comb = hc_mixes(h, W[p + "hc_attn_fn"], W[p + "hc_attn_scale"], W[p + "hc_attn_base"],
-                                        c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, pad_f32_rows=False, split=self.split)
+        attn_pre, post, comb = hc_mixes(
+            h,
+            W[p + "hc_attn_fn"],
+            W[p + "hc_attn_scale"],
+            W[p + "hc_attn_base"],
+            c.hc_mult,
+            c.hc_sinkhorn_iters,
+            c.hc_eps,
+            c.norm_eps,
+            pad_f32_rows=False,
+            split=self.split,
+        )
         a = attend(rms_norm(bf16(self.hc_pre(h, pre)), W[p + "attn_norm.weight"], c.norm_eps))
         h = bf16(self.hc_post(a, residual, post, comb))
         residual = h
-        ffn_pre, post, comb = hc_mixes(h, W[p + "hc_ffn_fn"], W[p + "hc_ffn_scale"], W[p + "hc_ffn_base"],
-                                       c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, pad_f32_rows=False, split=self.split)
+        ffn_pre, post, comb = hc_mixes(
+            h,
+            W[p + "hc_ffn_fn"],
+            W[p + "hc_ffn_scale"],
+            W[p + "hc_ffn_base"],
+            c.hc_mult,
+            c.hc_sinkhorn_iters,
+            c.hc_eps,
+            c.norm_eps,
+            pad_f32_rows=False,
+            split=self.split,
+        )
         f = ffn(rms_norm(bf16(self.hc_pre(h, attn_pre)), W[p + "ffn_norm.weight"], c.norm_eps))
         return bf16(self.hc_post(f, residual, post, comb)), ffn_pre
 
@@ -316,7 +368,10 @@ class Twin:
                     packed, scale = quantize_fp4(value.detach().float())
                     held = (value, packed.view(torch.float4_e2m1fn_x2), scale)
                 else:
-                    held = (value, *quantize_fp8_blocks(value.detach().float(), infer_fp8_block(spec.shape, scale_spec.shape)))
+                    held = (
+                        value,
+                        *quantize_fp8_blocks(value.detach().float(), infer_fp8_block(spec.shape, scale_spec.shape)),
+                    )
             self._stored[name] = held
         return held[1], held[2]
 
@@ -361,8 +416,11 @@ class Twin:
             if mode == "full":
                 latent = self.compressor(W, p + "compressor.", x, ratio)  # [b, groups, head_dim]
                 if layer in c.kv_source_layers:
-                    k = rms_norm(self.linear(W, p + "indexer.wk.weight", latent, False), W[p + "indexer.k_norm.weight"],
-                                 c.norm_eps)
+                    k = rms_norm(
+                        self.linear(W, p + "indexer.wk.weight", latent, False),
+                        W[p + "indexer.k_norm.weight"],
+                        c.norm_eps,
+                    )
                     shared.index_k = on_grid(rotate(k, group_freqs, rope), INDEX_KEY_ENCODING)
                 shared.compress_kv = on_grid(rotate(latent, group_freqs, rope), COMPRESSED_ENCODING)
             if mode in ("full", "reindex"):
@@ -371,7 +429,7 @@ class Twin:
             rows = torch.where(shared.topk >= 0, shared.topk + seqlen, -1)
             idxs = torch.cat([idxs, rows.to(idxs.dtype)], dim=-1)
             kv = torch.cat([kv, shared.compress_kv], dim=1)
-        o = bf16(self.attend(q, kv, W[p + "attn_sink"], idxs, c.head_dim ** -0.5))  # [b, s, heads, head_dim]
+        o = bf16(self.attend(q, kv, W[p + "attn_sink"], idxs, c.head_dim**-0.5))  # [b, s, heads, head_dim]
         o = rotate(o, freqs, rope, inverse=True).view(bsz, seqlen, c.o_groups, -1)
         wo_a = W[p + "wo_a.weight"].view(c.o_groups, c.o_lora_rank, -1)
         o = self.bf16_product(torch.einsum, o, wo_a, "bsgd,grd->bsgr")  # [b, s, groups, o_lora_rank]
@@ -401,7 +459,9 @@ class Twin:
         xd, qrd, keys = x.detach(), qr.detach(), shared.index_k.detach()[:, :width]
         qi = self.linear(W, p + "wq_b.weight", qrd, qat).unflatten(-1, (c.index_n_heads, c.index_head_dim))
         qi = fp4_on_grid(rotate(qi, freqs, c.rope_head_dim))  # [b, s, heads, index_head_dim]
-        mix = bf16(self.linear(W, p + "weights_proj.weight", xd, False) * (c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5))
+        mix = bf16(
+            self.linear(W, p + "weights_proj.weight", xd, False) * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
+        )
         reachable = (torch.arange(seqlen, device=x.device) + 1) // ratio  # [s]
         unreachable = torch.arange(width, device=x.device) >= reachable.unsqueeze(-1)  # [s, T]
         lens = reachable.unsqueeze(-1)
@@ -418,7 +478,7 @@ class Twin:
 
         if (index_loss or out.attention_target is not None) and width:
             with torch.no_grad():  # what the layer's heads attend to among the compressed positions
-                logits = torch.einsum("bshd,btd->bsht", q.detach(), shared.compress_kv.detach()) * c.head_dim ** -0.5
+                logits = torch.einsum("bshd,btd->bsht", q.detach(), shared.compress_kv.detach()) * c.head_dim**-0.5
                 target = logits.masked_fill(unreachable.unsqueeze(1), -torch.inf).softmax(dim=-1).nan_to_num(0.0)
                 target = target.mean(dim=2)  # [b, s, T]
             if out.attention_target is not None:
@@ -457,8 +517,11 @@ class Twin:
 
     def expert(self, W, p: str, x, qat: bool, route_weight: Optional[torch.Tensor]):
         """One SwiGLU expert; the routing weight scales the activation before the down projection."""
-        h = clamped_swiglu(self.linear(W, p + "w1.weight", x, qat), self.linear(W, p + "w3.weight", x, qat),
-                           float(self.cfg.swiglu_limit))
+        h = clamped_swiglu(
+            self.linear(W, p + "w1.weight", x, qat),
+            self.linear(W, p + "w3.weight", x, qat),
+            float(self.cfg.swiglu_limit),
+        )
         if route_weight is not None:
             h = route_weight * h
         return self.linear(W, p + "w2.weight", bf16(h), qat)

@@ -26,17 +26,27 @@ FACTS_NAME = "facts.json"
 LOSS_CURVE_STEM = "loss_curve"
 CHECKPOINT_NAME = "checkpoint"
 # every file the command writes (the tensors files of the state beside: `state.TENSORS_FILE`)
-OWN_FILES = (MARKER_NAME, STATE_NAME, TOKENIZER_NAME, TOKENS_NAME, FACTS_NAME,
-             *(f"{LOSS_CURVE_STEM}.{ext}" for ext in ("png", "svg", "json")))
+OWN_FILES = (
+    MARKER_NAME,
+    STATE_NAME,
+    TOKENIZER_NAME,
+    TOKENS_NAME,
+    FACTS_NAME,
+    *(f"{LOSS_CURVE_STEM}.{ext}" for ext in ("png", "svg", "json")),
+)
 # what a killed run may leave: `replace_file`'s temporary files, the checkpoint built beside
-_DEBRIS = re.compile(r"\.(%s|state-[0-9]{7}\.safetensors|%s)\.[^/]+\.(partial|old)"
-                     % ("|".join(re.escape(n) for n in OWN_FILES), CHECKPOINT_NAME))
+_DEBRIS = re.compile(
+    r"\.(%s|state-[0-9]{7}\.safetensors|%s)\.[^/]+\.(partial|old)"
+    % ("|".join(re.escape(n) for n in OWN_FILES), CHECKPOINT_NAME)
+)
 
 
 def _earlier_format(names: set[str]) -> str:
     if PICKLED_STATE_NAME in names:
-        return (f"holds {PICKLED_STATE_NAME}, a training state in the pickled format of earlier versions, which "
-                f"is never loaded because unpickling can run code")
+        return (
+            f"holds {PICKLED_STATE_NAME}, a training state in the pickled format of earlier versions, which "
+            f"is never loaded because unpickling can run code"
+        )
     return ""
 
 
@@ -52,8 +62,9 @@ def inspect(out) -> Path:
         return folder
     for name in OWN_FILES:
         if (folder / name).is_dir():
-            raise TrainError(f"{folder / name} is a folder where dsv41 train writes a file; move it out, "
-                             f"or give another --out")
+            raise TrainError(
+                f"{folder / name} is a folder where dsv41 train writes a file; move it out, or give another --out"
+            )
     check_checkpoint(folder / CHECKPOINT_NAME)
     return folder
 
@@ -76,8 +87,10 @@ def check_checkpoint(path: Path) -> None:
     if not os.path.lexists(path):
         return
     if not path.is_dir() or path.is_symlink():
-        raise TrainError(f"{path} is not a folder dsv41 train wrote (the checkpoint is written there); move it "
-                         f"out, or give another --out")
+        raise TrainError(
+            f"{path} is not a folder dsv41 train wrote (the checkpoint is written there); move it "
+            f"out, or give another --out"
+        )
     entries = {p.relative_to(path).as_posix() for p in path.rglob("*")}
     if not entries:
         return
@@ -89,8 +102,10 @@ def check_checkpoint(path: Path) -> None:
     listed |= {parent.as_posix() for rel in listed for parent in Path(rel).parents if parent != Path(".")}
     foreign = sorted(entries - listed)
     if foreign:
-        raise TrainError(f"{path} holds {listing(foreign)}, which dsv41 train did not write, and the run would "
-                         f"replace that folder; move them out, or give another --out")
+        raise TrainError(
+            f"{path} holds {listing(foreign)}, which dsv41 train did not write, and the run would "
+            f"replace that folder; move them out, or give another --out"
+        )
 
 
 def tokenizer_written(folder) -> bool:

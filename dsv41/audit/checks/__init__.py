@@ -2,5 +2,14 @@
 
 from dsv41.audit.checks import config, csa2, dspark, engram, experts, index, inventory, packing, vision
 
-CHECKS = [*config.CHECKS, *engram.CHECKS, *csa2.CHECKS, *inventory.CHECKS, *packing.CHECKS,
-          *experts.CHECKS, *dspark.CHECKS, *vision.CHECKS, *index.CHECKS]
+CHECKS = [
+    *config.CHECKS,
+    *engram.CHECKS,
+    *csa2.CHECKS,
+    *inventory.CHECKS,
+    *packing.CHECKS,
+    *experts.CHECKS,
+    *dspark.CHECKS,
+    *vision.CHECKS,
+    *index.CHECKS,
+]

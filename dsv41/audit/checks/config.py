@@ -29,16 +29,20 @@ def _ratio_len(ctx):
     cfg = ctx.cfg
     need(cfg, "compress_ratios", "n_layers", "n_mtp_layers")
     n = cfg.n_total_layers
-    return verdict([f"{len(cfg.compress_ratios)} entries for {n} layers"] if len(cfg.compress_ratios) != n else [],
-                   f"{n} entries")
+    return verdict(
+        [f"{len(cfg.compress_ratios)} entries for {n} layers"] if len(cfg.compress_ratios) != n else [], f"{n} entries"
+    )
 
 
 @check("config.mtp_uncompressed", "MTP layers read no compressed positions (compress_ratios[n_layers:] == 0)", False)
 def _mtp(ctx):
     cfg = ctx.cfg
     need(cfg, "compress_ratios", "n_layers")
-    tail = list(cfg.compress_ratios[cfg.n_layers:])
-    return verdict([f"compress_ratios[{cfg.n_layers}:] = {tail}"] if any(tail) else [], f"compress_ratios[{cfg.n_layers}:] = {tail}")
+    tail = list(cfg.compress_ratios[cfg.n_layers :])
+    return verdict(
+        [f"compress_ratios[{cfg.n_layers}:] = {tail}"] if any(tail) else [],
+        f"compress_ratios[{cfg.n_layers}:] = {tail}",
+    )
 
 
 @check("config.kv_within_index", "kv_source_layers is a subset of index_source_layers", False)
@@ -46,8 +50,10 @@ def _kv_index(ctx):
     cfg = ctx.cfg
     need(cfg, "kv_source_layers", "index_source_layers")
     extra = cfg.kv_sources_outside_index()
-    return verdict([f"KV sources {extra} are not index sources"] if extra else [],
-                   f"KV {list(cfg.kv_source_layers)} within index {list(cfg.index_source_layers)}")
+    return verdict(
+        [f"KV sources {extra} are not index sources"] if extra else [],
+        f"KV {list(cfg.kv_source_layers)} within index {list(cfg.index_source_layers)}",
+    )
 
 
 @check("config.sources_compress", "every source layer is a backbone layer that reads compressed positions", False)
@@ -76,7 +82,11 @@ def _index_kv(ctx):
     return verdict(problems, "every index source reads a KV source of its ratio")
 
 
-@check("config.readers_have_sources", "every layer reading compressed positions has a KV and an index source at or before it, at its ratio", False)
+@check(
+    "config.readers_have_sources",
+    "every layer reading compressed positions has a KV and an index source at or before it, at its ratio",
+    False,
+)
 def _readers(ctx):
     cfg = ctx.cfg
     need(cfg, "kv_source_layers", "index_source_layers", "compress_ratios", "n_layers")
@@ -143,7 +153,9 @@ def _engram_vocab(ctx):
     return verdict([] if ok else [f"engram_compressed_vocab_size is {v!r}"], f"{v}")
 
 
-@check("config.quantization", "dense linears are fp8 and routed experts fp4, the formats the packing checks read", False)
+@check(
+    "config.quantization", "dense linears are fp8 and routed experts fp4, the formats the packing checks read", False
+)
 def _quantization(ctx):
     cfg = ctx.cfg
     problems = []

@@ -15,19 +15,27 @@ def _exactly_on(what: str, suffix: str, layers):
         t = Tally(ctx.ev)
         t.exactly_on(what, suffix, layers(ctx.cfg), ctx.cfg.n_layers)
         return t, f"on {list(layers(ctx.cfg))}"
+
     return run
 
 
 check("csa2.compressor", "attn.compressor.wkv exactly on kv_source_layers")(
-    _exactly_on("compressor.wkv", "attn.compressor.wkv.weight", lambda cfg: cfg.kv_source_layers))
+    _exactly_on("compressor.wkv", "attn.compressor.wkv.weight", lambda cfg: cfg.kv_source_layers)
+)
 # the ratio-1 sources keep every position and so have nothing to gate
 check("csa2.wgate", "attn.compressor.wgate exactly on the KV sources with ratio > 1")(
-    _exactly_on("compressor.wgate", "attn.compressor.wgate.weight",
-                lambda cfg: [s for s in cfg.kv_source_layers if cfg.compress_ratios[s] > 1]))
+    _exactly_on(
+        "compressor.wgate",
+        "attn.compressor.wgate.weight",
+        lambda cfg: [s for s in cfg.kv_source_layers if cfg.compress_ratios[s] > 1],
+    )
+)
 check("csa2.index_keys", "attn.indexer.wk exactly on kv_source_layers")(
-    _exactly_on("indexer.wk", "attn.indexer.wk.weight", lambda cfg: cfg.kv_source_layers))
+    _exactly_on("indexer.wk", "attn.indexer.wk.weight", lambda cfg: cfg.kv_source_layers)
+)
 check("csa2.index_queries", "attn.indexer.wq_b exactly on index_source_layers")(
-    _exactly_on("indexer.wq_b", "attn.indexer.wq_b.weight", lambda cfg: cfg.index_source_layers))
+    _exactly_on("indexer.wq_b", "attn.indexer.wq_b.weight", lambda cfg: cfg.index_source_layers)
+)
 
 
 @check("csa2.modes", "Full / Reindex / Reuse read from tensor presence partition the backbone as the config says")

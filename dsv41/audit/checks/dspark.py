@@ -26,7 +26,10 @@ def _main_proj(ctx):
     return t, f"[{cfg.dim}, {len(cfg.dspark_target_layer_ids) * cfg.dim}]"
 
 
-@check("dspark.stages", "every MTP layer carries attention and FFN; only the first has main_proj/main_norm, only the last the heads")
+@check(
+    "dspark.stages",
+    "every MTP layer carries attention and FFN; only the first has main_proj/main_norm, only the last the heads",
+)
 def _stages(ctx):
     ev, t = ctx.ev, Tally(ctx.ev)
     for spec in ctx.specs:

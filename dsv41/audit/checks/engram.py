@@ -19,7 +19,10 @@ def _placement(ctx):
     return t, f"tables on layers {list(ctx.cfg.engram_layer_ids)}"
 
 
-@check("engram.projections", "each Engram layer has its gate and value projections (wkv, q_weight, k_weight) at the config's dtypes and shapes")
+@check(
+    "engram.projections",
+    "each Engram layer has its gate and value projections (wkv, q_weight, k_weight) at the config's dtypes and shapes",
+)
 def _projections(ctx):
     t = Tally(ctx.ev)
     t.match_specs(s for s in ctx.specs if s.category == ENGRAM and not _is_table(s.name))
@@ -29,7 +32,9 @@ def _projections(ctx):
 @check("engram.rows", "the declared table rows equal what the prime bucket layout derives", False)
 def _rows(ctx):
     cfg = ctx.cfg
-    need(cfg, "engram_layer_ids", "engram_num_embeddings", "engram_vocab_size", "engram_max_ngram_size", "engram_n_heads")
+    need(
+        cfg, "engram_layer_ids", "engram_num_embeddings", "engram_vocab_size", "engram_max_ngram_size", "engram_n_heads"
+    )
     declared, derived = list(cfg.engram_num_embeddings), list(derived_engram_rows(cfg))
     text = f"declared={declared} derived={derived}"
     return verdict([text] if declared != derived else [], text)
@@ -48,7 +53,12 @@ def _row_block(ctx):
     for layer in ctx.cfg.engram_layer_ids:
         w, s = t.entry(f"layers.{layer}.engram.embed.weight"), t.entry(f"layers.{layer}.engram.embed.scale")
         # [rows, head_dim] table, [rows, ceil(head_dim / 32)] scale
-        if w and s and (len(w.shape) != 2 or len(s.shape) != 2
-                        or s.shape != (w.shape[0], -(-w.shape[1] // ENGRAM_ROW_BLOCK))):
-            t.fail(f"layer {layer}: scale {list(s.shape)} for table {list(w.shape)} is not a 1x{ENGRAM_ROW_BLOCK} block")
+        if (
+            w
+            and s
+            and (len(w.shape) != 2 or len(s.shape) != 2 or s.shape != (w.shape[0], -(-w.shape[1] // ENGRAM_ROW_BLOCK)))
+        ):
+            t.fail(
+                f"layer {layer}: scale {list(s.shape)} for table {list(w.shape)} is not a 1x{ENGRAM_ROW_BLOCK} block"
+            )
     return t, f"1x{ENGRAM_ROW_BLOCK} on every table"

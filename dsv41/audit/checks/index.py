@@ -30,7 +30,9 @@ def _shards(ctx):
         if missing:
             problems.append(f"{shard} lacks {len(missing)} tensor(s) the index assigns it, e.g. {min(missing)}")
         if extra:
-            problems.append(f"{shard} holds {len(extra)} tensor(s) the index puts elsewhere or nowhere, e.g. {min(extra)}")
+            problems.append(
+                f"{shard} holds {len(extra)} tensor(s) the index puts elsewhere or nowhere, e.g. {min(extra)}"
+            )
     # the total is only comparable once every indexed shard is on disk
     complete = set(assigned) <= set(held)
     total = sum(f.bytes for f in ctx.files)

@@ -12,7 +12,10 @@ from dsv41.inventory import ENGRAM, layer_of
 CHECKS, check = registry("Inventory")
 
 
-@check("inventory.layer_sets", "every backbone layer has its full tensor set, and nothing lies outside the config's inventory")
+@check(
+    "inventory.layer_sets",
+    "every backbone layer has its full tensor set, and nothing lies outside the config's inventory",
+)
 def _layer_sets(ctx):
     ev, t = ctx.ev, Tally(ctx.ev)
     missing = defaultdict(list)  # "layers.5" (or the name itself outside a layer) -> missing names
@@ -24,7 +27,9 @@ def _layer_sets(ctx):
                 layer = layer_of(spec.name)
                 missing[f"{layer[0]}.{layer[1]}" if layer else spec.name].append(spec.name)
     for where, names in missing.items():
-        t.fail(f"{where}: {len(names)} tensor(s) missing, e.g. {names[0]}" if names[0] != where else f"{where} is missing")
+        t.fail(
+            f"{where}: {len(names)} tensor(s) missing, e.g. {names[0]}" if names[0] != where else f"{where} is missing"
+        )
     extra = sorted(ev.present - set(ev.expected))
     for name in extra[:SHOWN]:
         t.fail(f"{name} is not in the config's inventory")
@@ -52,7 +57,7 @@ def _unquantized(ctx):
             e = t.entry(spec.name)
             if e and e.dtype != spec.dtype:
                 t.fail(wrong(spec.name, e.dtype, spec.dtype))
-            if spec.name.endswith(".weight") and ev.presence(spec.name[:-len("weight")] + "scale"):
+            if spec.name.endswith(".weight") and ev.presence(spec.name[: -len("weight")] + "scale"):
                 t.fail(f"{spec.name} has a scale beside it")
     return t, f"{n:,} unquantized tensors in their dtype"
 

@@ -69,7 +69,7 @@ def _fp8_block(ctx):
     names = sorted(n for n in names if ".engram.embed." not in n)
     for name in names:
         w = t.entry(name)
-        s = t.entry(name[:-len("weight")] + "scale")
+        s = t.entry(name[: -len("weight")] + "scale")
         if w and name in fp8_specs and w.dtype != FP8:
             # a block over a weight that is not FP8 means nothing (an I8 one would read as packed FP4)
             t.fail(wrong(name, w.dtype, FP8))
