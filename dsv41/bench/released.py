@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
+from dsv41.released_synthetic import SMALL_WIDTHS
+
 from .common import (
     TOPK,
     PhaseClock,
@@ -39,27 +41,9 @@ TOKEN_TARGET, PHASE_TARGET, LATENCY_BOUND_PHASES = 0.50, 0.30, ("other",)
 # Small Engram tables for the synthetic checkpoint: the lookup reads a handful of rows per token
 # whatever the table size, so only the disk footprint changes with it.
 _SMALL_ENGRAM_VOCAB = 4096
-# A released-shaped checkpoint shrunk for tests (`--small`): same layer plan, tiny dims.
-_SMALL_DIMS = dict(
-    vocab_size=129280,
-    dim=128,
-    moe_inter_dim=64,
-    n_heads=4,
-    head_dim=64,
-    rope_head_dim=32,
-    q_lora_rank=64,
-    o_groups=2,
-    o_lora_rank=32,
-    window_size=8,
-    index_n_heads=2,
-    index_head_dim=32,
-    index_topk=8,
-    candidate_topk_blocks=4,
-    candidate_block_size=2,
-    engram_n_heads=2,
-    engram_head_dim=32,
-    dspark_markov_rank=32,
-)
+# A released-shaped checkpoint shrunk for tests (`--small`): same layer plan, the tiny widths
+# make-synthetic's small variant has (its vision tower aside: this bench runs text only).
+_SMALL_DIMS = {"vocab_size": 129280, **{k: v for k, v in SMALL_WIDTHS.items() if k != "vision_n_layers"}}
 
 
 def released_decode_config(layers: int = 2, experts: int = 8, *, small: bool = False):
