@@ -33,19 +33,18 @@ def parameters_on_meta():
     """Modules built inside hold their parameters on the meta device (no memory), their buffers as
     usual: for a module that then takes another's parameters with `load_state_dict(..., assign=True)`,
     sharing them, where a copy would double the memory (the released attention weights are 6.5 GB).
-    Each parameter exists in memory only while its constructor makes it."""
-    register = nn.Module.register_parameter
+    Each parameter exists in memory only while its constructor makes it. Through torch's own
+    parameter-registration hook, removed when the block ends, not a patch of `nn.Module`."""
+    from torch.nn.modules.module import register_module_parameter_registration_hook
 
-    def on_meta(module: nn.Module, name: str, value) -> None:
-        if value is not None:
-            value = nn.Parameter(value.to("meta"), requires_grad=value.requires_grad)
-        register(module, name, value)
+    def on_meta(module: nn.Module, name: str, value):
+        return None if value is None else nn.Parameter(value.to("meta"), requires_grad=value.requires_grad)
 
-    nn.Module.register_parameter = on_meta
+    handle = register_module_parameter_registration_hook(on_meta)
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        handle.remove()
 
 
 def linear_dtype(cfg: Config) -> torch.dtype:

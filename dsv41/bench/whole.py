@@ -76,7 +76,9 @@ def expert_kernel_rate(model, layer: int, repeats: int = 5) -> float:
 
     cfg, cache = model.cfg, model.experts
     k = cfg.n_activated_experts
-    ids = (cache.cached(layer) + [e for e in range(cfg.n_routed_experts) if e not in cache.cached(layer)])[:k]
+    held = cache.cached(layer)
+    others = sorted(set(range(cfg.n_routed_experts)) - set(held))
+    ids = (held + others)[:k]
     experts = dict(zip(ids, (p for p in cache.fetch(layer, ids))))
     x = torch.randn(1, cfg.dim, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     expert_ids, weights = torch.tensor([ids]), torch.full((1, k), 1.0 / k)
