@@ -31,9 +31,9 @@ from torch import nn
 
 from .attention import Attention, LayerRows
 from .config import Config
-from .kernels import sparse_attn
+from .kernels import masked_attention, sparse_attn
 from .layers import Linear, RMSNorm, activation_dtype, f32_linear, linear_dtype
-from .model import Block, Embedding, Head, hc_pre, identity_pre, runtime_config
+from .model import Block, Embedding, Head, identity_pre, runtime_config
 from .numerics import Numerics
 from .sampling import gumbel_max, probabilities
 
@@ -80,16 +80,23 @@ class DraftAttention(Attention):
         """x [b, block, dim] at positions start_pos + 1.. ; main_x [b, 1, dim] of position start_pos
         (written into its slot first) -> [b, block, dim]."""
         bsz, block, _ = x.shape
-        win = self.window_size
         self.feed(main_x, start_pos)
         freqs = self.freqs_cis[start_pos + 1 : start_pos + 1 + block]
+        # the ring's written slots (all once the sequence has `window` positions)
+        return self.attend_block(x, freqs, self.window_kv_cache.read(bsz), min(self.window_size, start_pos + 1))
+
+    def attend_block(self, x: torch.Tensor, freqs: torch.Tensor, ring: torch.Tensor, written: int) -> torch.Tensor:
+        """x [b, block, dim] at the positions freqs [block or b, block, rope/2] rotates to; ring
+        [b, window, head_dim] the window rows in slot order, of which the first `written` are read,
+        then every block row -> [b, block, dim]."""
+        bsz, block, _ = x.shape
         _, q = self.queries(x, freqs)  # [b, block, heads, head_dim]
-        _, kv = self.window_kv_cache.quantize(self.window_kv(x, freqs))  # on the ring's grid, not stored
-        kv = torch.cat([self.window_kv_cache.read(bsz), kv], dim=1)  # [b, window + block, head_dim]
-        # the ring's written slots (all once the sequence has `window` positions), then the block
-        columns = torch.cat([torch.arange(min(win, start_pos + 1)), win + torch.arange(block)]).to(x.device)
+        kv = self.window_kv_cache.encoding.on_grid(self.window_kv(x, freqs))  # on the ring's grid, not stored
+        kv = torch.cat([ring, kv], dim=1)  # [b, window + block, head_dim]
+        columns = torch.cat([torch.arange(written), self.window_size + torch.arange(block)]).to(x.device)
         idxs = columns.int().view(1, 1, -1).expand(bsz, block, -1)
-        o = sparse_attn(q, kv, self.attn_sink, idxs, self.softmax_scale)
+        attend = masked_attention if self.numerics.summation == "fast" else sparse_attn
+        o = attend(q, kv, self.attn_sink, idxs, self.softmax_scale)
         return self.project_out(o, freqs)
 
 
@@ -174,6 +181,7 @@ class DraftStack(nn.Module):
                 "dspark_target_layer_ids must all be set)"
             )
         self.cfg, self.block_size, self.noise_token_id = cfg, cfg.dspark_block_size, cfg.dspark_noise_token_id
+        self.numerics = numerics
         self.hc_mult = cfg.hc_mult
         self.mtp = nn.ModuleList(
             DraftLayer(
@@ -261,7 +269,7 @@ class DraftStack(nn.Module):
         for layer in self.mtp:
             x, pre = layer(x, start_pos, pre, main_x)
         last = self.mtp[-1]
-        hidden = hc_pre(x, pre)  # [b, block, dim]
+        hidden = last.collapse(x, pre)  # [b, block, dim]
         logits = head(last.norm(hidden), all_positions=True)  # [b, block, vocab] float32
         out = torch.empty(bsz, block + 1, dtype=torch.long, device=anchor.device)
         out[:, 0] = anchor
@@ -278,6 +286,45 @@ class DraftStack(nn.Module):
                 out[:, i + 1] = logits[:, i].argmax(dim=-1)
         confidence = last.confidence_head(hidden, torch.stack(markov_embeds, dim=1))
         return DraftBlock(out, logits, confidence, torch.stack(probs, dim=1) if probs else None)
+
+    def anchored(
+        self, main_hidden: torch.Tensor, anchors: torch.Tensor, block_tokens: torch.Tensor, previous: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Drafts of a batch of anchors over a whole sequence, without rings (training's path: the
+        proposals are the teacher's, not chosen). main_hidden [b, s, dim * n_targets] (positions
+        0..s-1); anchors int64 [b, A] (committed positions p >= window - 1, so each ring is full);
+        block_tokens [b, A, block] (the anchor token then noise); previous [b, A, block] (the token
+        before each row, the Markov head's input). -> (logits float32 [b * A, block, vocab] with
+        the Markov bias, confidence [b * A, block] from detached inputs (the confidence head learns
+        on its own), hidden [b * A, block, dim]). Row for row what `draft` computes after a prefill
+        of s positions (under the reference summation, bit for bit)."""
+        embed, head = self._target
+        bsz, n_anchor = anchors.shape
+        block, win, n = self.block_size, self.cfg.window_size, anchors.numel()
+        p = anchors.reshape(n, 1)
+        ring_pos = p - (p - torch.arange(win, device=p.device)) % win  # [n, win]: the position in each slot
+        batch_row = torch.arange(bsz, device=p.device).repeat_interleave(n_anchor).unsqueeze(-1)  # [n, 1]
+        block_pos = p + 1 + torch.arange(block, device=p.device)  # [n, block]
+        main_x = self.main_x(main_hidden)  # [b, s, dim]
+        x = embed(block_tokens.reshape(n, block)).unsqueeze(2).repeat(1, 1, self.hc_mult, 1)  # [n, block, hc, dim]
+        pre = identity_pre(n, block, self.hc_mult, x.device)
+        for layer in self.mtp:
+            attn = layer.attn
+            rows = attn.window_kv_cache.encoding.on_grid(attn.window_kv(main_x, attn.freqs_cis[: main_x.size(1)]))
+            ring = rows[batch_row, ring_pos]  # [n, win, head_dim]
+            freqs = attn.freqs_cis[block_pos]  # [n, block, rope / 2]
+            x, pre = layer.sublayers(x, pre, lambda h, a=attn, r=ring, f=freqs: a.attend_block(h, f, r, win), None)
+        last = self.mtp[-1]
+        hidden = last.collapse(x, pre)  # [n, block, dim]
+        logits = head(last.norm(hidden), all_positions=True)  # [n, block, vocab] float32
+        previous = previous.reshape(n, block)
+        if self.numerics.summation == "fast":
+            bias, markov = last.markov_head(previous)
+        else:  # a row at a time, as `draft` adds each position's bias (float32 GEMMs round by row count)
+            rows = [last.markov_head(previous[:, i]) for i in range(block)]
+            bias, markov = torch.stack([r[0] for r in rows], dim=1), torch.stack([r[1] for r in rows], dim=1)
+        confidence = last.confidence_head(hidden.detach(), markov.detach())
+        return logits + bias, confidence, hidden
 
     def describe(self) -> dict:
         cfg = self.cfg

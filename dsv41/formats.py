@@ -19,6 +19,7 @@ Everything here is exact arithmetic on fixed inputs, so the bytes are the same o
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -136,9 +137,12 @@ def quantize_engram_table(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def dequantize_engram_rows(
-    rows: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+    rows: torch.Tensor, scales: Optional[torch.Tensor], dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Gathered Engram rows [..., D] with their scales [..., D/32] -> `dtype` [..., D]."""
+    """Gathered Engram rows [..., D] with their scales [..., D/32] -> `dtype` [..., D]; scales None:
+    the rows are values already (a table of float32 master weights, training's)."""
+    if scales is None:
+        return rows.to(dtype)
     values = rows.float().unflatten(-1, (-1, ENGRAM_BLOCK[1])) * e8m0_decode(scales).unsqueeze(-1)
     return values.flatten(-2).to(dtype)
 

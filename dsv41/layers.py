@@ -2,8 +2,12 @@
 
 RMSNorm, a weight-holding `Linear` over the op layer's `linear`, YaRN rotary frequencies and the
 interleaved-pair rotation, weight quantizers for random initialisation, and `init_random_`, which
-fills every parameter of a module tree from one seed. Inference only: parameters are created with
-requires_grad=False.
+fills every parameter of a module tree from one seed. Parameters are created with
+requires_grad=False: inference holds the stored formats. Training runs the same modules over float32
+master weights put in place of the stored ones for a call (`torch.func.functional_call`, see
+`dsv41.train.masters`): a `Linear` whose weight is such a master rounds where the stored one would
+(`Linear.master_forward`), and every quantization on the way passes its gradient straight through
+(`straight_through`).
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import Config
-from .formats import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp4, quantize_fp8_blocks
-from .kernels import linear
+from .formats import FP8_BLOCK, dequantize_fp8_blocks, infer_fp8_block, quantize_fp4, quantize_fp8_blocks
+from .kernels import act_quant, linear
 
 # One FP8 weight scale per 32 x 32 block, one FP4 weight scale per 32 elements along K.
 WEIGHT_BLOCK = 32
@@ -45,6 +49,13 @@ def parameters_on_meta():
         yield
     finally:
         handle.remove()
+
+
+def straight_through(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+    """`rounded`'s values (exactly: x - x is zero) with x's gradient, where x needs one; else `rounded`."""
+    if not x.requires_grad:
+        return rounded
+    return rounded.detach() + (x - x.detach())
 
 
 def linear_dtype(cfg: Config) -> torch.dtype:
@@ -94,6 +105,11 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.pad_f32_rows = pad_f32_rows  # read only when the weight is float32 (see f32_linear)
+        self.stored_dtype = dtype  # what a float32 master weight stands for (`master_forward`)
+        # set by the trainer (`train.masters.set_phase`): a master's input quantized to FP8 as the
+        # stored weight's is (the quantization-aware phase), its products in training's order
+        self.qat, self.fast = False, False
+        self._stored_master: tuple = (None, None, None)  # (master, weight, scale): see master_forward
         if dtype == torch.float4_e2m1fn_x2:
             # logically [out, in]; two values per byte
             self.weight = param(torch.zeros(out_features, in_features // 2, dtype=dtype))
@@ -107,12 +123,46 @@ class Linear(nn.Module):
             self.register_parameter("scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.float32 and self.stored_dtype != torch.float32:
+            return self.master_forward(x)
         if self.weight.dtype == torch.float32:
             return f32_linear(x, self.weight, pad_f32_rows=self.pad_f32_rows)
         # FP8 / FP4 weights are read as stored by the op layer's native kernel (the reference's
         # block order: one float32 partial per 32-wide K block, added in K order), the plain
         # reference GEMM where that kernel is not built
         return linear(x, self.weight, self.scale)
+
+    def master_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x through a float32 master weight [out, in] standing for the stored one -> bf16.
+
+        Quantized storage: under qat with the reference summation the op layer's own product on the
+        master's stored bytes (the loaded checkpoint's arithmetic, bit for bit: for evaluation);
+        otherwise a float32 product of the master (the trainer rounds it to its grid under qat)
+        with the input, FP8-quantized under qat, gradient straight through. BF16 storage: the bf16
+        product (reference) or a float32 one rounded to bf16 (fast)."""
+        w = self.weight
+        if self.stored_dtype in (torch.float8_e4m3fn, torch.float4_e2m1fn_x2):
+            if self.qat and not self.fast:
+                return linear(x.to(torch.bfloat16), *self._stored_bytes(w))
+            if self.qat:
+                x = straight_through(
+                    x, act_quant(x.detach().float().clone(), 32, "ue8m0", torch.float8_e8m0fnu, inplace=True)
+                )
+            return F.linear(x.float(), w).to(torch.bfloat16)
+        return master_product(F.linear, x, w, fast=self.fast)
+
+    def _stored_bytes(self, master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight, scale) of `master` as the checkpoint stores it, kept while `master` is the same tensor."""
+        held, weight, scale = self._stored_master
+        if held is not master:
+            with torch.no_grad():
+                if self.stored_dtype == torch.float4_e2m1fn_x2:
+                    weight, scale = quantize_weight_fp4(master.detach().float())
+                else:
+                    blocks = (-(-self.out_features // WEIGHT_BLOCK), -(-self.in_features // WEIGHT_BLOCK))
+                    weight, scale = quantize_fp8_blocks(master.detach().float(), infer_fp8_block(master.shape, blocks))
+            self._stored_master = (master, weight, scale)
+        return weight, scale
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, dtype={self.weight.dtype}"
@@ -129,6 +179,15 @@ class Linear(nn.Module):
             self.scale.copy_(scale)
         else:
             self.weight.copy_(w.to(self.weight.dtype))
+
+
+def master_product(product, x: torch.Tensor, w: torch.Tensor, *args, fast: bool) -> torch.Tensor:
+    """A product inference runs in bf16 (bf16 linears, the grouped output projection) over a float32
+    master w: through the same bf16 kernel (whose float32 accumulation order depends on the row
+    count), or under training's fast summation in float32, rounded to bf16 after."""
+    if fast:
+        return product(*args, x.float(), w).to(torch.bfloat16)
+    return product(*args, x.to(torch.bfloat16), w.to(torch.bfloat16))
 
 
 # CPU BLAS picks its float32 GEMM kernel by row count (this torch build's MKL: a call of fewer than
@@ -255,12 +314,26 @@ def precompute_freqs_cis(
     return torch.polar(torch.ones_like(angles), angles)
 
 
+def rotate_tail(x: torch.Tensor, freqs_cis: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
+    """x [b, s, (h,) d] with its last rope_dim channels rotated (`apply_rotary_emb`): in place when
+    x needs no gradient (inference), else a new tensor, the same values, that autograd can follow."""
+    if not x.requires_grad:
+        apply_rotary_emb(x[..., -rope_dim:], freqs_cis, inverse)
+        return x
+    pairs = torch.view_as_complex(x[..., -rope_dim:].float().unflatten(-1, (-1, 2)).contiguous())
+    rot = freqs_cis.conj() if inverse else freqs_cis
+    rot = rot.view(rot.size(0) if rot.dim() == 3 else 1, x.size(1), *([1] * (x.dim() - 3)), rope_dim // 2)
+    tail = torch.view_as_real(pairs * rot).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :-rope_dim], tail], dim=-1)
+
+
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate x in place and return it. x: [b, s, d] or [b, s, h, d], adjacent pairs (2i, 2i+1)
-    as complex numbers; freqs_cis: [s, d/2]. `inverse` rotates by the conjugate, which is how the
+    as complex numbers; freqs_cis: [s, d/2] (or [b, s, d/2]). `inverse` rotates by the conjugate, which is how the
     attention output has its query-position rotation taken off again."""
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # [b, s, (h,) d/2]
     rot = freqs_cis.conj() if inverse else freqs_cis
-    rot = rot.view(1, x.size(1), *([1] * (x.dim() - 3)), x.size(-1) // 2)
+    rows = rot.size(0) if rot.dim() == 3 else 1  # freqs [b, s, d/2]: each row at its own positions
+    rot = rot.view(rows, x.size(1), *([1] * (x.dim() - 3)), x.size(-1) // 2)
     x.copy_(torch.view_as_real(pairs * rot).flatten(-2))
     return x

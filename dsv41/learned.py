@@ -1,6 +1,6 @@
 """What a trained checkpoint learned, as plain data, measured on held-out text (notebook 08).
 
-Each study takes a loaded model (and, for the indexer, its checkpoint folder) and the held-out
+Each study takes a loaded model and the held-out
 split of the training corpus (`train.corpus`: the standard library by file), so the same call on
 the trained miniature and on the random tiny checkpoint of the same geometry sets the two side by
 side. Everything returned is numbers and lists (JSON-ready); the arithmetic a figure states is in
@@ -11,8 +11,8 @@ cannot measure (no texts, no tokens, an empty count table) is a `LearnedError` i
 Observation goes through the model's sites and traces; the measurements the package already owns
 are called, not redone: the expert-cache replay (`cache_policy.policy_data`), speculative
 decoding's acceptance and calibration (`speculative.Speculation`), the prefill / decode comparison
-(`generate.compare_prefill_decode`) and the indexer's distillation target (`train.twin`, the
-differentiable twin's exact forward).
+(`generate.compare_prefill_decode`) and the indexer's distillation target
+(`attention.attention_target`, read at the `attn.topk` sites of the model's own forward).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 import torch
 
+from .attention import attention_target
 from .cache_policy import policy_data
 from .errors import Dsv41Error
 from .generate import as_prompt
@@ -542,29 +543,33 @@ def engram_study(model: Model, texts: Sequence[str], tokens: int, stream: np.nda
 
 
 # ---------------------------------------------------------------------- c: indexer recall
-def indexer_study(model: Model, checkpoint: str, texts: Sequence[str], tokens: int) -> dict:
+def indexer_study(model: Model, texts: Sequence[str], tokens: int) -> dict:
     """Per index-source layer (its own indexer: Full and Reindex layers), over each text's first
     `tokens` ids from position 0: the indexer's recall of full attention's top-k compressed
     positions (k = index_topk), the attention mass on its selection, and chance (k / reachable),
-    averaged over the queries that reach more than k. Full attention is the twin's exact forward
-    of `checkpoint` (`train.twin`), the same arithmetic as the loaded model's."""
-    from .train.twin import Twin
-
+    averaged over the queries that reach more than k. Full attention is read where the selection is
+    made (each layer's `attn.topk` site: its queries against the compressed rows,
+    `attention.attention_target`), in the model's own forward."""
     texts = _texts(texts)
-    twin = Twin.from_checkpoint(checkpoint)
     k = model.cfg.index_topk
     per: dict[int, dict[str, list]] = {}
+    sources = [b.layer for b in model.backbone.layers if b.attn.indexer is not None]
     for text in texts:
         ids = torch.tensor([prompt_ids(model, text, tokens)])
-        model.hasher.reset()
-        hashes = torch.as_tensor(model.hasher(ids))
-        model.hasher.reset()
-        with torch.no_grad():
-            out = twin.forward(ids, hashes, index_loss=False, keep_targets=True)
-        for layer, target in out.attention_target.items():
-            ratio = model.cfg.compress_ratios[layer]
-            reachable = (torch.arange(ids.size(1)) + 1) // ratio
-            got = index_recall(target[0], out.selected[layer][0], reachable, k)
+        seen: dict[int, tuple] = {}
+
+        def record(name: str, selected: torch.Tensor, context: dict) -> None:
+            attention = context["attention"]
+            if attention.layer in sources:
+                width = ids.size(1) // attention.ratio
+                rows = context["compressed_kv"].read(1, width)
+                seen[attention.layer] = (attention_target(context["q"], rows, attention.ratio), selected)
+
+        with model.hooks({"layers.*.attn.topk": record}):
+            model(ids)
+        for layer, (target, selected) in seen.items():
+            reachable = (torch.arange(ids.size(1)) + 1) // model.cfg.compress_ratios[layer]
+            got = index_recall(target[0], selected[0], reachable, k)
             row = per.setdefault(layer, {"recall": [], "mass": [], "chance": []})
             for name in row:
                 row[name] += got[name]

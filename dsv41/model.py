@@ -92,7 +92,9 @@ class Engram(nn.Module):
         act = activation_dtype(cfg)
         self.q_weight = param(torch.ones(cfg.hc_mult, cfg.dim, dtype=act))
         self.k_weight = param(torch.ones(cfg.hc_mult, cfg.dim, dtype=act))
-        self.table: Optional[EngramTable] = None  # attached by the loader (not a parameter)
+        # where the rows are read from (`stores.EngramTable`), attached by the loader; not a
+        # parameter, named as the checkpoint names the table (training attaches float32 masters)
+        self.embed: Optional[EngramTable] = None
         self.pad_f32_rows = False  # the block's Numerics.pad_f32_rows, set by the block
 
     def forward(
@@ -102,10 +104,11 @@ class Engram(nn.Module):
         own = site(self, "")
         if own:
             own.enter()
-        if self.table is None:
+        if self.embed is None:
             raise RuntimeError(f"layer {self.layer}: no Engram table attached (load the model with dsv41.load)")
-        rows, scales = self.table.gather(hash_ids.to(torch.long))  # [b, s, cols, D], [b, s, cols, D/32]
-        emb = dequantize_engram_rows(rows.to(x.device), scales.to(x.device), torch.bfloat16)  # [b, s, cols, D]
+        rows, scales = self.embed.gather(hash_ids.to(torch.long))  # [b, s, cols, D], [b, s, cols, D/32]
+        scales = None if scales is None else scales.to(x.device)
+        emb = dequantize_engram_rows(rows.to(x.device), scales, torch.bfloat16)  # [b, s, cols, D]
         kv = self.wkv(emb.flatten(-2))  # [b, s, (hc + 1) * dim] bf16
         key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc_mult, self.dim))  # [b, s, hc, dim]
@@ -171,6 +174,17 @@ def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
     return (post.unsqueeze(-1) * out.unsqueeze(-2) + mixed).to(out.dtype)
 
 
+def hc_pre_fast(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """`hc_pre` as one batched float32 product (Numerics(summation="fast"): the four-term sums in another order)."""
+    return torch.einsum("bsi,bsid->bsd", pre, x.float()).to(x.dtype)
+
+
+def hc_post_fast(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """`hc_post` as one batched float32 product."""
+    mixed = torch.einsum("bsij,bsid->bsjd", comb, residual.float())
+    return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(out.dtype)
+
+
 def identity_pre(batch: int, seq: int, hc_mult: int, device=None) -> torch.Tensor:
     """The first block's collapse weights: copy 0 only (all copies are equal at the embedding)."""
     pre = torch.zeros(batch, seq, hc_mult, dtype=torch.float32, device=device)
@@ -206,6 +220,8 @@ class Block(nn.Module):
         self.layer, self.hc_mult = layer, cfg.hc_mult
         self.norm_eps, self.hc_eps, self.hc_iters = cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
         self.pad_f32_rows = numerics.pad_f32_rows
+        self.collapse, self.expand = (hc_pre_fast, hc_post_fast) if numerics.summation == "fast" else (hc_pre, hc_post)
+        self.hc_split = hc_split_sinkhorn  # the trainer may put a compiled one here (the same arithmetic)
         self.feeds_draft = False  # a DSpark target layer (set by Model.attach_draft)
         act = activation_dtype(cfg)
         self.attn = self.attention_type(
@@ -242,6 +258,7 @@ class Block(nn.Module):
             self.hc_eps,
             self.norm_eps,
             pad_f32_rows=self.pad_f32_rows,
+            split=self.hc_split,
         )
 
     def forward(
@@ -273,18 +290,18 @@ class Block(nn.Module):
         collapse and an expansion -> (x, the next block's pre)."""
         residual = x
         attn_pre, post, comb = self.mixes(x, "attn")
-        h = self.attn_norm(hc_pre(x, pre))  # [b, s, dim]
+        h = self.attn_norm(self.collapse(x, pre))  # [b, s, dim]
         h = attend(h)
-        x = hc_post(h, residual, post, comb)  # [b, s, hc, dim]
+        x = self.expand(h, residual, post, comb)  # [b, s, hc, dim]
         resid_mid = site(self, "resid_mid")
         if resid_mid:
             resid_mid.exit(x)
 
         residual = x
         ffn_pre, post, comb = self.mixes(x, "ffn")
-        h = self.ffn_norm(hc_pre(x, attn_pre))
+        h = self.ffn_norm(self.collapse(x, attn_pre))
         h = self.ffn(h, image_mask)
-        x = hc_post(h, residual, post, comb)
+        x = self.expand(h, residual, post, comb)
         resid_post = site(self, "resid_post")
         if resid_post:
             resid_post.exit(x)
@@ -297,10 +314,12 @@ class Block(nn.Module):
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int, dtype=torch.bfloat16):
         super().__init__()
+        self.dtype = dtype
         self.weight = param(torch.zeros(vocab_size, dim, dtype=dtype))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        """ids [b, s] -> rows [b, s, dim] in the stored dtype (a float32 master's rows rounded to it)."""
+        return F.embedding(ids, self.weight).to(self.dtype)
 
 
 class Head(nn.Module):
@@ -375,7 +394,6 @@ class Backbone(nn.Module):
         self.main_hidden: Optional[torch.Tensor] = None  # the last forward's, when feeds_draft
         self.site_registry = name_sites(self)
 
-    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -390,7 +408,9 @@ class Backbone(nn.Module):
         all_positions). hash_ids [b, s, n_engram_layers, n_hash_cols] from the n-gram hasher;
         `images` (batch 1): the `vision.ImageInput`s whose spans this call holds, written over the
         embedding (their `features` encoded here when not yet set). With a draft stack attached, the
-        target layers' `resid_pre` sites feed `main_hidden`."""
+        target layers' `resid_pre` sites feed `main_hidden`. Runs in the caller's grad mode: the
+        public calls (`Model.__call__`) run it under inference mode, training over master weights
+        with a runtime that keeps no cache (`AttentionRuntime(cache=False)`)."""
         feed = _DraftFeed() if self.feeds_draft else None
         observers = {} if feed is None else {f"layers.{b.layer}.resid_pre": feed for b in self.layers if b.feeds_draft}
         args = (input_ids, start_pos, runtime, hash_ids, image_mask, all_positions, images)
@@ -423,7 +443,7 @@ class Backbone(nn.Module):
         for block in self.layers:
             ids = hash_ids[:, :, block.engram_index] if block.engram is not None and hash_ids is not None else None
             h, pre = block(h, start_pos, pre, runtime, ids, image_mask)
-        h = self.norm(hc_pre(h, pre))  # the last block's FFN pre is the final collapse
+        h = self.norm(self.layers[-1].collapse(h, pre))  # the last block's FFN pre is the final collapse
         return self.head(h, all_positions)
 
     def reset_state(self) -> None:
@@ -505,7 +525,7 @@ class Model:
             if after is not None and routed is None:  # the guess a store may read the next layer's experts by
                 block.ffn.experts.next_gate = after.ffn.gate
             if block.engram is not None:
-                block.engram.table = self.engram_tables[block.layer]
+                block.engram.embed = self.engram_tables[block.layer]
 
     def attach_draft(self, stack) -> None:
         """Run a DSpark draft stack beside the backbone: its target layers hand their main hidden

@@ -98,6 +98,40 @@ class RoutedExperts:
         return self.layer + 1, torch.unique(guess).tolist()
 
 
+class TrainableExperts(nn.ModuleList):
+    """The routed half over float32 master weights, for training: `forward` as `RoutedExperts`'s,
+    one expert at a time through `Linear.master_forward` (expert E's `E.w1` / `w2` / `w3`, under
+    `ffn.experts`, named as the checkpoint names them, filled for each call by `dsv41.train.masters.holding`).
+    Under the reference summation with qat its output equals the packed experts' bit for bit."""
+
+    def __init__(self, cfg, layer: int):
+        n_experts, _ = cfg.moe_shape(layer)
+        limit = float(cfg.swiglu_limit)
+        # each expert has the shared expert's form, stored FP4 (children "0".."E-1": checkpoint names)
+        super().__init__(
+            SharedExpert(cfg.dim, cfg.moe_inter_dim, limit, torch.float4_e2m1fn_x2) for _ in range(n_experts)
+        )
+        self.layer, self.n_experts = layer, n_experts
+        self.last_fetch: Optional[FetchedExperts] = None  # nothing is fetched: the weights are in memory
+        self.load: Optional[torch.Tensor] = None  # the last call's routed tokens per expert [E] (balancing)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [n, dim], expert_ids / weights [n, k] -> float32 [n, dim]."""
+        topk = expert_ids.size(-1)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        order = expert_ids.flatten().argsort(stable=True)  # [n * k]: picks grouped by expert, token order kept
+        self.load = torch.bincount(expert_ids.flatten(), minlength=self.n_experts)
+        start = 0
+        for expert, count in zip(self, self.load.tolist()):
+            picks = order[start : start + count]
+            start += count
+            if not count:
+                continue
+            rows, slot = picks // topk, picks % topk
+            y = y.index_add(0, rows, expert(x[rows], weights[rows, slot].unsqueeze(-1)).float())
+        return y
+
+
 class Gate(nn.Module):
     """The router `ffn.gate`: bf16 weight [E, dim], float32 selection bias [E], and (with a vision
     tower) `bias_vl` [E], the selection bias of image-span tokens. Text never applies bias_vl."""
@@ -143,8 +177,12 @@ class SharedExpert(nn.Module):
         self.w3 = Linear(dim, inter_dim, dtype)
         self.swiglu_limit = swiglu_limit
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, route_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [n, dim] -> [n, dim]; route_weight [n, 1] (a routed expert's, `TrainableExperts`)
+        scales the activation before the down projection."""
         h = clamped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit)
+        if route_weight is not None:
+            h = route_weight * h
         return self.w2(h.to(x.dtype))
 
 

@@ -17,6 +17,15 @@ any split of them into chunks agree bit for bit:
   rule the selections cannot differ, so the equality holds at every position, not only until
   the first tie.
 
+- summation "fast" (never part of parity, never the default): the order training sums in where a
+  forward runs over float32 master weights (`dsv41 train`): the hyper-connection collapse and
+  expansion as one batched product each, attention as one dense product under a mask of the rows
+  each query reads (`kernels.masked_attention`), products whose inference form is bf16 computed in
+  float32 and rounded to bf16 after, the routed experts one float32 product per expert. The same
+  values up to float32 rounding, several times faster to differentiate; "reference" sums as the
+  released runtime does, so a forward over master weights on their storage grid gives the loaded
+  checkpoint's logits bit for bit.
+
 - fix_stale_index_keys: the Transformers port's fix for stale indexer keys (`attention.Indexer`).
   The reference republishes a Full layer's index keys only on calls that complete one of its
   groups, so what a layer scores depends on how the sequence was split into calls; with the fix
@@ -34,6 +43,8 @@ from dataclasses import asdict, dataclass, replace
 WINDOW_LAYOUTS = ("reference", "uniform")
 # How `attention.top_k` orders equal scores; the first is the released runtime's (torch.topk).
 TIE_BREAKS = ("topk", "lowest")
+# How sums over master weights are ordered; the first is the released runtime's.
+SUMMATIONS = ("reference", "fast")
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,7 @@ class Numerics:
     window_layout: str = "reference"
     pad_f32_rows: bool = False
     tie_break: str = "topk"
+    summation: str = "reference"
 
     def __post_init__(self):
         if self.window_layout not in WINDOW_LAYOUTS:
@@ -50,6 +62,8 @@ class Numerics:
             )
         if self.tie_break not in TIE_BREAKS:
             raise ValueError(f"tie_break must be one of {', '.join(map(repr, TIE_BREAKS))}, got {self.tie_break!r}")
+        if self.summation not in SUMMATIONS:
+            raise ValueError(f"summation must be one of {', '.join(map(repr, SUMMATIONS))}, got {self.summation!r}")
         for name in ("fix_stale_index_keys", "pad_f32_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")

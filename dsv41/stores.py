@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional, Protocol, Sequence
 
 import torch
+from torch import nn
 
 from .checkpoint import Checkpoint, LoadError
 from .eviction import DEFAULT_HALF_LIFE, DEFAULT_POLICY, Residency
@@ -554,7 +555,8 @@ class OwnedExpertStore(WholeFetchStore):
 
 # ---------------------------------------------------------------------- Engram tables
 class EngramTable(Protocol):
-    """Where an Engram layer's rows live: `gather(ids) -> (FP8 rows [..., D], E8M0 scales [..., D/32])`."""
+    """Where an Engram layer's rows live: `gather(ids) -> (FP8 rows [..., D], E8M0 scales [..., D/32])`
+    (a `MasterEngramTable` gives float32 values and None)."""
 
     def gather(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -567,6 +569,19 @@ class TensorEngramTable:
 
     def gather(self, ids: torch.Tensor):
         return self.weight[ids], self.scale[ids]
+
+
+class MasterEngramTable(nn.Module):
+    """An Engram table of float32 master rows (training): `weight` [V, D], named as the checkpoint
+    names the table, filled for each call by `dsv41.train.masters.holding`; gathers values, so
+    there is no scale to decode."""
+
+    def __init__(self, rows: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(rows, dim), requires_grad=False)
+
+    def gather(self, ids: torch.Tensor):
+        return self.weight[ids], None
 
 
 class OnDiskEngramTable:

@@ -174,7 +174,7 @@ def test_studies_refuse_no_texts_and_no_tokens(tiny_model, tiny_checkpoint):
     m, texts = tiny_model, ["def f(x):\n    return x + 1\n"]
     for study in (
         lambda t, n: learned.routing_study(m, t, n),
-        lambda t, n: learned.indexer_study(m, tiny_checkpoint, t, n),
+        lambda t, n: learned.indexer_study(m, t, n),
         lambda t, n: learned.engram_study(m, t, n, np.array([1, 2, 3])),
         lambda t, n: learned.speculative_study(m, t, n, 4),
     ):

@@ -232,7 +232,7 @@ def test_engram_layer_adds_gated_value_and_respects_the_mask():
     table = torch.randn(rows, cfg.engram_head_dim, generator=gen)
     from dsv41.formats import quantize_engram_table
 
-    layer.table = TensorEngramTable(*quantize_engram_table(table))
+    layer.embed = TensorEngramTable(*quantize_engram_table(table))
     from dsv41.layers import init_random_
 
     init_random_(layer.wkv, 9)

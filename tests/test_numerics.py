@@ -30,6 +30,7 @@ def test_it_is_frozen_and_with_options_keeps_fields_given_none():
         "window_layout": "uniform",
         "pad_f32_rows": True,
         "tie_break": "lowest",
+        "summation": "reference",
     }
 
 
@@ -38,6 +39,7 @@ def test_it_is_frozen_and_with_options_keeps_fields_given_none():
     [
         (dict(window_layout="ring"), "window_layout must be one of 'reference', 'uniform'"),
         (dict(pad_f32_rows=1), "pad_f32_rows must be True or False"),
+        (dict(summation="quick"), "summation must be one of 'reference', 'fast'"),
         (dict(fix_stale_index_keys="yes"), "fix_stale_index_keys must be True or False"),
         (dict(tie_break="random"), "tie_break must be one of 'topk', 'lowest'"),
     ],

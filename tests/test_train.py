@@ -1,15 +1,13 @@
-"""The training twin against the inference forward, and the pieces of `dsv41 train`."""
+"""Training runs through the model's own forward: the forward over master weights against the
+loaded checkpoint's, the draft stack's anchored path against its drafts, and `dsv41 train`."""
 
 import pytest
 import torch
 
 import dsv41
-from dsv41.train.twin import Twin, masked_attention
-
-
-@pytest.fixture(scope="module")
-def twin(tiny_checkpoint):
-    return Twin.from_checkpoint(tiny_checkpoint)
+from dsv41.kernels import masked_attention, sparse_attn
+from dsv41.numerics import Numerics
+from dsv41.train import masters
 
 
 def _ids(n, seed=0):
@@ -19,36 +17,52 @@ def _ids(n, seed=0):
     return ids
 
 
-def test_twin_logits_equal_the_loaded_checkpoint(tiny_checkpoint, twin, native_level):
-    """On the release checkpoint's own weights the twin's quantization-aware forward gives the
-    inference forward's logits bit for bit, at every position of a prefill long enough for every
-    layer mode, the compressor, the indexer's top-k and the candidate blocks to select."""
-    model = dsv41.load(tiny_checkpoint, quiet=True)
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint):
+    return dsv41.load(tiny_checkpoint, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def params(tiny_checkpoint):
+    return masters.checkpoint_params(tiny_checkpoint)
+
+
+def _run(model, params, ids, hasher, *, qat=True, index_loss=False):
+    masters.set_qat(model, qat)
+    hasher.reset()
+    with masters.holding(model, masters.weights(params, masters.weight_specs(model.cfg), qat)):
+        return masters.forward(model, ids, hasher(ids), index_loss=index_loss)
+
+
+def test_training_forward_is_the_inference_forward(loaded, params, native_level):
+    """The model built for training, over the release checkpoint's own weights held as float32
+    masters on their storage grid, under the reference summation: the inference forward's logits
+    bit for bit at every position of a prefill long enough for every layer mode, the compressor,
+    the indexer's top-k and the candidate blocks to select; the same forward code either way
+    (`masters.forward` is the backbone's own, without a cache)."""
     ids = _ids(160)
     with torch.inference_mode():
-        expected = model(ids, all_positions=True)
-    model.hasher.reset()
+        expected = loaded(ids, all_positions=True)
+    model = masters.trainable_model(loaded.cfg, numerics=Numerics(), batch=1, seq_len=160)
     with torch.no_grad():
-        got = twin.forward(ids, model.hasher(ids), qat=True).logits
-    assert torch.equal(got, expected.float()), f"max |diff| {(got - expected).abs().max().item():.3g}"
+        got = _run(model, params, ids, loaded.hasher).logits
+    assert torch.equal(got, expected), f"max |diff| {(got - expected).abs().max().item():.3g}"
 
 
-def test_the_fast_twin_is_the_exact_one_up_to_float32_order(tiny_checkpoint):
-    model = dsv41.load(tiny_checkpoint, quiet=True)
-    exact, fast = Twin.from_checkpoint(tiny_checkpoint), Twin.from_checkpoint(tiny_checkpoint)
-    fast = Twin(fast.cfg, fast.params, exact=False)
+def test_the_fast_summation_is_the_reference_up_to_float32_order(loaded, params):
     ids = _ids(96, seed=1)
-    model.hasher.reset()
-    hashes = model.hasher(ids)
-    with torch.no_grad():
-        a, b = exact.forward(ids, hashes, qat=True).logits, fast.forward(ids, hashes, qat=True).logits
+    runs = []
+    for summation in ("reference", "fast"):
+        model = masters.trainable_model(loaded.cfg, numerics=Numerics(summation=summation), batch=1, seq_len=96)
+        with torch.no_grad():
+            runs.append(_run(model, params, ids, loaded.hasher).logits)
+    a, b = runs
+    assert not torch.equal(a, b)  # another order of float32 sums
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
     assert (a - b).abs().mean() < 0.05 * a.abs().mean()
 
 
 def test_masked_attention_is_sparse_attention():
-    from dsv41.kernels import sparse_attn
-
     gen = torch.Generator().manual_seed(0)
     q, kv = torch.randn(2, 5, 3, 16, generator=gen), torch.randn(2, 9, 16, generator=gen)
     # distinct rows per query, as the window and the top-k give them, some absent (-1)
@@ -56,22 +70,56 @@ def test_masked_attention_is_sparse_attention():
     idxs[0, 1, 2:] = -1
     sink = torch.randn(3, generator=gen)
     a = sparse_attn(q, kv, sink, idxs, 0.25).float()
-    b = masked_attention(q, kv, sink, idxs, 0.25)
-    assert torch.allclose(a, b, atol=1e-2, rtol=1e-2)  # sparse_attn returns bf16
+    b = masked_attention(q, kv, sink, idxs, 0.25).float()
+    assert torch.allclose(a, b, atol=1e-2, rtol=1e-2)  # both bf16
 
 
-def test_twin_trains_through_every_mechanism(tiny_checkpoint, twin):
-    """One backward reaches the hyper-connection mixes (through Sinkhorn), the Engram table and
-    gates, every expert that routed a token, the compressor and, through their own KL loss only,
-    the indexers."""
-    t = Twin(twin.cfg, {k: v.clone().requires_grad_(True) for k, v in twin.params.items()}, exact=False)
-    model = dsv41.load(tiny_checkpoint, quiet=True)
+def test_anchored_drafts_are_the_draft_stacks_drafts(tiny_checkpoint, params, native_level):
+    """The draft stack's whole-sequence path over a batch of anchors (training's) gives, row for
+    row, the logits and confidence of the stack's own drafts after a prefill ending at each anchor,
+    bit for bit, when fed the draft's own proposals as the previous tokens. Under
+    `Numerics.parity()`: a batch of anchors runs its float32 GEMMs over more rows than one draft,
+    and only the padded GEMMs round alike at any row count."""
+    from dsv41.generate import prefill
+
+    loaded = dsv41.load(tiny_checkpoint, quiet=True, numerics=Numerics.parity())
+    c = loaded.cfg
+    n = c.window_size + 24
+    ids = _ids(n, seed=4)
+    anchors = [c.window_size - 1, c.window_size + 5, n - c.dspark_block_size - 2]
+    drafts = []
+    for p in anchors:
+        with torch.inference_mode():
+            logits = prefill(loaded, ids[:, : p + 1])
+            drafts.append(loaded.draft(int(ids[0, p + 1])))
+        assert logits is not None
+    model = masters.trainable_model(c, numerics=Numerics.parity(), batch=1, seq_len=n)
+    with torch.no_grad():
+        target = _run(model, params, ids, loaded.hasher)
+        values = masters.weights(params, masters.weight_specs(c), qat=True)
+        with masters.holding(model, values):
+            tokens = torch.stack([d.ids[0, :-1] for d in drafts]).unsqueeze(0)  # [1, A, block]
+            tokens[..., 1:] = int(c.dspark_noise_token_id)
+            previous = torch.stack([d.ids[0, :-1] for d in drafts]).unsqueeze(0)
+            logits, confidence, _ = model.draft_stack.anchored(
+                target.main_hidden, torch.tensor([anchors]), tokens, previous
+            )
+    for i, d in enumerate(drafts):
+        assert torch.equal(logits[i], d.logits[0]), f"anchor {anchors[i]}: {(logits[i] - d.logits[0]).abs().max():.3g}"
+        assert torch.equal(confidence[i], d.confidence[0])
+
+
+def test_one_backward_trains_through_every_mechanism(loaded, params):
+    """One backward through the model's own forward (training's fast summation, QAT) reaches the
+    hyper-connection mixes (through Sinkhorn), the Engram table and gates, every expert that
+    routed a token, the compressor and, through their own KL loss only, the indexers."""
+    masters_ = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    model = masters.trainable_model(loaded.cfg, numerics=Numerics(summation="fast"), batch=1, seq_len=64)
     ids = _ids(64, seed=2)
-    model.hasher.reset()
-    out = t.forward(ids, model.hasher(ids), qat=True)
+    out = _run(model, masters_, ids, loaded.hasher, index_loss=True)
     loss = torch.nn.functional.cross_entropy(out.logits[0, :-1], ids[0, 1:])
     loss.backward(retain_graph=True)
-    grads = {k: v.grad for k, v in t.params.items()}
+    grads = {k: v.grad for k, v in masters_.items()}
     for name in (
         "layers.0.hc_attn_fn",
         "layers.0.hc_attn_base",
@@ -81,21 +129,26 @@ def test_twin_trains_through_every_mechanism(tiny_checkpoint, twin):
         "layers.4.attn.wq_b.weight",
         "layers.7.ffn.shared_experts.w2.weight",
         "head.weight",
+        "embed.weight",
     ):
         assert grads[name] is not None and grads[name].abs().sum() > 0, name
     assert grads["layers.2.attn.indexer.wq_b.weight"] is None  # the LM loss does not reach the indexer
     used = out.expert_load[3].nonzero().flatten().tolist()
-    assert all(grads[f"layers.3.ffn.experts.{e}.w1.weight"].abs().sum() > 0 for e in used)
+    assert used and all(grads[f"layers.3.ffn.experts.{e}.w1.weight"].abs().sum() > 0 for e in used)
+    unused = (out.expert_load[3] == 0).nonzero().flatten().tolist()
+    assert all(grads[f"layers.3.ffn.experts.{e}.w1.weight"] is None for e in unused)
     sum(out.index_kl.values()).backward()
     assert sorted(out.index_kl) == [2, 4, 6]
-    assert t.params["layers.6.attn.indexer.wq_b.weight"].grad.abs().sum() > 0
+    assert masters_["layers.6.attn.indexer.wq_b.weight"].grad.abs().sum() > 0
+    # the model's own parameter slots are back as they were
+    assert all(not p.requires_grad for p in model.backbone.parameters())
 
 
 @pytest.mark.slow
 def test_dsv41_train_smoke_run_learns_resumes_and_writes_a_loadable_checkpoint(tmp_path):
     """A short `dsv41 train` (small batches, eager Sinkhorn, one thread): the loss falls, a run cut
     in two and resumed takes the same steps to the same weights, and the checkpoint it writes loads
-    and gives the twin's exact logits."""
+    and gives the logits of the training model's reference forward over its weights."""
     import json
 
     from dsv41.train.cli import cli_main
@@ -158,7 +211,7 @@ def test_dsv41_train_smoke_run_learns_resumes_and_writes_a_loadable_checkpoint(t
     ids = _ids(40, seed=3)
     with torch.inference_mode():
         expected = model(ids, all_positions=True)
-    model.hasher.reset()
+    trained = masters.trainable_model(model.cfg, numerics=Numerics(), batch=1, seq_len=40)
     with torch.no_grad():
-        got = Twin.from_checkpoint(ckpt).forward(ids, model.hasher(ids), qat=True).logits
+        got = _run(trained, masters.checkpoint_params(ckpt), ids, model.hasher).logits
     assert torch.equal(got, expected)

@@ -65,7 +65,7 @@ from .caches import (
     kv_cache_bytes,
 )
 from .compressor import Compressor
-from .indexer import Indexer, candidate_block_scores, select_candidate_blocks, top_k
+from .indexer import Indexer, attention_target, candidate_block_scores, select_candidate_blocks, top_k
 from .layer import Attention, window_rows
 from .runtime import AttentionRuntime, Published
 from .state import CompressorTail, LayerRows, StackRows

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..config import Config
 from ..kernels import act_quant, e8m0_decode, fp4_act_quant, fp4_to_float
+from ..layers import straight_through
 
 # Index-key and indexer-query FP4 blocks (E8M0 scales), compressed-KV FP4 blocks (E4M3 scales),
 # and the sliding window's FP8 blocks: fixed by the trained model's fake quantization.
@@ -83,6 +84,11 @@ class CacheEncoding:
         if self.value_bits == 8:
             return act_quant(x, self.block, "ue8m0", self.scale_dtype, inplace=True)
         return fp4_act_quant(x, self.block, inplace=True, scale_dtype=self.scale_dtype)
+
+    def on_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """x rounded to the grid as a new tensor, gradient straight through (the whole-sequence
+        path, which keeps no cache: `AttentionRuntime(cache=False)`)."""
+        return straight_through(x, self.fake_quantize_(x.detach().clone()))
 
     def decode(self, values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The bytes `quantize` returned -> [..., dim] in `dtype`: the same float32 products the

@@ -88,15 +88,16 @@ class Compressor(nn.Module):
         self.kv_state[:bsz, : rows - cut] = kv[:, cut:]
         self.score_state[:bsz, : rows - cut] = score[:, cut:]
 
-    def forward(self, x: torch.Tensor, start_pos: int) -> Optional[torch.Tensor]:
-        """x [b, s, dim] -> latents [b, n_completed, head_dim] in x.dtype, or None."""
-        latent = self._pool(x, start_pos)
+    def forward(self, x: torch.Tensor, start_pos: int, *, keep_tail: bool = True) -> Optional[torch.Tensor]:
+        """x [b, s, dim] -> latents [b, n_completed, head_dim] in x.dtype, or None. keep_tail=False
+        (the whole-sequence path, from position 0): the trailing partial group is not kept."""
+        latent = self._pool(x, start_pos, keep_tail)
         own = site(self, "")
         if own:
             own.exit(latent)
         return latent
 
-    def _pool(self, x: torch.Tensor, start_pos: int) -> Optional[torch.Tensor]:
+    def _pool(self, x: torch.Tensor, start_pos: int, keep_tail: bool) -> Optional[torch.Tensor]:
         bsz, seqlen, _ = x.shape
         ratio = self.ratio
         if ratio == 1:
@@ -104,6 +105,11 @@ class Compressor(nn.Module):
 
         x32 = x.float()
         kv, score = self.wkv(x32), self.wgate(x32)  # [b, s, head_dim] float32 each
+        if not keep_tail:
+            n_groups = seqlen // ratio
+            kv = kv[:, : n_groups * ratio].unflatten(1, (n_groups, ratio))  # [b, groups, ratio, head_dim]
+            score = score[:, : n_groups * ratio].unflatten(1, (n_groups, ratio))
+            return self.norm((kv * score.softmax(dim=2)).sum(dim=2).to(x.dtype)) if n_groups else None
         self.last_call = (start_pos, kv, score) if 1 < seqlen <= self.window else None
         if start_pos == 0 or seqlen > 1:
             held = start_pos % ratio  # the partial group's earlier tokens, waiting in the state

@@ -12,10 +12,10 @@ from torch import nn
 from ..config import Config
 from ..hooks import NO_SITES, site
 from ..kernels import fp4_act_quant
-from ..layers import Linear, RMSNorm, activation_dtype, apply_rotary_emb, linear_dtype
+from ..layers import Linear, RMSNorm, activation_dtype, linear_dtype, rotate_tail, straight_through
 from ..numerics import TIE_BREAKS, Numerics
 from .caches import INDEX_FP4_BLOCK, INDEX_KEY_ENCODING, QuantizedCache
-from .runtime import AttentionRuntime
+from .runtime import AttentionRuntime, HeldRows
 
 
 def candidate_block_scores(logits: torch.Tensor, compress_lens: torch.Tensor | int, block_size: int) -> torch.Tensor:
@@ -136,7 +136,9 @@ class Indexer(nn.Module):
         Publishes keys and candidate blocks to `runtime` as the layer's role says; the
         arithmetic is `write_keys`, `scores` and `select`."""
         bsz, seqlen, _ = x.shape
-        if self.owns_k:
+        if self.owns_k and not runtime.cache:  # the whole sequence: its keys are published, not cached
+            runtime.index_k, runtime.index_k_from = HeldRows(self.keys(latent, 0, freqs_cis)), self.layer
+        elif self.owns_k:
             if latent is not None:
                 self.write_keys(latent, start_pos, freqs_cis)
             # the reference republishes only when a group completed (stale keys otherwise)
@@ -149,7 +151,8 @@ class Indexer(nn.Module):
             )
 
         width = (start_pos + seqlen) // self.ratio
-        score, reachable = self.scores(x, qr, runtime.index_k.read(bsz, width), start_pos, freqs_cis)
+        with torch.no_grad():  # a selection has no gradient (the indexer learns from its own loss)
+            score, reachable = self.scores(x, qr, runtime.index_k.read(bsz, width), start_pos, freqs_cis)
         lens = reachable.unsqueeze(-1)  # [s, 1]
         if self.is_candidate_source:
             mask = select_candidate_blocks(
@@ -207,9 +210,19 @@ class Indexer(nn.Module):
         first = start_pos // self.ratio
         k = self.k_norm(self.wk(latent))  # [b, groups, index_head_dim]
         group_pos = (first + torch.arange(k.size(1), device=k.device)) * self.ratio
-        apply_rotary_emb(k[..., -self.rope_head_dim :], freqs_cis[group_pos])
+        k = rotate_tail(k, freqs_cis[group_pos], self.rope_head_dim)
         parts, _ = self.k_cache.quantize(k)  # FP4, one E8M0 scale per 32
         self.k_cache.write(slice(first, first + k.size(1)), parts)
+
+    def keys(self, latent: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor) -> torch.Tensor:
+        """`write_keys`' keys as values [b, groups, index_head_dim] on the cache's grid, without a
+        cache (the whole-sequence path). No gradient: a key reaches the loss only through the
+        selection, which has none, and the indexer's own loss reads its keys detached."""
+        with torch.no_grad():
+            k = self.k_norm(self.wk(latent.detach()))  # [b, groups, index_head_dim]
+            group_pos = (start_pos // self.ratio + torch.arange(k.size(1), device=k.device)) * self.ratio
+            k = rotate_tail(k, freqs_cis[group_pos], self.rope_head_dim)
+            return self.k_cache.encoding.on_grid(k)
 
     def scores(
         self, x: torch.Tensor, qr: torch.Tensor, index_k: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor
@@ -220,8 +233,11 @@ class Indexer(nn.Module):
         end_pos = start_pos + seqlen
         width = end_pos // self.ratio
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [b, s, heads, index_head_dim]
-        apply_rotary_emb(q[..., -self.rope_head_dim :], freqs_cis[start_pos:end_pos])
-        fp4_act_quant(q, INDEX_FP4_BLOCK, inplace=True)
+        q = rotate_tail(q, freqs_cis[start_pos:end_pos], self.rope_head_dim)
+        if q.requires_grad:  # the indexer's own loss: FP4 queries with a straight-through gradient
+            q = straight_through(q, fp4_act_quant(q.detach().clone(), INDEX_FP4_BLOCK, inplace=True))
+        else:
+            fp4_act_quant(q, INDEX_FP4_BLOCK, inplace=True)
 
         weights = self.weights_proj(x) * (self.softmax_scale * self.n_heads**-0.5)  # [b, s, heads]
         score = torch.einsum("bshd,btd->bsht", q, index_k[:, :width])
@@ -248,3 +264,16 @@ def select_positions(score: torch.Tensor, lens: torch.Tensor, index_topk: int, t
     # A -inf pick at a reachable position is kept, as in the reference: where the candidate
     # pool holds fewer than index_topk positions, the remainder are positions outside it.
     return torch.where(idx < lens, idx, -1)
+
+
+def attention_target(q: torch.Tensor, compressed: torch.Tensor, ratio: int, start_pos: int = 0) -> torch.Tensor:
+    """What a layer's heads attend to among the compressed positions each query reaches, heads
+    averaged: the distribution an indexer is distilled towards. q [b, s, heads, head_dim] (the
+    rotated queries), compressed [b, T, head_dim] (the compressed KV rows) -> float32 [b, s, T],
+    zero where a query reaches nothing."""
+    seqlen, width = q.size(1), compressed.size(1)
+    reachable = (torch.arange(start_pos, start_pos + seqlen, device=q.device) + 1) // ratio  # [s]
+    unreachable = torch.arange(width, device=q.device) >= reachable.unsqueeze(-1)  # [s, T]
+    logits = torch.einsum("bshd,btd->bsht", q.float(), compressed.float()) * q.size(-1) ** -0.5
+    probs = logits.masked_fill(unreachable.unsqueeze(1), -torch.inf).softmax(dim=-1).nan_to_num(0.0)
+    return probs.mean(dim=2)

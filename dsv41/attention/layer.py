@@ -10,8 +10,8 @@ from torch import nn
 
 from ..config import Config
 from ..hooks import NO_SITES, site
-from ..kernels import sparse_attn
-from ..layers import Linear, RMSNorm, activation_dtype, apply_rotary_emb, linear_dtype, precompute_freqs_cis
+from ..kernels import masked_attention, sparse_attn
+from ..layers import Linear, RMSNorm, activation_dtype, linear_dtype, master_product, precompute_freqs_cis, rotate_tail
 from ..numerics import WINDOW_LAYOUTS, Numerics
 from .caches import (
     CACHE_PARTS,
@@ -25,7 +25,7 @@ from .caches import (
 )
 from .compressor import Compressor
 from .indexer import Indexer
-from .runtime import AttentionRuntime, Published
+from .runtime import AttentionRuntime, HeldRows, Published
 from .state import LayerRows
 
 
@@ -261,8 +261,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, start_pos: int, runtime: AttentionRuntime) -> torch.Tensor:
         """x [b, s, dim] -> [b, s, dim]: any number of tokens at start_pos (0 starts a sequence; a
         later call continues it: one token is a decode step, several a chunk, causal inside it).
-        Reads and writes `runtime`."""
+        Reads and writes `runtime`; a runtime without a cache takes the whole sequence at 0."""
         bsz, seqlen, _ = x.shape
+        if not runtime.cache and start_pos:
+            raise ValueError(f"layer {self.layer}: a runtime without a cache runs a whole sequence from position 0")
         if start_pos + seqlen > self.max_seq_len or bsz > self.max_batch_size:
             raise ValueError(
                 f"layer {self.layer}: batch {bsz} x positions up to {start_pos + seqlen} exceed the "
@@ -274,18 +276,31 @@ class Attention(nn.Module):
         freqs = self.freqs_cis[start_pos : start_pos + seqlen]
         qr, q = self.queries(x, freqs)
 
-        kv, idxs = self._window(x, freqs, start_pos)  # [b, n_kv, head_dim], [b, s, w]
+        kv, idxs = self._window(x, freqs, start_pos, runtime.cache)  # [b, n_kv, head_dim], [b, s, w]
         if self.ratio:
             cache, selected = self._compressed(x, qr, start_pos, runtime)
             topk = site(self, "topk")
-            if topk:  # one width in every call
-                topk.exit(self._pad_topk(selected), {"selected_by": runtime.topk_from})
+            if topk:  # one width in every call; what the selection was made from in the context
+                topk.exit(
+                    self._pad_topk(selected),
+                    {
+                        "selected_by": runtime.topk_from,
+                        "x": x,
+                        "qr": qr,
+                        "q": q,
+                        "compressed_kv": cache,
+                        "index_keys": runtime.index_k,
+                        "attention": self,
+                    },
+                )
             compress_kv, rows = self._compressed_rows(cache, bsz, (start_pos + seqlen) // self.ratio, selected)
             # the selections index the compressed rows appended after the window rows
             idxs = torch.cat([idxs, torch.where(rows >= 0, rows + kv.size(1), -1)], dim=-1)
             kv = torch.cat([kv, compress_kv], dim=1)
 
-        o = sparse_attn(q, kv, self.attn_sink, idxs, self.softmax_scale)  # [b, s, heads, head_dim]
+        # Numerics(summation="fast"): training's dense masked form of sparse_attn
+        attend = masked_attention if self.numerics.summation == "fast" else sparse_attn
+        o = attend(q, kv, self.attn_sink, idxs, self.softmax_scale)  # [b, s, heads, head_dim]
         out = self.project_out(o, freqs)
         if own:
             own.exit(
@@ -298,14 +313,12 @@ class Attention(nn.Module):
         [b, s, heads, head_dim])."""
         qr = self.q_norm(self.wq_a(x))  # [b, s, q_lora_rank]
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [b, s, heads, head_dim]
-        apply_rotary_emb(q[..., -self.rope_head_dim :], freqs)
-        return qr, q
+        return qr, rotate_tail(q, freqs, self.rope_head_dim)
 
     def window_kv(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """x [b, s, dim] -> window KV rows [b, s, head_dim], RoPE tail rotated, not yet quantized."""
         kv = self.kv_norm(self.wkv(x))  # [b, s, head_dim]
-        apply_rotary_emb(kv[..., -self.rope_head_dim :], freqs)
-        return kv
+        return rotate_tail(kv, freqs, self.rope_head_dim)
 
     def write_window(self, parts: tuple[torch.Tensor, ...], start_pos: int) -> None:
         """Store the window ring's parts [b, s, ...] (`quantize`d rows of positions start_pos..):
@@ -325,17 +338,24 @@ class Attention(nn.Module):
         off (the values carry their key's, so relative position is left), then the grouped low-rank
         output projection."""
         bsz, seqlen = o.shape[:2]
-        apply_rotary_emb(o[..., -self.rope_head_dim :], freqs, inverse=True)
-        o = o.view(bsz, seqlen, self.n_groups, -1)  # [b, s, groups, heads/groups * head_dim]
+        o = rotate_tail(o, freqs, self.rope_head_dim, inverse=True)
+        o = o.reshape(bsz, seqlen, self.n_groups, -1)  # [b, s, groups, heads/groups * head_dim]
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)  # [b, s, groups, o_lora_rank]
+        if wo_a.dtype == o.dtype:
+            o = torch.einsum("bsgd,grd->bsgr", o, wo_a)  # [b, s, groups, o_lora_rank]
+        else:  # a float32 master weight (training)
+            o = master_product(torch.einsum, o, wo_a, "bsgd,grd->bsgr", fast=self.wo_a.fast)
         return self.wo_b(o.flatten(2))
 
-    def _window(self, x: torch.Tensor, freqs: torch.Tensor, start_pos: int):
+    def _window(self, x: torch.Tensor, freqs: torch.Tensor, start_pos: int, cache: bool):
         """This layer's window KV (FP8 QAT over 32, RoPE tail included) and, per query, the rows of
         it to attend, [b, s, width] laid out by `window_rows`."""
         bsz, seqlen, _ = x.shape
         win, ring = self.window_size, self.window_kv_cache
+        if not cache:
+            kv = ring.encoding.on_grid(self.window_kv(x, freqs))  # FP8 E4M3 values, nothing stored
+            idxs = window_rows(0, seqlen, win, self.numerics.window_layout, x.device)
+            return kv, idxs.int().unsqueeze(0).expand(bsz, seqlen, -1)
         parts, kv = ring.quantize(self.window_kv(x, freqs))  # FP8 E4M3, one E8M0 scale per 32
         if start_pos > 0 and seqlen == 1:
             self.write_window(parts, start_pos)
@@ -374,7 +394,7 @@ class Attention(nn.Module):
         width = (start_pos + seqlen) // ratio
         latent = None
         if self.mode == "full":
-            latent = self.compressor(x, start_pos)
+            latent = self.compressor(x, start_pos, keep_tail=runtime.cache)
             runtime.compress_kv, runtime.compress_kv_from = self.compress_kv_cache, self.layer
 
         if self.indexer is not None:
@@ -398,9 +418,14 @@ class Attention(nn.Module):
             first = start_pos // ratio
             group_pos = (first + torch.arange(latent.size(1), device=x.device)) * ratio
             # one latent stands for its whole group and is rotated at the group's first token
-            apply_rotary_emb(latent[..., -self.rope_head_dim :], self.freqs_cis[group_pos])
-            parts, _ = self.compress_kv_cache.quantize(latent)  # FP4, one E4M3 scale per 16
-            self.compress_kv_cache.write(slice(first, first + latent.size(1)), parts)
+            latent = rotate_tail(latent, self.freqs_cis[group_pos], self.rope_head_dim)
+            if runtime.cache:
+                parts, _ = self.compress_kv_cache.quantize(latent)  # FP4, one E4M3 scale per 16
+                self.compress_kv_cache.write(slice(first, first + latent.size(1)), parts)
+            else:
+                runtime.compress_kv = HeldRows(self.compress_kv_cache.encoding.on_grid(latent))
+        elif self.mode == "full" and not runtime.cache:  # no group complete yet: nothing to read
+            runtime.compress_kv = HeldRows(x.new_zeros(bsz, 0, self.head_dim))
         if runtime.compress_kv is None:
             raise RuntimeError(f"layer {self.layer} reads compressed KV, but no KV source has run")
         return runtime.compress_kv, selected

@@ -20,6 +20,19 @@ class Published:
     index_k_from: Optional[int] = None
 
 
+class HeldRows:
+    """Rows a layer publishes on the whole-sequence path (`AttentionRuntime(cache=False)`): a tensor
+    [b, n, dim] read the way a `QuantizedCache` is, so the layers after it read either alike."""
+
+    packed = False  # the rows as they are: nothing to decode (see `Attention._compressed_rows`)
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+
+    def read(self, bsz: int, n: Optional[int] = None) -> torch.Tensor:
+        return self.rows[:bsz, :n]
+
+
 class AttentionRuntime:
     """What the layers of one stack hand down instead of recomputing, plus who wrote it: per-call
     state only (how it is computed is each layer's `Numerics`).
@@ -28,9 +41,14 @@ class AttentionRuntime:
     layer that published them (they persist across calls, as caches do); topk: the last index
     source's selection for the current call, as compressed positions [b, s, index_topk] padded with
     -1; candidates: the candidate source's position mask [b, s, T] for the current call.
+
+    `cache=False`: the whole-sequence path (training's forward, one call from position 0): no layer
+    writes or reads a cache; the compressed KV and index keys are published as `HeldRows`, on the
+    grids the caches would hold them on, with straight-through gradients.
     """
 
-    def __init__(self):
+    def __init__(self, *, cache: bool = True):
+        self.cache = cache
         self.reset()
 
     def reset(self) -> None:

@@ -4,7 +4,7 @@ Plain PyTorch, any device torch supports for these dtypes; written for fidelity 
 kernels' quantization points and reduction orders, not for speed.
 """
 
-from .attention import SCORE_FLOOR, SPARSE_ATTN_CHUNK, sparse_attn
+from .attention import SCORE_FLOOR, SPARSE_ATTN_CHUNK, masked_attention, sparse_attn
 from .codecs import (
     E2M1_MAX,
     E2M1_VALUES,
@@ -42,6 +42,7 @@ __all__ = [
     "fp8_gemm",
     "hc_split_sinkhorn",
     "linear",
+    "masked_attention",
     "pack_fp4",
     "pow2_ceil",
     "sparse_attn",

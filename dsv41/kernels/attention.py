@@ -52,3 +52,24 @@ def sparse_attn(
     # it is compared against the running max unscaled by softmax_scale
     denom = denom + torch.exp(attn_sink.float() - running_max)
     return (out / denom.unsqueeze(-1)).to(torch.bfloat16)
+
+
+def masked_attention(
+    q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, topk_idxs: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
+    """`sparse_attn` as one dense product under a mask of the rows each query reads (training's
+    `Numerics(summation="fast")`): the same softmax with its sink and bf16-rounded weights, summed
+    in another order, and differentiable. q [b, m, h, d], kv [b, n, d], topk_idxs [b, m, k]
+    (-1 absent) -> bf16 [b, m, h, d]."""
+    bsz, m, _, _ = q.shape
+    n = kv.size(1)
+    present = torch.zeros(bsz, m, n + 1, dtype=torch.bool, device=q.device)
+    present.scatter_(-1, torch.where(topk_idxs >= 0, topk_idxs, n).long(), True)  # column n catches the absent
+    present = present[..., :n].unsqueeze(2)  # [b, m, 1, n]
+    scores = torch.einsum("bmhd,bnd->bmhn", q.float(), kv.float()) * softmax_scale
+    scores = scores.masked_fill(~present, -torch.inf)
+    top = scores.amax(dim=-1, keepdim=True).detach()  # [b, m, h, 1]
+    probs = torch.exp(scores - top)
+    denom = probs.sum(dim=-1) + torch.exp(attn_sink.float().view(1, 1, -1) - top.squeeze(-1))
+    out = torch.einsum("bmhn,bnd->bmhd", probs.to(torch.bfloat16).float(), kv.float())
+    return (out / denom.unsqueeze(-1)).to(torch.bfloat16)

@@ -1,7 +1,7 @@
 """`dsv41 train`: train the miniature, then measure it and write it in the release format.
 
 After the last step: held-out bits per byte of the master weights and of the release rounding (the
-checkpoint as `dsv41.load` reads it: the twin's exact mode), of the random initialization, and of
+checkpoint as `dsv41.load` reads it: the training model under `Numerics()`), of the random initialization, and of
 gzip -9 / zstd -19 on the same text; the loss curve as PNG, SVG and a JSON sidecar; the checkpoint
 with its manifest in OUT/checkpoint.
 """
@@ -21,20 +21,21 @@ def finish(trainer, *, progress: bool, windows: int | None = None) -> dict:
 
     import torch
 
+    from ..numerics import Numerics
     from ..outdir import write_json
     from .data import compressor_bits_per_byte
+    from .masters import initialized_params, trainable_model
     from .release import write_miniature
-    from .twin import Twin
     from .workdir import CHECKPOINT_NAME, FACTS_NAME, LOSS_CURVE_STEM
 
     state, settings = trainer.state, trainer.settings
     say = (lambda m: print(f"dsv41 train: {m}", file=sys.stderr)) if progress else (lambda m: None)
     say("measuring the held-out loss (master weights, release rounding, random initialization)")
-    exact = Twin(trainer.cfg, state.params, exact=True)
+    # the release rounding through the released runtime's arithmetic: the loaded checkpoint's logits
+    exact = trainable_model(trainer.cfg, numerics=Numerics(), batch=settings.batch, seq_len=settings.seq_len)
     master = trainer.held_out_loss(qat=False, limit=windows)
-    release = trainer.held_out_loss(exact, qat=True, limit=windows)
-    random_twin = Twin(trainer.cfg, Twin.initialized(trainer.cfg, settings.seed).params, exact=False)
-    random = trainer.held_out_loss(random_twin, qat=False, limit=windows)
+    release = trainer.held_out_loss(qat=True, limit=windows, model=exact)
+    random = trainer.held_out_loss(initialized_params(trainer.cfg, settings.seed), qat=False, limit=windows)
     compressors = compressor_bits_per_byte(trainer.streams.held_out_text)
     draft_log = [r for r in state.log if r["phase"] == "draft"]
     facts = {

@@ -1,7 +1,7 @@
 """`dsv41 train`: the miniature trained from scratch on this machine, resumable.
 
 Phases, by step: the backbone (language-model loss plus the indexers' KL loss, the routing biases
-balanced without an auxiliary loss), its last `qat_fraction` quantization-aware (`Twin.weights(qat=True)`),
+balanced without an auxiliary loss), its last `qat_fraction` quantization-aware (`masters.weights(qat=True)`),
 then the DSpark draft stack on the frozen, release-rounded target (`draft`). Everything random
 comes from the seed and the step, so a run cut anywhere and resumed from its last checkpoint takes
 the same batches. The work folder (`workdir`) keeps the state (`state`: safetensors and JSON, never
@@ -19,8 +19,22 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..model import Model
+from ..numerics import Numerics
 from ..outdir import replace_file
 from .data import build_streams, held_out_windows, nats_to_bits, train_batch
+from .masters import (
+    checkpoint_params,
+    holding,
+    initialized_params,
+    logical_shape,
+    set_qat,
+    trainable_model,
+    trainable_names,
+    weight_specs,
+    weights,
+)
+from .masters import forward as run_forward
 from .schedule import lr_at
 from .state import (
     FLAGS,
@@ -35,7 +49,6 @@ from .state import (
     restore_moments,
     settings_from,
 )
-from .twin import Twin, logical_shape, trainable_names, weight_specs
 from .workdir import TOKENIZER_NAME, TOKENS_NAME, claim, inspect, record_tokenizer, tokenizer_written
 
 # The settings a --draft-from run takes from its source (its backbone's), unless given alike.
@@ -191,7 +204,8 @@ def compiled_sinkhorn(enabled: bool):
 
 
 class Trainer:
-    """One work folder's run: the corpus, tokenizer and streams, the twin and its state.
+    """One work folder's run: the corpus, tokenizer and streams, the model it trains through and its
+    state (the float32 master weights `params`).
 
     `given`: the settings chosen (TrainSettings field -> value); the rest are the defaults for a
     new run, the source's backbone settings for one that goes on from `draft_from`, and, with
@@ -266,21 +280,30 @@ class Trainer:
                 # the backbone as released, decoded: the draft phase freezes it on its storage grid again
                 self.state = TrainState(
                     settings,
-                    Twin.from_checkpoint(draft_from).params,
+                    checkpoint_params(draft_from),
                     step=carried["steps"],
                     seconds=carried["training_seconds"],
                     continued_from=carried,
                 )
             else:
-                self.state = TrainState(settings, Twin.initialized(self.cfg, settings.seed).params)
+                self.state = TrainState(settings, initialized_params(self.cfg, settings.seed))
         self.streams = build_streams(
             self.corpus, self.tokenizer, int(self.cfg.eos_token_id), os.path.join(self.folder, TOKENS_NAME)
         )
         self.hasher = NgramHasher.from_tokenizer(self.cfg, self.tokenizer)
         self.continued_from = self.state.continued_from
         self.settings = self.state.settings
-        self.twin = Twin(self.cfg, self.state.params, exact=False, split=compiled_sinkhorn(compile))
-        self.names_of = {id(p): n for n, p in self.twin.params.items()}
+        self.params, self.specs = self.state.params, weight_specs(self.cfg)
+        s = self.settings
+        # the inference model, summing in training's order (Numerics(summation="fast"))
+        self.model = trainable_model(
+            self.cfg,
+            numerics=Numerics(summation="fast"),
+            batch=s.batch,
+            seq_len=s.seq_len,
+            split=compiled_sinkhorn(compile),
+        )
+        self.names_of = {id(p): n for n, p in self.params.items()}
         self.progress = sys.stderr.isatty() if progress is None else progress
 
     def shapes(self) -> dict[str, tuple]:
@@ -300,17 +323,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def held_out_loss(self, twin: Twin | None = None, *, qat: bool, limit: int | None) -> dict:
-        """Mean next-token loss over held-out windows, in nats per token and bits per byte."""
-        twin = twin or self.twin
-        weights = twin.weights(qat)
+    def held_out_loss(
+        self, params: dict | None = None, *, qat: bool, limit: int | None, model: Model | None = None
+    ) -> dict:
+        """Mean next-token loss over held-out windows, in nats per token and bits per byte, of
+        `params` (the run's by default) through `model` (the training model by default; one built
+        with `Numerics()` gives the loaded checkpoint's arithmetic)."""
+        model = model or self.model
+        values = weights(params if params is not None else self.params, self.specs, qat)
+        set_qat(model, qat)
         nats, tokens, n_bytes = 0.0, 0, 0
         batch_in, batch_out = [], []
 
         def flush():
             nonlocal nats, tokens, n_bytes
             inputs, targets = torch.cat(batch_in), torch.cat(batch_out)
-            logits = twin.forward(inputs, self.hash_ids(inputs), qat=qat, index_loss=False, weights=weights).logits
+            with holding(model, values):
+                logits = run_forward(model, inputs, self.hash_ids(inputs), index_loss=False).logits
             nats += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
             tokens += targets.numel()
             n_bytes += int(self.streams.token_bytes[targets.numpy()].sum())
@@ -333,10 +362,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ backbone
     def optimizer_for(self, names: list[str], lr: float) -> torch.optim.Optimizer:
-        for name in self.twin.params:
-            self.twin.params[name].requires_grad_(name in names)
-        decay = [self.twin.params[n] for n in names if self.twin.params[n].dim() >= 2]
-        other = [self.twin.params[n] for n in names if self.twin.params[n].dim() < 2]
+        for name in self.params:
+            self.params[name].requires_grad_(name in names)
+        decay = [self.params[n] for n in names if self.params[n].dim() >= 2]
+        other = [self.params[n] for n in names if self.params[n].dim() < 2]
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.settings.weight_decay}, {"params": other, "weight_decay": 0.0}],
             lr=lr,
@@ -350,12 +379,15 @@ class Trainer:
         lr = lr_at(step, s.backbone_steps, s.lr, s.warmup, s.min_lr_fraction)
         for group in opt.param_groups:
             group["lr"] = lr
-        out = self.twin.forward(inputs, self.hash_ids(inputs), qat=s.phase(step) == "qat")
-        lm = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
-        kl = sum(out.index_kl.values()) / max(1, len(out.index_kl))
-        loss = lm + s.index_loss_weight * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        qat = s.phase(step) == "qat"
+        set_qat(self.model, qat)
+        with holding(self.model, weights(self.params, self.specs, qat)):
+            out = run_forward(self.model, inputs, self.hash_ids(inputs))
+            lm = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+            kl = sum(out.index_kl.values()) / max(1, len(out.index_kl))
+            loss = lm + s.index_loss_weight * kl
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
         opt.step()
         spread = self.balance(out.expert_load)
@@ -378,7 +410,7 @@ class Trainer:
             load = load.float()
             n_layers = self.cfg.n_layers
             prefix = f"layers.{layer}." if layer < n_layers else f"mtp.{layer - n_layers}."
-            bias = self.twin.params[prefix + "ffn.gate.bias"]
+            bias = self.params[prefix + "ffn.gate.bias"]
             bias += self.settings.balance_rate * torch.sign(load.mean() - load)
             ratios.append((load.max() / load.mean()).item())
         return sum(ratios) / max(1, len(ratios))
@@ -418,7 +450,7 @@ class Trainer:
                     record = draft.step(step, opt)
                 else:
                     if opt is None:
-                        opt = self.optimizer_for(self.twin.trainable(exclude=("mtp.",)), s.lr)
+                        opt = self.optimizer_for(trainable_names(self.params, exclude=("mtp.",)), s.lr)
                         if state.optimizer and state.optimizer["phase"] == "backbone":
                             restore_moments(opt, self.names_of, state.optimizer["moments"])
                     record = self.backbone_step(step, opt)
