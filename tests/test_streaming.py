@@ -174,6 +174,20 @@ def test_a_prefill_reads_each_expert_once(tiny_checkpoint, plain):
     assert len(set(prefill_keys)) < tokens * plain.cfg.n_activated_experts * plain.cfg.n_layers  # not once per token
 
 
+def test_clearing_the_slot_cache_starts_it_cold(tiny_checkpoint, plain):
+    model = _budgeted(tiny_checkpoint, plain.cfg, 1000, max_seq_len=plain.backbone.max_seq_len)
+    ids = model.encode(PROMPT)
+    model(ids, 0)
+    cold = dict(model.experts.counters.steps[0])
+    model(ids, 0)  # warm: everything it asks for is held
+    assert sum(model.experts.counters.hits.values()) > 0
+    model.experts.clear()
+    counters = model.experts.counters
+    assert counters.hits == {} and counters.misses == {} and counters.steps == [] and counters.bytes_read == 0
+    model(ids, 0)  # reads again exactly what the first cold call read
+    assert sum(counters.hits.values()) == 0 and counters.steps[0]["bytes"] == cold["bytes"]
+
+
 # ---------------------------------------------------------------------- bench stream
 def test_bench_stream_runs_end_to_end_on_a_tiny_geometry(tmp_path, capsys):
     from dsv41.bench.cli import cli_main
