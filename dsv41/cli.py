@@ -384,7 +384,7 @@ def _prompt(args, model):
     check_length(
         len(prompt),
         args.max_new_tokens,
-        model.max_seq_len,
+        model.backbone.max_seq_len,
         model_limit=model.cfg.max_seq_len,
         hint=" (raise --max-seq-len)",
     )

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from . import chat as chat_format
-from . import chat_reply, vision
+from . import chat_reply, sequence, vision
 from .generate import GenerationResult, generate
 from .tokenizer import ASSISTANT_TOKEN, THINK_START_TOKEN
 
@@ -130,7 +130,7 @@ def chat(
         and len(ids) > 1
         and _ends_with_markup(prompt, ASSISTANT_TOKEN + THINK_START_TOKEN)
         and ids[-1] == model.tokenizer.token_to_id(THINK_START_TOKEN)
-        and len(ids) + max_new_tokens - 1 <= model.max_seq_len
+        and len(ids) + max_new_tokens - 1 <= model.backbone.max_seq_len
     )  # else generate's own refusal, unsplit
     head = None
     if split:  # everything before `<think>` first: the next turn continues from there
@@ -138,13 +138,13 @@ def chat(
             model, ids[:-1], max_new_tokens=0, reuse_prefix=True, prefill_chunk=prefill_chunk, progress=progress
         )
         reused = head.timings["reused_positions"]
-        snapshot = model.snapshot() if keep_resume else None
+        snapshot = sequence.snapshot(model) if keep_resume else None
         options.pop("prefill_chunk")
         result = generate(model, ids, max_new_tokens=max_new_tokens, reuse_prefix=True, **options)
     else:
         result = generate(model, feed, max_new_tokens=max_new_tokens, reuse_prefix=reuse_prefix, **options)
         ids, reused = result.prompt_ids, result.timings["reused_positions"]
-        snapshot = model.snapshot() if keep_resume else None
+        snapshot = sequence.snapshot(model) if keep_resume else None
     prefill_s = result.timings["prefill_s"] + (head.timings["prefill_s"] if head is not None else 0.0)
     raw = reply_text(model, result.ids)
     reply = chat_reply.parse(raw, thinking=_ends_with_markup(prompt, THINK_START_TOKEN))
@@ -239,9 +239,9 @@ def _resume(model, snapshot, ids: list[int]) -> None:
     if not kept or len(kept) >= len(ids) or ids[: len(kept)] != kept:
         return
     held = model.token_ids[0].tolist() if model.token_ids.size(0) == 1 else []
-    if held[: len(kept)] == kept and len(kept) >= model.rollback_limit:
+    if held[: len(kept)] == kept and len(kept) >= sequence.rollback_limit(model):
         return
-    model.restore(snapshot)
+    sequence.restore(model, snapshot)
 
 
 # ---------------------------------------------------------------------- a conversation across turns

@@ -212,8 +212,8 @@ def attention_stack(
         stack = AttentionStack(
             cfg,
             numerics=numerics,
-            max_seq_len=max_seq_len or model.max_seq_len,
-            cache_format=cache_format or getattr(model, "cache_format", "packed"),
+            max_seq_len=max_seq_len or model.backbone.max_seq_len,
+            cache_format=cache_format or model.backbone.cache_format,
         )
     weights = {
         f"layers.{i}.{name}": t

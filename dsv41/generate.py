@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from . import sequence
 from .errors import Dsv41Error
 from .sampling import sample
 from .text import is_whole
@@ -76,7 +77,7 @@ def check_length(
 ) -> None:
     """The errors a prompt too long for the run gets, in Python and from `dsv41 generate` alike:
     longer than `model_limit` (the config's `max_seq_len`, when given), or with `max_new_tokens`
-    more than the `max_seq_len` positions the caches hold (`Model.max_seq_len`). `hint` ends the
+    more than the `max_seq_len` positions the caches hold (`model.backbone.max_seq_len`). `hint` ends the
     second message (the CLI's " (raise --max-seq-len)")."""
     if model_limit is not None and prompt_tokens > model_limit:
         raise ValueError(f"the prompt is {prompt_tokens} tokens, longer than the model's {model_limit}-token maximum")
@@ -288,7 +289,7 @@ def generate(
     Inf logits stop the run with NonFiniteLogits, naming the first site that went non-finite.
     `prefill_chunk`: prefill in chunks of that many tokens (`progress`: a bar on stderr);
     `reuse_prefix`: continue the model's current sequence where the prompt starts with it (rolled
-    back to the longest shared prefix, as far as `Model.rollback_limit` allows) instead of
+    back to the longest shared prefix, as far as `sequence.rollback_limit` allows) instead of
     prefilling it again; `timings['reused_positions']` says how many positions were reused.
     `speculative`: decode with the DSpark draft stack (`dsv41.speculative`), up to
     `draft_tokens` proposals per step (default the draft block), cut after the first whose
@@ -308,7 +309,7 @@ def generate(
         began = time.perf_counter()
         prompt = model.encode_images(prompt)
         vision_s = time.perf_counter() - began
-    check_length(len(prompt), max_new_tokens, model.max_seq_len)
+    check_length(len(prompt), max_new_tokens, model.backbone.max_seq_len)
     generator = torch.Generator().manual_seed(int(seed)) if temperature > 0 else None
     ftrace = ForwardTrace() if trace else None
     steps: list[StepRecord] = []
@@ -324,7 +325,7 @@ def generate(
     began = time.perf_counter()
     reused = _reusable_prefix(model, prompt) if reuse_prefix else 0
     if reused:
-        model.rollback(model.position - reused)
+        sequence.rollback(model, model.position - reused)
     logits = prefill(model, prompt[reused:], trace=ftrace, start_pos=reused, chunk=prefill_chunk, progress=progress)
     check_finite(model, logits)
     ids, finish = [], "length"
@@ -441,7 +442,7 @@ def _reusable_prefix(model, prompt: Prompt) -> int:
         if have != want:
             break
         shared += 1
-    return shared if shared >= model.rollback_limit else 0
+    return shared if shared >= sequence.rollback_limit(model) else 0
 
 
 # ---------------------------------------------------------------------- prefill vs decode
@@ -563,6 +564,38 @@ def compare_prefill_decode(model, prompt) -> PrefillDecodeComparison:
         decode_trace=step,
         numerics=model.numerics.as_dict(),
     )
+
+
+def speculative_parting(model, prompt, max_new_tokens: int) -> dict:
+    """Plain greedy decoding and a speculative run of `prompt` on `model` (as loaded), set side by
+    side: first_parting (the first generated token where they differ; None: nowhere), tokens, and
+    max_abs_diff_before (the largest |difference| between the logit rows the two chose from before
+    it). At a parting also the plain row's top-2 gap and the rows' max |difference| there: an argmax
+    can swap only when the gap is within twice that (gap_within_twice_the_difference)."""
+    rows: dict[str, list[torch.Tensor]] = {"plain": [], "speculative": []}
+
+    def keep(name: str):
+        return lambda step, token, logits: rows[name].append(logits[0].clone())
+
+    plain = generate(model, prompt, max_new_tokens=max_new_tokens, stop_at_eos=False, callback=keep("plain"))
+    spec = generate(
+        model, prompt, max_new_tokens=max_new_tokens, stop_at_eos=False, speculative=True, callback=keep("speculative")
+    )
+    first = next((i for i, (x, y) in enumerate(zip(plain.ids, spec.ids)) if x != y), None)
+    agreed = zip(rows["plain"][: len(plain.ids) if first is None else first], rows["speculative"])
+    out = {
+        "first_parting": first,
+        "max_abs_diff_before": max((float((x - y).abs().max()) for x, y in agreed), default=0.0),
+        "tokens": len(plain.ids),
+    }
+    if first is not None:
+        x, y = rows["plain"][first], rows["speculative"][first]
+        top2 = x.topk(2).values
+        gap, delta = float(top2[0] - top2[1]), float((x - y).abs().max())
+        out.update(
+            {"plain_top2_gap": gap, "rows_max_abs_diff": delta, "gap_within_twice_the_difference": gap <= 2 * delta}
+        )
+    return out
 
 
 def _partings(a: dict, b: dict, name: str) -> dict[int, list[int]]:

@@ -18,7 +18,7 @@ subscribed. `Sites.subscribe(pattern, observer)` returns a handle whose `remove(
 `with sites.hooks({pattern: observer, ...})` keeps them for a block. A pattern is a site name or
 an fnmatch pattern (`layers.*.ffn.routed`); every pattern of a registration is checked before any
 observer is added. `ActivationCache` records the values of the sites it is subscribed to, what
-`Model.run_with_hooks` returns beside the logits. `sites_of(module)` is the registry of one part
+`run_with_hooks(model, ids)` returns beside the logits. `sites_of(module)` is the registry of one part
 (an attention layer of a stack, say), under the names its model or stack gave it.
 """
 

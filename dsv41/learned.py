@@ -28,7 +28,8 @@ import torch
 from .attention import attention_target
 from .cache_policy import policy_data
 from .errors import Dsv41Error
-from .generate import as_prompt
+from .generate import as_prompt, compare_prefill_decode, generate
+from .hooks import run_with_hooks
 from .speculative import Speculation
 from .text import brief
 from .trace import ForwardTrace
@@ -599,8 +600,8 @@ def speculative_study(model: Model, texts: Sequence[str], prompt_tokens: int, ne
     steps, equal = [], []
     for text in texts:
         ids = prompt_ids(model, text, prompt_tokens)
-        plain = model.generate(ids, max_new_tokens=new_tokens, stop_at_eos=False)
-        spec = model.generate(ids, max_new_tokens=new_tokens, stop_at_eos=False, speculative=True)
+        plain = generate(model, ids, max_new_tokens=new_tokens, stop_at_eos=False)
+        spec = generate(model, ids, max_new_tokens=new_tokens, stop_at_eos=False, speculative=True)
         equal.append(spec.ids == plain.ids)
         steps += spec.speculation.steps
     pooled = Speculation(steps)
@@ -638,8 +639,8 @@ def cache_study(
         raise LearnedError(
             f"capacities must be one or more whole cache sizes from 0 to {n_experts} experts, got {brief(capacities)}"
         )
-    result = model.generate(
-        prompt_ids(model, text, prompt_tokens), max_new_tokens=new_tokens, stop_at_eos=False, trace=True
+    result = generate(
+        model, prompt_ids(model, text, prompt_tokens), max_new_tokens=new_tokens, stop_at_eos=False, trace=True
     )
     data = policy_data(result, capacities=sorted({*capacities, n_experts}), n_experts=n_experts, cfg=model.cfg)
     wanted = [data["capacities"].index(c) for c in capacities]
@@ -665,7 +666,7 @@ def tie_study(model: Model, ids: Sequence[int]) -> dict:
     ids = list(ids)
     if not ids:
         raise LearnedError("tie_study got no token ids; give at least one (learned.prompt_ids of a text)")
-    cmp = model.compare_prefill_decode(ids)
+    cmp = compare_prefill_decode(model, ids)
     truncated = ties = 0
     gaps = []
     for rec in cmp.prefill_trace.attention:
@@ -727,7 +728,7 @@ def lookahead_study(model: Model, texts: Sequence[str], tokens: int) -> dict:
         ids = prompt_ids(model, text, tokens)
         n_tokens += len(ids)
         model.reset()
-        _, cache = model.run_with_hooks(torch.tensor([ids]), 0, names=names, to_cpu=True)
+        _, cache = run_with_hooks(model, torch.tensor([ids]), 0, names=names, to_cpu=True)
         model.reset()
         with torch.no_grad():
             router_input, chosen = {}, {}

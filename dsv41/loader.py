@@ -74,7 +74,7 @@ class CacheOptions:
     """What `load`'s cache keywords ask for, checked: the attention caches sized for `max_seq_len` positions (None:
     min(config, DEFAULT_MAX_SEQ_LEN)) of `max_batch_size` rows, `cache_format` "packed" (the stored
     FP8 / FP4 formats with their scales) or "bf16" (the reference runtime's BF16 buffers; the
-    logits are the same bit for bit), and `undo_calls`, how many calls `Model.rollback` can undo."""
+    logits are the same bit for bit), and `undo_calls`, how many calls `sequence.rollback` can undo."""
 
     max_seq_len: Optional[int] = None
     max_batch_size: int = 1

@@ -6,7 +6,7 @@ package) and the head. What a forward overwrote, rollback and snapshots are `seq
 hasher and the sequence position; `model(ids, start_pos)` runs a forward, `encode` / `decode` turn
 text into ids and back. A Model is built empty: `loader.load` fills its parameters by name and
 attaches the routed-expert store and the Engram tables (`attach`); generation is the free
-functions of `generate.py` (the methods of the same names call them).
+functions of `generate.py`, which take the model (`generate(model, prompt)`).
 
 A block carries its residual stream as `hc_mult` parallel copies. Each of its two sites (attention,
 then the FFN) collapses the copies into one input with a `pre` weighting, runs the sublayer, and
@@ -56,10 +56,9 @@ from .vision import prepare as prepare_prompt
 ENGRAM_GATE_FLOOR = 1e-6
 
 
-# The caches are written in place by calls, rollbacks and restores. Running each of those verbs
-# under inference mode lets them take a model and its snapshots made in any grad mode (a tensor
-# made under inference mode refuses in-place writes outside it, a normal one takes them inside).
-_any_grad_mode = torch.inference_mode()
+# calls and resets write the caches in place, as rollbacks and restores do: one grad-mode rule for
+# all of them (see `sequence.any_grad_mode`)
+_any_grad_mode = sequence.any_grad_mode
 
 
 def runtime_config(cfg: Config) -> Config:
@@ -476,11 +475,16 @@ class Model:
 
     Built empty from a config; `loader.load` fills `backbone` by checkpoint name and `attach`es the
     routed-expert store and the Engram tables (`report`, `checkpoint`: what it loaded from).
-    `cache_format`: the attention caches hold the stored formats, decoded when read ("packed", the
-    default: FP8 window rings, FP4 compressed KV and index keys with their scales) or the same
-    values in BF16 ("bf16"); the logits are the same bit for bit, `cache_bytes()` measures the
-    difference. The generation verbs (`prefill`, `decode_one`, `decode_n`, `generate`, `compare_prefill_decode`)
-    are `dsv41.generate`'s functions over this object; `chat` is `dsv41.conversation.chat`."""
+    `cache_format` (kept by the backbone, as `max_seq_len` is): the attention caches hold the stored
+    formats, decoded when read ("packed", the default: FP8 window rings, FP4 compressed KV and index
+    keys with their scales) or the same values in BF16 ("bf16"); the logits are the same bit for bit,
+    `cache_bytes()` measures the difference.
+
+    The verbs over a model are free functions in the modules that own them, each taking the model
+    first: generation in `dsv41.generate` (`generate(model, prompt)`, `prefill`, `decode_one`,
+    `decode_n`, `compare_prefill_decode`), `dsv41.conversation.chat`, `dsv41.hooks.run_with_hooks`,
+    and `dsv41.sequence`'s `rollback`, `rollback_limit`, `snapshot`, `restore`. `model.experts.clear()`
+    starts the expert cache cold."""
 
     def __init__(
         self,
@@ -552,14 +556,6 @@ class Model:
             raise ValueError(f"a draft starts from one token id in [0, {self.cfg.vocab_size}), got {token_id!r}")
         return self.draft_stack.draft(token_id, self.position - 1, temperature=temperature, generator=generator)
 
-    @property
-    def max_seq_len(self) -> int:
-        return self.backbone.max_seq_len
-
-    @property
-    def cache_format(self) -> str:
-        return self.backbone.cache_format
-
     def cache_bytes(self) -> CacheBytes:
         """The attention caches' allocated bytes, measured from their buffers: by component and
         part, fixed (window rings, compressor tails) and growing, and `per_token` (the compressed KV
@@ -580,12 +576,6 @@ class Model:
         self.token_ids = torch.zeros(1, 0, dtype=torch.long)
         self.undo_records.clear()
 
-    def reset_expert_cache(self) -> None:
-        """Start the expert cache cold: drop every cached expert and zero its hit / miss counters
-        (`experts.counters`). The sequence itself is left as it is."""
-        self.experts.clear()
-        self.experts.counters.reset()
-
     @property
     def sites(self):
         """The named sites of the forward (`hooks.Sites`: name -> Site, in module order)."""
@@ -594,13 +584,6 @@ class Model:
     def hooks(self, observers):
         """`with model.hooks({pattern: observer, ...}):` observers subscribed for the block."""
         return self.backbone.site_registry.hooks(observers)
-
-    def run_with_hooks(self, input_ids, start_pos: int = 0, **kw):
-        """(logits, `hooks.ActivationCache` of the named sites' values) of one call; see
-        `hooks.run_with_hooks` for `names`, `observers` and `to_cpu`."""
-        from .hooks import run_with_hooks
-
-        return run_with_hooks(self, input_ids, start_pos, **kw)
 
     def _refuse_inside_forward(self, verb: str) -> None:
         # an observer that called back in would run a second forward over caches the first is
@@ -623,7 +606,7 @@ class Model:
                 raise ValueError("a Prompt carries its own image mask; pass image_mask only with plain ids")
             input_ids = prompt.ids
             image_mask = prompt.image_mask() if prompt.image_positions else None
-        ids = self._token_ids(input_ids)  # [b, s]
+        ids = as_token_ids(input_ids)  # [b, s]: whole numbers or an error
         bsz, seqlen = ids.shape
         if seqlen == 0:
             raise ValueError("no input ids")
@@ -635,10 +618,10 @@ class Model:
                 f"start_pos {start_pos}, but this sequence has {self.position} positions; continue "
                 f"at {self.position} or start again at 0"
             )
-        if start_pos + seqlen > self.max_seq_len:
+        if start_pos + seqlen > self.backbone.max_seq_len:
             raise ValueError(
                 f"positions {start_pos} to {start_pos + seqlen - 1} exceed max_seq_len "
-                f"{self.max_seq_len}; load with a larger max_seq_len"
+                f"{self.backbone.max_seq_len}; load with a larger max_seq_len"
             )
         if bsz > self.backbone.max_batch_size or (start_pos and bsz != self.token_ids.size(0)):
             raise ValueError(
@@ -693,48 +676,6 @@ class Model:
         finally:
             self._in_forward = False
 
-    @staticmethod
-    def _token_ids(input_ids) -> torch.Tensor:
-        """Token ids as given -> int64 [b, s] (`token_ids.as_token_ids`: whole numbers or an error)."""
-        return as_token_ids(input_ids)
-
-    # ------------------------------------------------------------------ rollback and snapshots
-    @property
-    def rollback_limit(self) -> int:
-        """The shortest length `rollback` can return to: the start of the oldest call it still
-        remembers (each call keeps what it overwrote; the last `undo_calls` calls are kept)."""
-        return sequence.rollback_limit(self)
-
-    @_any_grad_mode
-    def rollback(self, n_positions: int, *, rerun: bool = True) -> bool:
-        """Return the sequence to `n_positions` fewer positions, so that continuing from there
-        equals never having gone past it, bit for bit: the calls after it are undone (each kept
-        what it overwrote) and the part of the first undone call that stays is run again as one
-        call, exactly as a sequence that stopped there would have run it. Reaches back as far as
-        `rollback_limit`; 0 positions back to 0 is a reset.
-
-        `rerun=False`: when the positions to drop all lie in the last call and it was no longer
-        than the window (and held no image), cut that call short in place instead
-        (`Attention.truncate`), keeping the rows it computed for the positions that stay: no
-        forward, and the same bytes as the re-run under Numerics.parity() (under the reference's
-        arithmetic a row can depend on how many rows shared its call). Returns whether a kept
-        part ran again."""
-        self._refuse_inside_forward("model.rollback()")
-        return sequence.rollback(self, n_positions, rerun=rerun)
-
-    @_any_grad_mode
-    def snapshot(self) -> "sequence.Snapshot":
-        """A copy of the sequence so far (caches, look-back, what was published), for `restore`:
-        a later request continues from a shared prefix instead of running it again."""
-        self._refuse_inside_forward("model.snapshot()")
-        return sequence.snapshot(self)
-
-    @_any_grad_mode
-    def restore(self, state: "sequence.Snapshot") -> None:
-        """Continue from a `snapshot` of this model (the sequence as it was then)."""
-        self._refuse_inside_forward("model.restore()")
-        sequence.restore(self, state)
-
     # ------------------------------------------------------------------ text
     @property
     def add_bos(self) -> bool:
@@ -764,35 +705,6 @@ class Model:
             ),
         )
 
-    # ------------------------------------------------------------------ generation (dsv41.generate)
-    def prefill(self, prompt_ids, **kw):
-        return _generation().prefill(self, prompt_ids, **kw)
-
-    def decode_one(self, token_id, **kw):
-        return _generation().decode_one(self, token_id, **kw)
-
-    def decode_n(self, token_id, n: int, **kw):
-        return _generation().decode_n(self, token_id, n, **kw)
-
-    def generate(self, prompt, **kw):
-        return _generation().generate(self, prompt, **kw)
-
-    def compare_prefill_decode(self, prompt, **kw):
-        return _generation().compare_prefill_decode(self, prompt, **kw)
-
-    def chat(self, messages, **kw):
-        from . import conversation  # above this module, like generate.py: looked up when called
-
-        return conversation.chat(self, messages, **kw)
-
     def __repr__(self) -> str:
         where = self.report.checkpoint if self.report is not None else "not loaded"
         return f"Model({where!r}, {self.cfg.summary()})"
-
-
-def _generation():
-    # generate.py sits above this module and imports nothing of it; the verbs are looked up when
-    # called so the import stays one-way
-    from . import generate
-
-    return generate

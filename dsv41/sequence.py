@@ -1,6 +1,7 @@
 """A model's sequence as state that can be undone: the record each forward keeps of what it
 overwrote (`CallRecord`), a copy of the whole sequence (`Snapshot`), and the verbs over them
-(`rollback`, `snapshot`, `restore`) that `Model`'s methods of the same names call.
+(`rollback`, `rollback_limit`, `snapshot`, `restore`), free functions that take the model first:
+`sequence.rollback(model, 3)`.
 
 A sequence lives in several parts, and each copies and puts back its own state: the attention
 layers and their runtime (`attention.state`: the cache rows a call over [start, end) may write,
@@ -23,6 +24,13 @@ from .vision import Prompt
 
 if TYPE_CHECKING:  # annotations only
     from .model import Model
+
+
+# The caches are written in place by calls, resets, rollbacks and restores. Running each of those
+# verbs under inference mode lets them take a model and its snapshots made in any grad mode (a
+# tensor made under inference mode refuses in-place writes outside it, a normal one takes them
+# inside). `Model.__call__` and `Model.reset` run under this too.
+any_grad_mode = torch.inference_mode()
 
 
 @dataclass
@@ -98,14 +106,27 @@ def undo_call(model: Model, record: CallRecord) -> None:
 
 
 def rollback_limit(model: Model) -> int:
-    """The start of the oldest call the model still remembers (its current length if none)."""
+    """The shortest length `rollback` can return to: the start of the oldest call the model still
+    remembers (each call keeps what it overwrote; the last `undo_calls` calls are kept), its
+    current length if none."""
     return model.undo_records[0].start if model.undo_records else model.position
 
 
+@any_grad_mode
 def rollback(model: Model, n_positions: int, *, rerun: bool = True) -> bool:
-    """`Model.rollback`: undo the calls after `n_positions` fewer positions and run the kept part
-    of the first undone one again (or, `rerun=False` where it can, cut the last call short in
-    place). Returns whether a kept part ran again."""
+    """Return the sequence to `n_positions` fewer positions, so that continuing from there
+    equals never having gone past it, bit for bit: the calls after it are undone (each kept
+    what it overwrote) and the part of the first undone call that stays is run again as one
+    call, exactly as a sequence that stopped there would have run it. Reaches back as far as
+    `rollback_limit`; 0 positions back to 0 is a reset.
+
+    `rerun=False`: when the positions to drop all lie in the last call and it was no longer
+    than the window (and held no image), cut that call short in place instead
+    (`Attention.truncate`), keeping the rows it computed for the positions that stay: no
+    forward, and the same bytes as the re-run under Numerics.parity() (under the reference's
+    arithmetic a row can depend on how many rows shared its call). Returns whether a kept
+    part ran again."""
+    model._refuse_inside_forward("sequence.rollback(model)")
     if not isinstance(n_positions, int) or not 0 <= n_positions <= model.position:
         raise ValueError(f"rollback takes 0 to {model.position} positions, got {n_positions!r}")
     target = model.position - n_positions
@@ -167,7 +188,11 @@ def _truncate(model, record: CallRecord, target: int) -> None:
 
 
 # ---------------------------------------------------------------------------------- snapshots
+@any_grad_mode
 def snapshot(model: Model) -> Snapshot:
+    """A copy of the sequence so far (caches, look-back, what was published), for `restore`:
+    a later request continues from a shared prefix instead of running it again."""
+    model._refuse_inside_forward("sequence.snapshot(model)")
     return Snapshot(
         model.position,
         model.token_ids.clone(),
@@ -177,9 +202,12 @@ def snapshot(model: Model) -> Snapshot:
     )
 
 
+@any_grad_mode
 def restore(model: Model, snap: Snapshot) -> None:
+    """Continue from a `snapshot` of this model (the sequence as it was then)."""
+    model._refuse_inside_forward("sequence.restore(model)")
     if not isinstance(snap, Snapshot):
-        raise ValueError(f"restore takes a snapshot from model.snapshot(), got {type(snap).__name__}")
+        raise ValueError(f"restore takes a snapshot from sequence.snapshot(model), got {type(snap).__name__}")
     if snap.model_id != id(model):
         raise ValueError("this snapshot was taken of another model")
     model.reset()

@@ -10,7 +10,7 @@ not yet fed):
 3. accept: proposal i is accepted while it equals the target's greedy choice after the tokens
    before it; the target's own choice after the last accepted one comes free (the next anchor).
    A stop token among them ends the run there.
-4. roll back: the positions after the last accepted token are undone (`Model.rollback` with
+4. roll back: the positions after the last accepted token are undone (`sequence.rollback` with
    rerun=False: target caches and the draft rings): the verify call is cut short in place,
    keeping the rows it computed for the accepted positions, so a rejection costs no forward. (A
    call it cannot cut — longer than the window — has its kept part run again as one call; that
@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
+from . import sequence
 from .sampling import gumbel_max, probabilities
 
 if TYPE_CHECKING:  # annotations only
@@ -263,7 +264,7 @@ def decode_speculative(
             if stop:
                 break
         undo = len(fed) - len(committed)  # positions fed after the last token that stays
-        reran = bool(undo) and model.rollback(undo, rerun=False)  # the verify cut short in place
+        reran = bool(undo) and sequence.rollback(model, undo, rerun=False)  # the verify cut short in place
         seconds = time.perf_counter() - began
         if step_record is not None:
             for i, token in enumerate(committed):
@@ -293,35 +294,3 @@ def scripted_source(continuation: Sequence[int], right: int, vocab_size: int, co
         return proposals, [confidence] * len(proposals)
 
     return source
-
-
-def speculative_parting(model: Model, prompt, max_new_tokens: int) -> dict:
-    """Plain greedy decoding and a speculative run of `prompt` on `model` (as loaded), set side by
-    side: first_parting (the first generated token where they differ; None: nowhere), tokens, and
-    max_abs_diff_before (the largest |difference| between the logit rows the two chose from before
-    it). At a parting also the plain row's top-2 gap and the rows' max |difference| there: an argmax
-    can swap only when the gap is within twice that (gap_within_twice_the_difference)."""
-    rows: dict[str, list[torch.Tensor]] = {"plain": [], "speculative": []}
-
-    def keep(name: str):
-        return lambda step, token, logits: rows[name].append(logits[0].clone())
-
-    plain = model.generate(prompt, max_new_tokens=max_new_tokens, stop_at_eos=False, callback=keep("plain"))
-    spec = model.generate(
-        prompt, max_new_tokens=max_new_tokens, stop_at_eos=False, speculative=True, callback=keep("speculative")
-    )
-    first = next((i for i, (x, y) in enumerate(zip(plain.ids, spec.ids)) if x != y), None)
-    agreed = zip(rows["plain"][: len(plain.ids) if first is None else first], rows["speculative"])
-    out = {
-        "first_parting": first,
-        "max_abs_diff_before": max((float((x - y).abs().max()) for x, y in agreed), default=0.0),
-        "tokens": len(plain.ids),
-    }
-    if first is not None:
-        x, y = rows["plain"][first], rows["speculative"][first]
-        top2 = x.topk(2).values
-        gap, delta = float(top2[0] - top2[1]), float((x - y).abs().max())
-        out.update(
-            {"plain_top2_gap": gap, "rows_max_abs_diff": delta, "gap_within_twice_the_difference": gap <= 2 * delta}
-        )
-    return out

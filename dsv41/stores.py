@@ -184,7 +184,10 @@ class ExpertCache(WholeFetchStore):
         return sum(p.nbytes for window in self._lru.values() for p in window.values())
 
     def clear(self) -> None:
+        """Start cold: drop every cached expert and zero the counters (what a sequence holds is
+        not the store's, and stays)."""
         self._lru.clear()
+        self.counters.reset()
 
 
 # Misses are read in pieces of at most this many bytes, so even one expert keeps several reads in
@@ -502,11 +505,13 @@ class SlotCache:
         return self.slots * self.slot_bytes
 
     def clear(self) -> None:
+        """Start cold, as `ExpertCache.clear`: every slot free, the counters zeroed."""
         for slot in list(self._pending):
             self._settle(slot)
         self._ahead.clear()
         self.residency.clear()
         self._views.clear()
+        self.counters.reset()
 
     def close(self) -> None:
         self._io.shutdown(wait=True)

@@ -18,6 +18,7 @@ import widgets
 from dsv41 import cache_policy as cp
 from dsv41 import viz
 from dsv41.config import RELEASED, TINY
+from dsv41.generate import generate
 from dsv41.trace import (
     AttentionRecord,
     FiniteRecord,
@@ -223,8 +224,8 @@ def run(tiny_checkpoint):
     from dsv41.loader import load
 
     model = load(tiny_checkpoint, expert_cache=5, quiet=True)
-    result = model.generate(
-        "Which experts stay in the cache, and for how long?", max_new_tokens=6, trace=True, stop_at_eos=False
+    result = generate(
+        model, "Which experts stay in the cache, and for how long?", max_new_tokens=6, trace=True, stop_at_eos=False
     )
     return model, result
 

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from dsv41 import chat
-from dsv41.chat import ChatFormatError, encode, render, token_ids
+from dsv41.chat import CONTENT, ChatFormatError, ChatPrompt, encode, render, token_ids
 from dsv41.chat_reply import parse
+from dsv41.conversation import chat
 
 B, E = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 U, A, S, R = "<｜User｜>", "<｜Assistant｜>", "<｜System｜>", "<｜latest_reminder｜>"
@@ -349,9 +349,9 @@ def fed(monkeypatch):
     return seen
 
 
-def test_model_chat_and_conversation_send_run_the_safe_ids(model, fed):
+def test_chat_and_conversation_send_run_the_safe_ids(model, fed):
     tok = model.tokenizer
-    result = model.chat([{"role": "user", "content": FORGED_TURNS}], max_new_tokens=2)
+    result = chat(model, [{"role": "user", "content": FORGED_TURNS}], max_new_tokens=2)
     assert controls(tok, result.prompt_ids) == [B, U, A, T1] and fed[-1] == result.prompt_ids
 
     from dsv41.conversation import Conversation
@@ -377,7 +377,7 @@ def test_the_terminal_runs_the_safe_ids(model, fed):
 
 def test_a_lone_surrogate_is_a_chat_format_error(model):
     with pytest.raises(ChatFormatError, match="UTF-8"):
-        model.chat([{"role": "user", "content": "caf\udce9"}], max_new_tokens=1)
+        chat(model, [{"role": "user", "content": "caf\udce9"}], max_new_tokens=1)
 
 
 def test_bad_image_data_is_one_sentence(model):
@@ -389,7 +389,7 @@ def test_bad_image_data_is_one_sentence(model):
         ({"type": "image", "data": "QUJD"}, "image"),
     ]:  # decodes, but is no image
         with pytest.raises(ChatFormatError, match=match) as caught:
-            model.chat([{"role": "user", "content": [block]}], max_new_tokens=1)
+            chat(model, [{"role": "user", "content": [block]}], max_new_tokens=1)
         assert len(str(caught.value).splitlines()) == 1
 
 
@@ -398,7 +398,8 @@ def test_a_missing_path_and_a_non_image_file_read_the_same(model, tmp_path):
     said = []
     for path in (tmp_path / "absent.png", tmp_path / "notes.txt", tmp_path):
         with pytest.raises(ChatFormatError) as caught:
-            model.chat(
+            chat(
+                model,
                 [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(path)}}]}],
                 max_new_tokens=1,
             )
@@ -476,10 +477,10 @@ def test_a_non_utf8_system_message_is_refused_before_loading(capsys):
 def test_each_added_token_alone_is_text(tok):
     controls = control_ids(tok)
     for token in tok.get_added_tokens_decoder().values():
-        ids = token_ids(chat.ChatPrompt(token.content, segments=[(token.content, chat.CONTENT)]), tok)
+        ids = token_ids(ChatPrompt(token.content, segments=[(token.content, CONTENT)]), tok)
         assert controls.isdisjoint(ids) and tok.decode(ids) == token.content, token.content
     # a prompt made by hand, without segments, is the caller's own markup
-    assert token_ids(chat.ChatPrompt(B + "hi" + A), tok) == tok.encode(B + "hi" + A, add_special_tokens=False).ids
+    assert token_ids(ChatPrompt(B + "hi" + A), tok) == tok.encode(B + "hi" + A, add_special_tokens=False).ids
 
 
 # ---------------------------------------------------------------------- what `dsv41 chat` says

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import dsv41
 from dsv41 import sequence
+from dsv41.generate import generate
 from dsv41.numerics import Numerics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -134,7 +135,7 @@ def test_rollback_continues_as_if_the_sequence_never_went_further(
         model(torch.tensor([head]), 0)
         for i, t in enumerate(tail):
             model(torch.tensor([[t]]), a + i)
-    model.rollback(b)
+    sequence.rollback(model, b)
     assert model.position == a and model.token_ids.tolist() == [head]
     assert torch.equal(model(torch.tensor([other]), a, all_positions=True), want)
 
@@ -150,7 +151,7 @@ def test_rollback_covers_group_flushes_and_ring_wraps(parity, reference):
         want = model(torch.tensor([other]), len(head), all_positions=True)
         model(torch.tensor([head]), 0)
         model(torch.tensor([tail]), len(head))
-        model.rollback(len(tail))
+        sequence.rollback(model, len(tail))
         assert torch.equal(model(torch.tensor([other]), len(head), all_positions=True), want)
 
 
@@ -159,18 +160,18 @@ def test_rollback_reaches_back_as_far_as_the_calls_it_kept(tiny_checkpoint):
     model(torch.tensor([_ids(6, 0)]), 0)
     for p in range(6, 12):
         model(torch.tensor([[5]]), p)
-    assert model.rollback_limit == 9  # the last 3 calls
-    before = model.snapshot()
+    assert sequence.rollback_limit(model) == 9  # the last 3 calls
+    before = sequence.snapshot(model)
     with pytest.raises(ValueError, match="to position 9 at the earliest"):
-        model.rollback(4)
+        sequence.rollback(model, 4)
     assert model.position == 12  # a refused rollback changes nothing
-    model.rollback(3)
+    sequence.rollback(model, 3)
     assert model.position == 9
-    model.restore(before)
+    sequence.restore(model, before)
     assert model.position == 12
     with pytest.raises(ValueError, match="rollback takes 0 to 12 positions"):
-        model.rollback(13)
-    model.rollback(12)
+        sequence.rollback(model, 13)
+    sequence.rollback(model, 12)
     assert model.position == 0
 
 
@@ -179,13 +180,13 @@ def test_snapshots_let_another_request_reuse_a_prefix(parity, reference):
     parity(torch.tensor([prefix + second]), 0)
     want = parity(torch.tensor([[7]]), len(prefix) + len(second))
     parity(torch.tensor([prefix]), 0)
-    shared = parity.snapshot()
+    shared = sequence.snapshot(parity)
     parity(torch.tensor([first]), len(prefix))
-    parity.restore(shared)
+    sequence.restore(parity, shared)
     parity(torch.tensor([second]), len(prefix))
     assert torch.equal(parity(torch.tensor([[7]]), len(prefix) + len(second)), want)
     with pytest.raises(ValueError, match="another model"):
-        reference.restore(shared)
+        sequence.restore(reference, shared)
 
 
 def test_undo_records_and_snapshots_each_hold_what_they_need(parity):
@@ -198,7 +199,7 @@ def test_undo_records_and_snapshots_each_hold_what_they_need(parity):
     assert isinstance(last, sequence.CallRecord) and (last.start, last.end) == (9, 12)
     assert last.ids.tolist() == [ids[9:]]
     assert [(rows.start, rows.end) for rows in last.attention.layers] == [(9, 12)] * parity.cfg.n_layers
-    snap = parity.snapshot()
+    snap = sequence.snapshot(parity)
     assert isinstance(snap, sequence.Snapshot) and snap.position == 12 and snap.token_ids.tolist() == [ids]
     assert snap.undo == (first, last) and all(rows.start == 0 for rows in snap.attention.layers)
     assert repr(snap) == "Snapshot(position=12, batch=1, undo_calls=2)"
@@ -215,9 +216,10 @@ def test_a_refused_or_failed_call_leaves_the_sequence_as_it_was(reference, monke
     with pytest.raises(ValueError, match="start_pos 4, but this sequence has 10 positions"):
         model(torch.tensor([[5, 6]]), 4)
     with pytest.raises(
-        ValueError, match=f"positions 10 to {model.max_seq_len + 2} exceed max_seq_len {model.max_seq_len}"
+        ValueError,
+        match=f"positions 10 to {model.backbone.max_seq_len + 2} exceed max_seq_len {model.backbone.max_seq_len}",
     ):
-        model(torch.tensor([_ids(model.max_seq_len - 7, 1)]), 10)
+        model(torch.tensor([_ids(model.backbone.max_seq_len - 7, 1)]), 10)
     with pytest.raises(ValueError, match="token ids must lie in"):
         model(torch.tensor([[model.cfg.vocab_size]]), 10)
 
@@ -235,21 +237,21 @@ def test_a_refused_or_failed_call_leaves_the_sequence_as_it_was(reference, monke
 
 def test_generate_prefills_in_chunks_and_reuses_a_shared_prefix(parity):
     prompt = _ids(37, 11)
-    whole = parity.generate(prompt, max_new_tokens=6, stop_at_eos=False)
-    chunked = parity.generate(prompt, max_new_tokens=6, stop_at_eos=False, prefill_chunk=5)
+    whole = generate(parity, prompt, max_new_tokens=6, stop_at_eos=False)
+    chunked = generate(parity, prompt, max_new_tokens=6, stop_at_eos=False, prefill_chunk=5)
     assert chunked.ids == whole.ids and whole.timings["reused_positions"] == 0
     # a second turn: the first turn's sequence (prompt + all but the last new token) is kept
     turn2 = whole.prompt_ids + whole.ids + _ids(9, 12)
-    parity.generate(prompt, max_new_tokens=6, stop_at_eos=False)
-    again = parity.generate(turn2, max_new_tokens=4, stop_at_eos=False, reuse_prefix=True)
+    generate(parity, prompt, max_new_tokens=6, stop_at_eos=False)
+    again = generate(parity, turn2, max_new_tokens=4, stop_at_eos=False, reuse_prefix=True)
     assert again.timings["reused_positions"] == len(prompt) + 5
-    fresh = parity.generate(turn2, max_new_tokens=4, stop_at_eos=False)
+    fresh = generate(parity, turn2, max_new_tokens=4, stop_at_eos=False)
     assert again.ids == fresh.ids
     # a prompt that parts early rolls back to the shared part when the undo record reaches it
-    parity.generate(prompt, max_new_tokens=2, stop_at_eos=False)
+    generate(parity, prompt, max_new_tokens=2, stop_at_eos=False)
     edited = prompt[:30] + _ids(5, 13)
-    rerun = parity.generate(edited, max_new_tokens=3, stop_at_eos=False, reuse_prefix=True)
+    rerun = generate(parity, edited, max_new_tokens=3, stop_at_eos=False, reuse_prefix=True)
     assert rerun.timings["reused_positions"] == 30
-    assert rerun.ids == parity.generate(edited, max_new_tokens=3, stop_at_eos=False).ids
+    assert rerun.ids == generate(parity, edited, max_new_tokens=3, stop_at_eos=False).ids
     with pytest.raises(ValueError, match="prefill_chunk must be a whole number >= 1"):
-        parity.generate(prompt, prefill_chunk=0)
+        generate(parity, prompt, prefill_chunk=0)

@@ -16,6 +16,7 @@ import pytest
 from dsv41 import chat as chat_format
 from dsv41 import chat_reply
 from dsv41.conversation import ChatResult, Conversation, chat, image_source, run_terminal
+from dsv41.generate import generate
 from dsv41.loader import load
 from dsv41.numerics import Numerics
 
@@ -68,7 +69,7 @@ def test_a_reply_is_parsed_from_the_raw_generation(model):
 def test_the_model_verb_is_the_same_call(model, fresh):
     messages = [{"role": "user", "content": "hi"}]
     assert (
-        model.chat(messages, max_new_tokens=4, reuse_prefix=False).generation.ids
+        chat(model, messages, max_new_tokens=4, reuse_prefix=False).generation.ids
         == chat(fresh, messages, max_new_tokens=4, reuse_prefix=False).generation.ids
     )
 
@@ -129,13 +130,13 @@ def test_a_turn_resumes_from_its_snapshot_after_other_work(model, fresh):
     model.reset()
     conversation = Conversation(model, max_new_tokens=3)
     first = conversation.send("remember this")
-    model.generate("something else entirely", max_new_tokens=2)  # the caches now hold another sequence
+    generate(model, "something else entirely", max_new_tokens=2)  # the caches now hold another sequence
     second = conversation.send("and now?")
     assert second.reused_positions >= len(first.prompt_ids)
     again = chat(fresh, conversation.messages[:-1], max_new_tokens=3, reuse_prefix=False)
     assert again.generation.ids == second.generation.ids
     # without the snapshot the other sequence shares only the begin token
-    model.generate("something else entirely", max_new_tokens=2)
+    generate(model, "something else entirely", max_new_tokens=2)
     third = chat(model, conversation.messages + [{"role": "user", "content": "x"}], max_new_tokens=2)
     assert third.reused_positions == 1
 
@@ -145,7 +146,7 @@ def test_a_failed_turn_leaves_the_conversation_as_it_was(model):
     conversation.send("one")
     before = list(conversation.messages)
     with pytest.raises(ValueError, match="max_seq_len"):
-        conversation.send("two", max_new_tokens=model.max_seq_len + 1)
+        conversation.send("two", max_new_tokens=model.backbone.max_seq_len + 1)
     assert conversation.messages == before
     conversation.reset()
     assert conversation.messages == [] and model.position == 0

@@ -134,7 +134,7 @@ def test_measured_released_bytes_per_token_next_to_the_formula():
 
 @pytest.mark.parametrize("cache_format", ["packed", "bf16"])
 def test_attention_stack_takes_the_models_cache_format(model, cache_format):
-    assert model.cache_format == "packed"
+    assert model.backbone.cache_format == "packed"
     assert cs.attention_stack(model, max_seq_len=8).cache_format == "packed"
     stack = cs.attention_stack(model, max_seq_len=8, cache_format=cache_format)
     assert {layer.cache_format for layer in stack.layers} == {cache_format}

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 import dsv41
+from dsv41 import sequence
+from dsv41.conversation import chat
+from dsv41.generate import generate
 from dsv41.numerics import Numerics
 from dsv41.report import MTP, ROUTED
 from dsv41.speculative import Speculation, SpeculationStep
@@ -91,11 +94,11 @@ def test_draft_after_rollback_equals_a_fresh_sequence(parity):
     fresh = parity.draft(9)
     for token in (3, 4, 5, 6, 7, 8, 9, 10, 11, 12):  # past the 8-slot window: the rings wrap
         parity([token], parity.position)
-    parity.rollback(10)
+    sequence.rollback(parity, 10)
     assert torch.equal(parity.draft(9).logits, fresh.logits)
-    snap = parity.snapshot()
+    snap = sequence.snapshot(parity)
     parity([5, 6, 7], parity.position)
-    parity.restore(snap)
+    sequence.restore(parity, snap)
     assert torch.equal(parity.draft(9).logits, fresh.logits)
 
 
@@ -119,10 +122,10 @@ def test_decode_feeds_the_rings_as_a_prefill_does(parity):
 # ---------------------------------------------------------------------- speculative generation
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_speculative_equals_plain_greedy_under_parity(parity, prompt):
-    plain = parity.generate(prompt, max_new_tokens=20, stop_at_eos=False)
+    plain = generate(parity, prompt, max_new_tokens=20, stop_at_eos=False)
     for min_confidence in (0.0, 0.5):
-        spec = parity.generate(
-            prompt, max_new_tokens=20, stop_at_eos=False, speculative=True, min_confidence=min_confidence
+        spec = generate(
+            parity, prompt, max_new_tokens=20, stop_at_eos=False, speculative=True, min_confidence=min_confidence
         )
         assert spec.ids == plain.ids
         s = spec.speculation
@@ -149,9 +152,10 @@ def _oracle(plain_all, k, wrong_offset=1, vocab=1024):
 def test_acceptance_is_exactly_the_number_of_right_proposals(parity, k):
     n_draft = parity.cfg.dspark_block_size
     prompt = PROMPTS[0]
-    plain = parity.generate(prompt, max_new_tokens=30, stop_at_eos=False)
+    plain = generate(parity, prompt, max_new_tokens=30, stop_at_eos=False)
     plain_all = plain.prompt_ids + plain.ids
-    spec = parity.generate(
+    spec = generate(
+        parity,
         prompt,
         max_new_tokens=30,
         stop_at_eos=False,
@@ -174,25 +178,25 @@ def test_a_block_is_cut_by_the_token_budget_and_max_seq_len(tiny_checkpoint):
     model = dsv41.load(tiny_checkpoint, quiet=True, numerics=Numerics.parity(), max_seq_len=24)
     prompt = model.encode(PROMPTS[0])
     budget = 24 - len(prompt) + 1  # every position used, the last token never fed
-    plain = model.generate(prompt, max_new_tokens=budget, stop_at_eos=False)
+    plain = generate(model, prompt, max_new_tokens=budget, stop_at_eos=False)
     plain_all = plain.prompt_ids + plain.ids
-    spec = model.generate(
-        prompt, max_new_tokens=budget, stop_at_eos=False, speculative=True, draft_source=_oracle(plain_all, 5)
+    spec = generate(
+        model, prompt, max_new_tokens=budget, stop_at_eos=False, speculative=True, draft_source=_oracle(plain_all, 5)
     )
     assert spec.ids == plain.ids and len(spec.ids) == budget
     assert model.position <= 24
     last = spec.speculation.steps[-1]
     assert last.kept < last.drafted or last.kept == 0 or last.position + last.kept + 1 <= 24
     for n in (1, 2, 3, 7):
-        short = model.generate(
-            prompt, max_new_tokens=n, stop_at_eos=False, speculative=True, draft_source=_oracle(plain_all, 5)
+        short = generate(
+            model, prompt, max_new_tokens=n, stop_at_eos=False, speculative=True, draft_source=_oracle(plain_all, 5)
         )
         assert short.ids == plain.ids[:n]
 
 
 def test_eos_inside_an_accepted_block_stops_there(parity):
     prompt = PROMPTS[2]
-    plain = parity.generate(prompt, max_new_tokens=16, stop_at_eos=False)
+    plain = generate(parity, prompt, max_new_tokens=16, stop_at_eos=False)
     plain_all = plain.prompt_ids + plain.ids
     eos = plain.ids[6]  # pretend the 7th generated token ends the text
     first = plain.ids.index(eos)
@@ -200,8 +204,8 @@ def test_eos_inside_an_accepted_block_stops_there(parity):
     original = cfg.eos_token_id
     object.__setattr__(cfg, "eos_token_id", eos)
     try:
-        stopped = parity.generate(prompt, max_new_tokens=16, speculative=True, draft_source=_oracle(plain_all, 5))
-        plain_stopped = parity.generate(prompt, max_new_tokens=16)
+        stopped = generate(parity, prompt, max_new_tokens=16, speculative=True, draft_source=_oracle(plain_all, 5))
+        plain_stopped = generate(parity, prompt, max_new_tokens=16)
     finally:
         object.__setattr__(cfg, "eos_token_id", original)
     assert stopped.ids == plain.ids[: first + 1] == plain_stopped.ids
@@ -240,13 +244,13 @@ def test_speculation_summary_counts():
 )
 def test_bad_speculative_requests_are_one_sentence(reference, kw, message):
     with pytest.raises(ValueError, match=message):
-        reference.generate("hi", max_new_tokens=4, speculative=True, **kw)
+        generate(reference, "hi", max_new_tokens=4, speculative=True, **kw)
 
 
 def test_reference_numerics_parting_is_reported(reference):
     """Under the reference numerics a verify of several tokens is not the same arithmetic as
     one-token steps; the run still completes and says what it did."""
-    spec = reference.generate(PROMPTS[0], max_new_tokens=12, stop_at_eos=False, speculative=True)
+    spec = generate(reference, PROMPTS[0], max_new_tokens=12, stop_at_eos=False, speculative=True)
     assert len(spec.ids) == 12 and spec.speculation.steps
     assert spec.timings["target_forwards"] == spec.speculation.target_forwards
 
@@ -267,7 +271,7 @@ def test_cutting_the_last_call_short_equals_running_the_kept_part(tiny_checkpoin
             for model, again in ((cut, False), (rerun, True)):
                 model(ids[:prefix], 0)
                 model(ids[prefix : prefix + length], prefix)
-                assert model.rollback(length - keep, rerun=again) is again
+                assert sequence.rollback(model, length - keep, rerun=again) is again
             assert cut.position == rerun.position == prefix + keep
             assert torch.equal(cut.token_ids, rerun.token_ids)
             buffers = zip(
@@ -284,7 +288,7 @@ def test_cutting_the_last_call_short_equals_running_the_kept_part(tiny_checkpoin
     # a call longer than the window cannot be cut in place: its kept part runs again
     cut(ids[:3], 0)
     cut(ids[3 : 3 + window + 2], 3)
-    assert cut.rollback(2, rerun=False) is True
+    assert sequence.rollback(cut, 2, rerun=False) is True
 
 
 def test_the_command_decodes_speculatively(capsys, parity):
@@ -304,7 +308,7 @@ def test_the_command_decodes_speculatively(capsys, parity):
     plain = capsys.readouterr().out
     assert generate_main(argv + ["--speculative", "--draft-tokens", "3", "--min-confidence", "0"]) == 0
     out, err = capsys.readouterr()
-    assert out == plain == parity.generate("Once upon a time", max_new_tokens=9).text + "\n"
+    assert out == plain == generate(parity, "Once upon a time", max_new_tokens=9).text + "\n"
     assert "speculative:" in err and "target forwards" in err
     assert generate_main(argv + ["--speculative", "--temperature", "0.8", "--seed", "3", "--quiet"]) == 0
     sampled = capsys.readouterr().out
@@ -369,14 +373,35 @@ def test_the_rejection_rule_keeps_the_target_distribution(draft):
 
 
 def test_sampled_speculation_is_seeded_and_draws_its_drafts(parity):
-    a = parity.generate(
-        PROMPTS[0], max_new_tokens=14, stop_at_eos=False, speculative=True, temperature=0.9, seed=5, min_confidence=0.0
+    a = generate(
+        parity,
+        PROMPTS[0],
+        max_new_tokens=14,
+        stop_at_eos=False,
+        speculative=True,
+        temperature=0.9,
+        seed=5,
+        min_confidence=0.0,
     )
-    b = parity.generate(
-        PROMPTS[0], max_new_tokens=14, stop_at_eos=False, speculative=True, temperature=0.9, seed=5, min_confidence=0.0
+    b = generate(
+        parity,
+        PROMPTS[0],
+        max_new_tokens=14,
+        stop_at_eos=False,
+        speculative=True,
+        temperature=0.9,
+        seed=5,
+        min_confidence=0.0,
     )
-    c = parity.generate(
-        PROMPTS[0], max_new_tokens=14, stop_at_eos=False, speculative=True, temperature=0.9, seed=6, min_confidence=0.0
+    c = generate(
+        parity,
+        PROMPTS[0],
+        max_new_tokens=14,
+        stop_at_eos=False,
+        speculative=True,
+        temperature=0.9,
+        seed=6,
+        min_confidence=0.0,
     )
     assert a.ids == b.ids and a.ids != c.ids and len(a.ids) == 14
     assert all(0 <= t < parity.cfg.vocab_size for t in a.ids)
@@ -385,9 +410,10 @@ def test_sampled_speculation_is_seeded_and_draws_its_drafts(parity):
     assert block.probs.shape == block.logits.shape
     assert torch.allclose(block.probs.sum(-1), torch.ones(1, block.probs.size(1)))
     # with every proposal the target's most likely token at temperature -> 0, sampling accepts them all
-    plain = parity.generate(PROMPTS[0], max_new_tokens=12, stop_at_eos=False)
+    plain = generate(parity, PROMPTS[0], max_new_tokens=12, stop_at_eos=False)
     everything = plain.prompt_ids + plain.ids
-    cold = parity.generate(
+    cold = generate(
+        parity,
         PROMPTS[0],
         max_new_tokens=12,
         stop_at_eos=False,
@@ -403,9 +429,9 @@ def test_a_chat_reply_decoded_speculatively_is_the_plain_reply(parity):
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
     parity.reset()
-    plain = parity.chat(messages, max_new_tokens=10, reuse_prefix=False)
+    plain = chat(parity, messages, max_new_tokens=10, reuse_prefix=False)
     parity.reset()
-    spec = parity.chat(messages, max_new_tokens=10, reuse_prefix=False, speculative=True)
+    spec = chat(parity, messages, max_new_tokens=10, reuse_prefix=False, speculative=True)
     assert spec.raw == plain.raw and spec.generation.ids == plain.generation.ids
     assert spec.generation.speculation is not None
     parity.reset()

@@ -10,6 +10,7 @@ import torch
 
 from dsv41.cli import generate_main as cli_main
 from dsv41.cli import main as cli_main_all
+from dsv41.generate import generate
 from dsv41.kernels import experts as kernel_experts
 from dsv41.kernels import triton_experts
 from dsv41.kernels.experts import PackedExpert, routed_experts_reference
@@ -43,11 +44,11 @@ def _fallback_lines(err: str) -> list[str]:
 @pytest.mark.parametrize("spec", ["cuda", "cuda:1", ["cuda:0", "cuda:1"]])
 def test_cuda_without_cuda_falls_back_with_one_line(spec, tiny_checkpoint, cpu_model, capsys, fresh_warnings):
     model = load(tiny_checkpoint, expert_device=spec, quiet=True)
-    got = model.generate(PROMPT, max_new_tokens=4, stop_at_eos=False)
+    got = generate(model, PROMPT, max_new_tokens=4, stop_at_eos=False)
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and len(_fallback_lines(err)) == 1, err
     assert model.experts.devices == [torch.device("cpu")]
-    assert got.ids == cpu_model.generate(PROMPT, max_new_tokens=4, stop_at_eos=False).ids
+    assert got.ids == generate(cpu_model, PROMPT, max_new_tokens=4, stop_at_eos=False).ids
     assert all(t.device.type == "cpu" for w in model.experts._lru.values() for p in w.values() for t in p)
 
 
@@ -83,7 +84,7 @@ def test_cli_expert_device_cuda_falls_back(tiny_checkpoint, cpu_model, capsys, f
     )
     out, err = capsys.readouterr()
     assert code == 0 and len(err.splitlines()) == 1 and len(_fallback_lines(err)) == 1, err
-    assert out == cpu_model.generate(PROMPT, max_new_tokens=4).text + "\n"
+    assert out == generate(cpu_model, PROMPT, max_new_tokens=4).text + "\n"
     # a device list takes the same path
     code = cli_main(
         [
@@ -148,10 +149,10 @@ def test_model_routed_experts_equal_the_reference_fp4_gemm_path(adversarial):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device and Triton")
 def test_experts_on_cuda_generate_the_cpu_tokens(spec, tiny_checkpoint, cpu_model, capsys):
     model = load(tiny_checkpoint, expert_device=spec, quiet=True)
-    got = model.generate(PROMPT, max_new_tokens=4, stop_at_eos=False)
+    got = generate(model, PROMPT, max_new_tokens=4, stop_at_eos=False)
     assert capsys.readouterr().err == ""
     assert all(t.device.type == "cuda" for w in model.experts._lru.values() for p in w.values() for t in p)
-    want = cpu_model.generate(PROMPT, max_new_tokens=4, stop_at_eos=False)
+    want = generate(cpu_model, PROMPT, max_new_tokens=4, stop_at_eos=False)
     # the Triton kernels sum in another order: the tokens agree unless a logit margin is ulp-thin
     assert got.ids[0] == want.ids[0]
 

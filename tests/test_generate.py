@@ -64,8 +64,8 @@ def test_gumbel_max_is_seeded_and_follows_the_softmax():
 
 # ---------------------------------------------------------------------- the verbs
 def test_greedy_generation_is_deterministic(model):
-    a = model.generate("Once upon a time", max_new_tokens=6, stop_at_eos=False)
-    b = model.generate("Once upon a time", max_new_tokens=6, stop_at_eos=False)
+    a = generate(model, "Once upon a time", max_new_tokens=6, stop_at_eos=False)
+    b = generate(model, "Once upon a time", max_new_tokens=6, stop_at_eos=False)
     assert a.ids == b.ids and len(a.ids) == 6 and a.text == b.text == model.decode(a.ids)
     assert a.finish_reason == "length"
     assert a.prompt_ids == model.encode("Once upon a time") and a.prompt_ids[0] == model.cfg.bos_token_id
@@ -78,7 +78,7 @@ def test_greedy_generation_is_deterministic(model):
 
 def test_seeded_sampling_is_reproducible(model):
     run = lambda seed: (
-        model.generate("Once upon a time", max_new_tokens=5, temperature=1.5, seed=seed, stop_at_eos=False).ids
+        generate(model, "Once upon a time", max_new_tokens=5, temperature=1.5, seed=seed, stop_at_eos=False).ids
     )
     first = run(3)
     assert run(3) == first
@@ -92,7 +92,7 @@ def test_callback_sees_every_token_and_can_stop(model):
         seen.append((step, token, tuple(logits.shape)))
         return step < 2  # stop after the third token
 
-    result = model.generate("Stop early", max_new_tokens=8, callback=callback, stop_at_eos=False)
+    result = generate(model, "Stop early", max_new_tokens=8, callback=callback, stop_at_eos=False)
     assert [s for s, _, _ in seen] == [0, 1, 2] and [t for _, t, _ in seen] == result.ids
     assert result.finish_reason == "callback" and seen[0][2] == (1, model.cfg.vocab_size)
 
@@ -152,7 +152,7 @@ def test_comparison_locates_where_truncation_begins(parity_model):
 # ---------------------------------------------------------------------- the trace
 def test_trace_records_routing_engram_selections_and_margins(model):
     cfg = model.cfg
-    result = model.generate("Trace me", max_new_tokens=3, trace=True, stop_at_eos=False)
+    result = generate(model, "Trace me", max_new_tokens=3, trace=True, stop_at_eos=False)
     n = len(result.prompt_ids) + 2  # positions that went through the model
     trace = result.trace
     routing = trace.routing()
@@ -189,7 +189,7 @@ def test_cli_generates_on_stdout_only(tiny_checkpoint, capsys, model):
         capsys, "--checkpoint", tiny_checkpoint, "--prompt", "Once upon a time", "--max-new-tokens", "4", "--quiet"
     )
     assert code == 0 and err == ""
-    expected = model.generate("Once upon a time", max_new_tokens=4)
+    expected = generate(model, "Once upon a time", max_new_tokens=4)
     assert out == expected.text + "\n"
 
 
@@ -266,7 +266,7 @@ def test_bad_sampling_arguments_get_one_sentence_in_python_and_from_the_cli(
     code, out, err = _run(capsys, "--checkpoint", tiny_checkpoint, "--prompt", "x", "--quiet", *argv)
     assert code == 1 and out == "" and err.count("\n") == 1 and words in err
     with pytest.raises(ValueError, match=re.escape(words)):
-        model.generate("x", **{"max_new_tokens": 2, **kwargs})
+        generate(model, "x", **{"max_new_tokens": 2, **kwargs})
 
 
 def test_an_empty_or_non_utf8_prompt_is_the_same_error_in_python_and_from_the_cli(tiny_checkpoint, capsys, model):
@@ -274,9 +274,9 @@ def test_an_empty_or_non_utf8_prompt_is_the_same_error_in_python_and_from_the_cl
         code, out, err = _run(capsys, "--checkpoint", tiny_checkpoint, "--prompt", prompt, "--quiet")
         assert code == 1 and out == "" and err.count("\n") == 1 and words in err
         with pytest.raises(ValueError, match=words):
-            model.generate(prompt)
+            generate(model, prompt)
     with pytest.raises(ValueError, match="the prompt is empty"):
-        model.generate([])
+        generate(model, [])
 
 
 def test_a_non_utf8_argv_prompt_is_one_sentence(tiny_checkpoint):
@@ -335,7 +335,7 @@ def test_nan_weights_stop_generation_naming_where_it_began(tiny_checkpoint, tmp_
     folder = _with_nan(tiny_checkpoint, tmp_path, name)
     broken = load(folder, quiet=True)
     with pytest.raises(NonFiniteLogits, match=re.escape(where)):
-        broken.generate("hello", max_new_tokens=3)
+        generate(broken, "hello", max_new_tokens=3)
     assert broken.position == 0  # the diagnosis left the model reset
     code, out, err = _run(capsys, "--checkpoint", folder, "--prompt", "hello", "--quiet")
     assert code == 1 and out == "" and err.count("\n") == 1 and "NaN or Inf" in err and where in err

@@ -12,7 +12,9 @@ import time
 import pytest
 import torch
 
+from dsv41 import sequence
 from dsv41.cli import main
+from dsv41.generate import generate
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,7 @@ def test_token_ids_that_are_not_whole_numbers_are_refused_not_cut(model, bad):
         model(bad, len(ids))
     assert _unchanged(model, ids)
     with pytest.raises(ValueError, match="token ids"):
-        model.generate(bad if not isinstance(bad, torch.Tensor) or bad.dim() == 1 else bad, max_new_tokens=1)
+        generate(model, bad if not isinstance(bad, torch.Tensor) or bad.dim() == 1 else bad, max_new_tokens=1)
 
 
 def test_whole_ids_of_any_integer_dtype_still_run(model):
@@ -67,8 +69,8 @@ def test_restore_takes_only_a_snapshot(model):
     ids = model.encode("The harbor at dawn")
     model(ids, 0)
     for bad in (None, {"position": 3}, 5):
-        with pytest.raises(ValueError, match="restore takes a snapshot from model.snapshot"):
-            model.restore(bad)
+        with pytest.raises(ValueError, match=r"restore takes a snapshot from sequence.snapshot\(model\)"):
+            sequence.restore(model, bad)
         assert _unchanged(model, ids)
 
 
@@ -114,9 +116,9 @@ def test_dspark_block_size_0_turns_the_draft_stack_off(tiny_checkpoint, tmp_path
         (folder / name).write_text(json.dumps(cfg))
     model = dsv41.load(str(folder), quiet=True)
     assert model.draft_stack is None and "MTP / DSpark (not run)" in model.report.summary()
-    assert len(model.generate("The harbor", max_new_tokens=3).ids) == 3
+    assert len(generate(model, "The harbor", max_new_tokens=3).ids) == 3
     with pytest.raises(ValueError, match="dspark_block_size 0"):
-        model.generate("The harbor", max_new_tokens=3, speculative=True)
+        generate(model, "The harbor", max_new_tokens=3, speculative=True)
     assert (
         main(["generate", "--checkpoint", str(folder), "--prompt", "The harbor", "--max-new-tokens", "2", "--quiet"])
         == 0

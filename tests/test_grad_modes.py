@@ -6,6 +6,8 @@ import pytest
 import torch
 from conftest import HAVE_CC, native_levels
 
+from dsv41 import sequence
+
 MODES = {"inference": torch.inference_mode, "no_grad": torch.no_grad, "grad": torch.enable_grad}
 PROMPT = "The many-token path takes a prompt of this length, past eight tokens per expert."
 
@@ -17,10 +19,10 @@ def _run_everything(model, modes):
     steps = [
         lambda: model(ids, 0),
         lambda: model([int(ids[-1])], len(ids)),
-        lambda: (model.rollback(3), model([int(ids[-3])], len(ids) - 2))[1],
-        lambda: model._keep.__setitem__("snap", model.snapshot()),
+        lambda: (sequence.rollback(model, 3), model([int(ids[-3])], len(ids) - 2))[1],
+        lambda: model._keep.__setitem__("snap", sequence.snapshot(model)),
         lambda: model([7], model.position),
-        lambda: (model.restore(model._keep["snap"]), model([7], model.position))[1],
+        lambda: (sequence.restore(model, model._keep["snap"]), model([7], model.position))[1],
         lambda: (model.reset(), model(ids[:12], 0))[1],
     ]
     model._keep = {}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dsv41
-from dsv41.hooks import ActivationCache, Sites
+from dsv41.hooks import ActivationCache, Sites, run_with_hooks
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_sites_are_named_after_the_modules_in_forward_order(model):
 def test_run_with_hooks_returns_the_plain_logits_and_the_named_activations(model):
     ids = torch.tensor(model.encode("The capital of France is"))
     plain = model(ids, 0, all_positions=True)
-    logits, cache = model.run_with_hooks(ids, 0, all_positions=True)
+    logits, cache = run_with_hooks(model, ids, 0, all_positions=True)
     assert torch.equal(logits, plain)  # observing changes no arithmetic
     assert torch.equal(cache.last("head"), plain)
     assert set(cache) == set(model.sites)  # every site ran once
@@ -40,7 +40,7 @@ def test_run_with_hooks_returns_the_plain_logits_and_the_named_activations(model
     assert expert_ids.shape == (len(ids), model.cfg.n_activated_experts)
     assert _no_observers(model)
     # a pattern picks the sites; a decode step appends
-    _, routed = model.run_with_hooks([5], len(ids), names=["layers.*.ffn.routed"])
+    _, routed = run_with_hooks(model, [5], len(ids), names=["layers.*.ffn.routed"])
     assert set(routed) == {f"layers.{i}.ffn.routed" for i in range(model.cfg.n_layers)}
     assert all(len(v) == 1 and v[0].shape == (1, model.cfg.dim) for v in routed.values())
 

@@ -13,8 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dsv41
+from dsv41 import sequence
 from dsv41.errors import Dsv41Error
-from dsv41.hooks import ActivationCache, HookError, ReentrantCallError, Sites, UnknownSiteError
+from dsv41.generate import generate
+from dsv41.hooks import ActivationCache, HookError, ReentrantCallError, Sites, UnknownSiteError, run_with_hooks
 
 PROMPT, NEXT = [1, 2, 3], 4
 
@@ -94,7 +96,7 @@ def test_an_observer_writing_into_what_it_is_handed_changes_nothing(model, plain
 def test_each_observer_sees_what_the_forward_made_not_what_another_wrote(model, plain):
     seen = ActivationCache()
     with model.hooks({"head": lambda name, value, context: value.zero_()}):
-        logits, cache = model.run_with_hooks(PROMPT, 0, all_positions=True, names=["head"], observers={"head": seen})
+        logits, cache = run_with_hooks(model, PROMPT, 0, all_positions=True, names=["head"], observers={"head": seen})
     assert torch.equal(logits, plain[0])
     assert torch.equal(cache.last("head"), plain[0]) and torch.equal(seen.last("head"), plain[0])
     cache.last("head").numpy().fill(0)  # what a cache holds is its own: writing into it reaches nothing else
@@ -133,7 +135,7 @@ def test_a_registration_with_an_unknown_name_subscribes_nothing(model):
         {"names": ["head"], "observers": {"layers.0.ffn": print, "nothing.here": print}},
     ):
         with pytest.raises(UnknownSiteError, match="no site matches") as caught:
-            model.run_with_hooks(PROMPT, 0, **kw)
+            run_with_hooks(model, PROMPT, 0, **kw)
         assert isinstance(caught.value, KeyError) and isinstance(caught.value, Dsv41Error)
         assert _no_observers(model)
     with pytest.raises(KeyError):
@@ -143,16 +145,16 @@ def test_a_registration_with_an_unknown_name_subscribes_nothing(model):
 
 
 def test_a_str_of_names_is_one_name(model):
-    _, cache = model.run_with_hooks(PROMPT, 0, names="head")
+    _, cache = run_with_hooks(model, PROMPT, 0, names="head")
     assert list(cache) == ["head"]
-    _, cache = model.run_with_hooks(PROMPT, 0, names="layers.*.ffn.routed")
+    _, cache = run_with_hooks(model, PROMPT, 0, names="layers.*.ffn.routed")
     assert set(cache) == {f"layers.{i}.ffn.routed" for i in range(model.cfg.n_layers)}
 
 
 @pytest.mark.parametrize("names", [[None], ["head", 3], None, 7, b"head"])
 def test_a_name_that_is_not_a_str_is_one_sentence(model, names):
     with pytest.raises(HookError) as caught:
-        model.run_with_hooks(PROMPT, 0, names=names)
+        run_with_hooks(model, PROMPT, 0, names=names)
     message = str(caught.value)
     assert isinstance(caught.value, ValueError) and "\n" not in message and "pattern" in message
     assert _no_observers(model)
@@ -163,7 +165,7 @@ def test_a_name_that_is_not_a_str_is_one_sentence(model, names):
     [
         lambda model: model.hooks(None).__enter__(),
         lambda model: model.hooks([("head", print)]).__enter__(),
-        lambda model: model.run_with_hooks(PROMPT, 0, observers=[print]),
+        lambda model: run_with_hooks(model, PROMPT, 0, observers=[print]),
     ],
 )
 def test_observers_not_given_as_a_mapping_are_one_sentence(model, call):
@@ -173,7 +175,7 @@ def test_observers_not_given_as_a_mapping_are_one_sentence(model, call):
 
 
 def test_a_name_reached_twice_records_once(model):
-    _, cache = model.run_with_hooks(PROMPT, 0, names=["head", "head", "*"])
+    _, cache = run_with_hooks(model, PROMPT, 0, names=["head", "head", "*"])
     assert len(cache["head"]) == 1
 
 
@@ -195,7 +197,7 @@ def test_an_observer_that_cannot_be_called_is_refused_when_subscribed(model, obs
 def test_two_activation_caches_at_one_site_leave_independently(model, plain):
     mine = ActivationCache()
     with model.hooks({"head": mine}):
-        logits, theirs = model.run_with_hooks(PROMPT, 0, all_positions=True, names=["head"])
+        logits, theirs = run_with_hooks(model, PROMPT, 0, all_positions=True, names=["head"])
         model(PROMPT, 0, all_positions=True)  # mine still listens after theirs has gone
     assert len(mine["head"]) == 2 and len(theirs["head"]) == 1 and _no_observers(model)
     # equal observers (two empty caches compare equal) are still two subscriptions
@@ -239,9 +241,9 @@ def test_a_model_refuses_to_be_called_back_from_its_own_forward(model, plain):
     calls = [
         lambda: model([1, 2], 0),
         lambda: model.reset(),
-        lambda: model.rollback(1),
-        lambda: model.snapshot(),
-        lambda: model.generate("hi", max_new_tokens=1),
+        lambda: sequence.rollback(model, 1),
+        lambda: sequence.snapshot(model),
+        lambda: generate(model, "hi", max_new_tokens=1),
     ]
     for call in calls:
         model(PROMPT, 0)

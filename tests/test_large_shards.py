@@ -12,6 +12,8 @@ import textwrap
 
 import pytest
 
+from dsv41.generate import decode_one, prefill
+
 BIG_ROWS, ROW_BYTES = 1 << 20, 1 << 16  # a 64 GiB table, held as a hole in a sparse file
 
 
@@ -124,9 +126,9 @@ def test_an_expert_shard_truncated_under_the_default_expert_cache_is_one_sentenc
     folder = str(tmp_path / "ck")
     shutil.copytree(tiny_checkpoint, folder)
     model = dsv41.load(folder, quiet=True, expert_cache=1)  # one expert per layer held: every step misses
-    logits = model.prefill(model.encode("import os"))
+    logits = prefill(model, model.encode("import os"))
     shard = model.experts.checkpoint.entries["layers.3.ffn.experts.0.w1.weight"][0]
     os.truncate(shard, os.path.getsize(shard) // 2)
     with pytest.raises(LoadError, match=r"^" + re.escape(shard) + r": tensor layers\..*cannot be read"):
         for _ in range(8):
-            logits = model.decode_one(int(logits[0].argmax()))
+            logits = decode_one(model, int(logits[0].argmax()))

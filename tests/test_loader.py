@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import dsv41
+from dsv41 import sequence
 from dsv41.checkpoint import Checkpoint, LoadError
 from dsv41.config import RELEASED
+from dsv41.generate import decode_n, generate, prefill
 from dsv41.inventory import expected_tensors
 from dsv41.loader import load
 from dsv41.numerics import Numerics
@@ -291,12 +293,12 @@ def test_forward_counts_cache_traffic_per_layer_and_step(model):
     )
 
 
-def test_reset_expert_cache_starts_cold_and_zeroes_counters(model):
+def test_clearing_the_expert_store_starts_cold_and_zeroes_counters(model):
     ids = model.encode("Warm the cache, then start it cold.")
     model(ids, 0)
     assert model.experts.nbytes > 0 and model.experts.counters.steps
     position = model.position
-    model.reset_expert_cache()
+    model.experts.clear()
     counters = model.experts.counters
     assert model.experts.nbytes == 0 and all(not model.experts.cached(i) for i in range(model.cfg.n_layers))
     assert counters.hits == {} and counters.misses == {} and counters.steps == []
@@ -443,8 +445,8 @@ def test_load_takes_each_option_as_one_keyword(tiny_checkpoint):
         expert_cache=2,
         resident_engram=True,
     )
-    assert model.max_seq_len == 32 and model.rollback_limit == 0 and model.experts.capacity == 2
-    assert model.cache_format == "bf16"
+    assert model.backbone.max_seq_len == 32 and sequence.rollback_limit(model) == 0 and model.experts.capacity == 2
+    assert model.backbone.cache_format == "bf16"
     with pytest.raises(TypeError, match="unexpected keyword argument 'expert_cahce'"):
         load(tiny_checkpoint, quiet=True, expert_cahce=2)
 
@@ -474,13 +476,13 @@ def test_a_sibling_equals_a_fresh_load_under_its_numerics_and_shares_every_weigh
     ids = loaded.encode("def main(argv):\n    return")
     for m in (parity_loaded, twin):
         m.reset()
-    first = [m.prefill(ids) for m in (parity_loaded, twin)]
+    first = [prefill(m, ids) for m in (parity_loaded, twin)]
     assert torch.equal(*first)
-    assert parity_loaded.decode_n(int(first[0].argmax()), 5) == twin.decode_n(int(first[1].argmax()), 5)
-    runs = [m.generate("def f(x):", max_new_tokens=8, speculative=True) for m in (parity_loaded, twin)]
+    assert decode_n(parity_loaded, int(first[0].argmax()), 5) == decode_n(twin, int(first[1].argmax()), 5)
+    runs = [generate(m, "def f(x):", max_new_tokens=8, speculative=True) for m in (parity_loaded, twin)]
     assert runs[0].ids == runs[1].ids and runs[0].speculation.target_forwards == runs[1].speculation.target_forwards
     loaded.reset()  # the original keeps its own arithmetic and sequence
-    assert torch.equal(loaded.prefill(ids), load(quiet=True).prefill(ids))
+    assert torch.equal(prefill(loaded, ids), prefill(load(quiet=True), ids))
 
 
 def test_a_sibling_needs_a_loaded_model():

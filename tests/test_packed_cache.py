@@ -13,6 +13,7 @@ import torch
 
 import dsv41
 from dsv41 import csa2_stats as cs
+from dsv41 import sequence
 from dsv41.attention import (
     CACHE_FORMATS,
     COMPRESSED_ENCODING,
@@ -24,6 +25,7 @@ from dsv41.attention import (
 )
 from dsv41.config import RELEASED, TINY
 from dsv41.csa2_stack import AttentionStack
+from dsv41.generate import generate
 from dsv41.model import Model
 from dsv41.numerics import Numerics
 
@@ -122,7 +124,7 @@ def _built_like(model, cache_format: str) -> Model:
         model.cfg,
         numerics=model.numerics,
         max_batch_size=model.backbone.max_batch_size,
-        max_seq_len=model.max_seq_len,
+        max_seq_len=model.backbone.max_seq_len,
         tokenizer=model.tokenizer,
         tokenizer_meta=model.tokenizer_meta,
         hasher=copy.deepcopy(model.hasher),
@@ -137,7 +139,7 @@ def _built_like(model, cache_format: str) -> Model:
 def pair(request, tiny_checkpoint):
     numerics = Numerics() if request.param == "reference" else Numerics.parity()
     packed = dsv41.load(tiny_checkpoint, quiet=True, numerics=numerics, max_seq_len=MAX_SEQ)
-    assert packed.cache_format == "packed"  # the default
+    assert packed.backbone.cache_format == "packed"  # the default
     return packed, _built_like(packed, "bf16")
 
 
@@ -182,7 +184,7 @@ def test_packed_logits_equal_bf16_storage_over_prefill_chunks_and_decode(pair):
 def test_generation_is_the_same_with_either_storage(pair):
     packed, bf16 = pair
     kw = dict(max_new_tokens=10, stop_at_eos=False, prefill_chunk=5)
-    assert packed.generate(_ids(17, 6), **kw).ids == bf16.generate(_ids(17, 6), **kw).ids
+    assert generate(packed, _ids(17, 6), **kw).ids == generate(bf16, _ids(17, 6), **kw).ids
 
 
 def test_rollback_and_snapshots_work_on_the_packed_bytes(pair):
@@ -190,13 +192,13 @@ def test_rollback_and_snapshots_work_on_the_packed_bytes(pair):
     ids = _ids(40, 7)
     for model in pair:
         _run(model, ids[:25], [11, 6, 1, 1, 1, 5])
-    snap = packed.snapshot()
+    snap = sequence.snapshot(packed)
     assert all(t.dtype == torch.uint8 for saved in snap.attention.layers for t in saved.window)
-    assert all(t.dtype == torch.bfloat16 for saved in bf16.snapshot().attention.layers for t in saved.window)
+    assert all(t.dtype == torch.bfloat16 for saved in sequence.snapshot(bf16).attention.layers for t in saved.window)
     # roll back over a group flush and a ring wrap, continue, and compare with the BF16 model doing the same
     results = []
     for model in pair:
-        model.rollback(6)
+        sequence.rollback(model, 6)
         cont = [model(torch.tensor([ids[p : p + 1]]), p, all_positions=True)[0] for p in range(19, 30)]
         results.append(torch.cat(cont))
     assert torch.equal(_bits(results[0]), _bits(results[1]))
@@ -205,7 +207,7 @@ def test_rollback_and_snapshots_work_on_the_packed_bytes(pair):
     fresh = _run(packed, ids[:30], [11, 6, 1, 1] + [1] * 11)[19:]
     assert torch.equal(_bits(fresh), _bits(results[0]))
     # restore the snapshot (25 positions) and continue: as if nothing happened since
-    packed.restore(snap)
+    sequence.restore(packed, snap)
     after = packed(torch.tensor([ids[25:31]]), 25, all_positions=True)[0]
     packed.reset()
     straight = _run(packed, ids[:31], [11, 6, 1, 1, 1, 5, 6])[25:]
@@ -336,7 +338,7 @@ def test_load_takes_the_cache_format_and_refuses_an_unknown_one(tiny_checkpoint)
     import dsv41
 
     packed, bf16 = dsv41.load(tiny_checkpoint, quiet=True), dsv41.load(tiny_checkpoint, quiet=True, cache_format="bf16")
-    assert packed.cache_format == "packed" and bf16.cache_format == "bf16"
+    assert packed.backbone.cache_format == "packed" and bf16.backbone.cache_format == "bf16"
     ids = packed.encode("Both formats, the same logits")
     assert torch.equal(packed(ids, 0, all_positions=True), bf16(ids, 0, all_positions=True))
     assert packed.cache_bytes().per_token["total"] < bf16.cache_bytes().per_token["total"]

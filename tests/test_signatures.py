@@ -7,7 +7,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dsv41"
 WANTED = {"cfg": "Config", "config": None, "model": "Model"}
-# Where the import rule keeps the name out: generation knows a model only by its methods
+# Where the import rule keeps the name out: generation knows a model only by calling it
 # (test_architecture), and hooks sit in a layer below the model.
 KEPT_OUT = {("generate.py", "model"), ("hooks.py", "model")}
 # Files another change of the same issue rewrites (the training forward, the expert store, the

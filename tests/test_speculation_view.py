@@ -4,6 +4,7 @@ import pytest
 
 import dsv41
 import widgets
+from dsv41.generate import generate
 from dsv41.numerics import Numerics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -16,7 +17,8 @@ def model(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def run(model):
-    return model.generate(
+    return generate(
+        model,
         "The capital of France is",
         max_new_tokens=10,
         stop_at_eos=False,
@@ -42,7 +44,7 @@ def test_render_draws_three_panels(run):
 
 
 def test_a_plain_run_has_no_speculation(model):
-    plain = model.generate("hi", max_new_tokens=3, trace=True)
+    plain = generate(model, "hi", max_new_tokens=3, trace=True)
     with pytest.raises(ValueError, match="not a speculative run"):
         widgets.speculation_data(plain)
 

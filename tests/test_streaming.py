@@ -14,6 +14,7 @@ from dsv41.budget import BudgetError, plan_budget, routed_expert_bytes
 from dsv41.cache_policy import pool_hit_rates, pool_steps
 from dsv41.checkpoint import Checkpoint
 from dsv41.eviction import Residency, replay_calls
+from dsv41.generate import decode_n, generate, prefill
 from dsv41.stores import ExpertCache, SlotCache
 
 PROMPT = "the slot cache reads experts from disk while the others are computed"
@@ -91,13 +92,13 @@ def test_slot_reads_are_the_stored_bytes(plain, reader, drop):
 @pytest.mark.parametrize("slots", [5, 40])
 def test_logits_are_identical_with_the_slot_cache(tiny_checkpoint, plain, slots):
     """5 slots: every long call overflows the pool and reads in chunks; 40: hits and misses overlap."""
-    model = _budgeted(tiny_checkpoint, plain.cfg, slots, max_seq_len=plain.max_seq_len)
+    model = _budgeted(tiny_checkpoint, plain.cfg, slots, max_seq_len=plain.backbone.max_seq_len)
     ids = plain.encode(PROMPT)
     for m in (plain, model):
         m.reset()
-    assert torch.equal(plain.prefill(ids), model.prefill(ids))
-    a = plain.decode_n(7, 6)
-    b = model.decode_n(7, 6)
+    assert torch.equal(prefill(plain, ids), prefill(model, ids))
+    a = decode_n(plain, 7, 6)
+    b = decode_n(model, 7, 6)
     assert a == b
     stats = model.experts.stats
     wrong_guesses = stats.read_ahead - stats.read_ahead_used
@@ -113,10 +114,10 @@ def test_reading_ahead_changes_no_logit_and_its_guesses_are_used(tiny_checkpoint
     tokens; with it, decode steps read experts ahead, most of which the next layer takes."""
     runs = {}
     for ahead in (False, True):
-        model = _budgeted(tiny_checkpoint, plain.cfg, 40, max_seq_len=plain.max_seq_len, read_ahead=ahead)
+        model = _budgeted(tiny_checkpoint, plain.cfg, 40, max_seq_len=plain.backbone.max_seq_len, read_ahead=ahead)
         model.reset()
-        logits = model.prefill(plain.encode(PROMPT))
-        runs[ahead] = (logits, model.decode_n(7, 6), model.experts.stats, model.experts.counters)
+        logits = prefill(model, plain.encode(PROMPT))
+        runs[ahead] = (logits, decode_n(model, 7, 6), model.experts.stats, model.experts.counters)
     assert torch.equal(runs[False][0], runs[True][0]) and runs[False][1] == runs[True][1]
     off, on = runs[False][2], runs[True][2]
     assert off.read_ahead == 0 and on.read_ahead > 0
@@ -152,9 +153,9 @@ def test_a_call_never_evicts_what_it_still_needs():
 @pytest.mark.parametrize("policy", ["lru", "decay"])
 def test_the_lab_replays_the_running_cache_exactly(tiny_checkpoint, plain, policy):
     model = _budgeted(
-        tiny_checkpoint, plain.cfg, 20, max_seq_len=plain.max_seq_len, expert_policy=policy, read_ahead=False
+        tiny_checkpoint, plain.cfg, 20, max_seq_len=plain.backbone.max_seq_len, expert_policy=policy, read_ahead=False
     )  # the lab replays the calls' own reads, no guesses
-    result = model.generate(PROMPT, max_new_tokens=12, trace=True)
+    result = generate(model, PROMPT, max_new_tokens=12, trace=True)
     counters = model.experts.counters
     replayed = pool_hit_rates(pool_steps(result), 20, policies=(policy, "belady"))
     assert replayed[policy]["hits"] == sum(counters.hits.values())
@@ -164,13 +165,27 @@ def test_the_lab_replays_the_running_cache_exactly(tiny_checkpoint, plain, polic
 
 # ---------------------------------------------------------------------- one read per expert per call
 def test_a_prefill_reads_each_expert_once(tiny_checkpoint, plain):
-    model = _budgeted(tiny_checkpoint, plain.cfg, 1000, max_seq_len=plain.max_seq_len)
-    result = model.generate(PROMPT, max_new_tokens=1, trace=True)
-    prefill = [key for layer in pool_steps(result)[0] for key in layer]
+    model = _budgeted(tiny_checkpoint, plain.cfg, 1000, max_seq_len=plain.backbone.max_seq_len)
+    result = generate(model, PROMPT, max_new_tokens=1, trace=True)
+    prefill_keys = [key for layer in pool_steps(result)[0] for key in layer]
     tokens = len(model.encode(PROMPT))
     step = model.experts.counters.steps[0]
-    assert step["bytes"] == len(set(prefill)) * model.experts.slot_bytes
-    assert len(set(prefill)) < tokens * plain.cfg.n_activated_experts * plain.cfg.n_layers  # not once per token
+    assert step["bytes"] == len(set(prefill_keys)) * model.experts.slot_bytes
+    assert len(set(prefill_keys)) < tokens * plain.cfg.n_activated_experts * plain.cfg.n_layers  # not once per token
+
+
+def test_clearing_the_slot_cache_starts_it_cold(tiny_checkpoint, plain):
+    model = _budgeted(tiny_checkpoint, plain.cfg, 1000, max_seq_len=plain.backbone.max_seq_len)
+    ids = model.encode(PROMPT)
+    model(ids, 0)
+    cold = dict(model.experts.counters.steps[0])
+    model(ids, 0)  # warm: everything it asks for is held
+    assert sum(model.experts.counters.hits.values()) > 0
+    model.experts.clear()
+    counters = model.experts.counters
+    assert counters.hits == {} and counters.misses == {} and counters.steps == [] and counters.bytes_read == 0
+    model(ids, 0)  # reads again exactly what the first cold call read
+    assert sum(counters.hits.values()) == 0 and counters.steps[0]["bytes"] == cold["bytes"]
 
 
 # ---------------------------------------------------------------------- bench stream
@@ -232,7 +247,7 @@ def test_large_tensors_are_filled_in_slabs_with_the_same_values(tiny_checkpoint,
     from dsv41 import loader
 
     monkeypatch.setattr(loader, "SLAB_BYTES", 4096)  # every large-enough tensor of the tiny checkpoint goes by slabs
-    model = _budgeted(tiny_checkpoint, plain.cfg, 40, max_seq_len=plain.max_seq_len)
+    model = _budgeted(tiny_checkpoint, plain.cfg, 40, max_seq_len=plain.backbone.max_seq_len)
     for (name, a), (_, b) in zip(plain.backbone.named_parameters(), model.backbone.named_parameters()):
         assert a.dtype == b.dtype and torch.equal(
             a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if b.element_size() == 1 else b

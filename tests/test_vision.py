@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
 import dsv41
-from dsv41 import vision
+from dsv41 import sequence, vision
 from dsv41.config import RELEASED, TINY
+from dsv41.generate import compare_prefill_decode, generate
 from dsv41.layers import init_random_
 from dsv41.numerics import Numerics
 from dsv41.trace import ForwardTrace
@@ -402,7 +403,7 @@ def test_rollback_into_an_image_call_continues_exactly(model):
     want = model(prompt[:keep], 0)
     want_next = model(torch.tensor([[7]]), keep)
     model(prompt, 0)
-    model.rollback(len(prompt) - keep)
+    sequence.rollback(model, len(prompt) - keep)
     assert model.position == keep
     assert torch.equal(model(torch.tensor([[7]]), keep), want_next) and want.shape == want_next.shape
 
@@ -410,16 +411,16 @@ def test_rollback_into_an_image_call_continues_exactly(model):
 def test_generate_with_images_times_the_tower(model, tmp_path):
     path = tmp_path / "pic.png"
     drawn(80, 50).save(path)
-    result = model.generate("describe", images=[str(path)], max_new_tokens=3, stop_at_eos=False, trace=True)
+    result = generate(model, "describe", images=[str(path)], max_new_tokens=3, stop_at_eos=False, trace=True)
     t = result.timings
     assert t["vision_s"] > 0 and len(result.ids) == 3
     span = vision.plan(80, 50, model.cfg).span_tokens
     assert len(result.prompt_ids) == len(model.encode("describe")) + span
     routing = result.trace.routing()
     assert int(routing[0]["image_mask"].sum()) == span
-    assert model.generate("plain", max_new_tokens=2).timings["vision_s"] == 0.0
+    assert generate(model, "plain", max_new_tokens=2).timings["vision_s"] == 0.0
     with pytest.raises(ValueError, match="images= goes with a text prompt"):
-        model.generate([1, 2, 3], images=[str(path)])
+        generate(model, [1, 2, 3], images=[str(path)])
     # a traced run with images survives the trace file
     saved = result.trace.save(tmp_path / "t.npz")
     again = type(result.trace).load(saved).routing()
@@ -499,7 +500,7 @@ def test_routing_view_filters_text_and_image_tokens(model):
     import widgets
     from widgets.routing import render
 
-    result = model.generate(f"see {MARK} now", images=[drawn(60, 60)], max_new_tokens=2, trace=True, stop_at_eos=False)
+    result = generate(model, f"see {MARK} now", images=[drawn(60, 60)], max_new_tokens=2, trace=True, stop_at_eos=False)
     data = widgets.routing_data(result, n_experts=model.cfg.n_routed_experts)
     span = vision.plan(60, 60, model.cfg).span_tokens
     text, image = data["by_tokens"]["text"], data["by_tokens"]["image"]
@@ -519,6 +520,6 @@ def test_routing_view_filters_text_and_image_tokens(model):
 
 def test_compare_prefill_decode_takes_a_prompt_with_images(parity_model):
     prompt = parity_model.prepare(f"one {MARK} two", [drawn(90, 50)])
-    report = parity_model.compare_prefill_decode(prompt)
+    report = compare_prefill_decode(parity_model, prompt)
     assert report.positions == len(prompt)
     assert report.identical, report.summary()  # one token per call, spans cut to one position each

@@ -23,7 +23,7 @@ import dsv41
 from dsv41 import vision
 from dsv41.config import RELEASED, TINY
 from dsv41.config_fields import MIN_IMAGE_SPAN
-from dsv41.generate import NonFiniteLogits, locate_non_finite
+from dsv41.generate import NonFiniteLogits, generate, locate_non_finite
 from dsv41.vision import ImageError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -259,10 +259,10 @@ def model(tiny_checkpoint):
 
 def test_an_unfilled_placeholder_is_refused_by_generate(model):
     with pytest.raises(ImageError) as info:
-        model.generate(f"a {MARK} b", max_new_tokens=1)
+        generate(model, f"a {MARK} b", max_new_tokens=1)
     message = str(info.value)
     assert "marks 1 image place (token 1001) but 0 images were given" in message and one_sentence(message)
-    assert model.generate("a b", max_new_tokens=1).timings["vision_s"] == 0.0  # plain text still runs
+    assert generate(model, "a b", max_new_tokens=1).timings["vision_s"] == 0.0  # plain text still runs
     with pytest.raises(ImageError, match="but 0 images were given"):
         model.prepare(f"a {MARK} b")  # the same sentence prepare gives
 
@@ -283,7 +283,7 @@ def test_a_single_image_where_a_list_goes_is_refused(model, tmp_path):
         for call in (
             lambda: model.prepare("x", single),
             lambda: vision.prepare(TINY, [1], single),
-            lambda: model.generate("x", images=single, max_new_tokens=1),
+            lambda: generate(model, "x", images=single, max_new_tokens=1),
         ):
             with pytest.raises(ImageError) as info:
                 call()
@@ -357,7 +357,7 @@ def _poisoned(model, tensor):
 def test_a_nan_tower_is_named_by_the_diagnosis(model):
     with _poisoned(model, model.backbone.vision.blocks[0].mlp.w2.weight):
         with pytest.raises(NonFiniteLogits) as info:
-            model.generate(f"see {MARK} this", images=[drawn(60, 60)], max_new_tokens=3)
+            generate(model, f"see {MARK} this", images=[drawn(60, 60)], max_new_tokens=3)
         message = str(info.value)
         assert "vision tower" in message and "stays finite" not in message and one_sentence(message), message
         assert model.position == 0  # the diagnosis left the model reset
@@ -368,7 +368,7 @@ def test_a_nan_tower_is_named_by_the_diagnosis(model):
 def test_a_nan_delimiter_is_found_by_a_rerun_with_the_images(model):
     with _poisoned(model, model.backbone.image_start):
         with pytest.raises(NonFiniteLogits) as info:
-            model.generate(f"see {MARK} this", images=[drawn(60, 60)], max_new_tokens=3)
+            generate(model, f"see {MARK} this", images=[drawn(60, 60)], max_new_tokens=3)
         assert "the first non-finite output is embedding" in str(info.value)
 
 

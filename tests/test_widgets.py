@@ -14,6 +14,7 @@ from matplotlib.figure import Figure
 
 import widgets
 from dsv41 import viz
+from dsv41.generate import compare_prefill_decode, generate
 from dsv41.numerics import Numerics
 from widgets.cache import call_lookups, lru_replay, replay_counts
 
@@ -312,11 +313,11 @@ def model(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def run(model):
     """A cold-cache traced generation and the comparison over its first 12 traced positions."""
-    model.reset_expert_cache()
-    result = model.generate(
-        "Routing, caching and ties on the tiny model", max_new_tokens=4, trace=True, stop_at_eos=False
+    model.experts.clear()
+    result = generate(
+        model, "Routing, caching and ties on the tiny model", max_new_tokens=4, trace=True, stop_at_eos=False
     )
-    comparison = model.compare_prefill_decode(widgets.traced_ids(result, 12))
+    comparison = compare_prefill_decode(model, widgets.traced_ids(result, 12))
     return result, comparison
 
 
@@ -366,7 +367,7 @@ def test_cache_accounting_agrees_three_ways_and_with_the_replay(tiny_checkpoint)
     from dsv41.loader import load
 
     model = load(tiny_checkpoint, expert_cache=5, quiet=True)  # fresh: its counters hold only what follows
-    result = model.generate("Counting the expert cache", max_new_tokens=3, trace=True, stop_at_eos=False)
+    result = generate(model, "Counting the expert cache", max_new_tokens=3, trace=True, stop_at_eos=False)
     acc = cache_accounting(result, model)
     assert acc["counters_only_this_run"] and acc["capacity"] == 5 and acc["calls"] == 3
     replay = widgets.replay_accounting(widgets.cache_data(result, capacity=5, n_experts=model.cfg.n_routed_experts))
@@ -382,7 +383,7 @@ def test_cache_accounting_agrees_three_ways_and_with_the_replay(tiny_checkpoint)
         assert row["hits"] + row["misses"] == row["lookups"] <= row["token_choices"] == (len(result.all_ids) - 1) * k
         assert replay[layer]["replay_per_call_equal"] and replay[layer]["distinct"] <= row["lookups"]
     # a later call on the same model: the counters now hold more than this run, and say so
-    model.generate("again", max_new_tokens=1)
+    generate(model, "again", max_new_tokens=1)
     later = cache_accounting(result, model)
     assert not later["counters_only_this_run"]
     assert {k: v for k, v in later.items() if k not in ("counters_only_this_run", "per_layer")} == {
@@ -419,7 +420,7 @@ def test_tie_adapter_on_a_generation(model, run):
 
 
 def test_adapters_refuse_an_untraced_result(model):
-    result = model.generate("no trace", max_new_tokens=1)
+    result = generate(model, "no trace", max_new_tokens=1)
     with pytest.raises(ValueError, match="trace=True"):
         widgets.routing_data(result)
 

@@ -11,7 +11,7 @@ own views above the probe) are refreshed with its tabs. Nothing here needs a ker
 builds the probe and calls `on_run` directly.
 
 Chat mode (`chat=True`): the text box holds a user message (or a JSON list of OpenAI-style messages)
-that goes through `model.chat` in the V4.1 chat format after the probe's `messages`; the status
+that goes through `dsv41.conversation.chat` in the V4.1 chat format after the probe's `messages`; the status
 shows the parsed reply (reasoning, content, tool calls) and the views the routing of the whole
 rendered conversation, which each run prefills afresh so the cold expert cache sees all of it.
 """
@@ -95,7 +95,10 @@ class PromptProbe:
 
     # ------------------------------------------------------------------ running
     def _generate(self, prompt: str, max_new_tokens: int):
-        self.model.reset_expert_cache()  # start cold: the replay assumes an empty cache
+        from dsv41.conversation import chat
+        from dsv41.generate import compare_prefill_decode, generate
+
+        self.model.experts.clear()  # start cold: the replay assumes an empty cache
         self.progress.max, self.progress.value, self.progress.description = max(1, max_new_tokens), 0, "tokens"
         began = time.perf_counter()
 
@@ -106,7 +109,8 @@ class PromptProbe:
             return not self._stop_asked  # False ends the generation after this token
 
         if self.chat:
-            self.chat_result = self.model.chat(
+            self.chat_result = chat(
+                self.model,
                 self.conversation(prompt),
                 thinking=self.thinking,
                 max_new_tokens=max_new_tokens,
@@ -117,7 +121,8 @@ class PromptProbe:
             )
             result = self.chat_result.generation
         else:
-            result = self.model.generate(
+            result = generate(
+                self.model,
                 prompt,
                 max_new_tokens=max_new_tokens,
                 trace=True,
@@ -130,7 +135,7 @@ class PromptProbe:
             ids = traced_ids(result, self.compare_limit)
             self.progress.description, self.progress.max, self.progress.value = "comparing", len(ids), 0
             self.status.value = f"comparing a prefill with token-by-token decoding over {len(ids)} positions"
-            comparison = self.model.compare_prefill_decode(ids)
+            comparison = compare_prefill_decode(self.model, ids)
         self.progress.description, self.progress.max = "done", max(1, len(result.ids))
         self.progress.value = len(result.ids)  # a finished run shows its tokens, not the last phase
         return result, comparison

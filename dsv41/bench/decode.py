@@ -127,6 +127,7 @@ def bench_decode(
 ) -> dict:
     """Prefill then decode greedily, baseline then fused; tokens/s and per-phase seconds per token."""
     import dsv41
+    from dsv41.generate import decode_n, prefill
     from dsv41.kernels import native
 
     # threads=None: the bench's own --threads (default: torch's) governs, not the loader's "auto"
@@ -152,14 +153,14 @@ def bench_decode(
         clock = PhaseClock(PHASES)
         _attach_forms(model, mode == "fused")
         with clock.timing(model):
-            model.prefill(prompt)  # warms the expert cache and the allocations
+            prefill(model, prompt)  # warms the expert cache and the allocations
             began = time.perf_counter()
-            logits = model.prefill(prompt)
+            logits = prefill(model, prompt)
             prefill_s = time.perf_counter() - began
             clock.reset()
             token = int(logits[0].argmax())
             began = time.perf_counter()
-            tokens = model.decode_n(token, decode_tokens)
+            tokens = decode_n(model, token, decode_tokens)
             decode_s = time.perf_counter() - began
         per_token = {phase: t / decode_tokens for phase, t in clock.seconds.items()}
         per_token["other"] = decode_s / decode_tokens - sum(per_token.values())

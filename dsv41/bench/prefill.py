@@ -28,8 +28,8 @@ def bench_prefill(
     import dsv41
 
     model = dsv41.load(checkpoint, quiet=True, max_seq_len=None if checkpoint is None else tokens)
-    if tokens > model.max_seq_len:
-        raise ValueError(f"--tokens {tokens} exceeds the model's {model.max_seq_len} positions")
+    if tokens > model.backbone.max_seq_len:
+        raise ValueError(f"--tokens {tokens} exceeds the model's {model.backbone.max_seq_len} positions")
     ids = torch.randint(3, model.cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     report = {
         "command": "bench prefill",

@@ -220,6 +220,7 @@ def bench_decode_released(
     (or "cuda:N") holds and runs the routed experts there, the dense layers staying on the host;
     their floor is then still counted at the host's read bandwidth."""
     import dsv41
+    from dsv41.generate import decode_n, prefill
     from dsv41.kernels import native
 
     before = torch.get_num_threads()
@@ -269,10 +270,10 @@ def bench_decode_released(
                 torch.set_num_threads(n)
                 clock = PhaseClock(RELEASED_PHASES)
                 with clock.timing(model):
-                    logits = model.prefill(prompt)  # also warms the expert cache: experts resident
+                    logits = prefill(model, prompt)  # also warms the expert cache: experts resident
                     clock.reset()
                     began = time.perf_counter()
-                    tokens = model.decode_n(int(logits[0].argmax()), decode_tokens)
+                    tokens = decode_n(model, int(logits[0].argmax()), decode_tokens)
                     decode_s = time.perf_counter() - began
                 runs[n].append((decode_s, dict(clock.seconds), dict(clock.by_layer), tokens))
     finally:

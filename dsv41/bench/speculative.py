@@ -16,6 +16,7 @@ def bench_speculative(
     proposes plain decoding's own continuation (every proposal right: the best case, labelled so).
     Tokens/s, target forwards per token, and whether each produced plain decoding's tokens."""
     import dsv41
+    from dsv41.generate import generate
     from dsv41.numerics import Numerics
 
     # parity numerics: a verify and one-token steps are the same arithmetic, so the tokens must agree
@@ -29,8 +30,8 @@ def bench_speculative(
     prompt = [cfg.bos_token_id] + torch.randint(3, cfg.vocab_size, (prompt_tokens - 1,), generator=g).tolist()
     n = decode_tokens + 1  # the first token comes from the prefill
 
-    model.generate(prompt, max_new_tokens=2, stop_at_eos=False)  # warms the caches and allocations
-    plain = model.generate(prompt, max_new_tokens=n, stop_at_eos=False)
+    generate(model, prompt, max_new_tokens=2, stop_at_eos=False)  # warms the caches and allocations
+    plain = generate(model, prompt, max_new_tokens=n, stop_at_eos=False)
     everything = plain.prompt_ids + plain.ids
 
     def forced(m, anchor, k):
@@ -39,11 +40,11 @@ def bench_speculative(
 
     runs = {
         "plain": plain,
-        "speculative (draft stack)": model.generate(
-            prompt, max_new_tokens=n, stop_at_eos=False, speculative=True, min_confidence=0.0
+        "speculative (draft stack)": generate(
+            model, prompt, max_new_tokens=n, stop_at_eos=False, speculative=True, min_confidence=0.0
         ),
-        "speculative (forced acceptance: best case)": model.generate(
-            prompt, max_new_tokens=n, stop_at_eos=False, speculative=True, draft_source=forced
+        "speculative (forced acceptance: best case)": generate(
+            model, prompt, max_new_tokens=n, stop_at_eos=False, speculative=True, draft_source=forced
         ),
     }
     report = {

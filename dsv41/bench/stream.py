@@ -326,9 +326,10 @@ def recorded_steps(tokens: int, log: Callable[[str], None] = print):
     miniature's routing over the held-out text and `tokens` generated after it."""
     import dsv41
     from dsv41.cache_policy import pool_steps
+    from dsv41.generate import generate
 
     model = dsv41.load(quiet=True, threads=None)
-    result = model.generate(HELD_OUT, max_new_tokens=tokens, trace=True, stop_at_eos=False)
+    result = generate(model, HELD_OUT, max_new_tokens=tokens, trace=True, stop_at_eos=False)
     steps = pool_steps(result)
     log(f"recorded routing: {model.report.embedded or model.report.checkpoint}; {len(steps)} calls")
     return steps, model.cfg.n_layers * model.cfg.n_routed_experts

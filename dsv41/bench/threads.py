@@ -29,6 +29,7 @@ def bench_threads(
     from its median decode time (the best is reported too: on a shared machine one lucky run
     would decide a best-of); torch's thread count is put back afterwards."""
     import dsv41
+    from dsv41.generate import decode_n, prefill
     from dsv41.kernels import native
     from dsv41.threads import all_cores, auto_threads
 
@@ -39,9 +40,10 @@ def bench_threads(
         model = dsv41.load(checkpoint, quiet=True, threads=None)
         cfg = model.cfg
         ids = model.encode(prompt)
-        if len(ids) + decode_tokens > model.max_seq_len:
+        if len(ids) + decode_tokens > model.backbone.max_seq_len:
             raise ValueError(
-                f"{len(ids)} prompt tokens + {decode_tokens} decoded exceed the model's {model.max_seq_len} positions"
+                f"{len(ids)} prompt tokens + {decode_tokens} decoded exceed the model's "
+                f"{model.backbone.max_seq_len} positions"
             )
         auto, why = auto_threads(cfg)
         runs = {n: [] for n in settings}
@@ -50,10 +52,10 @@ def bench_threads(
             for n in settings:
                 torch.set_num_threads(n)
                 began = time.perf_counter()
-                logits = model.prefill(ids)
+                logits = prefill(model, ids)
                 prefill_s = time.perf_counter() - began
                 began = time.perf_counter()
-                out = model.decode_n(int(logits[0].argmax()), decode_tokens)
+                out = decode_n(model, int(logits[0].argmax()), decode_tokens)
                 decode_s = time.perf_counter() - began
                 runs[n].append({"prefill_s": prefill_s, "decode_s": decode_s})
                 tokens.setdefault(n, out)
