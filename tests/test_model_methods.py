@@ -22,8 +22,8 @@ def test_model_has_at_most_about_twenty_methods():
     methods = _methods(Model)
     assert len(methods) <= MOST_METHODS, (
         f"Model has {len(methods)} methods and properties ({', '.join(methods)}), more than {MOST_METHODS}: "
-        f"write a new verb as a free function taking the model, in the module that owns what it does "
-        f"(dsv41.generate, dsv41.sequence, dsv41.hooks, ...), not as a method that forwards to one"
+        f"write a new verb as a free function taking the model, in the module that owns what it "
+        f"does (dsv41.generate, dsv41.sequence, dsv41.hooks, ...), not as a method that forwards to one"
     )
 
 
