@@ -506,9 +506,9 @@ def cli_main(argv: list[str]) -> int:
         description=(
             "The share of greedy continuations of held-out function headers (the held-out split of "
             "dsv41 train's corpus) that parse with Python's ast once their open blocks are closed, with a "
-            "95%% interval, beside the same measure on the files' own code (the ceiling of the rule); "
-            "the definition is in dsv41.parse_rate's docstring. About 2 s a header for the miniature "
-            "on two cores."
+            "95% interval, beside the same measure on the files' own code (the ceiling of the rule); "
+            "the definition is in dsv41.parse_rate's docstring. At most 128 tokens a header: up to 4 s each "
+            "for the miniature on an idle two-core machine, several times that on a shared one."
         ),
     )
     parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the embedded miniature)")
