@@ -17,6 +17,11 @@ COMMANDS = {
         "cli_main",
         "train the miniature V4.1 on the standard library, resumable, and write it in the release format",
     ),
+    "parse-rate": (
+        "dsv41.parse_rate",
+        "cli_main",
+        "the share of greedy continuations of held-out function headers that parse once their blocks are closed",
+    ),
     "make-headers": ("dsv41.headers", "cli_main", "synthesize the released checkpoint's 48 shard headers (no payload)"),
     "make-synthetic": (
         "dsv41.released_synthetic",

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING
 
-from ..miniature import MANIFEST_FORMAT, MANIFEST_NAME
+from ..miniature import MANIFEST_FORMAT, MANIFEST_NAME, MiniatureError, verify
 
 if TYPE_CHECKING:  # annotations only
     from ..config import Config
@@ -55,3 +55,25 @@ def write_miniature(folder: str, cfg: Config, tokenizer, params: dict, facts: di
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def write_initialization(folder: str, source: str) -> tuple[str, int]:
+    """(the folder, the seed): the trainer's random initialization (`Twin.initialized`, step 0 of
+    a run) for the tokenizer and seed of the miniature checkpoint at `source`, written in the
+    release format like a trained one, so a measure that loads checkpoints sets the two side by
+    side. MiniatureError when `source` holds no miniature manifest."""
+    from .loop import miniature_tokenizer
+    from .twin import Twin
+    from .workdir import TOKENIZER_NAME
+
+    manifest = verify(source)
+    if manifest is None or "seed" not in manifest:
+        raise MiniatureError(
+            f"{source} is not a miniature checkpoint with a seed in its manifest (dsv41-miniature.json); "
+            "the random initialization is made for one, such as the embedded miniature or what dsv41 train wrote"
+        )
+    tokenizer, cfg = miniature_tokenizer(os.path.join(source, TOKENIZER_NAME))
+    seed = manifest["seed"]
+    params = Twin.initialized(cfg, seed).params
+    facts = {"seed": seed, "steps": 0, "training_seconds": 0.0, "random_initialization_of": os.path.realpath(source)}
+    return write_miniature(folder, cfg, tokenizer, params, facts), seed
