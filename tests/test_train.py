@@ -218,21 +218,21 @@ def test_dsv41_train_smoke_run_learns_resumes_and_writes_a_loadable_checkpoint(t
 
 
 def test_the_random_initialization_is_the_trainers_step_zero_in_the_release_format(tmp_path, miniature_checkpoint):
-    """`write_initialization` writes `Twin.initialized` for the source miniature's tokenizer and
+    """`write_initialization` writes `masters.initialized_params` for the source miniature's tokenizer and
     seed as the release stores it (what `dsv41 parse-rate --random-init` loads as the floor)."""
     import filecmp
 
     from dsv41.config import load_config
     from dsv41.miniature import read_manifest
+    from dsv41.train.masters import logical_shape, round_to_storage, weight_specs
     from dsv41.train.release import write_initialization
-    from dsv41.train.twin import logical_shape, round_to_storage, weight_specs
 
     folder, seed = write_initialization(str(tmp_path / "random"), miniature_checkpoint)
     assert seed == read_manifest(miniature_checkpoint)["seed"]
     assert read_manifest(folder)["steps"] == 0
     assert filecmp.cmp(f"{folder}/tokenizer.json", f"{miniature_checkpoint}/tokenizer.json", shallow=False)
     cfg = load_config(folder)
-    written, drawn = Twin.from_checkpoint(folder).params, Twin.initialized(cfg, seed).params
+    written, drawn = masters.checkpoint_params(folder), masters.initialized_params(cfg, seed)
     for name, (spec, scale) in weight_specs(cfg).items():
         stored = round_to_storage(drawn[name], spec, scale).reshape(logical_shape(spec))
         assert torch.equal(written[name].reshape(stored.shape), stored), name

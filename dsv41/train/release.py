@@ -58,12 +58,12 @@ def write_miniature(folder: str, cfg: Config, tokenizer, params: dict, facts: di
 
 
 def write_initialization(folder: str, source: str) -> tuple[str, int]:
-    """(the folder, the seed): the trainer's random initialization (`Twin.initialized`, step 0 of
+    """(the folder, the seed): the trainer's random initialization (`masters.initialized_params`, step 0 of
     a run) for the tokenizer and seed of the miniature checkpoint at `source`, written in the
     release format like a trained one, so a measure that loads checkpoints sets the two side by
     side. MiniatureError when `source` holds no miniature manifest."""
     from .loop import miniature_tokenizer
-    from .twin import Twin
+    from .masters import initialized_params
     from .workdir import TOKENIZER_NAME
 
     manifest = verify(source)
@@ -74,6 +74,6 @@ def write_initialization(folder: str, source: str) -> tuple[str, int]:
         )
     tokenizer, cfg = miniature_tokenizer(os.path.join(source, TOKENIZER_NAME))
     seed = manifest["seed"]
-    params = Twin.initialized(cfg, seed).params
+    params = initialized_params(cfg, seed)
     facts = {"seed": seed, "steps": 0, "training_seconds": 0.0, "random_initialization_of": os.path.realpath(source)}
     return write_miniature(folder, cfg, tokenizer, params, facts), seed
