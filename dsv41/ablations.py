@@ -26,13 +26,16 @@ sentence.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from .errors import Dsv41Error
 from .moe import route
 from .text import brief
+
+if TYPE_CHECKING:  # annotations only
+    from .model import Model
 
 # the sites whose value is [batch, positions, ...]: what a patch can write positions of
 PATCHABLE = ("embed", "engram", "resid_pre", "resid_mid", "resid_post", "attn", "ffn")
@@ -226,7 +229,7 @@ def plain_residual(layers: Optional[Iterable[int]] = None) -> dict:
 
 
 # ---------------------------------------------------------------------- activation patching
-def clean_activations(model, ids, sites: Iterable[str], **call_kw) -> dict[str, torch.Tensor]:
+def clean_activations(model: Model, ids, sites: Iterable[str], **call_kw) -> dict[str, torch.Tensor]:
     """One run of `ids` from position 0 (`model(ids, 0, **call_kw)`), recording `sites`:
     {site: its value over every position, [b, positions, ...]}, what `patch` writes from. The
     model's sequence is left as that run leaves it."""

@@ -45,9 +45,15 @@ BOOTSTRAP_DRAWS = 2000
 BOOTSTRAP_SEED = 0
 CONFIDENCE = 0.95
 # The patching study's code: a method stores its renamed argument, and the next attribute it
-# touches is, most likely, the same name again. Every name is one token in it, so the prompts align.
+# touches is, most likely, the same name again. Its names are drawn, in this order, from those that
+# give prompts of one length in the model's tokenizer (`patch_names`), so the positions align.
 PATCH_TEMPLATE = "def f(self, {name}):\n    self.{name} = {name}\n    self."
-PATCH_NAMES = ("value", "name", "path", "line", "key", "data", "text", "file", "time", "type")
+PATCH_NAMES = (
+    *("value", "name", "path", "line", "key", "data", "text", "file", "time", "type"),
+    *("size", "count", "index", "item", "node", "mode", "args", "state", "result", "items", "parts", "lines"),
+    *("words", "obj", "func", "msg", "source", "target", "parent", "child", "buffer", "config", "options"),
+)
+PATCH_PAIRS = 10
 STUDIES = ("engram", "indexer", "experts", "hyper_connections", "patching")
 
 
@@ -300,10 +306,30 @@ def hyper_connection_study(model: Model, windows: HeldOut, base: np.ndarray, pro
     return {"hc_mult": model.cfg.hc_mult, "plain_residual": compare(windows, base, run, "plain residual")}
 
 
-def patch_prompts(model: Model, template: str = PATCH_TEMPLATE, names: Sequence[str] = PATCH_NAMES):
+def patch_names(model: Model, template: str = PATCH_TEMPLATE, pairs: int = PATCH_PAIRS) -> list[str]:
+    """Up to `pairs` names of PATCH_NAMES, in its order, whose prompts in `template` have one length
+    (the shortest that gives `pairs` of them, else the one that gives most), each continuing the
+    prompt without merging into its last token and starting with a token of its own."""
+    by_length: dict[int, list[str]] = {}
+    firsts: dict[int, set] = {}
+    for name in PATCH_NAMES:
+        prompt = model.encode(template.format(name=name))
+        whole = model.encode(template.format(name=name) + name)
+        if whole[: len(prompt)] == prompt and whole[len(prompt)] not in firsts.setdefault(len(prompt), set()):
+            by_length.setdefault(len(prompt), []).append(name)
+            firsts[len(prompt)].add(whole[len(prompt)])
+    if not by_length:
+        raise ExperimentError("no candidate name continues the patching template without merging into its last token")
+    enough = [n for n in sorted(by_length) if len(by_length[n]) >= pairs]
+    length = enough[0] if enough else max(sorted(by_length), key=lambda n: len(by_length[n]))
+    return by_length[length][:pairs]
+
+
+def patch_prompts(model: Model, template: str = PATCH_TEMPLATE, names: Optional[Sequence[str]] = None):
     """(prompt ids [names, T], the first token of each name where the prompt continues with it [names]):
-    every name must give a prompt of the same length and a first token of its own."""
-    names = list(names)
+    every name must give a prompt of the same length and a first token of its own. `names`: default
+    `patch_names`."""
+    names = patch_names(model, template) if names is None else list(names)
     if len(names) < 2:
         raise ExperimentError(f"the patching study pairs names, so it needs at least 2, got {brief(names)}")
     prompts = [model.encode(template.format(name=name)) for name in names]
@@ -327,7 +353,7 @@ def patch_prompts(model: Model, template: str = PATCH_TEMPLATE, names: Sequence[
 def patching_study(
     model: Model,
     template: str = PATCH_TEMPLATE,
-    names: Sequence[str] = PATCH_NAMES,
+    names: Optional[Sequence[str]] = None,
     draws: int = BOOTSTRAP_DRAWS,
     seed: int = BOOTSTRAP_SEED,
     progress=None,
@@ -337,7 +363,8 @@ def patching_study(
     first token minus the corrupted one's. For each layer L and position p, every pair's corrupted
     run gets the clean run's `layers.L.resid_pre` at p: recovered = (mean patched metric - mean
     corrupted) / (mean clean - mean corrupted), 1 where that one stream carries the whole
-    difference, with a bootstrap interval over the pairs."""
+    difference, with a bootstrap interval over the pairs. `names`: default `patch_names`."""
+    names = patch_names(model, template) if names is None else list(names)
     prompts, firsts = patch_prompts(model, template, names)
     n, length = prompts.shape
     clean_ids, corrupt_ids = prompts, prompts.roll(-1, dims=0)
@@ -427,7 +454,8 @@ def run_studies(
     }
     total = windows.n * (1 + sum(runs.get(s, 0) for s in studies))
     if "patching" in studies:
-        total += len(PATCH_NAMES) * model.cfg.n_layers * len(patch_prompts(model)[0][0])
+        prompts, _ = patch_prompts(model)
+        total += prompts.numel() * model.cfg.n_layers
     out: dict = {}
     with _bar(total, "ablate", progress) as bar:
         base = baseline(model, windows, bar)

@@ -94,11 +94,19 @@ def test_the_expert_grid_is_cut_to_a_budget(model):
         experiments.expert_grid(model, layers=[99])
 
 
-def test_patch_prompts_line_up_or_are_refused(model):
+def test_patch_prompts_line_up_or_are_refused(model, tiny_checkpoint):
+    names = experiments.patch_names(model)
+    assert names == list(experiments.PATCH_NAMES[: experiments.PATCH_PAIRS])  # the first ten are one token each here
     prompts, firsts = experiments.patch_prompts(model)
-    assert prompts.shape[0] == len(experiments.PATCH_NAMES) == len(set(firsts.tolist()))
+    assert prompts.shape[0] == len(names) == len(set(firsts.tolist()))
     differ = (prompts != prompts[:1]).any(0).nonzero().flatten().tolist()
     assert len(differ) == experiments.PATCH_TEMPLATE.count("{name}")  # one token per occurrence
+    # another tokenizer: the names whose prompts share the commonest length, in the candidates' order
+    other = dsv41.load(tiny_checkpoint, quiet=True)
+    names = experiments.patch_names(other)
+    prompts, firsts = experiments.patch_prompts(other, names=names)
+    assert 2 <= len(names) <= experiments.PATCH_PAIRS and len(set(firsts.tolist())) == len(names)
+    assert names == [n for n in experiments.PATCH_NAMES if n in names]
     with pytest.raises(ExperimentError, match="different lengths"):
         experiments.patch_prompts(model, names=["value", "configuration_manager"])
     with pytest.raises(ExperimentError, match="at least 2"):
