@@ -54,6 +54,12 @@ COMMANDS = {
         "copy bandwidth and BF16 GEMM), decode (end to end, the released geometry "
         "against its floor, speculative), prefill, vision, threads",
     ),
+    "ablate": (
+        "dsv41.experiments",
+        "cli_main",
+        "what each mechanism is worth on held-out text: bits per byte with Engram, the indexer's top-k, each "
+        "routed expert or the hyper-connections taken away, with bootstrap intervals, and activation patching",
+    ),
     "lab": (
         "dsv41.lab",
         "cli_main",

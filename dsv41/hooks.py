@@ -20,6 +20,11 @@ an fnmatch pattern (`layers.*.ffn.routed`); every pattern of a registration is c
 observer is added. `ActivationCache` records the values of the sites it is subscribed to, what
 `run_with_hooks(model, ids)` returns beside the logits. `sites_of(module)` is the registry of one part
 (an attention layer of a stack, say), under the names its model or stack gave it.
+
+A site whose owner lists it in `REPLACEABLE` uses what its exit returns: with interventions
+registered there (`Sites.add_interventions`, which `dsv41.interventions` calls), each in turn is
+handed the value and returns the one that flows on, and the observers see that one. With none, the
+exit returns the value it was given, the same object.
 """
 
 from __future__ import annotations
@@ -59,18 +64,21 @@ class Subscription(NamedTuple):
 
 
 class Site:
-    """One named point of the forward and the observers listening there, in subscription order."""
+    """One named point of the forward: the observers listening there, in subscription order, and
+    (a `replaceable` site) the interventions that change what flows on, in registration order."""
 
-    __slots__ = ("name", "observers")
+    __slots__ = ("name", "observers", "interventions", "replaceable")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, replaceable: bool = False):
         self.name = name
         # handle -> Subscription: a handle removes its own entry by identity in O(1), so two equal
         # observers (two empty ActivationCaches, say) stay two entries and never remove each other
         self.observers: dict[_Handle, Subscription] = {}
+        self.interventions: dict[_Handle, Callable] = {}  # handle -> fn(name, value, context) -> value
+        self.replaceable = replaceable  # the forward uses what exit returns
 
-    def __bool__(self) -> bool:  # "is anyone listening": what the forward asks first
-        return bool(self.observers)
+    def __bool__(self) -> bool:  # "is anyone listening or intervening": what the forward asks first
+        return bool(self.observers) or bool(self.interventions)
 
     def enter(self) -> None:
         # a snapshot: an observer may subscribe or remove observers while it is called
@@ -78,24 +86,28 @@ class Site:
             if subscription.enter is not None:
                 subscription.enter(self.name)
 
-    def exit(self, value, context: Optional[dict] = None) -> None:
+    def exit(self, value, context: Optional[dict] = None):
+        """The value that flows on: `value` itself, or what the interventions put in its place;
+        the observers are handed (copies of) that one."""
+        for intervention in tuple(self.interventions.values()):
+            value = intervention(self.name, value, context)
         for subscription in tuple(self.observers.values()):
             if subscription.exit is not None:
-                seen = _PrivateContext(self.name, context)
+                seen = PrivateContext(self.name, context)
                 try:
                     subscription.exit(self.name, _private(value), seen)
                 finally:
                     seen.close()
-
-    def around(self, fn: Callable, *args, **context):
-        """fn(*args) between this site's enter and exit (its result the exit's value)."""
-        self.enter()
-        value = fn(*args)
-        self.exit(value, context)
         return value
 
+    def around(self, fn: Callable, *args, **context):
+        """fn(*args) between this site's enter and exit; returns what the exit returns."""
+        self.enter()
+        return self.exit(fn(*args), context)
+
     def __repr__(self) -> str:
-        return f"Site({self.name!r}, {len(self.observers)} observers)"
+        extra = f", {len(self.interventions)} interventions" if self.interventions else ""
+        return f"Site({self.name!r}, {len(self.observers)} observers{extra})"
 
 
 def _private(value):
@@ -113,8 +125,8 @@ def _private(value):
     return value
 
 
-class _PrivateContext(Mapping):
-    """A site's context as one observer sees it: each entry copied (`_private`) the first time the
+class PrivateContext(Mapping):
+    """A site's context as one observer (or intervention) sees it: each entry copied (`_private`) the first time the
     observer reads it, so an observer pays only for the entries it reads. Modules the context names
     (a gate, an indexer) are passed as they are. Once the observer has returned, what it read stays
     readable and the rest is refused: read later, it would be the forward's state of a later moment."""
@@ -184,6 +196,7 @@ class _Handle:
     def remove(self) -> None:
         for site in self._sites:
             site.observers.pop(self, None)
+            site.interventions.pop(self, None)
         self._sites = []
 
 
@@ -250,6 +263,40 @@ class Sites(dict):
             handles.append(handle)
         return handles
 
+    def add_interventions(self, pairs: list) -> list[_Handle]:
+        """One handle per (pattern, fn) pair: fn(name, value, context) -> the value to use in its
+        place, at every site `pattern` matches. Every pattern is matched, and every site it matches
+        must be replaceable, before anything is added (HookError naming the first that is not)."""
+        checked = []
+        for pattern, fn in pairs:
+            sites = self.matching(pattern)
+            fixed = [site.name for site in sites if not site.replaceable]
+            if fixed:
+                replaceable = [name for name, site in self.items() if site.replaceable]
+                raise HookError(
+                    f"{pattern!r} matches {fixed[0]}, a site that can be observed but not replaced "
+                    f"(e.g. replace the selection at its layer's attn.topk); the replaceable sites are "
+                    f"{', '.join(replaceable[:6])}, ... ([n for n, s in model.sites.items() if s.replaceable])"
+                )
+            if not callable(fn):
+                raise HookError(
+                    f"the intervention for {pattern!r} is not a callable fn(name, value, context) -> "
+                    f"value: got {brief(fn)} ({type(fn).__name__})"
+                )
+            checked.append((sites, fn))
+        handles = []
+        for sites, fn in checked:
+            handle = _Handle()
+            for site in sites:
+                site.interventions[handle] = fn
+                handle._sites.append(site)
+            handles.append(handle)
+        return handles
+
+    def active_interventions(self) -> list[tuple[str, Callable]]:
+        """(site name, intervention) of every intervention registered now, in module order."""
+        return [(name, fn) for name, site in self.items() for fn in site.interventions.values()]
+
     def clear_observers(self) -> None:
         for site in self.values():
             site.observers.clear()
@@ -269,20 +316,37 @@ NO_SITES = _NoSites()
 def name_sites(root, renamed: Optional[Mapping[str, str]] = None) -> Sites:
     """Give every module under `root` whose class lists `SITES` its named sites and return the
     registry. A local name "" is the module's own path (`head`); others are appended
-    (`layers.3.ffn` + "routed"). `renamed` {module path: site path} names a module and everything
-    under it after another path (an attention stack's `layers.3` as a model's `layers.3.attn`)."""
+    (`layers.3.ffn` + "routed"); those the class also lists in `REPLACEABLE` take interventions.
+    `renamed` {module path: site path} names a module and everything under it after another path
+    (an attention stack's `layers.3` as a model's `layers.3.attn`)."""
     registry = Sites()
     for path, module in root.named_modules():
         local_names = getattr(module, "SITES", ())  # a class's, or one instance's own
         if not local_names:
             continue
         path = _renamed(path, renamed or {})
+        replaceable = getattr(module, "REPLACEABLE", ())
         own = {}
         for local in local_names:
             name = ".".join(p for p in (path, local) if p)
-            own[local] = registry[name] = Site(name)
+            own[local] = registry[name] = Site(name, local in replaceable)
         module.named_sites = own
     return registry
+
+
+@contextmanager
+def without_sites(root) -> Iterator[None]:
+    """For the block, every module under `root` answers "nobody is there" at each of its sites,
+    as a forward ran before there were sites: what the registry's cost is measured against. What
+    the sites feed (a draft stack's hidden state) is not fed meanwhile."""
+    named = {m: m.__dict__["named_sites"] for m in root.modules() if "named_sites" in m.__dict__}
+    try:
+        for module in named:
+            module.named_sites = NO_SITES
+        yield
+    finally:
+        for module, sites in named.items():
+            module.named_sites = sites
 
 
 def _renamed(path: str, renamed: Mapping[str, str]) -> str:
@@ -303,7 +367,8 @@ def sites_of(module) -> Sites:
 
 
 def site(module, local: str) -> Optional[Site]:
-    """`module`'s site `local` when someone listens there, else None (the forward's one question)."""
+    """`module`'s site `local` when someone listens or intervenes there, else None (the forward's
+    one question)."""
     found = module.named_sites.get(local)
     return found if found else None
 

@@ -78,9 +78,10 @@ class Engram(nn.Module):
     key per copy plus one shared value. Each copy's gate is sigmoid(signed sqrt(d)) of d, the
     RMS-normalized dot product of the copy with its key (normalized per copy over dim), and the
     copy receives gate * value. Its site (`layers.N.engram`) spans the whole update; the exit sees
-    the updated stream with the gates [b, s, hc] in the context."""
+    the updated stream with the gates [b, s, hc] and the stream before it, x, in the context, and
+    takes a replacement (the stream with another contribution, or x: none)."""
 
-    SITES = ("",)
+    SITES = REPLACEABLE = ("",)
     named_sites = NO_SITES
 
     def __init__(self, cfg: Config, layer: int, n_hash_cols: int):
@@ -118,7 +119,7 @@ class Engram(nn.Module):
             gate = gate.masked_fill(~token_mask.unsqueeze(-1), 0)
         out = (x.float() + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(x.dtype)
         if own:
-            own.exit(out, {"gate": gate})
+            out = own.exit(out, {"gate": gate, "x": x})
         return out
 
 
@@ -198,9 +199,11 @@ class Block(nn.Module):
 
     Sites: `resid_pre` (the stream [b, s, hc, dim] after Engram: what the attention site reads and
     a draft stack is fed), `resid_mid` (after the attention site's expansion) and `resid_post`
-    (after the FFN site's); attention's own are `layers.N.attn` and below (`attention.Attention`)."""
+    (after the FFN site's); `hc_attn` and `hc_ffn`, the float32 mixes (pre, post, comb) each
+    site computes (its post and comb expand that site, its pre collapses the next one); attention's
+    own are `layers.N.attn` and below (`attention.Attention`). All of them take replacements."""
 
-    SITES = ("resid_pre", "resid_mid", "resid_post")
+    SITES = REPLACEABLE = ("resid_pre", "resid_mid", "resid_post", "hc_attn", "hc_ffn")
     named_sites = NO_SITES
 
     attention_type = Attention  # a draft stage's block attends another way (dspark.DraftAttention)
@@ -279,7 +282,7 @@ class Block(nn.Module):
             x = self.engram(x, hash_ids, None if image_mask is None else ~image_mask)
         resid_pre = site(self, "resid_pre")
         if resid_pre:
-            resid_pre.exit(x)
+            x = resid_pre.exit(x)
         return self.sublayers(x, pre, lambda h: self.attn(h, start_pos, runtime), image_mask)
 
     def sublayers(
@@ -289,21 +292,27 @@ class Block(nn.Module):
         collapse and an expansion -> (x, the next block's pre)."""
         residual = x
         attn_pre, post, comb = self.mixes(x, "attn")
+        hc_attn = site(self, "hc_attn")
+        if hc_attn:
+            attn_pre, post, comb = hc_attn.exit((attn_pre, post, comb))
         h = self.attn_norm(self.collapse(x, pre))  # [b, s, dim]
         h = attend(h)
         x = self.expand(h, residual, post, comb)  # [b, s, hc, dim]
         resid_mid = site(self, "resid_mid")
         if resid_mid:
-            resid_mid.exit(x)
+            x = resid_mid.exit(x)
 
         residual = x
         ffn_pre, post, comb = self.mixes(x, "ffn")
+        hc_ffn = site(self, "hc_ffn")
+        if hc_ffn:
+            ffn_pre, post, comb = hc_ffn.exit((ffn_pre, post, comb))
         h = self.ffn_norm(self.collapse(x, attn_pre))
         h = self.ffn(h, image_mask)
         x = self.expand(h, residual, post, comb)
         resid_post = site(self, "resid_post")
         if resid_post:
-            resid_post.exit(x)
+            x = resid_post.exit(x)
         return x, ffn_pre
 
     def reset_state(self) -> None:
@@ -323,9 +332,9 @@ class Embedding(nn.Module):
 
 class Head(nn.Module):
     """The output projection, held in float32 (stored bf16) so the logits come out float32. Its
-    site (`head`) spans the projection; the exit sees the logits."""
+    site (`head`) spans the projection; the exit sees the logits and takes a replacement."""
 
-    SITES = ("",)
+    SITES = REPLACEABLE = ("",)
     named_sites = NO_SITES
 
     def __init__(self, vocab_size: int, dim: int, *, numerics: Numerics = Numerics()):
@@ -342,7 +351,7 @@ class Head(nn.Module):
             x = x[:, -1]
         logits = f32_linear(x, self.weight, pad_f32_rows=self.pad_f32_rows)
         if own:
-            own.exit(logits)
+            logits = own.exit(logits)
         return logits
 
 
@@ -353,9 +362,9 @@ class Backbone(nn.Module):
     attached by `Model.attach`. `max_batch_size` and `max_seq_len` size the attention caches,
     `cache_format` says how they hold their values (`attention.QuantizedCache`); `numerics` reaches
     every layer that reads it. `site_registry` holds the named sites of everything under it
-    (`hooks`); its own is `embed` (the embedding, image spans written)."""
+    (`hooks`); its own is `embed` (the embedding, image spans written; it takes a replacement)."""
 
-    SITES = ("embed",)
+    SITES = REPLACEABLE = ("embed",)
     named_sites = NO_SITES
 
     def __init__(
@@ -436,7 +445,7 @@ class Backbone(nn.Module):
             )
         embed = site(self, "embed")
         if embed:
-            embed.exit(h)
+            h = embed.exit(h)
         h = h.unsqueeze(2).repeat(1, 1, self.hc_mult, 1)  # [b, s, hc, dim]: equal copies
         pre = identity_pre(bsz, seqlen, self.hc_mult, h.device)
         for block in self.layers:
@@ -584,6 +593,15 @@ class Model:
     def hooks(self, observers):
         """`with model.hooks({pattern: observer, ...}):` observers subscribed for the block."""
         return self.backbone.site_registry.hooks(observers)
+
+    def intervene(self, interventions):
+        """`with model.intervene({pattern: fn, ...}):` fn(name, value, context) returns the value
+        to use in place of `value` at every call of a matching site inside the block (see
+        `dsv41.interventions`; named ones are `dsv41.ablations`'). The context also holds the
+        call's first position, "start_pos"."""
+        from .interventions import intervene
+
+        return intervene(self.backbone.site_registry, interventions, position=lambda: self.position)
 
     def _refuse_inside_forward(self, verb: str) -> None:
         # an observer that called back in would run a second forward over caches the first is

@@ -160,11 +160,13 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None):
         """x [n, dim] -> (weights [n, k] float32, ids [n, k]); image_mask [n] bool selects bias_vl."""
-        scores = self.scores(x)
-        bias = self.bias
+        return route(self.scores(x), self.selection_bias(image_mask), self.topk, self.norm_topk_prob, self.route_scale)
+
+    def selection_bias(self, image_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The bias the top-k chooses with: `bias` [E], or per token [n, E] bias_vl inside image spans."""
         if image_mask is not None and self.bias_vl is not None:
-            bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias)
-        return route(scores, bias, self.topk, self.norm_topk_prob, self.route_scale)
+            return torch.where(image_mask.unsqueeze(-1), self.bias_vl, self.bias)
+        return self.bias
 
 
 class SharedExpert(nn.Module):
@@ -189,11 +191,13 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     """Routed experts (top-k of E, through `experts`) plus the shared expert, summed in float32.
 
-    Sites (`hooks`): `gate` ((weights, ids) as routed), `routed` and `shared` (around each half,
-    their float32 outputs), and the layer's own (`layers.N.ffn`: its output, with the routing in
-    the context: ids, weights, the input, the image mask, the gate and the experts)."""
+    Sites (`hooks`): `gate` ((weights, ids) as routed, with the router's input x [n, dim], the
+    image mask and the gate in the context), `routed` and `shared` (around each half, their float32
+    outputs), and the layer's own (`layers.N.ffn`: its output, with the routing in the context:
+    ids, weights, the input, the image mask, the gate and the experts). Each takes a replacement:
+    the experts computed are the ids and weights the gate site lets through."""
 
-    SITES = ("", "gate", "routed", "shared")
+    SITES = REPLACEABLE = ("", "gate", "routed", "shared")
     named_sites = NO_SITES
 
     def __init__(self, cfg, layer: int, *, numerics: Numerics = Numerics()):
@@ -223,10 +227,11 @@ class MoE(nn.Module):
             raise RuntimeError(f"layer {self.layer}: no routed experts attached (load the model with dsv41.load)")
         shape = x.shape
         flat = x.reshape(-1, self.dim)  # [n, dim]
-        weights, ids = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
+        flat_mask = None if image_mask is None else image_mask.reshape(-1)  # [n]
+        weights, ids = self.gate(flat, flat_mask)
         gate_site = site(self, "gate")
         if gate_site:
-            gate_site.exit((weights, ids))
+            weights, ids = gate_site.exit((weights, ids), {"x": flat, "image_mask": flat_mask, "gate": self.gate})
         routed, shared = site(self, "routed"), site(self, "shared")
         y = (
             routed.around(self.experts.forward, flat, ids, weights)
@@ -238,7 +243,7 @@ class MoE(nn.Module):
         out = y.to(x.dtype).reshape(shape)
         own = site(self, "")
         if own:
-            own.exit(
+            out = own.exit(
                 out,
                 {
                     "ids": ids,

@@ -16,6 +16,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 from typing import Any, Iterator
 
 from dsv41.audit import format_ranges
@@ -166,11 +167,19 @@ def export_figure(fig, name: str, out_dir: str, data: dict) -> dict[str, str]:
     Exporting the same figure twice gives identical bytes; a figure with a layout engine keeps the
     positions of its first export (see `_freeze_layout`). `name` is a file stem (letters, digits,
     `_`, `-`, `.`); notebooks prefix theirs with their number so one run folder holds them all.
+
+    A figure made under interventions says so: those listed in `data["interventions"]` (a trace's,
+    say) and those of any `intervene` block open while it is exported are written under it in red
+    and into the sidecar's "interventions".
     """
     import matplotlib
 
     if not name or any(not (c.isalnum() or c in "_-.") for c in name) or name.startswith("."):
         raise ValueError(f"figure name {name!r}: use letters, digits, '_', '-' and '.' only")
+    under = _interventions_under(data)
+    if under:
+        data = {**data, "interventions": under}
+        _stamp(fig, under)
     _freeze_layout(fig)
     os.makedirs(out_dir, exist_ok=True)
     paths = {ext: os.path.join(out_dir, f"{name}.{ext}") for ext in ("png", "svg", "json")}
@@ -179,6 +188,30 @@ def export_figure(fig, name: str, out_dir: str, data: dict) -> dict[str, str]:
         fig.savefig(paths["svg"], format="svg", metadata=_SVG_METADATA)
     write_sidecar(data, paths["json"])
     return paths
+
+
+def _interventions_under(data) -> list[str]:
+    """The interventions a figure's numbers were made under: `data`'s own list, then those of the
+    blocks open now (`interventions.open_labels`)."""
+    listed = list(data.get("interventions") or []) if isinstance(data, dict) else []
+    # none can be open unless the module that opens them was imported; a figure made without it
+    # does not import torch for the question
+    module = sys.modules.get("dsv41.interventions")
+    if module is not None:
+        listed += [entry for entry in module.open_labels() if entry not in listed]
+    return [str(entry) for entry in listed]
+
+
+_STAMP_ID = "dsv41-interventions"
+
+
+def _stamp(fig, under: list[str]) -> None:
+    """A red line under the figure naming the interventions (once, however often it is exported)."""
+    if any(text.get_gid() == _STAMP_ID for text in fig.texts):
+        return
+    shown = "; ".join(under[:3]) + (f"; and {len(under) - 3} more" if len(under) > 3 else "")
+    text = fig.text(0.0, -0.01, f"made under interventions: {shown}", ha="left", va="top", fontsize=6, color=PALETTE[3])
+    text.set_gid(_STAMP_ID)
 
 
 # Decimals of a figure fraction kept when a solved layout is frozen: 1e-9 of an 8-inch figure at

@@ -88,7 +88,7 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 # The numbered notebooks in the groups the tests run them in: one smoke run per group, shared by
 # that group's tests on one test worker. Every kernel runs on one torch thread, as in the browser
 # test's JupyterLab: two threads on two shared cores run the tiny model several times slower.
-NOTEBOOK_GROUPS = ("01,02", "03,04", "05", "06", "07", "08")
+NOTEBOOK_GROUPS = ("01,02", "03,04", "05", "06", "07", "08", "09")
 SMOKE_THREADS = 1
 
 

@@ -145,6 +145,14 @@ def test_bench_decode_runs_both_modes_on_a_synthetic_checkpoint(tmp_path, capsys
         report["modes"]["fused"]["tokens_per_s"] / report["modes"]["baseline"]["tokens_per_s"],
         rel_tol=1e-12,
     )
+    # the site registry's cost with nothing registered, as a ratio measured in the same run
+    registry = report["registry"]
+    assert (
+        registry["rounds"] == bench.REGISTRY_ROUNDS
+        and min(registry["with_registry_s"], registry["without_registry_s"]) > 0
+    )
+    assert math.isclose(registry["ratio"], registry["with_registry_s"] / registry["without_registry_s"], rel_tol=1e-12)
+    assert "site registry, nothing registered" in printed
     # the second run reuses the checkpoint; a non-empty folder that is not one is refused
     assert main([*args, "--checkpoint", str(ckpt)]) == 0
     assert "wrote the synthetic checkpoint" not in capsys.readouterr().out

@@ -79,11 +79,13 @@ class Attention(nn.Module):
 
     Sites (`hooks`): the layer's own (`layers.N.attn`: entered when a call starts, its exit sees the
     output [b, s, dim] with the call's layer, mode, ratio and start_pos in the context) and `topk`
-    (ratio > 0: the compressed positions each query attends to, -1 padded to index_topk, and the
-    index source they came from, "selected_by"); the compressor's and the indexer's own.
+    (ratio > 0: the compressed positions each query attends to, -1 padded to index_topk, with the
+    index source they came from, "selected_by", start_pos and compress_ratio); the compressor's and
+    the indexer's own. The layer's own and `topk` take replacements: at `topk`, the positions the
+    layer reads, [b, s, any width], -1 for none.
     """
 
-    SITES = ("", "topk")
+    SITES = REPLACEABLE = ("", "topk")
     named_sites = NO_SITES
 
     def __init__(
@@ -281,18 +283,20 @@ class Attention(nn.Module):
             cache, selected = self._compressed(x, qr, start_pos, runtime)
             topk = site(self, "topk")
             if topk:  # one width in every call; what the selection was made from in the context
-                topk.exit(
-                    self._pad_topk(selected),
-                    {
-                        "selected_by": runtime.topk_from,
-                        "x": x,
-                        "qr": qr,
-                        "q": q,
-                        "compressed_kv": cache,
-                        "index_keys": runtime.index_k,
-                        "attention": self,
-                    },
-                )
+                padded = self._pad_topk(selected)
+                context = {
+                    "selected_by": runtime.topk_from,
+                    "start_pos": start_pos,
+                    "compress_ratio": self.ratio,
+                    "x": x,
+                    "qr": qr,
+                    "q": q,
+                    "compressed_kv": cache,
+                    "index_keys": runtime.index_k,
+                    "attention": self,
+                }
+                if (given := topk.exit(padded, context)) is not padded:  # an intervention chose them
+                    selected = given
             compress_kv, rows = self._compressed_rows(cache, bsz, (start_pos + seqlen) // self.ratio, selected)
             # the selections index the compressed rows appended after the window rows
             idxs = torch.cat([idxs, torch.where(rows >= 0, rows + kv.size(1), -1)], dim=-1)
@@ -303,7 +307,7 @@ class Attention(nn.Module):
         o = attend(q, kv, self.attn_sink, idxs, self.softmax_scale)  # [b, s, heads, head_dim]
         out = self.project_out(o, freqs)
         if own:
-            own.exit(
+            out = own.exit(
                 out, {"layer": self.layer, "mode": self.mode, "compress_ratio": self.ratio, "start_pos": start_pos}
             )
         return out

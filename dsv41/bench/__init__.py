@@ -21,7 +21,7 @@ from .common import (
     rss_bytes,
     token_list,
 )
-from .decode import PHASES, bench_decode, decode_config, write_decode_checkpoint
+from .decode import PHASES, REGISTRY_ROUNDS, bench_decode, decode_config, write_decode_checkpoint
 from .experts import (
     TARGETS,
     baseline_moe,

@@ -3,24 +3,29 @@ release format with the released expert sizes but two layers and eight routed ex
 the bench, or an existing one with --checkpoint), once with the earlier runtime's experts (each
 routed expert expanded to BF16 per call, the shared expert held in BF16) and once fused (packed
 routed experts, FP8 shared expert), with a per-phase table: attention, routed experts, shared
-expert, Engram, head and the rest. `--geometry released` instead writes every released dimension
-(attention, vocabulary, FP32 head, experts) on a few layers and reports, at one thread and at every
-core, each phase's seconds per token against the bytes it must read and the copy bandwidth floor,
-and the 40-layer prediction (`bench_decode_released`).
+expert, Engram, head and the rest, and what the site registry costs a decode with nothing
+registered (against the same decode with no registry at all). `--geometry released` instead
+writes every released dimension (attention, vocabulary, FP32 head, experts) on a few layers and
+reports, at one thread and at every core, each phase's seconds per token against the bytes it must
+read and the copy bandwidth floor, and the 40-layer prediction (`bench_decode_released`).
 `--speculative`: plain against speculative decoding on the same checkpoint (`speculative.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from dsv41.config import Config
+from dsv41.generate import decode_n, prefill
+from dsv41.hooks import without_sites
 from dsv41.moe import RoutedExperts
 
 from . import released, speculative
@@ -28,6 +33,7 @@ from .common import DIM, INTER, TOPK, PhaseClock, on_synthetic_checkpoint, rss_b
 from .experts import _baseline_expert, _expand_bf16
 
 PHASES = ("attention", "routed experts", "shared expert", "Engram", "head")
+REGISTRY_ROUNDS = 5  # decodes per arm of the registry's cost, the fastest kept
 
 
 # ---------------------------------------------------------------------- bench decode
@@ -127,7 +133,6 @@ def bench_decode(
 ) -> dict:
     """Prefill then decode greedily, baseline then fused; tokens/s and per-phase seconds per token."""
     import dsv41
-    from dsv41.generate import decode_n, prefill
     from dsv41.kernels import native
 
     # threads=None: the bench's own --threads (default: torch's) governs, not the loader's "auto"
@@ -171,6 +176,7 @@ def bench_decode(
             "phases_s_per_token": per_token,
             "tokens": tokens,
         }
+    report["registry"] = _registry_cost(model, prompt, decode_tokens)
     base, fused = report["modes"]["baseline"], report["modes"]["fused"]
     report["speedup"] = fused["tokens_per_s"] / base["tokens_per_s"]
     report["same_tokens"] = base["tokens"] == fused["tokens"]
@@ -184,12 +190,45 @@ def bench_decode(
         log(f"{phase:<20} {base['phases_s_per_token'][phase]:>10.4f} {fused['phases_s_per_token'][phase]:>10.4f}")
     log(f"{'tokens/s':<20} {base['tokens_per_s']:>10.3f} {fused['tokens_per_s']:>10.3f}   ({report['speedup']:.1f}x)")
     log(f"{'prefill s':<20} {base['prefill_s']:>10.3f} {fused['prefill_s']:>10.3f}")
+    registry = report["registry"]
+    log(
+        f"site registry, nothing registered: {registry['ratio']:.3f}x the decode time of a forward with no registry "
+        f"({registry['with_registry_s']:.4f} s against {registry['without_registry_s']:.4f} s, fastest of "
+        f"{registry['rounds']} rounds each, fused)"
+    )
     report["end"] = rss_bytes()
     log(
         f"resident memory: {report['end']['rss_bytes'] / 2**20:.0f} MiB now, "
         f"{report['end']['peak_rss_bytes'] / 2**20:.0f} MiB peak"
     )
     return report
+
+
+def _registry_cost(model, prompt: list[int], decode_tokens: int, rounds: int = REGISTRY_ROUNDS) -> dict:
+    """Decode seconds with the site registry in place and nothing registered against the same
+    decode with no registry at all (`hooks.without_sites`: every site lookup answers None), the
+    rounds interleaved (each round in the other order than the last, so a drift in the machine's
+    speed reaches both alike) and the fastest of each kept; the draft stack is off in both (the
+    sites feed it), so the two differ by the registry alone."""
+    best = {"with": math.inf, "without": math.inf}
+    draft, feeds = model.draft_stack, model.backbone.feeds_draft
+    model.draft_stack, model.backbone.feeds_draft = None, False
+    try:
+        for i in range(rounds):
+            for arm in ("with", "without") if i % 2 == 0 else ("without", "with"):
+                with without_sites(model.backbone) if arm == "without" else nullcontext():
+                    token = int(prefill(model, prompt)[0].argmax())
+                    began = time.perf_counter()
+                    decode_n(model, token, decode_tokens)
+                    best[arm] = min(best[arm], time.perf_counter() - began)
+    finally:
+        model.draft_stack, model.backbone.feeds_draft = draft, feeds
+    return {
+        "with_registry_s": best["with"],
+        "without_registry_s": best["without"],
+        "ratio": best["with"] / best["without"],
+        "rounds": rounds,
+    }
 
 
 # ---------------------------------------------------------------------- the subcommand

@@ -90,6 +90,8 @@ def write_trace_file(
                 "check_finite": getattr(fwd, "check_finite", False),
             },
             **{name: [record(r) for r in getattr(fwd, name, [])] for name in _RECORDS},
+            # only where some were active, so a trace without any is the file it always was
+            **({"interventions": list(fwd.interventions)} if fwd.interventions else {}),
         },
         "steps": [record(s) for s in steps],
         "cache": [
@@ -132,6 +134,7 @@ MAX_LAYER_INDEX = MAX_LAYERS + VALUE_BOUNDS["n_mtp_layers"][1] - 1
 MAX_POSITION = VALUE_BOUNDS["max_position_embeddings"][1]
 MAX_ROUTED_EXPERTS = VALUE_BOUNDS["n_routed_experts"][1]
 MAX_COUNT = (1 << 63) - 1
+MAX_INTERVENTION_CHARS = 1000  # "site: label" of one intervention
 _MEMBER_NAME = re.compile(r"(manifest|t[0-9]{1,9})\.npy")
 _TENSOR_KEY = re.compile(r"t[0-9]{1,9}")
 _MANIFEST_KEYS = ("format", "version", "forward", "steps", "cache", "meta")
@@ -375,7 +378,7 @@ def _read_trace(archive: zipfile.ZipFile, limit: int, path: str) -> TraceContent
         _check_values(ref, t, expert_bound)
         return t
 
-    forward = ForwardTrace(**plan["options"])
+    forward = ForwardTrace(**plan["options"], interventions=list(plan["interventions"]))
     for kind, records in plan["records"].items():
         for cls, _where, fields in records:
             record = cls(**{k: tensor(v) if isinstance(v, _TensorRef) else v for k, v in fields.items()})
@@ -485,7 +488,7 @@ def _check_manifest(manifest: dict, refs: dict) -> dict:
     forward = manifest.get("forward")
     if not isinstance(forward, dict):
         raise _Damage(f"its manifest's forward is {_shown(forward)}, not an object")
-    unknown = [k for k in forward if k not in ("class", "options", *_RECORDS)]
+    unknown = [k for k in forward if k not in ("class", "options", "interventions", *_RECORDS)]
     if unknown:
         raise _Damage(f"its forward trace holds {_shown(unknown[0])}, which GenerationTrace.save never writes")
     if not isinstance(forward.get("class", ""), str):
@@ -498,6 +501,10 @@ def _check_manifest(manifest: dict, refs: dict) -> dict:
             raise _Damage(f"its forward trace has an option {_shown(name)}, which a ForwardTrace does not have")
         if not isinstance(value, bool):
             raise _Damage(f"its forward trace's option {name} is {_shown(value)}, not true or false")
+
+    interventions = _listed(forward.get("interventions", []), "its interventions")
+    if not all(isinstance(entry, str) and len(entry) <= MAX_INTERVENTION_CHARS for entry in interventions):
+        raise _Damage(f"its interventions are {_shown(interventions)}, not a list of short names")
 
     records = {}
     for kind, cls in _RECORDS.items():
@@ -526,7 +533,14 @@ def _check_manifest(manifest: dict, refs: dict) -> dict:
     ):
         if name in meta and (expected := check(meta[name])):
             raise _Damage(f"its meta's {name} is {_shown(meta[name])}, not {expected}")
-    return {"options": options, "records": records, "steps": steps, "cache": cache, "meta": dict(meta)}
+    return {
+        "options": options,
+        "interventions": interventions,
+        "records": records,
+        "steps": steps,
+        "cache": cache,
+        "meta": dict(meta),
+    }
 
 
 def _listed(value, what: str) -> list:

@@ -88,6 +88,9 @@ class Trace:
     keep_index_scores: bool = False
     keep_outputs: bool = False
     attention: list[AttentionRecord] = field(default_factory=list)
+    # "site: label" of each intervention active in a recorded call (`interventions.intervene`),
+    # once each, in the order first met: what the records show is the intervened forward's
+    interventions: list[str] = field(default_factory=list)
 
     def attention_by_layer(self) -> dict[int, dict[str, torch.Tensor]]:
         """Per layer, the records' per-query fields concatenated along the query axis (in call
@@ -118,6 +121,7 @@ class Trace:
 
     def clear(self) -> None:
         self.attention.clear()
+        self.interventions.clear()
 
     def observers(self, start_pos: int = 0) -> dict:
         """{site pattern: observer} that fill this trace from one call at `start_pos` (`hooks`):
@@ -126,7 +130,12 @@ class Trace:
 
     def recording(self, sites, start_pos: int = 0):
         """`with trace.recording(stack.sites):` this trace filled from every call in the block (its
-        patterns a model or stack lacks skipped); `Model(..., trace=)` does this for its call."""
+        patterns a model or stack lacks skipped); `Model(..., trace=)` does this for its call. The
+        interventions registered at `sites` when it starts are noted in `interventions`."""
+        for name, fn in sites.active_interventions():
+            entry = f"{name}: {getattr(fn, 'label', None) or type(fn).__name__}"
+            if entry not in self.interventions:
+                self.interventions.append(entry)
         return sites.hooks(self.observers(start_pos), strict=False)
 
 
