@@ -252,6 +252,14 @@ def indexer_study(model: Model, windows: HeldOut, base: np.ndarray, seed: int = 
     }
 
 
+def spaced(items: Sequence, most: int) -> list:
+    """At most `most` of `items`, evenly spaced from the first (all of them when they are few)."""
+    items = list(items)
+    if len(items) <= most:
+        return items
+    return [items[(i * len(items)) // most] for i in range(most)]
+
+
 def expert_grid(model: Model, max_runs: Optional[int] = None, layers: Optional[Sequence[int]] = None):
     """(layers, experts) the expert map covers: `layers` (default every MoE layer) and every routed
     expert, cut to at most `max_runs` cells by keeping evenly spaced layers and the lowest expert
@@ -262,8 +270,7 @@ def expert_grid(model: Model, max_runs: Optional[int] = None, layers: Optional[S
         raise ExperimentError(f"the expert map's layers must lie in 0 to {cfg.n_layers - 1}, got {brief(layers)}")
     experts = list(range(cfg.n_routed_experts))
     if max_runs is not None and len(layers) * len(experts) > max_runs:
-        keep = max(1, min(len(layers), max_runs // len(experts)))
-        layers = [layers[(i * len(layers)) // keep] for i in range(keep)]
+        layers = spaced(layers, max(1, max_runs // len(experts)))
         experts = experts[: max(1, max_runs // len(layers))]
     return layers, experts
 
@@ -354,6 +361,7 @@ def patching_study(
     model: Model,
     template: str = PATCH_TEMPLATE,
     names: Optional[Sequence[str]] = None,
+    max_layers: Optional[int] = None,
     draws: int = BOOTSTRAP_DRAWS,
     seed: int = BOOTSTRAP_SEED,
     progress=None,
@@ -363,13 +371,15 @@ def patching_study(
     first token minus the corrupted one's. For each layer L and position p, every pair's corrupted
     run gets the clean run's `layers.L.resid_pre` at p: recovered = (mean patched metric - mean
     corrupted) / (mean clean - mean corrupted), 1 where that one stream carries the whole
-    difference, with a bootstrap interval over the pairs. `names`: default `patch_names`."""
+    difference, with a bootstrap interval over the pairs. `names`: default `patch_names`;
+    `max_layers`: patch at most that many layers, evenly spaced (a released-size model's 43 layers
+    times every position is many forwards)."""
     names = patch_names(model, template) if names is None else list(names)
     prompts, firsts = patch_prompts(model, template, names)
     n, length = prompts.shape
     clean_ids, corrupt_ids = prompts, prompts.roll(-1, dims=0)
     good, bad = firsts, firsts.roll(-1, dims=0)
-    layers = list(range(model.cfg.n_layers))
+    layers = spaced(range(model.cfg.n_layers), max_layers or model.cfg.n_layers)
     sites = [f"layers.{layer}.resid_pre" for layer in layers]
     batch = model.backbone.max_batch_size
 
@@ -438,6 +448,7 @@ def run_studies(
     *,
     expert_layers: Optional[Sequence[int]] = None,
     max_expert_runs: Optional[int] = None,
+    max_patch_layers: Optional[int] = None,
     progress: bool = False,
 ) -> dict:
     """The unablated run and each study of `studies` (STUDIES' names) on `windows`, with a progress
@@ -455,7 +466,7 @@ def run_studies(
     total = windows.n * (1 + sum(runs.get(s, 0) for s in studies))
     if "patching" in studies:
         prompts, _ = patch_prompts(model)
-        total += prompts.numel() * model.cfg.n_layers
+        total += prompts.numel() * len(spaced(range(model.cfg.n_layers), max_patch_layers or model.cfg.n_layers))
     out: dict = {}
     with _bar(total, "ablate", progress) as bar:
         base = baseline(model, windows, bar)
@@ -470,7 +481,7 @@ def run_studies(
             elif study == "hyper_connections":
                 out[study] = hyper_connection_study(model, windows, base["bits"], bar)
             else:
-                out[study] = patching_study(model, progress=bar)
+                out[study] = patching_study(model, max_layers=max_patch_layers, progress=bar)
     return out
 
 
@@ -628,6 +639,7 @@ def patching_figure(study: dict):
         if position in study["renamed_positions"]:
             tick.set_color(viz.PALETTE[3])
     ax.set_yticks(range(len(study["layers"])))
+    ax.set_yticklabels(study["layers"])
     ax.set(
         ylabel="layer (its input stream)", title="share of the renamed name's logit difference restored by one patch"
     )
@@ -654,7 +666,8 @@ def summary_figure(results: dict):
 
 def headlines(results: dict) -> list[tuple[str, dict]]:
     """(label, compare result) of each study's headline number: Engram off, the selection dense and
-    random, the costliest routed expert removed, the plain residual."""
+    random, the costliest routed expert removed (picked as the largest of the map, so its interval
+    flatters it), the plain residual."""
     rows = []
     if "engram" in results:
         rows.append(("Engram off", results["engram"]["all"]))
@@ -667,7 +680,7 @@ def headlines(results: dict) -> list[tuple[str, dict]]:
         low, high = e["interval"][i][j]
         rows.append(
             (
-                f"expert {e['experts'][j]} of layer {e['layers'][i]} removed",
+                f"costliest expert removed (layer {e['layers'][i]}, expert {e['experts'][j]})",
                 {"difference": float(diff[i, j]), "interval": [low, high], "spans_zero": e["spans_zero"][i][j]},
             )
         )
@@ -769,6 +782,13 @@ def cli_main(argv: list[str]) -> int:
         help="at most N expert removals: evenly spaced layers and the lowest expert ids (a released-size model has "
         "43 x 384)",
     )
+    parser.add_argument(
+        "--max-patch-layers",
+        type=whole_number(1, 1 << 20, "layers"),
+        default=None,
+        metavar="N",
+        help="patch at most N layers, evenly spaced (default every layer)",
+    )
     parser.add_argument("--memory", type=memory_size, default=None, metavar="SIZE", help="a memory budget, e.g. 20GiB")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or summary on stderr")
     args = parser.parse_args(argv)
@@ -801,6 +821,7 @@ def _ablate(args) -> int:
         args.studies,
         expert_layers=args.expert_layers,
         max_expert_runs=args.max_expert_runs,
+        max_patch_layers=args.max_patch_layers,
         progress=not args.quiet,
     )
     facts = {

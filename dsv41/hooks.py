@@ -342,7 +342,7 @@ def without_sites(root) -> Iterator[None]:
     named = {m: m.__dict__["named_sites"] for m in root.modules() if "named_sites" in m.__dict__}
     try:
         for module in named:
-            module.named_sites = NO_SITES
+            module.named_sites = {}  # a builtin lookup that finds nothing: the cheapest "nobody"
         yield
     finally:
         for module, sites in named.items():
