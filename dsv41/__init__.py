@@ -4,12 +4,12 @@ __version__ = "0.1.0"
 
 # Imported on first use, so `import dsv41` (and the header-only commands) never import torch.
 _LAZY = {
-    "load": ("dsv41.loader", "load"),
-    "LoadReport": ("dsv41.report", "LoadReport"),
-    "LoadError": ("dsv41.checkpoint", "LoadError"),
-    "Model": ("dsv41.model", "Model"),
-    "Numerics": ("dsv41.numerics", "Numerics"),
-    "Dsv41Error": ("dsv41.errors", "Dsv41Error"),
+    "load": ("dsv41.runtime.loader", "load"),
+    "LoadReport": ("dsv41.runtime.report", "LoadReport"),
+    "LoadError": ("dsv41.checkpoint.checkpoint", "LoadError"),
+    "Model": ("dsv41.model.model", "Model"),
+    "Numerics": ("dsv41.core.numerics", "Numerics"),
+    "Dsv41Error": ("dsv41.core.errors", "Dsv41Error"),
 }
 
 

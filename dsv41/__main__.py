@@ -1,5 +1,5 @@
 import sys
 
-from dsv41.cli import main
+from dsv41.app.cli import main
 
 sys.exit(main())

@@ -50,7 +50,7 @@ CHECKPOINTS = ("tiny", "miniature")
 def parity(request):
     """A checkpoint under Numerics.parity(), one per test module and checkpoint."""
     import dsv41
-    from dsv41.numerics import Numerics
+    from dsv41.core.numerics import Numerics
 
     return dsv41.load(request.getfixturevalue(f"{request.param}_checkpoint"), quiet=True, numerics=Numerics.parity())
 
@@ -66,7 +66,7 @@ def reference(request):
 @pytest.fixture(scope="session")
 def miniature_checkpoint() -> str:
     """The trained miniature the package ships (`dsv41/data/miniature`), checked against its manifest."""
-    from dsv41.miniature import check_files, packaged_folder, read_manifest
+    from dsv41.checkpoint.miniature import check_files, packaged_folder, read_manifest
 
     folder = packaged_folder()
     manifest = read_manifest(folder)
@@ -80,7 +80,7 @@ def miniature_checkpoint() -> str:
 def tiny_checkpoint(tmp_path_factory) -> str:
     """The embedded default checkpoint (seed 0), written once per test session into a pytest temp
     folder (never the user cache). Treat it as read-only: other tests share it."""
-    from dsv41.tiny import write_tiny_checkpoint
+    from dsv41.checkpoint.tiny import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "checkpoint", seed=0, progress=False)
 
@@ -149,7 +149,7 @@ def second_run_exports(tmp_path_factory, checkpoint, only: str) -> dict:
 def _run_smoke(tmp_path_factory, checkpoint, only: str, threads, parameters: dict):
     import json
 
-    from dsv41.cli import main as dsv41_main
+    from dsv41.app.cli import main as dsv41_main
 
     run = tmp_path_factory.mktemp(f"smoke-{only.replace(',', '-')}") / "run"
     with pytest.MonkeyPatch.context() as mp:

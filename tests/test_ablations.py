@@ -1,4 +1,4 @@
-"""The named ablations and activation patching (`dsv41.ablations`): each does what its name says at
+"""The named ablations and activation patching (`dsv41.model.ablations`): each does what its name says at
 its sites, and under `Numerics.parity()` an ablated model run in chunks, decoded a token at a time
 or rolled back gives the logits of one ablated prefill, bit for bit, on the trained miniature, the
 random tiny checkpoint and the released layer plan at small widths."""
@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import dsv41
-from dsv41 import ablations, sequence
-from dsv41.ablations import AblationError
-from dsv41.hooks import UnknownSiteError, run_with_hooks
-from dsv41.numerics import Numerics
-from dsv41.trace import ForwardTrace
+from dsv41.core.numerics import Numerics
+from dsv41.model import ablations, sequence
+from dsv41.model.ablations import AblationError
+from dsv41.model.hooks import UnknownSiteError, run_with_hooks
+from dsv41.model.trace import ForwardTrace
 
 IDS = [0] + [(37 * i + 11) % 900 + 3 for i in range(39)]  # 40 positions: several compressed groups
 
@@ -195,7 +195,7 @@ def test_patching_writes_the_clean_run_at_the_chosen_sites_and_positions(parity)
 def released_small(tmp_path_factory):
     """The released layer plan at small widths (`dsv41 make-synthetic --small`): random dense
     weights, routed experts and Engram tables as holes (zeros), under Numerics.parity()."""
-    from dsv41.released_synthetic import write_released_synthetic
+    from dsv41.checkpoint.released_synthetic import write_released_synthetic
 
     folder = str(tmp_path_factory.mktemp("released-small") / "ck")
     write_released_synthetic(folder, small=True, progress=False, log=lambda _: None)

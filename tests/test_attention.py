@@ -11,21 +11,21 @@ import dataclasses
 import pytest
 import torch
 
-from dsv41.attention import (
+from dsv41.core.config import TINY
+from dsv41.core.numerics import WINDOW_LAYOUTS, Numerics
+from dsv41.kernels import SPARSE_ATTN_CHUNK, fp4_act_quant, sparse_attn
+from dsv41.model.attention import (
     Attention,
     AttentionRuntime,
     Compressor,
     candidate_block_scores,
     select_candidate_blocks,
 )
-from dsv41.attention import layer as attention_layer
-from dsv41.attention import state as attention_state
-from dsv41.config import TINY
-from dsv41.csa2_stack import AttentionStack
-from dsv41.kernels import SPARSE_ATTN_CHUNK, fp4_act_quant, sparse_attn
-from dsv41.layers import apply_rotary_emb, init_random_, precompute_freqs_cis
-from dsv41.numerics import WINDOW_LAYOUTS, Numerics
-from dsv41.trace import Trace
+from dsv41.model.attention import layer as attention_layer
+from dsv41.model.attention import state as attention_state
+from dsv41.model.layers import apply_rotary_emb, init_random_, precompute_freqs_cis
+from dsv41.model.trace import Trace
+from dsv41.observe.csa2_stack import AttentionStack
 
 # wide enough that nothing is truncated at the lengths used here: every reachable position kept
 WIDE = dataclasses.replace(TINY, index_topk=64, candidate_topk_blocks=64)

@@ -10,9 +10,9 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from dsv41 import audit, headers
-from dsv41.config import TINY, write_config_pair
-from dsv41.inventory import derived_engram_rows, expected_tensors, shard_contents
+from dsv41.checkpoint import audit, headers
+from dsv41.checkpoint.inventory import derived_engram_rows, expected_tensors, shard_contents
+from dsv41.core.config import TINY, write_config_pair
 
 ENGRAM_WAITING = {"engram.projections", "engram.dtype", "engram.row_block", "packing.fp8_block"}
 
@@ -572,7 +572,7 @@ def test_bad_usage_exits_2(args, capsys):
 
 # ---------------------------------------------------------------------- the written tiny checkpoint
 def test_written_tiny_checkpoint_passes_and_a_retyped_weight_in_it_fails(tiny_checkpoint, tmp_path):
-    """The checkpoint dsv41.tiny writes (real payloads) passes all 39; relabelling one dense FP8
+    """The checkpoint dsv41.checkpoint.tiny writes (real payloads) passes all 39; relabelling one dense FP8
     weight as I8 in its header, the reviewer's probe, fails the dtype check by name."""
     r = audit.run_audit(tiny_checkpoint, require_complete=True)
     assert (len(r.checks), r.passed, r.exit_code) == (39, 39, 0)
@@ -658,7 +658,7 @@ def _located(directory, name):
 
 @pytest.fixture
 def tiny_copy(tiny_checkpoint, tmp_path):
-    """A copy of the embedded default checkpoint (dsv41.tiny's bytes, seed 0), safe to damage."""
+    """A copy of the embedded default checkpoint (dsv41.checkpoint.tiny's bytes, seed 0), safe to damage."""
     copy = tmp_path / "payloads"
     shutil.copytree(tiny_checkpoint, copy)
     return copy
@@ -753,13 +753,13 @@ def test_values_of_header_prefixes_are_unread_not_guessed(tmp_path):
     ],
 )
 def test_count_codes(dtype, codes, counts):
-    from dsv41.audit.values import count_codes
+    from dsv41.checkpoint.audit.values import count_codes
 
     assert count_codes(dtype, codes) == counts
 
 
 def test_values_read_in_bounded_chunks(tiny_copy, monkeypatch):
-    from dsv41.audit import values
+    from dsv41.checkpoint.audit import values
 
     monkeypatch.setattr(values, "CHUNK_BYTES", 64)  # many chunks per tensor: counts must not change
     path, start, entry = _located(tiny_copy, "head.weight")

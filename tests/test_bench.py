@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from dsv41 import bench
+from dsv41.app.cli import main
 from dsv41.bench.common import token_list
 from dsv41.bench.experts import _check_targets, _expand_bf16
 from dsv41.bench.released import _released_targets
-from dsv41.cli import main
 from dsv41.kernels import native
 
 TINY = ["--dims", "64,32", "--repeats", "1", "--copy-mib", "8"]
@@ -90,7 +90,7 @@ def test_bench_rejects_bad_arguments(capsys):
 def test_bench_times_the_computation_the_model_runs():
     """The fused MoE the bench times equals the reference experts; the baseline's expansion
     equals the storage dequantizer."""
-    from dsv41.formats import dequantize
+    from dsv41.checkpoint.formats import dequantize
     from dsv41.kernels.experts import expert_ffn_reference, routed_experts_reference
 
     routed, shared = bench.make_experts(8, 64, 32)
@@ -248,7 +248,7 @@ def test_bench_decode_released_reports_phases_against_their_floor(tmp_path, caps
     """`bench decode --geometry released` on the released layer plan at tiny dims: per phase and
     for the whole token the four numbers, each a division of measured or counted ones; bytes from
     the tensors as held; the 40-layer prediction built from the measured layers."""
-    from dsv41.config import RELEASED
+    from dsv41.core.config import RELEASED
 
     out = tmp_path / "released.json"
     args = [
@@ -320,7 +320,7 @@ def test_released_decode_targets_leave_out_the_latency_bound_phase():
 
 
 def test_released_decode_config_is_the_released_geometry_on_few_layers():
-    from dsv41.config import RELEASED
+    from dsv41.core.config import RELEASED
 
     cfg = bench.released_decode_config(3, 10)
     for field in (

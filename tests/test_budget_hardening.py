@@ -18,14 +18,14 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import dsv41  # noqa: E402
-from dsv41 import budget  # noqa: E402
-from dsv41.argtypes import MAX_BYTES, byte_size  # noqa: E402
-from dsv41.budget import GIB, BudgetError, plan_budget  # noqa: E402
-from dsv41.checkpoint import Checkpoint, LoadError  # noqa: E402
-from dsv41.config import load_config  # noqa: E402
-from dsv41.errors import Dsv41Error  # noqa: E402
-from dsv41.eviction import Residency, replay_calls  # noqa: E402
-from dsv41.stores import SlotCache  # noqa: E402
+from dsv41.checkpoint.checkpoint import Checkpoint, LoadError  # noqa: E402
+from dsv41.checkpoint.eviction import Residency, replay_calls  # noqa: E402
+from dsv41.checkpoint.stores import SlotCache  # noqa: E402
+from dsv41.core.argtypes import MAX_BYTES, byte_size  # noqa: E402
+from dsv41.core.config import load_config  # noqa: E402
+from dsv41.core.errors import Dsv41Error  # noqa: E402
+from dsv41.runtime import budget  # noqa: E402
+from dsv41.runtime.budget import GIB, BudgetError, plan_budget  # noqa: E402
 
 UNITS = {
     "": 1,
@@ -255,7 +255,7 @@ def test_load_raises_only_load_error_for_any_budget(tiny_checkpoint, size):
 @pytest.mark.parametrize("command", ["chat", "generate"])
 @pytest.mark.parametrize("size, code", [("1e308GiB", 2), ("999999TiB", 1)])
 def test_the_commands_answer_a_huge_budget_in_one_line(tiny_checkpoint, capsys, command, size, code):
-    from dsv41 import cli
+    from dsv41.app import cli
 
     extra = ["--prompt", "x"] if command == "generate" else []
     try:
@@ -274,7 +274,7 @@ def test_a_whole_number_flag_names_a_huge_value_briefly():
     """`--steps` with 401 digits was echoed whole in the usage error."""
     import argparse
 
-    from dsv41.argtypes import whole_number
+    from dsv41.core.argtypes import whole_number
 
     with pytest.raises(argparse.ArgumentTypeError) as info:
         whole_number(1, 10, "steps")("9" * 401)

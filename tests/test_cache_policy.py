@@ -1,6 +1,6 @@
-"""dsv41.cache_policy and widgets.policy: each policy's one-pass depths against its direct
+"""dsv41.observe.cache_policy and dsv41.widgets.policy: each policy's one-pass depths against its direct
 simulation, Belady against every policy and against an exhaustive optimum, LRU against
-widgets.cache and the real ExpertCache on a generation from the embedded checkpoint, the bytes a
+dsv41.widgets.cache and the real ExpertCache on a generation from the embedded checkpoint, the bytes a
 miss reads against the formula, trace files round-tripping without pickle, the `replay` command,
 and the figure."""
 
@@ -14,12 +14,10 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-import widgets
-from dsv41 import cache_policy as cp
-from dsv41 import viz
-from dsv41.config import RELEASED, TINY
-from dsv41.generate import generate
-from dsv41.trace import (
+from dsv41 import widgets
+from dsv41.core.config import RELEASED, TINY
+from dsv41.generation.generate import generate
+from dsv41.model.trace import (
     AttentionRecord,
     FiniteRecord,
     ForwardTrace,
@@ -28,7 +26,9 @@ from dsv41.trace import (
     StepRecord,
     TraceFileError,
 )
-from widgets.cache import lru_replay as widgets_lru_replay
+from dsv41.observe import cache_policy as cp
+from dsv41.observe import viz
+from dsv41.widgets.cache import lru_replay as widgets_lru_replay
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,7 +49,7 @@ def _sequences(n_cases, seed=0, max_experts=10, max_len=60):
 
 # ---------------------------------------------------------------------- the bytes a miss reads
 def test_a_miss_reads_one_routed_expert_as_stored_on_the_release(tiny_checkpoint):
-    from dsv41.config import load_config
+    from dsv41.core.config import load_config
 
     dim, inter = RELEASED.dim, RELEASED.moe_inter_dim
     # w1 and w3 [inter, dim], w2 [dim, inter]: FP4 two per byte, one E8M0 byte per 32 values
@@ -221,7 +221,7 @@ def test_policy_data_by_hand():
 @pytest.fixture(scope="module")
 def run(tiny_checkpoint):
     """A freshly loaded model (its counters hold only this run) and a traced generation."""
-    from dsv41.loader import load
+    from dsv41.runtime.loader import load
 
     model = load(tiny_checkpoint, expert_cache=5, quiet=True)
     result = generate(
@@ -245,7 +245,7 @@ def test_lru_is_the_real_expert_cache(run):
         per_call = cp.replay_counts([c.lookups for c in calls[layer]], 5, "lru")
         assert per_call == [[c.hits, c.misses] for c in calls[layer]], layer
     assert data["hit_rate"]["lru"][at] == data["recorded_hit_rate"]
-    # the same curve as widgets.cache's replay, at every size
+    # the same curve as dsv41.widgets.cache's replay, at every size
     cache = widgets.cache_data(result, capacity=5, n_experts=cfg.n_routed_experts)
     assert cache["replay_sizes"] == data["capacities"]
     assert cache["replay_hit_rate"] == pytest.approx(data["hit_rate"]["lru"], abs=1e-15)

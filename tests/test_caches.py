@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dsv41 import formats, tiny
-from dsv41.headers import INDEX_NAME
+from dsv41.checkpoint import formats, tiny
+from dsv41.checkpoint.headers import INDEX_NAME
 
 HAVE_CC = shutil.which(os.environ.get("CC", "cc")) is not None
 needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler on PATH: the native kernels cannot be built here")

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from dsv41 import chat_reply
-from dsv41.chat import ChatFormatError, encode, render
-from dsv41.chat_reply import parse
+from dsv41.generation import chat_reply
+from dsv41.generation.chat import ChatFormatError, encode, render
+from dsv41.generation.chat_reply import parse
 
 # the format's markers, spelled out
 B, E = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -424,7 +424,7 @@ def test_a_reply_cut_inside_the_opening_tag_is_incomplete_tool_calls():
 
 # ---------------------------------------------------------------------- the tokenizer
 def test_the_embedded_tokenizer_has_every_marker_as_one_id():
-    from dsv41 import tokenizer
+    from dsv41.checkpoint import tokenizer
 
     tok = tokenizer.build_tiny_tokenizer()
     markers = [B, E, U, A, S, R, T0, T1, D, IMG, *tokenizer.TASK_TOKENS.values()]

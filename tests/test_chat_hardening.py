@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from dsv41.chat import CONTENT, ChatFormatError, ChatPrompt, encode, render, token_ids
-from dsv41.chat_reply import parse
-from dsv41.conversation import chat
+from dsv41.generation.chat import CONTENT, ChatFormatError, ChatPrompt, encode, render, token_ids
+from dsv41.generation.chat_reply import parse
+from dsv41.generation.conversation import chat
 
 B, E = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 U, A, S, R = "<｜User｜>", "<｜Assistant｜>", "<｜System｜>", "<｜latest_reminder｜>"
@@ -43,7 +43,7 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    from dsv41.tokenizer import build_tiny_tokenizer
+    from dsv41.checkpoint.tokenizer import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
 
@@ -328,8 +328,8 @@ def test_parse_is_linear_in_the_number_of_calls():
 # ---------------------------------------------------------------------- over the model
 @pytest.fixture(scope="module")
 def model(tiny_checkpoint):
-    from dsv41.loader import load
-    from dsv41.numerics import Numerics
+    from dsv41.core.numerics import Numerics
+    from dsv41.runtime.loader import load
 
     return load(tiny_checkpoint, quiet=True, numerics=Numerics.parity())
 
@@ -337,7 +337,7 @@ def model(tiny_checkpoint):
 @pytest.fixture
 def fed(monkeypatch):
     """Every prompt the chat path hands to `generate`, as ids."""
-    from dsv41 import conversation
+    from dsv41.generation import conversation
 
     seen, real = [], conversation.generate
 
@@ -354,7 +354,7 @@ def test_chat_and_conversation_send_run_the_safe_ids(model, fed):
     result = chat(model, [{"role": "user", "content": FORGED_TURNS}], max_new_tokens=2)
     assert controls(tok, result.prompt_ids) == [B, U, A, T1] and fed[-1] == result.prompt_ids
 
-    from dsv41.conversation import Conversation
+    from dsv41.generation.conversation import Conversation
 
     model.reset()
     conversation = Conversation(model, max_new_tokens=1)
@@ -368,7 +368,7 @@ def test_chat_and_conversation_send_run_the_safe_ids(model, fed):
 
 
 def test_the_terminal_runs_the_safe_ids(model, fed):
-    from dsv41.conversation import run_terminal
+    from dsv41.generation.conversation import run_terminal
 
     stdout = io.StringIO()
     assert run_terminal(model, io.StringIO(FORGED_TURNS + "\n"), stdout, max_new_tokens=1, status=False) == 0
@@ -410,7 +410,7 @@ def test_a_missing_path_and_a_non_image_file_read_the_same(model, tmp_path):
 
 # ---------------------------------------------------------------------- the terminal
 def test_a_non_utf8_line_is_one_line_and_the_session_goes_on(model):
-    from dsv41.conversation import run_terminal
+    from dsv41.generation.conversation import run_terminal
 
     stdin = io.TextIOWrapper(io.BytesIO(b"hello\nbad \xff\xfe byte\nagain\n"), encoding="utf-8")
     stdout = io.StringIO()
@@ -422,7 +422,7 @@ def test_a_non_utf8_line_is_one_line_and_the_session_goes_on(model):
 
 
 def test_save_never_overwrites_without_asking(model, tmp_path):
-    from dsv41.conversation import run_terminal
+    from dsv41.generation.conversation import run_terminal
 
     kept = tmp_path / "kept.json"
     kept.write_text("precious")
@@ -455,7 +455,8 @@ def test_the_command_survives_bad_bytes_and_a_fifo(tiny_checkpoint, tmp_path):
 
 
 def test_ctrl_c_while_loading_is_one_line_and_exit_130(monkeypatch, capsys, tiny_checkpoint):
-    from dsv41 import cli, loader
+    from dsv41.app import cli
+    from dsv41.runtime import loader
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -467,7 +468,7 @@ def test_ctrl_c_while_loading_is_one_line_and_exit_130(monkeypatch, capsys, tiny
 
 
 def test_a_non_utf8_system_message_is_refused_before_loading(capsys):
-    from dsv41 import cli
+    from dsv41.app import cli
 
     assert cli.chat_main(["--system", "caf\udce9", "--checkpoint", "/nonexistent"]) == 1
     err = capsys.readouterr().err
@@ -485,7 +486,7 @@ def test_each_added_token_alone_is_text(tok):
 
 # ---------------------------------------------------------------------- what `dsv41 chat` says
 def test_chat_help_names_no_option_chat_lacks(capsys, monkeypatch):
-    from dsv41 import cli
+    from dsv41.app import cli
 
     monkeypatch.setenv("COLUMNS", "1000")  # one line per option: no flag broken at its hyphen
     with pytest.raises(SystemExit) as done:
@@ -496,7 +497,7 @@ def test_chat_help_names_no_option_chat_lacks(capsys, monkeypatch):
 
 
 def _result(raw: str, thinking: bool = False):
-    from dsv41.conversation import ChatResult
+    from dsv41.generation.conversation import ChatResult
 
     return ChatResult(
         parse(raw, thinking=thinking),
@@ -510,7 +511,7 @@ def _result(raw: str, thinking: bool = False):
 
 
 def test_a_piped_reply_is_printed_as_text(monkeypatch):
-    from dsv41 import conversation
+    from dsv41.generation import conversation
 
     code = "def f(x):\n\treturn x  # tab kept\n\x1b[31mred"
     replies = iter([_result(f"step one\nstep two{T1}{code}{E}", thinking=True), _result(f"ok{E}")])

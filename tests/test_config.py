@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from dsv41.config import (
+from dsv41.core.config import (
     RELEASED,
     TINY,
     Config,
@@ -16,7 +16,7 @@ from dsv41.config import (
     resolve_config_path,
     write_config_pair,
 )
-from dsv41.config_fields import FLAT_KEYS, NESTED_ONLY_KEYS
+from dsv41.core.config_fields import FLAT_KEYS, NESTED_ONLY_KEYS
 
 RELEASE_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference", "deepseek-v4.1-flash")
 NESTED_FILE = os.path.join(RELEASE_DIR, "config.json")
@@ -481,8 +481,8 @@ def test_the_field_table_is_the_one_schema():
     Config and VerifiedConfig are its rows: names in its order, its types, its defaults."""
     import dataclasses
 
-    from dsv41.config import VerifiedConfig
-    from dsv41.config_fields import FIELDS, FLOAT_LIMITS, LIST_BOUNDS, VALUE_BOUNDS
+    from dsv41.core.config import VerifiedConfig
+    from dsv41.core.config_fields import FIELDS, FLOAT_LIMITS, LIST_BOUNDS, VALUE_BOUNDS
 
     names = [f.name for f in FIELDS]
     assert len(names) == len(set(names)) == 76
@@ -567,9 +567,9 @@ def test_verify_and_the_audit_name_the_same_ratio_source_breaks():
 
     hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is in the test extra: pip install -e '.[test]'")
     st = hypothesis.strategies
-    from dsv41.audit.checks.config import CHECKS
-    from dsv41.audit.evidence import SHOWN
-    from dsv41.audit.report import PASS
+    from dsv41.checkpoint.audit.checks.config import CHECKS
+    from dsv41.checkpoint.audit.evidence import SHOWN
+    from dsv41.checkpoint.audit.report import PASS
 
     readers_check = next(c for c in CHECKS if c.id == "config.readers_have_sources")
     n = TINY.n_layers

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dsv41
-from dsv41 import sequence
-from dsv41.generate import generate
-from dsv41.numerics import Numerics
+from dsv41.core.numerics import Numerics
+from dsv41.generation.generate import generate
+from dsv41.model import sequence
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CASES = settings(
@@ -27,7 +27,8 @@ CASES = settings(
 def wide_window(tmp_path_factory, one_thread):
     """The tiny checkpoint written over a config with a 128-position window, so a window row
     spans more than one 64-column sparse_attn chunk (the released window)."""
-    from dsv41 import config, tiny
+    from dsv41.checkpoint import tiny
+    from dsv41.core import config
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(config, "TINY", config.TINY.replace(window_size=128))

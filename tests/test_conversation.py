@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from dsv41 import chat as chat_format
-from dsv41 import chat_reply
-from dsv41.conversation import ChatResult, Conversation, chat, image_source, run_terminal
-from dsv41.generate import generate
-from dsv41.loader import load
-from dsv41.numerics import Numerics
+from dsv41.core.numerics import Numerics
+from dsv41.generation import chat as chat_format
+from dsv41.generation import chat_reply
+from dsv41.generation.conversation import ChatResult, Conversation, chat, image_source, run_terminal
+from dsv41.generation.generate import generate
+from dsv41.runtime.loader import load
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -210,7 +210,7 @@ def test_image_records_become_what_the_vision_path_reads():
 
 
 def test_the_prompt_probe_chat_mode_shows_the_parsed_reply_and_the_routing(model):
-    widgets = pytest.importorskip("widgets")
+    widgets = pytest.importorskip("dsv41.widgets")
 
     probe = widgets.PromptProbe(
         model, "hello", 3, compare=False, background=False, chat=True, messages=[{"role": "system", "content": "sys"}]
@@ -252,7 +252,7 @@ def test_reasoning_and_tool_calls_are_shown(model):
     block = chat_format.tool_calls_block([{"function": {"name": "clock", "arguments": {"tz": "UTC", "n": 2}}}])
     reply = chat_reply.parse("let me see" + "</think>" + "ok" + block + "<｜end▁of▁sentence｜>", thinking=True)
     result = ChatResult(reply, "", type("Run", (), {"ids": [1, 2]})(), "", [], 0, {})
-    from dsv41.conversation import _show
+    from dsv41.generation.conversation import _show
 
     plain, terminal = io.StringIO(), io.StringIO()
     _show(result, plain, interactive=False)

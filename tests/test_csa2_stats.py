@@ -1,15 +1,15 @@
-"""dsv41.csa2_stats: the layer map, KV-cache bytes (formula vs the model card and vs allocated
+"""dsv41.observe.csa2_stats: the layer map, KV-cache bytes (formula vs the model card and vs allocated
 buffers), the compressor trace, the candidate-block pin, prefill/decode divergence and stale keys."""
 
 import pytest
 import torch
 
-from dsv41 import csa2_stats as cs
-from dsv41.attention import HOLDING, kv_cache_bytes, select_candidate_blocks
-from dsv41.config import RELEASED, TINY
-from dsv41.csa2_stack import AttentionStack
-from dsv41.numerics import Numerics
-from dsv41.trace import Trace
+from dsv41.core.config import RELEASED, TINY
+from dsv41.core.numerics import Numerics
+from dsv41.model.attention import HOLDING, kv_cache_bytes, select_candidate_blocks
+from dsv41.model.trace import Trace
+from dsv41.observe import csa2_stats as cs
+from dsv41.observe.csa2_stack import AttentionStack
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import native_levels
 
-from dsv41.formats import quantize_fp4, quantize_fp8_blocks
+from dsv41.checkpoint.formats import quantize_fp4, quantize_fp8_blocks
 from dsv41.kernels import act_quant, fp4_gemm, fp8_gemm, linear
 from dsv41.kernels.codecs import e8m0_decode, fp4_to_float
 
@@ -165,7 +165,7 @@ def test_off_the_native_kernel_auto_is_the_reference_and_native_says_why(monkeyp
 
 @needs_cc
 def test_layers_linear_runs_the_native_kernel():
-    from dsv41.layers import Linear, init_random_
+    from dsv41.model.layers import Linear, init_random_
 
     lin = init_random_(Linear(128, 96), seed=1)
     x = torch.randn(3, 128, generator=_gen(2)).to(torch.bfloat16)

@@ -20,7 +20,9 @@ import torch
 
 import dsv41
 from dsv41 import Numerics
-from dsv41.distributed import (
+from dsv41.kernels.experts import routed_experts
+from dsv41.model.trace import ForwardTrace
+from dsv41.runtime.distributed import (
     DEFAULT_TIMEOUT_S,
     ExpertParallelError,
     RankView,
@@ -31,8 +33,6 @@ from dsv41.distributed import (
     pair_outputs,
     shutdown,
 )
-from dsv41.kernels.experts import routed_experts
-from dsv41.trace import ForwardTrace
 
 REPO = Path(dsv41.__file__).resolve().parent.parent
 # A prompt long enough that prefill gives several experts more than 8 tokens (the other GEMM path)
@@ -107,7 +107,7 @@ def test_rank_view_owns_experts_round_robin():
 
 
 def test_the_owned_expert_store_serves_this_ranks_share_and_refuses_the_rest():
-    from dsv41.stores import DictExpertStore, OwnedExpertStore
+    from dsv41.checkpoint.stores import DictExpertStore, OwnedExpertStore
 
     view = RankView(rank=1, world_size=2)
     store = OwnedExpertStore(DictExpertStore({(0, 1): "one", (0, 3): "three", (0, 2): "two"}), view)

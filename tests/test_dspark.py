@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import dsv41
-from dsv41 import sequence
-from dsv41.conversation import chat
-from dsv41.generate import generate
-from dsv41.numerics import Numerics
-from dsv41.report import MTP, ROUTED
-from dsv41.speculative import Speculation, SpeculationStep
+from dsv41.core.numerics import Numerics
+from dsv41.generation.conversation import chat
+from dsv41.generation.generate import generate
+from dsv41.generation.speculative import Speculation, SpeculationStep
+from dsv41.model import sequence
+from dsv41.runtime.report import MTP, ROUTED
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -292,7 +292,7 @@ def test_cutting_the_last_call_short_equals_running_the_kept_part(tiny_checkpoin
 
 
 def test_the_command_decodes_speculatively(capsys, parity):
-    from dsv41.cli import generate_main
+    from dsv41.app.cli import generate_main
 
     argv = [
         "--checkpoint",
@@ -352,7 +352,7 @@ def _chi2_quantile(df: int, level: float) -> float:
 def test_the_rejection_rule_keeps_the_target_distribution(draft):
     """A proposal drawn from q (or a fixed one), judged against p, and the residual draw on
     rejection: the token that comes out is distributed as p (chi-square, fixed seed)."""
-    from dsv41.speculative import judge
+    from dsv41.generation.speculative import judge
 
     g = torch.Generator().manual_seed(0)
     vocab, draws = 6, 30000
@@ -425,7 +425,7 @@ def test_sampled_speculation_is_seeded_and_draws_its_drafts(parity):
 
 
 def test_a_chat_reply_decoded_speculatively_is_the_plain_reply(parity):
-    from dsv41.conversation import Conversation
+    from dsv41.generation.conversation import Conversation
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
     parity.reset()

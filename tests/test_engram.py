@@ -10,8 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from dsv41.config import RELEASED, TINY, write_config_pair
-from dsv41.engram import (
+from dsv41.checkpoint.engram import (
     EngramError,
     EngramLayout,
     NgramHasher,
@@ -25,6 +24,7 @@ from dsv41.engram import (
     poisson_rows,
     split_equality,
 )
+from dsv41.core.config import RELEASED, TINY, write_config_pair
 
 RELEASED_MULTIPLIERS = {
     1: [76632096046245, 4839876093313, 35959672319349, 73987337458391],
@@ -246,7 +246,7 @@ def test_normalize_token_text():
 
 
 def test_tiny_tokenizer_folding():
-    from dsv41.tokenizer import build_tiny_tokenizer
+    from dsv41.checkpoint.tokenizer import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     token_map, n = build_compressed_token_map(tok)

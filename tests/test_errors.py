@@ -5,7 +5,7 @@ import inspect
 import pkgutil
 
 import dsv41
-from dsv41.errors import Dsv41Error
+from dsv41.core.errors import Dsv41Error
 
 # the built-in base each public error type had before the common base, which callers may catch
 BUILTIN_BASE = {

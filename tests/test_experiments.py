@@ -1,4 +1,4 @@
-"""What each mechanism is worth (`dsv41.experiments`, `dsv41 ablate`): the held-out windows, the bits
+"""What each mechanism is worth (`dsv41.observe.experiments`, `dsv41 ablate`): the held-out windows, the bits
 a run costs, the paired bootstrap on crafted numbers, the study arithmetic and the command's files.
 The studies' numbers on the miniature are held by notebook 09's test."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import dsv41
-from dsv41 import experiments
-from dsv41.cli import main
-from dsv41.experiments import ExperimentError, HeldOut, compare, paired_bootstrap, verdict
-from dsv41.learned import TOKEN_CLASSES
+from dsv41.app.cli import main
+from dsv41.observe import experiments
+from dsv41.observe.experiments import ExperimentError, HeldOut, compare, paired_bootstrap, verdict
+from dsv41.observe.learned import TOKEN_CLASSES
 
 
 @pytest.fixture(scope="module")

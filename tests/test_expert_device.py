@@ -8,15 +8,15 @@ import time
 import pytest
 import torch
 
-from dsv41.cli import generate_main as cli_main
-from dsv41.cli import main as cli_main_all
-from dsv41.generate import generate
+from dsv41.app.cli import generate_main as cli_main
+from dsv41.app.cli import main as cli_main_all
+from dsv41.checkpoint.stores import DictExpertStore
+from dsv41.generation.generate import generate
 from dsv41.kernels import experts as kernel_experts
 from dsv41.kernels import triton_experts
 from dsv41.kernels.experts import PackedExpert, routed_experts_reference
-from dsv41.loader import load
-from dsv41.moe import RoutedExperts
-from dsv41.stores import DictExpertStore
+from dsv41.model.moe import RoutedExperts
+from dsv41.runtime.loader import load
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -109,7 +109,7 @@ def test_cli_expert_device_cuda_falls_back(tiny_checkpoint, cpu_model, capsys, f
 
 # ---------------------------------------------------------------------- numerics
 def _packed_expert(gen, dim=64, inter=32, adversarial=None):
-    from dsv41.formats import quantize_fp4
+    from dsv41.checkpoint.formats import quantize_fp4
 
     parts = []
     for rows, cols in ((inter, dim), (dim, inter), (inter, dim)):  # w1, w2, w3
@@ -161,7 +161,7 @@ def test_experts_on_cuda_generate_the_cpu_tokens(spec, tiny_checkpoint, cpu_mode
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float4_e2m1fn_x2])
 def test_dense_linear_runs_fused_and_equals_the_reference(dtype):
     from dsv41.kernels import linear
-    from dsv41.layers import Linear, init_random_
+    from dsv41.model.layers import Linear, init_random_
 
     lin = init_random_(Linear(96, 80, dtype), seed=5)
     gen = torch.Generator().manual_seed(6)

@@ -15,7 +15,7 @@ import torch
 from conftest import native_levels
 
 import dsv41.kernels.experts as ex
-from dsv41.formats import quantize_fp4, quantize_fp8_blocks
+from dsv41.checkpoint.formats import quantize_fp4, quantize_fp8_blocks
 from dsv41.kernels import act_quant, fp4_gemm, fp4_to_float, fp8_gemm
 from dsv41.kernels.experts import (
     PackedExpert,
@@ -369,7 +369,7 @@ def test_no_whole_weight_is_expanded(monkeypatch, kernel):
     BF16 copy of one weight matrix."""
     from torch.profiler import ProfilerActivity, profile
 
-    import dsv41.formats as formats
+    import dsv41.checkpoint.formats as formats
     import dsv41.kernels.codecs as codecs
     import dsv41.kernels.gemm as gemm
 
@@ -750,7 +750,7 @@ import json, torch
 from dsv41.kernels import act_quant, fp4_gemm
 from dsv41.kernels.triton_experts import fp4_gemm_triton, GEMV_MAX_TOKENS
 from dsv41.kernels.experts import routed_experts, routed_experts_reference, PackedExpert
-from dsv41.formats import quantize_fp4
+from dsv41.checkpoint.formats import quantize_fp4
 g = torch.Generator().manual_seed(0)
 out = {}
 def rel(got, ref):

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from dsv41 import formats
-from dsv41.formats import (
+from dsv41.checkpoint import formats
+from dsv41.checkpoint.formats import (
     dequantize,
     dequantize_engram_rows,
     dequantize_fp4,

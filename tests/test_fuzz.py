@@ -21,9 +21,9 @@ pytest.importorskip("hypothesis", reason="hypothesis is in the test extra: pip i
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from dsv41 import audit  # noqa: E402
-from dsv41 import headers as hd  # noqa: E402
-from dsv41.config import Config, ConfigError, load_config  # noqa: E402
+from dsv41.checkpoint import audit  # noqa: E402
+from dsv41.checkpoint import headers as hd  # noqa: E402
+from dsv41.core.config import Config, ConfigError, load_config  # noqa: E402
 
 # seconds one call may take: readers parse a few kilobytes; the audit of the largest inventory
 # verify() admits (500,000 tensors) takes about 5 s on two slow cores, the tiny one 0.03 s
@@ -285,7 +285,7 @@ def load_or_load_error(path: str):
     """dsv41.load, with LoadError (its one-sentence error) as a result; the loader is another
     engineer's, so anything else it raises fails the test for them to fix, not here."""
     import dsv41
-    from dsv41.checkpoint import LoadError
+    from dsv41.checkpoint.checkpoint import LoadError
 
     try:
         return dsv41.load(path, quiet=True)

@@ -12,8 +12,9 @@ import sys
 import pytest
 import torch
 
-from dsv41.cli import generate_main as cli_main
-from dsv41.generate import (
+from dsv41.app.cli import generate_main as cli_main
+from dsv41.core.numerics import Numerics
+from dsv41.generation.generate import (
     NonFiniteLogits,
     compare_prefill_decode,
     decode_n,
@@ -21,10 +22,9 @@ from dsv41.generate import (
     generate,
     prefill,
 )
-from dsv41.loader import load
-from dsv41.numerics import Numerics
-from dsv41.sampling import greedy, sample
-from dsv41.trace import ForwardTrace
+from dsv41.model.sampling import greedy, sample
+from dsv41.model.trace import ForwardTrace
+from dsv41.runtime.loader import load
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # the opt-ins under which a prefill and token-by-token decode share their arithmetic
@@ -366,8 +366,8 @@ def test_max_seq_len_beyond_the_config_is_refused_before_any_cache_is_sized(tiny
 def test_a_cache_that_is_a_file_is_one_sentence_where_the_cache_is_needed(
     tmp_path, monkeypatch, capsys, miniature_checkpoint
 ):
-    from dsv41 import tiny
-    from dsv41.cachedir import CacheError
+    from dsv41.checkpoint import tiny
+    from dsv41.core.cachedir import CacheError
 
     (tmp_path / "file").write_text("x")
     monkeypatch.setenv("DSV41_CACHE", str(tmp_path / "file"))
@@ -401,8 +401,8 @@ def test_cli_prefill_chunk_gives_the_same_text(tiny_checkpoint, capsys):
 
 
 def test_every_prompt_form_is_made_one_prompt_on_entry(model):
-    from dsv41.generate import as_prompt
-    from dsv41.vision import TEXT, Prompt
+    from dsv41.generation.generate import as_prompt
+    from dsv41.model.vision import TEXT, Prompt
 
     text = "The harbor at dawn"
     ids = model.encode(text)
@@ -417,7 +417,7 @@ def test_every_prompt_form_is_made_one_prompt_on_entry(model):
 
 
 def test_the_length_and_chunk_checks_the_cli_shares():
-    from dsv41.generate import check_length, check_prefill_chunk
+    from dsv41.generation.generate import check_length, check_prefill_chunk
 
     check_length(10, 3, 12)
     with pytest.raises(ValueError, match=r"need 13 positions, more than max_seq_len 12 \(raise --max-seq-len\)"):
@@ -433,7 +433,7 @@ def test_the_length_and_chunk_checks_the_cli_shares():
 def test_one_sampler_draws_what_each_caller_drew_before():
     """Plain, speculative and draft sampling share sampling.py: the same noise stream and argmax as
     the formula each wrote out before (softmax(logits / T) divided by Exponential(1) noise)."""
-    from dsv41 import sampling
+    from dsv41.model import sampling
 
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
     for temperature in (0.3, 1.0, 2.5):
@@ -448,7 +448,7 @@ def test_one_sampler_draws_what_each_caller_drew_before():
 
 
 def test_chunk_sizes_cover_the_tokens_in_order():
-    from dsv41.generate import chunk_sizes
+    from dsv41.generation.generate import chunk_sizes
 
     assert chunk_sizes(10) == [10] and chunk_sizes(10, 3) == [3, 7] and chunk_sizes(10, 4, 4, 4) == [4, 4, 2]
     assert chunk_sizes(3, 1, 1, 1, 1) == [1, 1, 1] and chunk_sizes(5, 9) == [5] and chunk_sizes(0) == []

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from dsv41 import sequence
-from dsv41.cli import main
-from dsv41.generate import generate
+from dsv41.app.cli import main
+from dsv41.generation.generate import generate
+from dsv41.model import sequence
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import HAVE_CC, native_levels
 
-from dsv41 import sequence
+from dsv41.model import sequence
 
 MODES = {"inference": torch.inference_mode, "no_grad": torch.no_grad, "grad": torch.enable_grad}
 PROMPT = "The many-token path takes a prompt of this length, past eight tokens per expert."

@@ -6,8 +6,8 @@ import struct
 
 import pytest
 
-from dsv41 import headers as hd
-from dsv41.config import RELEASED, load_config
+from dsv41.checkpoint import headers as hd
+from dsv41.core.config import RELEASED, load_config
 
 TENSORS = [("a.weight", "F8_E4M3", (4, 8)), ("a.scale", "F8_E8M0", (1, 1)), ("b", "F32", (3,)), ("c", "BF16", (2, 3))]
 
@@ -121,7 +121,7 @@ def test_layout_problems(tmp_path, tensors, payload, message):
     ],
 )
 def test_one_tiling_check_serves_the_audit_and_the_loader(tmp_path, tensors, payload, kind):
-    from dsv41.checkpoint import Checkpoint, LoadError
+    from dsv41.checkpoint.checkpoint import Checkpoint, LoadError
 
     shard = raw_file(tmp_path / "l.safetensors", tensors, b"\0" * payload)
     h = hd.read_header(shard)

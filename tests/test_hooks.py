@@ -1,4 +1,4 @@
-"""The named sites of a forward (`dsv41.hooks`): what they are called, that observers see values
+"""The named sites of a forward (`dsv41.model.hooks`): what they are called, that observers see values
 without changing them and are gone after their call, and that the trace, the finite check, the
 draft feed and the benchmarks' clocks are observers like any other."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dsv41
-from dsv41.hooks import ActivationCache, Sites, run_with_hooks
+from dsv41.model.hooks import ActivationCache, Sites, run_with_hooks
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_an_observer_with_enter_and_exit_brackets_each_span(model):
 
 
 def test_a_forward_trace_fills_its_records_through_the_sites(model):
-    from dsv41.trace import ForwardTrace
+    from dsv41.model.trace import ForwardTrace
 
     trace = ForwardTrace(check_finite=True)
     model([1, 2, 3], 0, trace=trace)
@@ -132,8 +132,8 @@ def test_attention_names_its_parts_where_the_layer_has_them(model):
 
 
 def test_an_attention_stack_is_traced_through_sites_named_as_a_models(model):
-    from dsv41 import csa2_stats
-    from dsv41.trace import Trace
+    from dsv41.model.trace import Trace
+    from dsv41.observe import csa2_stats
 
     stack = csa2_stats.attention_stack(model, max_seq_len=16)
     assert {n for n in stack.sites} == {n for n in model.sites if ".attn" in n}
@@ -155,8 +155,8 @@ def test_a_call_refuses_a_trace_that_is_not_one(model):
 
 
 def test_the_modules_read_the_verified_view():
-    from dsv41.config import TINY
-    from dsv41.model import runtime_config
+    from dsv41.core.config import TINY
+    from dsv41.model.model import runtime_config
 
     silent = TINY.replace(
         engram_num_embeddings=(1009,) * 6,

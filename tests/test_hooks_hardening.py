@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dsv41
-from dsv41 import sequence
-from dsv41.errors import Dsv41Error
-from dsv41.generate import generate
-from dsv41.hooks import ActivationCache, HookError, ReentrantCallError, Sites, UnknownSiteError, run_with_hooks
+from dsv41.core.errors import Dsv41Error
+from dsv41.generation.generate import generate
+from dsv41.model import sequence
+from dsv41.model.hooks import ActivationCache, HookError, ReentrantCallError, Sites, UnknownSiteError, run_with_hooks
 
 PROMPT, NEXT = [1, 2, 3], 4
 
@@ -223,7 +223,7 @@ class _NeverCompared:
 
 
 def test_removing_many_observers_is_linear_and_by_identity():
-    sites = Sites(head=dsv41.hooks.Site("head"))
+    sites = Sites(head=dsv41.model.hooks.Site("head"))
     handles = [sites.subscribe("head", _NeverCompared()) for _ in range(2_000)]
     for handle in handles[::2] + handles[1::2]:
         handle.remove()

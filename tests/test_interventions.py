@@ -1,4 +1,4 @@
-"""Interventions at the named sites (`dsv41.interventions`, `Model.intervene`): with none the forward
+"""Interventions at the named sites (`dsv41.model.interventions`, `Model.intervene`): with none the forward
 is bit for bit the registry-free one, an fn that returns its value unchanged is too (under both
 numerics, prefill and decode), a replacement flows on and observers and traces see it, each site's
 replacement is checked against its form, and the registry is left empty after a block."""
@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from dsv41.generate import generate
-from dsv41.hooks import HookError, UnknownSiteError, site, without_sites
-from dsv41.interventions import InterventionError, open_labels
-from dsv41.trace import ForwardTrace, GenerationTrace
+from dsv41.generation.generate import generate
+from dsv41.model.hooks import HookError, UnknownSiteError, site, without_sites
+from dsv41.model.interventions import InterventionError, open_labels
+from dsv41.model.trace import ForwardTrace, GenerationTrace
 
 PROMPT = [0, 5, 17, 9, 33, 2, 40, 41, 7, 11, 12, 13, 14, 15, 16, 18, 19, 20]
 STEPS = [21, 22, 23]
@@ -179,7 +179,7 @@ def test_a_selection_may_be_narrower_or_wider_than_the_top_k(parity):
 
 
 def test_figures_made_under_an_intervention_say_so(reference, tmp_path):
-    from dsv41 import viz
+    from dsv41.observe import viz
 
     fig, ax = viz.new_figure()
     ax.plot([0, 1], [0, 1])

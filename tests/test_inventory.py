@@ -6,8 +6,8 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from dsv41 import inventory as inv
-from dsv41.config import RELEASED, TINY
+from dsv41.checkpoint import inventory as inv
+from dsv41.core.config import RELEASED, TINY
 
 GIB = 1 << 30
 
@@ -242,7 +242,7 @@ def test_unquantized_config_stores_dense_linears_without_scales():
 def test_an_absurd_config_is_refused_before_anything_is_enumerated(change, fragment):
     import time
 
-    from dsv41.config import ConfigError
+    from dsv41.core.config import ConfigError
 
     cfg = RELEASED.replace(**change, layout=None)
     for enumerate_it in (inv.expected_tensors, inv.shard_names):

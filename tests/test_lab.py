@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from dsv41 import lab
-from dsv41.cli import COMMANDS, main
-from dsv41.notebooks import default_notebooks_dir, find_notebooks
+from dsv41.app import lab
+from dsv41.app.cli import COMMANDS, main
+from dsv41.app.notebooks import default_notebooks_dir, find_notebooks
 
 
 def _notebook(text: str) -> str:
@@ -159,7 +159,7 @@ def test_bad_folders_are_one_sentence(tmp_path, source, capsys):
 
 
 def test_lab_is_a_command():
-    assert COMMANDS["lab"][:2] == ("dsv41.lab", "cli_main")
+    assert COMMANDS["lab"][:2] == ("dsv41.app.lab", "cli_main")
 
 
 def test_the_command_starts_the_server_in_place_of_itself(tmp_path, source, monkeypatch, capsys):
@@ -250,8 +250,8 @@ def test_a_real_start_answers_with_a_token_url(tmp_path, source):
 
 
 def test_lab_copies_write_their_figures_beside_themselves(tmp_path):
-    from dsv41.lab import prepare_lab
-    from dsv41.notebooks import default_notebooks_dir
+    from dsv41.app.lab import prepare_lab
+    from dsv41.app.notebooks import default_notebooks_dir
 
     prepare_lab(tmp_path / "lab")
     for copy in sorted((tmp_path / "lab").glob("0*.ipynb")):

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from dsv41.generate import decode_one, prefill
+from dsv41.generation.generate import decode_one, prefill
 
 BIG_ROWS, ROW_BYTES = 1 << 20, 1 << 16  # a 64 GiB table, held as a hole in a sparse file
 
@@ -45,7 +45,7 @@ def test_a_shard_larger_than_the_address_space_allowed_still_reads(tmp_path):
     # below the 64 GiB shard: a mapping of the shard cannot be made there, positioned reads can.
     script = textwrap.dedent(f"""
         import resource, torch, numpy as np
-        from dsv41.checkpoint import Checkpoint
+        from dsv41.checkpoint.checkpoint import Checkpoint
         with open("/proc/self/status") as f:
             vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
         limit = vm + (4 << 30)
@@ -69,7 +69,7 @@ def test_a_shard_larger_than_the_address_space_allowed_still_reads(tmp_path):
 
 
 def test_a_shard_truncated_after_its_header_was_read_is_one_sentence(tmp_path):
-    from dsv41.checkpoint import Checkpoint, LoadError
+    from dsv41.checkpoint.checkpoint import Checkpoint, LoadError
 
     shard = _sparse_checkpoint(tmp_path / "ck")
     ck = Checkpoint(str(tmp_path / "ck"))
@@ -88,9 +88,9 @@ def test_a_shard_truncated_during_generation_keeps_the_text_so_far(
     and the tokens generated before it printed (mapped reads died of SIGBUS here)."""
     import shutil
 
-    from dsv41 import stores
-    from dsv41.checkpoint import Checkpoint
-    from dsv41.cli import main
+    from dsv41.app.cli import main
+    from dsv41.checkpoint import stores
+    from dsv41.checkpoint.checkpoint import Checkpoint
 
     folder = str(tmp_path / "ck")
     shutil.copytree(tiny_checkpoint, folder)
@@ -121,7 +121,7 @@ def test_an_expert_shard_truncated_under_the_default_expert_cache_is_one_sentenc
     import shutil
 
     import dsv41
-    from dsv41.checkpoint import LoadError
+    from dsv41.checkpoint.checkpoint import LoadError
 
     folder = str(tmp_path / "ck")
     shutil.copytree(tiny_checkpoint, folder)

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from dsv41 import layers
-from dsv41.config import RELEASED, TINY
+from dsv41.core.config import RELEASED, TINY
 from dsv41.kernels import act_quant, e8m0_decode
-from dsv41.layers import (
+from dsv41.model import layers
+from dsv41.model.layers import (
     Linear,
     RMSNorm,
     apply_rotary_emb,
@@ -177,7 +177,7 @@ def test_linear_dtype_follows_the_config():
 
 def test_parity_float32_products_and_elementwise_ops_do_not_depend_on_the_row_count():
     # a row alone (a decode step) against the same row among many (a prefill): equal bit for bit
-    from dsv41.layers import f32_linear, rowwise
+    from dsv41.model.layers import f32_linear, rowwise
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(100, 512, generator=gen)

@@ -1,4 +1,4 @@
-"""The arithmetic of dsv41.learned on crafted inputs: token classes, spread, mutual information,
+"""The arithmetic of dsv41.observe.learned on crafted inputs: token classes, spread, mutual information,
 indexer recall and the n-gram frequency bins."""
 
 import itertools
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dsv41 import learned
-from dsv41.errors import Dsv41Error
+from dsv41.core.errors import Dsv41Error
+from dsv41.observe import learned
 
 
 @pytest.mark.parametrize(
@@ -297,9 +297,9 @@ def test_lookahead_rebuilds_each_router_input_exactly_and_beats_chance():
 
 
 def test_notebook_08_under_a_budget_too_small_for_its_models_is_one_sentence(tmp_path):
-    from dsv41.config import load_config
-    from dsv41.miniature import embedded_checkpoint
-    from dsv41.report import predict_retained_bytes
+    from dsv41.checkpoint.miniature import embedded_checkpoint
+    from dsv41.core.config import load_config
+    from dsv41.runtime.report import predict_retained_bytes
 
     mini = embedded_checkpoint()
     dense = predict_retained_bytes(load_config(mini))["bytes"]

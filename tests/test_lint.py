@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGETS = ("dsv41", "widgets", "tests", "scripts", "scripts/gpu-check")
+TARGETS = ("dsv41", "tests", "scripts", "scripts/gpu-check")
 
 
 def _pinned_ruff() -> str:

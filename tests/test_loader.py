@@ -11,15 +11,15 @@ import pytest
 import torch
 
 import dsv41
-from dsv41 import sequence
-from dsv41.checkpoint import Checkpoint, LoadError
-from dsv41.config import RELEASED
-from dsv41.generate import decode_n, generate, prefill
-from dsv41.inventory import expected_tensors
-from dsv41.loader import load
-from dsv41.numerics import Numerics
-from dsv41.report import ENGRAM, LOADED, MTP, ROUTED, predict_retained_bytes
-from dsv41.stores import ExpertCache
+from dsv41.checkpoint.checkpoint import Checkpoint, LoadError
+from dsv41.checkpoint.inventory import expected_tensors
+from dsv41.checkpoint.stores import ExpertCache
+from dsv41.core.config import RELEASED
+from dsv41.core.numerics import Numerics
+from dsv41.generation.generate import decode_n, generate, prefill
+from dsv41.model import sequence
+from dsv41.runtime.loader import load
+from dsv41.runtime.report import ENGRAM, LOADED, MTP, ROUTED, predict_retained_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -94,7 +94,7 @@ def test_runtime_dtypes_and_conversions(model):
     assert bb.head.weight.dtype == torch.float32 and conversions["head.weight"] == ("BF16", "F32")
     # wo_a dequantized exactly: weight * power-of-two block scale
     ckpt = Checkpoint(model.report.checkpoint)
-    from dsv41.formats import dequantize_fp8_blocks
+    from dsv41.checkpoint.formats import dequantize_fp8_blocks
 
     want = dequantize_fp8_blocks(ckpt.read("layers.3.attn.wo_a.weight"), ckpt.read("layers.3.attn.wo_a.scale"))
     assert torch.equal(bb.layers[3].attn.wo_a.weight.float(), want)
@@ -365,9 +365,9 @@ def test_a_callers_default_dtype_changes_nothing(model, tiny_checkpoint):
 
 @pytest.mark.parametrize("pad", [False, True])
 def test_numerics_options_reach_every_float32_projection_and_the_runtime(tiny_checkpoint, monkeypatch, pad):
-    from dsv41 import layers
-    from dsv41 import model as model_module
-    from dsv41 import moe as moe_module
+    from dsv41.model import layers
+    from dsv41.model import model as model_module
+    from dsv41.model import moe as moe_module
 
     m = load(
         tiny_checkpoint,
@@ -427,7 +427,7 @@ def test_load_takes_each_option_as_one_keyword(tiny_checkpoint):
     import dataclasses
     import inspect
 
-    from dsv41.loader import CacheOptions, Placement
+    from dsv41.runtime.loader import CacheOptions, Placement
 
     keywords = inspect.signature(load).parameters
     for group in (CacheOptions, Placement):
@@ -452,7 +452,7 @@ def test_load_takes_each_option_as_one_keyword(tiny_checkpoint):
 
 
 def test_the_steps_the_cli_shares_with_load(tiny_checkpoint, tmp_path):
-    from dsv41.loader import checkpoint_path, expert_placement, read_config
+    from dsv41.runtime.loader import checkpoint_path, expert_placement, read_config
 
     assert checkpoint_path(tiny_checkpoint) == tiny_checkpoint
     assert checkpoint_path(None, progress=False) == load(quiet=True).report.checkpoint  # the embedded default
@@ -465,7 +465,7 @@ def test_the_steps_the_cli_shares_with_load(tiny_checkpoint, tmp_path):
 
 # ---------------------------------------------------------------------- a second numerics, no second copy
 def test_a_sibling_equals_a_fresh_load_under_its_numerics_and_shares_every_weight():
-    from dsv41.loader import sibling
+    from dsv41.runtime.loader import sibling
 
     loaded = load(quiet=True)  # the embedded miniature: trained, so its draft stack agrees with the target
     parity_loaded = load(quiet=True, numerics=Numerics.parity())
@@ -486,7 +486,7 @@ def test_a_sibling_equals_a_fresh_load_under_its_numerics_and_shares_every_weigh
 
 
 def test_a_sibling_needs_a_loaded_model():
-    from dsv41.loader import sibling
+    from dsv41.runtime.loader import sibling
 
     with pytest.raises(LoadError, match="takes a model dsv41.load returned"):
         sibling("not a model", Numerics.parity())

@@ -15,8 +15,8 @@ import struct
 import pytest
 import torch
 
-from dsv41.checkpoint import Checkpoint, LoadError
-from dsv41.loader import load
+from dsv41.checkpoint.checkpoint import Checkpoint, LoadError
+from dsv41.runtime.loader import load
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -259,7 +259,7 @@ def test_a_bad_shard_is_named_once(tiny_checkpoint, tmp_path):
 
 
 def test_generate_names_a_bad_shard_once(tiny_checkpoint, tmp_path, capsys):
-    from dsv41.cli import generate_main
+    from dsv41.app.cli import generate_main
 
     folder = _copy(tiny_checkpoint, tmp_path / "ck")
     shard = os.path.join(folder, LAYER0)
@@ -395,7 +395,7 @@ def _screen(drawn: str) -> list[str]:
 
 @pytest.mark.parametrize("stop", [LoadError, KeyboardInterrupt])
 def test_a_load_that_stops_leaves_no_bar_under_its_message(tiny_checkpoint, monkeypatch, stop):
-    from dsv41 import cli
+    from dsv41.app import cli
 
     terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
@@ -417,7 +417,7 @@ def test_a_load_that_stops_leaves_no_bar_under_its_message(tiny_checkpoint, monk
 
 
 def test_no_bar_is_drawn_over_nothing(tiny_checkpoint, monkeypatch):
-    from dsv41.loader import fill_parameters
+    from dsv41.runtime.loader import fill_parameters
 
     terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)

@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv41.config import TINY
-from dsv41.formats import dequantize_fp4, quantize_fp4
+from dsv41.checkpoint.formats import dequantize_fp4, quantize_fp4
+from dsv41.checkpoint.stores import DictExpertStore, TensorEngramTable
+from dsv41.core.config import TINY
 from dsv41.kernels import act_quant, hc_split_sinkhorn
 from dsv41.kernels.experts import PackedExpert, clamped_swiglu
-from dsv41.model import (
+from dsv41.model.model import (
     Engram,
     engram_gate,
     hc_mixes,
@@ -19,8 +20,7 @@ from dsv41.model import (
     hc_pre,
     identity_pre,
 )
-from dsv41.moe import Gate, RoutedExperts, expert_scores, route
-from dsv41.stores import DictExpertStore, TensorEngramTable
+from dsv41.model.moe import Gate, RoutedExperts, expert_scores, route
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -230,15 +230,15 @@ def test_engram_layer_adds_gated_value_and_respects_the_mask():
     gen = torch.Generator().manual_seed(8)
     rows = 50
     table = torch.randn(rows, cfg.engram_head_dim, generator=gen)
-    from dsv41.formats import quantize_engram_table
+    from dsv41.checkpoint.formats import quantize_engram_table
 
     layer.embed = TensorEngramTable(*quantize_engram_table(table))
-    from dsv41.layers import init_random_
+    from dsv41.model.layers import init_random_
 
     init_random_(layer.wkv, 9)
     x = torch.randn(1, 3, cfg.hc_mult, cfg.dim, generator=gen).to(torch.bfloat16)
     ids = torch.randint(0, rows, (1, 3, cols), generator=gen)
-    from dsv41.hooks import name_sites
+    from dsv41.model.hooks import name_sites
 
     gates = []  # the layer's site sees its gates in the context
     with name_sites(layer).hooks({"": lambda name, value, context: gates.append(context["gate"])}):

@@ -1,9 +1,9 @@
 """`Model` stays short: it is where a forward starts (the call, reset, attach, the sites and hooks,
 the draft, the text verbs). A verb over a model is a free function in the module that owns what it
-does, taking the model first: generation in `dsv41.generate`, chat in `dsv41.conversation`,
-`run_with_hooks` in `dsv41.hooks`, rollback and snapshots in `dsv41.sequence`."""
+does, taking the model first: generation in `dsv41.generation.generate`, chat in `dsv41.generation.conversation`,
+`run_with_hooks` in `dsv41.model.hooks`, rollback and snapshots in `dsv41.model.sequence`."""
 
-from dsv41.model import Model
+from dsv41.model.model import Model
 
 # the bound issue 35 set ("`Model` at most about 20 methods"), counting what a reader of the class
 # reads: public and private methods, dunders and properties alike
@@ -22,8 +22,9 @@ def test_model_has_at_most_about_twenty_methods():
     methods = _methods(Model)
     assert len(methods) <= MOST_METHODS, (
         f"Model has {len(methods)} methods and properties ({', '.join(methods)}), more than {MOST_METHODS}: "
-        f"write a new verb as a free function taking the model, in the module that owns what it "
-        f"does (dsv41.generate, dsv41.sequence, dsv41.hooks, ...), not as a method that forwards to one"
+        f"write a new verb as a free function taking the model, in the module that owns what it does "
+        f"(dsv41.generation.generate, dsv41.model.sequence, dsv41.model.hooks, ...), not as a method "
+        f"that forwards to one"
     )
 
 

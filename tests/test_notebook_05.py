@@ -8,11 +8,11 @@ import pytest
 import torch
 from conftest import notebook_group, run_notebooks_smoke, sidecar
 
-from dsv41 import cache_policy
-from dsv41.config import RELEASED, TINY, load_config
-from dsv41.numerics import Numerics
-from widgets import chance_balance, replay_counts
-from widgets.ties import never_cut
+from dsv41.core.config import RELEASED, TINY, load_config
+from dsv41.core.numerics import Numerics
+from dsv41.observe import cache_policy
+from dsv41.widgets import chance_balance, replay_counts
+from dsv41.widgets.ties import never_cut
 
 pytestmark = notebook_group("05")
 

@@ -4,7 +4,7 @@ numbers its sidecars carry, each derived from the config or from the notebook's 
 import pytest
 from conftest import notebook_group, run_notebooks_smoke, sidecar
 
-from dsv41.config import load_config
+from dsv41.core.config import load_config
 
 pytestmark = notebook_group("06")
 

@@ -4,8 +4,8 @@ numbers its sidecars carry; the expected values are derived from the plan's form
 import pytest
 from conftest import notebook_group, run_notebooks_smoke, sidecar
 
-from dsv41 import vision
-from dsv41.config import TINY
+from dsv41.core.config import TINY
+from dsv41.model import vision
 
 pytestmark = notebook_group("07")
 

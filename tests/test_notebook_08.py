@@ -4,7 +4,7 @@ the random tiny checkpoint, with assertions on the numbers its sidecars carry.""
 import pytest
 from conftest import notebook_group, run_notebooks_smoke, sidecar
 
-from dsv41.config import load_config
+from dsv41.core.config import load_config
 
 pytestmark = notebook_group("08")
 
@@ -61,7 +61,7 @@ def test_routing_figure_draws_chance_and_masks_small_classes(smoke_run, miniatur
 
     import numpy as np
 
-    from dsv41 import learned
+    from dsv41.observe import learned
 
     facts = sidecar(smoke_run, "08_learned_facts")
     routing = sidecar(smoke_run, "08_routing")

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from conftest import notebook_group, run_notebooks_smoke, sidecar
 
-from dsv41.config import load_config
-from dsv41.learned import TOKEN_CLASSES
-from dsv41.miniature import read_manifest
+from dsv41.checkpoint.miniature import read_manifest
+from dsv41.core.config import load_config
+from dsv41.observe.learned import TOKEN_CLASSES
 
 pytestmark = notebook_group("09")
 

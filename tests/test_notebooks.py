@@ -8,8 +8,8 @@ import nbformat
 import pytest
 from conftest import notebook_group, run_notebooks_smoke, sidecar, write_throwaway_notebook
 
-from dsv41 import notebooks as runner
-from dsv41.cli import main as dsv41_main
+from dsv41.app import notebooks as runner
+from dsv41.app.cli import main as dsv41_main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -21,7 +21,7 @@ def notebook_dir(tmp_path_factory):
     write_throwaway_notebook(d / "01_fails.ipynb", "x = 1", "y = 2", "z = x / (y - 2)  # boom", "never = True")
     write_throwaway_notebook(
         d / "02_plots.ipynb",
-        "import os, sys\nfrom dsv41 import viz",
+        "import os, sys\nfrom dsv41.observe import viz",
         "fig, ax = viz.new_figure()\nax.plot([0, 1, 2], [0, 1, 4])\nviz.show(fig)",
         "paths = viz.export_figure(fig, '02_square', output_dir, {'x': [0, 1, 2], 'y': [0, 1, 4], "
         "'smoke': smoke, 'prompt': prompt, 'checkpoint': checkpoint, 'headless': viz.is_headless(), "

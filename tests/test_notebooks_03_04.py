@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import notebook_group, run_notebooks_smoke, sidecar
 
-from dsv41 import csa2_stats as cs
-from dsv41.config import RELEASED, TINY, load_config
+from dsv41.core.config import RELEASED, TINY, load_config
+from dsv41.core.numerics import WINDOW_LAYOUTS
 from dsv41.kernels import SPARSE_ATTN_CHUNK
-from dsv41.numerics import WINDOW_LAYOUTS
+from dsv41.observe import csa2_stats as cs
 
 SMOKE_NOTEBOOKS = "03,04"
 pytestmark = notebook_group(SMOKE_NOTEBOOKS)
@@ -301,7 +301,7 @@ def test_reference_numerics_against_the_parity_options(smoke_run):
 
 @pytest.mark.slow
 def test_tie_break_lowest_leaves_no_prefill_decode_parting(smoke_run):
-    from dsv41.numerics import Numerics
+    from dsv41.core.numerics import Numerics
 
     tie = _sidecar(smoke_run, "04_tie_break")
     sweep = _sidecar(smoke_run, "04_topk_sweep")

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import write_throwaway_notebook
 
-from dsv41 import notebooks as runner
-from dsv41.cli import main as dsv41_main
-from dsv41.notebook_signals import SUMMARY_NAME, RunInterrupted
+from dsv41.app import notebooks as runner
+from dsv41.app.cli import main as dsv41_main
+from dsv41.app.notebook_signals import SUMMARY_NAME, RunInterrupted
 
 
 def refuse_writes_under(monkeypatch, folder) -> None:
@@ -213,7 +213,7 @@ def test_a_parameter_goes_only_to_the_notebooks_that_declare_it(tmp_path, monkey
     an unknown parameter there, so 01 is not handed it and 03 is."""
     import papermill
 
-    from dsv41 import notebooks as nbmod
+    from dsv41.app import notebooks as nbmod
 
     handed = {}
 

@@ -13,7 +13,7 @@ import nbformat
 import pytest
 from conftest import write_throwaway_notebook
 
-from dsv41.cli import main as dsv41_main
+from dsv41.app.cli import main as dsv41_main
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from dsv41.numerics import WINDOW_LAYOUTS, Numerics
+from dsv41.core.numerics import WINDOW_LAYOUTS, Numerics
 
 
 def test_the_default_is_the_reference_and_parity_departs_in_every_field():
@@ -69,7 +69,7 @@ def test_load_takes_a_numerics_value_with_its_fields_changed_one_by_one(tiny_che
 
 
 def test_the_generate_command_takes_the_numerics_flags(tiny_checkpoint, capsys):
-    from dsv41.cli import generate_main
+    from dsv41.app.cli import generate_main
 
     args = ["--checkpoint", tiny_checkpoint, "--prompt", "Numerics", "--max-new-tokens", "3", "--quiet"]
     assert generate_main(args) == 0

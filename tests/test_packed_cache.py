@@ -12,9 +12,11 @@ import pytest
 import torch
 
 import dsv41
-from dsv41 import csa2_stats as cs
-from dsv41 import sequence
-from dsv41.attention import (
+from dsv41.core.config import RELEASED, TINY
+from dsv41.core.numerics import Numerics
+from dsv41.generation.generate import generate
+from dsv41.model import sequence
+from dsv41.model.attention import (
     CACHE_FORMATS,
     COMPRESSED_ENCODING,
     HOLDING,
@@ -23,11 +25,9 @@ from dsv41.attention import (
     QuantizedCache,
     kv_cache_bytes,
 )
-from dsv41.config import RELEASED, TINY
-from dsv41.csa2_stack import AttentionStack
-from dsv41.generate import generate
-from dsv41.model import Model
-from dsv41.numerics import Numerics
+from dsv41.model.model import Model
+from dsv41.observe import csa2_stats as cs
+from dsv41.observe.csa2_stack import AttentionStack
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ENCODINGS = {"window": WINDOW_ENCODING, "compressed": COMPRESSED_ENCODING, "index": INDEX_KEY_ENCODING}

@@ -1,4 +1,4 @@
-"""The parse rate's definition (dsv41.parse_rate) on hand-made continuations: where a body ends,
+"""The parse rate's definition (dsv41.observe.parse_rate) on hand-made continuations: where a body ends,
 what is judged of it, how open blocks are closed, what parses and what does not; the logical lines
 against Python's own tokenizer; the rule on the held-out files' own code; and the measure on the
 miniature at a smoke size, its early stop against a full greedy run, and `dsv41 parse-rate`."""
@@ -10,8 +10,8 @@ import tokenize
 
 import pytest
 
-from dsv41 import parse_rate as pr
-from dsv41.cli import main
+from dsv41.app.cli import main
+from dsv41.observe import parse_rate as pr
 
 
 # ---------------------------------------------------------------------- step 4: the body's end
@@ -220,7 +220,7 @@ def test_the_files_own_code_fails_only_where_no_statement_fits_the_limit(miniatu
 
 
 def test_the_measure_on_the_miniature_at_a_smoke_size(miniature, held_out):
-    from dsv41.generate import generate
+    from dsv41.generation.generate import generate
 
     corpus, found = held_out
     headers = pr.pick_headers(found.headers, pr.SMOKE_HEADERS)

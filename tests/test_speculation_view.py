@@ -3,9 +3,9 @@
 import pytest
 
 import dsv41
-import widgets
-from dsv41.generate import generate
-from dsv41.numerics import Numerics
+from dsv41 import widgets
+from dsv41.core.numerics import Numerics
+from dsv41.generation.generate import generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

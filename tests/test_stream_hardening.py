@@ -19,7 +19,7 @@ from test_notebooks_hardening import refuse_writes_under
 
 from dsv41.bench import stream
 from dsv41.bench.cli import cli_main
-from dsv41.errors import Dsv41Error
+from dsv41.core.errors import Dsv41Error
 
 SMALL = [
     "--small",
@@ -52,7 +52,7 @@ def nothing_runs(monkeypatch):
     def reached(*args, **kwargs):
         raise AssertionError("the bench went on past a refusal")
 
-    from dsv41 import synthetic
+    from dsv41.checkpoint import synthetic
 
     monkeypatch.setattr(synthetic, "write_release_layout", reached)
     monkeypatch.setattr(stream, "recorded_steps", reached)
@@ -86,7 +86,7 @@ def test_a_dir_on_a_file_is_one_sentence(tmp_path, capsys, nothing_runs, where):
 def test_the_budget_is_checked_before_the_checkpoint_is_written(tmp_path, capsys, nothing_runs):
     """Reproduces: a budget below the minimum was refused only after the checkpoint (23.5 GiB at the
     default size) had been written."""
-    from dsv41.budget import BudgetError, plan_budget
+    from dsv41.runtime.budget import BudgetError, plan_budget
 
     cfg, positions = small_config(), stream.run_positions(3, 2)
     minimum = plan_budget(cfg, 1 << 50, max_seq_len=positions).minimum
@@ -102,7 +102,7 @@ def test_the_budget_is_checked_before_the_checkpoint_is_written(tmp_path, capsys
 
 
 def test_a_budget_above_the_machine_is_refused_before_writing(tmp_path, monkeypatch, capsys, nothing_runs):
-    from dsv41 import budget
+    from dsv41.runtime import budget
 
     machine = 3 * GIB
     monkeypatch.setattr(budget, "machine_memory", lambda: (machine, "this machine has"))
@@ -274,7 +274,7 @@ def test_the_budget_checked_first_is_the_one_the_load_plans(written):
 
 def _failing_on_shard(monkeypatch, n: int, exc: OSError):
     """The writer fails on its `n`th shard, after writing part of it (as a full disk does)."""
-    from dsv41 import synthetic
+    from dsv41.checkpoint import synthetic
 
     real, calls = synthetic.write_streamed_shard, []
 
@@ -308,7 +308,7 @@ def test_a_killed_write_is_cleared_by_the_next_run_and_only_its_own_files(tmp_pa
     """Reproduces: what a killed write left in --dir blocked every later run. The kill is played in
     this process: the write stops at the same point and the writer's own cleanup never runs, so the
     folder is left as a killed process leaves it."""
-    from dsv41 import synthetic
+    from dsv41.checkpoint import synthetic
 
     class Killed(BaseException):
         pass

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import dsv41
-from dsv41.argtypes import byte_size
-from dsv41.budget import BudgetError, plan_budget, routed_expert_bytes
-from dsv41.cache_policy import pool_hit_rates, pool_steps
-from dsv41.checkpoint import Checkpoint
-from dsv41.eviction import Residency, replay_calls
-from dsv41.generate import decode_n, generate, prefill
-from dsv41.stores import ExpertCache, SlotCache
+from dsv41.checkpoint.checkpoint import Checkpoint
+from dsv41.checkpoint.eviction import Residency, replay_calls
+from dsv41.checkpoint.stores import ExpertCache, SlotCache
+from dsv41.core.argtypes import byte_size
+from dsv41.generation.generate import decode_n, generate, prefill
+from dsv41.observe.cache_policy import pool_hit_rates, pool_steps
+from dsv41.runtime.budget import BudgetError, plan_budget, routed_expert_bytes
 
 PROMPT = "the slot cache reads experts from disk while the others are computed"
 
@@ -244,7 +244,7 @@ def test_bench_stream_runs_end_to_end_on_a_tiny_geometry(tmp_path, capsys):
 
 
 def test_large_tensors_are_filled_in_slabs_with_the_same_values(tiny_checkpoint, plain, monkeypatch):
-    from dsv41 import loader
+    from dsv41.runtime import loader
 
     monkeypatch.setattr(loader, "SLAB_BYTES", 4096)  # every large-enough tensor of the tiny checkpoint goes by slabs
     model = _budgeted(tiny_checkpoint, plain.cfg, 40, max_seq_len=plain.backbone.max_seq_len)

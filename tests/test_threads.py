@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from dsv41 import bench
-from dsv41 import threads as threads_module
-from dsv41.cli import main
-from dsv41.config import RELEASED, TINY
-from dsv41.loader import load
-from dsv41.threads import AUTO_THREADS_MIN_WEIGHTS, all_cores, auto_threads
+from dsv41.app.cli import main
+from dsv41.core import threads as threads_module
+from dsv41.core.config import RELEASED, TINY
+from dsv41.core.threads import AUTO_THREADS_MIN_WEIGHTS, all_cores, auto_threads
+from dsv41.runtime.loader import load
 
 
 @pytest.fixture(autouse=True)

@@ -11,13 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv41 import tiny
-from dsv41.config import TINY, load_config
-from dsv41.engram import EngramLayout, build_compressed_token_map
-from dsv41.formats import dequantize, torch_dtype
-from dsv41.headers import INDEX_NAME, layout_problems, read_header
-from dsv41.inventory import derived_engram_rows, expected_tensors, shard_names
-from dsv41.tokenizer import BOS_TOKEN, DSPARK_NOISE_TOKEN, EOS_TOKEN, IMAGE_TOKEN, PAD_TOKEN, build_tiny_tokenizer
+from dsv41.checkpoint import tiny
+from dsv41.checkpoint.engram import EngramLayout, build_compressed_token_map
+from dsv41.checkpoint.formats import dequantize, torch_dtype
+from dsv41.checkpoint.headers import INDEX_NAME, layout_problems, read_header
+from dsv41.checkpoint.inventory import derived_engram_rows, expected_tensors, shard_names
+from dsv41.checkpoint.tokenizer import (
+    BOS_TOKEN,
+    DSPARK_NOISE_TOKEN,
+    EOS_TOKEN,
+    IMAGE_TOKEN,
+    PAD_TOKEN,
+    build_tiny_tokenizer,
+)
+from dsv41.core.config import TINY, load_config
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +148,7 @@ def test_configs_round_trip_and_verify(tiny_checkpoint, cfg):
     assert nested.verify() == [] and flat.verify() == []
     assert flat.as_reference_dict() == nested.as_reference_dict()
     # the flat file is silent on exactly the nested-only fields
-    from dsv41.config_fields import NESTED_ONLY_KEYS
+    from dsv41.core.config_fields import NESTED_ONLY_KEYS
 
     assert sorted(line.split(":")[0] for line in nested.differs_from(flat)) == sorted(NESTED_ONLY_KEYS)
     assert nested == tiny.tiny_config()
@@ -201,7 +208,7 @@ def test_compressed_vocab_folds_case_accents_whitespace(tiny_checkpoint, cfg):
 
 def test_tokenizer_training_is_reproducible_across_processes():
     code = (
-        "import hashlib; from dsv41.tokenizer import build_tiny_tokenizer; "
+        "import hashlib; from dsv41.checkpoint.tokenizer import build_tiny_tokenizer; "
         "print(hashlib.sha256(build_tiny_tokenizer().to_str().encode()).hexdigest())"
     )
     digests = set()

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41 import cache_policy as cp
-from dsv41.trace import (
+from dsv41.model.trace import (
     AttentionRecord,
     EngramRecord,
     FiniteRecord,
@@ -23,7 +22,8 @@ from dsv41.trace import (
     StepRecord,
     TraceFileError,
 )
-from dsv41.trace import file as trace_module
+from dsv41.model.trace import file as trace_module
+from dsv41.observe import cache_policy as cp
 
 
 def _trace(first_ids=((0, 1), (1, 2)), later_ids=((2, 3),)):

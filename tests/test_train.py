@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import dsv41
+from dsv41.core.numerics import Numerics
 from dsv41.kernels import masked_attention, sparse_attn
-from dsv41.numerics import Numerics
 from dsv41.train import masters
 
 
@@ -80,7 +80,7 @@ def test_anchored_drafts_are_the_draft_stacks_drafts(tiny_checkpoint, params, na
     bit for bit, when fed the draft's own proposals as the previous tokens. Under
     `Numerics.parity()`: a batch of anchors runs its float32 GEMMs over more rows than one draft,
     and only the padded GEMMs round alike at any row count."""
-    from dsv41.generate import prefill
+    from dsv41.generation.generate import prefill
 
     loaded = dsv41.load(tiny_checkpoint, quiet=True, numerics=Numerics.parity())
     c = loaded.cfg
@@ -222,8 +222,8 @@ def test_the_random_initialization_is_the_trainers_step_zero_in_the_release_form
     seed as the release stores it (what `dsv41 parse-rate --random-init` loads as the floor)."""
     import filecmp
 
-    from dsv41.config import load_config
-    from dsv41.miniature import read_manifest
+    from dsv41.checkpoint.miniature import read_manifest
+    from dsv41.core.config import load_config
     from dsv41.train.masters import logical_shape, round_to_storage, weight_specs
     from dsv41.train.release import write_initialization
 

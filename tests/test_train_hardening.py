@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import dsv41  # noqa: E402
-from dsv41 import miniature  # noqa: E402
-from dsv41.checkpoint import LoadError  # noqa: E402
+from dsv41.checkpoint import miniature  # noqa: E402
+from dsv41.checkpoint.checkpoint import LoadError  # noqa: E402
 from dsv41.train import corpus as corpus_module  # noqa: E402
 from dsv41.train.cli import cli_main  # noqa: E402
 from dsv41.train.state import (  # noqa: E402
@@ -411,7 +411,7 @@ def test_a_killed_runs_temporary_files_are_removed_and_the_users_kept(runs, tmp_
 
 
 def test_replace_file_keeps_the_old_file_when_writing_fails(tmp_path):
-    from dsv41.outdir import replace_file, write_json
+    from dsv41.core.outdir import replace_file, write_json
 
     path = tmp_path / "facts.json"
     write_json(path, {"a": 1})
@@ -434,7 +434,7 @@ def _umask() -> int:
 
 
 def test_replace_folder_puts_the_new_one_in_place_of_the_old(tmp_path):
-    from dsv41.outdir import replace_folder
+    from dsv41.core.outdir import replace_folder
 
     old, new = tmp_path / "checkpoint", tmp_path / ".checkpoint.x.partial"
     old.mkdir(), new.mkdir()
@@ -512,7 +512,7 @@ def test_a_flag_out_of_range_is_a_usage_error(tmp_path, capsys, flag, value):
 
 
 def test_a_batch_past_this_machines_memory_is_one_sentence_naming_the_most_that_fits(tmp_path, capsys):
-    from dsv41.budget import machine_memory
+    from dsv41.runtime.budget import machine_memory
 
     limit, _ = machine_memory()
     most = (limit - STEP_FIXED_BYTES) // (step_bytes(1, 256) - STEP_FIXED_BYTES)

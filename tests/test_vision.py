@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
 import dsv41
-from dsv41 import sequence, vision
-from dsv41.config import RELEASED, TINY
-from dsv41.generate import compare_prefill_decode, generate
-from dsv41.layers import init_random_
-from dsv41.numerics import Numerics
-from dsv41.trace import ForwardTrace
-from dsv41.vision import IMAGE, IMAGE_END, IMAGE_NEWLINE, IMAGE_START, TEXT, ImageError
+from dsv41.core.config import RELEASED, TINY
+from dsv41.core.numerics import Numerics
+from dsv41.generation.generate import compare_prefill_decode, generate
+from dsv41.model import sequence, vision
+from dsv41.model.layers import init_random_
+from dsv41.model.trace import ForwardTrace
+from dsv41.model.vision import IMAGE, IMAGE_END, IMAGE_NEWLINE, IMAGE_START, TEXT, ImageError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -428,7 +428,7 @@ def test_generate_with_images_times_the_tower(model, tmp_path):
 
 
 def test_cli_generate_with_images(tiny_checkpoint, tmp_path, capsys):
-    from dsv41.cli import main
+    from dsv41.app.cli import main
 
     path = tmp_path / "pic.png"
     drawn(64, 40).save(path)
@@ -497,8 +497,8 @@ def test_bench_vision_reports_the_plan(capsys):
 
 
 def test_routing_view_filters_text_and_image_tokens(model):
-    import widgets
-    from widgets.routing import render
+    from dsv41 import widgets
+    from dsv41.widgets.routing import render
 
     result = generate(model, f"see {MARK} now", images=[drawn(60, 60)], max_new_tokens=2, trace=True, stop_at_eos=False)
     data = widgets.routing_data(result, n_experts=model.cfg.n_routed_experts)

@@ -20,11 +20,11 @@ from PIL import Image, ImageOps
 from test_vision import MARK, drawn  # the same drawn test image
 
 import dsv41
-from dsv41 import vision
-from dsv41.config import RELEASED, TINY
-from dsv41.config_fields import MIN_IMAGE_SPAN
-from dsv41.generate import NonFiniteLogits, generate, locate_non_finite
-from dsv41.vision import ImageError
+from dsv41.core.config import RELEASED, TINY
+from dsv41.core.config_fields import MIN_IMAGE_SPAN
+from dsv41.generation.generate import NonFiniteLogits, generate, locate_non_finite
+from dsv41.model import vision
+from dsv41.model.vision import ImageError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -129,8 +129,8 @@ def test_a_big_but_allowed_source_is_decoded_reduced_and_planned_at_its_size(no_
 
 REDUCED_MEMORY = r"""
 import json, resource, sys
-from dsv41 import vision
-from dsv41.config import RELEASED
+from dsv41.model import vision
+from dsv41.core.config import RELEASED
 
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 prompt = vision.prepare(RELEASED, [1], [sys.argv[1]])
@@ -268,7 +268,7 @@ def test_an_unfilled_placeholder_is_refused_by_generate(model):
 
 
 def test_cli_refuses_an_unfilled_placeholder(tiny_checkpoint, capsys):
-    from dsv41.cli import main
+    from dsv41.app.cli import main
 
     code = main(["generate", "--checkpoint", tiny_checkpoint, "--prompt", f"a {MARK} b", "--quiet"])
     captured = capsys.readouterr()
@@ -296,7 +296,7 @@ def test_a_single_image_where_a_list_goes_is_refused(model, tmp_path):
 # ---------------------------------------------------------------------- the span budget
 @pytest.fixture(scope="module")
 def tiny_cfg(tiny_checkpoint):
-    from dsv41.config import load_config
+    from dsv41.core.config import load_config
 
     cfg = load_config(tiny_checkpoint)  # TINY with the Engram fields the checkpoint states
     assert cfg.verify() == []
@@ -328,7 +328,7 @@ def test_the_smallest_budget_holds_one_cell_and_no_plan_drops_an_image(tiny_cfg)
 
 
 def test_config_cli_refuses_a_budget_too_small(tiny_checkpoint, tmp_path, capsys):
-    from dsv41.config import cli_main
+    from dsv41.core.config import cli_main
 
     nested = json.loads((Path(tiny_checkpoint) / "config.json").read_text())
     nested["vision_config"]["max_image_tokens"] = 2
@@ -375,7 +375,7 @@ def test_a_nan_delimiter_is_found_by_a_rerun_with_the_images(model):
 def test_cli_names_a_nan_tower(tiny_checkpoint, tmp_path, capsys):
     import safetensors.torch as st
 
-    from dsv41.cli import main
+    from dsv41.app.cli import main
 
     folder = tmp_path / "nan"
     shutil.copytree(tiny_checkpoint, folder)

@@ -1,4 +1,4 @@
-"""dsv41.viz: deterministic export (same bytes twice), sidecar content, no dates in metadata."""
+"""dsv41.observe.viz: deterministic export (same bytes twice), sidecar content, no dates in metadata."""
 
 import json
 import re
@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from dsv41 import viz
+from dsv41.observe import viz
 
 
 def _figure():
@@ -87,7 +87,7 @@ def test_identical_bytes_across_processes(tmp_path):
         import hashlib, sys
         sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
         from test_viz import _figure, DATA
-        from dsv41 import viz
+        from dsv41.observe import viz
         paths = viz.export_figure(_figure(), "fig", sys.argv[1], DATA)
         print(" ".join(hashlib.sha256(open(paths[e], "rb").read()).hexdigest() for e in ("png", "svg", "json")))
     """)

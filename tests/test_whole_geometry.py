@@ -7,9 +7,8 @@ import os
 
 import pytest
 
-from dsv41.cli import main
-from dsv41.outdir import OutDirError
-from dsv41.released_synthetic import (
+from dsv41.app.cli import main
+from dsv41.checkpoint.released_synthetic import (
     MARKER_NAME,
     SyntheticError,
     is_hole,
@@ -17,6 +16,7 @@ from dsv41.released_synthetic import (
     released_synthetic_config,
     write_released_synthetic,
 )
+from dsv41.core.outdir import OutDirError
 
 pytestmark = pytest.mark.xdist_group("whole-geometry")
 
@@ -29,9 +29,9 @@ def small(tmp_path_factory) -> str:
 
 
 def test_the_layout_is_the_released_one_with_holes(small):
-    from dsv41.checkpoint import Checkpoint
-    from dsv41.config import RELEASED, load_config
-    from dsv41.inventory import shard_names
+    from dsv41.checkpoint.checkpoint import Checkpoint
+    from dsv41.checkpoint.inventory import shard_names
+    from dsv41.core.config import RELEASED, load_config
 
     cfg = load_config(small)
     assert (cfg.n_layers, cfg.n_mtp_layers, cfg.n_routed_experts) == (
@@ -141,7 +141,7 @@ def test_too_little_disk_is_said_before_writing(tmp_path, monkeypatch):
 
 
 def test_an_interrupted_write_resumes_with_the_same_bytes(tmp_path, small, monkeypatch):
-    from dsv41 import released_synthetic
+    from dsv41.checkpoint import released_synthetic
 
     folder = str(tmp_path / "ck")
     real, written = released_synthetic._write_shard, []
@@ -166,7 +166,7 @@ def test_an_interrupted_write_resumes_with_the_same_bytes(tmp_path, small, monke
 
 
 def test_real_experts_on_chosen_layers(tmp_path):
-    from dsv41.checkpoint import Checkpoint
+    from dsv41.checkpoint.checkpoint import Checkpoint
 
     folder = str(tmp_path / "ck")
     write_released_synthetic(folder, small=True, real_expert_layers=[3], progress=False, log=lambda _: None)

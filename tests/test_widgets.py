@@ -1,4 +1,4 @@
-"""widgets/: each render over hand-made plain data, the LRU replay against a hand-worked sequence,
+"""dsv41/widgets/: each render over hand-made plain data, the LRU replay against a hand-worked sequence,
 the adapters on a real tiny generation, byte-identical export, and the prompt probe's run handler
 (built and driven without a kernel)."""
 
@@ -12,11 +12,11 @@ import torch
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 
-import widgets
-from dsv41 import viz
-from dsv41.generate import compare_prefill_decode, generate
-from dsv41.numerics import Numerics
-from widgets.cache import call_lookups, lru_replay, replay_counts
+from dsv41 import widgets
+from dsv41.core.numerics import Numerics
+from dsv41.generation.generate import compare_prefill_decode, generate
+from dsv41.observe import viz
+from dsv41.widgets.cache import call_lookups, lru_replay, replay_counts
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the shared fixture in conftest.py
 
@@ -137,7 +137,7 @@ def test_routing_render_draws_the_data():
 
 
 def test_chance_balance_is_uniform_random_routing_of_as_many_tokens():
-    from dsv41.learned import uniform_routing_loads
+    from dsv41.observe.learned import uniform_routing_loads
 
     # one token to k of E experts: every draw has max / mean E / k and entropy log k / log E, exactly
     one = widgets.chance_balance(1, 16, 4)
@@ -292,7 +292,7 @@ def test_view_controls_re_render_without_a_kernel():
     slider.value = 3  # what a person dragging the slider does
     assert view.options["highlight"] == 3 and bytes(image.value) != before
     assert any(t.get_text() == "size 3: 0.250" for t in view.figure.axes[1].texts)
-    # the widget shows the PNG export_figure writes: one renderer, dsv41.viz.png_bytes
+    # the widget shows the PNG export_figure writes: one renderer, dsv41.observe.viz.png_bytes
     assert bytes(image.value) == viz.png_bytes(view.figure)
 
 
@@ -305,7 +305,7 @@ def test_widget_image_is_the_exported_png(tmp_path):
 # ---------------------------------------------------------------------- adapters on a real generation
 @pytest.fixture(scope="module")
 def model(tiny_checkpoint):
-    from dsv41.loader import load
+    from dsv41.runtime.loader import load
 
     return load(tiny_checkpoint, expert_cache=5, quiet=True)
 
@@ -363,8 +363,8 @@ def test_cache_adapter_replays_the_recorded_cache(model, run):
 
 
 def test_cache_accounting_agrees_three_ways_and_with_the_replay(tiny_checkpoint):
-    from dsv41.generate import cache_accounting
-    from dsv41.loader import load
+    from dsv41.generation.generate import cache_accounting
+    from dsv41.runtime.loader import load
 
     model = load(tiny_checkpoint, expert_cache=5, quiet=True)  # fresh: its counters hold only what follows
     result = generate(model, "Counting the expert cache", max_new_tokens=3, trace=True, stop_at_eos=False)

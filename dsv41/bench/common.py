@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from dsv41.errors import Dsv41Error
+from dsv41.core.errors import Dsv41Error
 
 if TYPE_CHECKING:  # annotations only
-    from dsv41.model import Model
+    from dsv41.model.model import Model
 
 # The released expert geometry and routing width.
 DIM, INTER, TOPK = 5120, 2304, 6
@@ -155,7 +155,7 @@ def check_report_path(path: str, flag: str = "--json") -> None:
     """Refuse, before a run, a report path that could not be written after it: a folder, a path
     through a file or a missing folder, or a folder that takes no new file (`write_report` writes a
     file beside it and renames it over `path`)."""
-    from dsv41.outdir import creation_refused
+    from dsv41.core.outdir import creation_refused
 
     target = Path(path).absolute()
     if target.is_dir():
@@ -176,7 +176,7 @@ def check_report_path(path: str, flag: str = "--json") -> None:
 
 def write_report(path: str, report: dict) -> None:
     """The report as JSON at `path`, whole or not at all (`outdir.replace_file`)."""
-    from dsv41.outdir import replace_file
+    from dsv41.core.outdir import replace_file
 
     text = json.dumps(report, indent=2) + "\n"
 
@@ -229,7 +229,7 @@ def on_synthetic_checkpoint(args, prefix: str, write: Callable[[str], str], run:
     import shutil
     import tempfile
 
-    from dsv41.checkpoint import LoadError
+    from dsv41.checkpoint.checkpoint import LoadError
 
     temporary = None
     path = args.checkpoint

@@ -23,10 +23,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from dsv41.config import Config
-from dsv41.generate import decode_n, prefill
-from dsv41.hooks import without_sites
-from dsv41.moe import RoutedExperts
+from dsv41.core.config import Config
+from dsv41.generation.generate import decode_n, prefill
+from dsv41.model.hooks import without_sites
+from dsv41.model.moe import RoutedExperts
 
 from . import released, speculative
 from .common import DIM, INTER, TOPK, PhaseClock, on_synthetic_checkpoint, rss_bytes
@@ -40,8 +40,8 @@ REGISTRY_ROUNDS = 5  # decodes per arm of the registry's cost, the fastest kept
 def decode_config(dim: int = DIM, inter: int = INTER):
     """The tiny preset reshaped for timing: the given expert sizes, 2 backbone layers (the second
     compresses, indexes and reads Engram) plus 1 MTP layer, 8 routed experts with 6 active."""
-    from dsv41.inventory import derived_engram_rows
-    from dsv41.tiny import tiny_config
+    from dsv41.checkpoint.inventory import derived_engram_rows
+    from dsv41.checkpoint.tiny import tiny_config
 
     cfg = tiny_config().replace(
         dim=dim,
@@ -73,7 +73,7 @@ def write_decode_checkpoint(
 ) -> str:
     """Write the decode benchmark's checkpoint (release layout, `decode_config`, or `cfg`) into
     out_dir with `synthetic.random_fill` values."""
-    from dsv41.synthetic import random_fill, write_release_layout
+    from dsv41.checkpoint.synthetic import random_fill, write_release_layout
 
     write_release_layout(out_dir, cfg if cfg is not None else decode_config(dim, inter), random_fill(seed))
     return out_dir

@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from dsv41.errors import Dsv41Error
+from dsv41.core.errors import Dsv41Error
 
 from .common import (
     DIM,
@@ -696,7 +696,7 @@ def _gpu_targets(report: dict, log: Callable[[str], None]) -> list[dict]:
 def bench_experts_parallel(
     tokens: list[int], *, n_experts: int, dim: int, inter: int, repeats: int, log: Callable[[str], None] = print
 ) -> dict:
-    """One MoE layer's expert work across the ranks of a torchrun group (`dsv41.distributed`):
+    """One MoE layer's expert work across the ranks of a torchrun group (`dsv41.runtime.distributed`):
     each rank computes the routed experts it owns (e % world_size == rank) and the shared expert,
     then the pairs are exchanged and added in the single process's order. Per token count: the
     layer's wall time (the slowest rank's), each rank's compute and exchange seconds and the bytes
@@ -704,9 +704,9 @@ def bench_experts_parallel(
     bit for bit against that single process. Only rank 0 logs; every rank returns the report."""
     import torch.distributed as dist
 
-    from dsv41 import distributed
+    from dsv41.checkpoint.stores import DictExpertStore
     from dsv41.kernels.experts import expert_ffn, routed_experts
-    from dsv41.stores import DictExpertStore
+    from dsv41.runtime import distributed
 
     if n_experts < TOPK:
         raise ValueError(f"--experts must be at least {TOPK} (the routing width), got {n_experts}")
@@ -848,7 +848,7 @@ def main(args) -> int:
         if not kernels or set(kernels) - {"native", "torch"}:
             raise ValueError(f"--kernels takes native, torch or native,torch, got {args.kernels!r}")
         if args.expert_parallel:
-            from dsv41 import distributed
+            from dsv41.runtime import distributed
 
             try:
                 report = bench_experts_parallel(

@@ -89,7 +89,7 @@ def main(args) -> int:
     import tempfile
 
     from dsv41.bench.decode import write_decode_checkpoint
-    from dsv41.checkpoint import LoadError
+    from dsv41.checkpoint.checkpoint import LoadError
 
     try:
         chunks = token_list(args.chunks)

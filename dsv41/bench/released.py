@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from dsv41.released_synthetic import SMALL_WIDTHS
+from dsv41.checkpoint.released_synthetic import SMALL_WIDTHS
 
 from .common import (
     TOPK,
@@ -27,7 +27,7 @@ from .common import (
 )
 
 if TYPE_CHECKING:  # annotations only
-    from dsv41.model import Model
+    from dsv41.model.model import Model
 
 
 # Phases of a released-geometry decode token, in print order; "other" is what no hook covers
@@ -52,10 +52,10 @@ def released_decode_config(layers: int = 2, experts: int = 8, *, small: bool = F
     expert, vocab 129,280) with `layers` backbone layers and `experts` routed experts: layer 0 is a
     Full layer (ratio-2 compressor, indexer, candidate blocks), the others Reuse layers reading
     it, Engram (small tables) on layer 1, one MTP layer. `small`: the same plan at tiny dims."""
-    from dsv41.config import RELEASED
-    from dsv41.engram import build_compressed_token_map
-    from dsv41.inventory import derived_engram_rows
-    from dsv41.tokenizer import build_tiny_tokenizer
+    from dsv41.checkpoint.engram import build_compressed_token_map
+    from dsv41.checkpoint.inventory import derived_engram_rows
+    from dsv41.checkpoint.tokenizer import build_tiny_tokenizer
+    from dsv41.core.config import RELEASED
 
     if layers < 2:
         raise ValueError(f"--layers must be at least 2 (one Full and one Reuse layer), got {layers}")
@@ -149,7 +149,7 @@ def _floor_cells(seconds: float, nbytes: int, bandwidth: float) -> dict:
 def _released_counts():
     """How many layers of each kind the released model has: Full / Reindex (own indexer queries)
     and Reuse layers, and its Engram layers."""
-    from dsv41.config import RELEASED
+    from dsv41.core.config import RELEASED
 
     modes = RELEASED.layer_modes
     return {
@@ -220,7 +220,7 @@ def bench_decode_released(
     (or "cuda:N") holds and runs the routed experts there, the dense layers staying on the host;
     their floor is then still counted at the host's read bandwidth."""
     import dsv41
-    from dsv41.generate import decode_n, prefill
+    from dsv41.generation.generate import decode_n, prefill
     from dsv41.kernels import native
 
     before = torch.get_num_threads()
@@ -293,7 +293,7 @@ def bench_decode_released(
         prediction_released=last["prediction_released"],
     )
     report["same_tokens"] = len({tuple(s["tokens"]) for s in report["settings"].values()}) == 1
-    from dsv41.config import RELEASED
+    from dsv41.core.config import RELEASED
 
     if all(getattr(cfg, f) == getattr(RELEASED, f) for f in ("dim", "n_heads", "head_dim", "moe_inter_dim")):
         for cell in report["settings"].values():
@@ -436,8 +436,8 @@ def _released_targets(cell: dict) -> dict:
 
 
 def main(args) -> int:
-    from dsv41.synthetic import random_fill, write_release_layout
-    from dsv41.threads import all_cores
+    from dsv41.checkpoint.synthetic import random_fill, write_release_layout
+    from dsv41.core.threads import all_cores
 
     if args.repeats < 1 or args.copy_mib < 1 or (args.threads is not None and args.threads < 1):
         print("dsv41 bench: --repeats and --threads must be at least 1", file=sys.stderr)

@@ -16,8 +16,8 @@ def bench_speculative(
     proposes plain decoding's own continuation (every proposal right: the best case, labelled so).
     Tokens/s, target forwards per token, and whether each produced plain decoding's tokens."""
     import dsv41
-    from dsv41.generate import generate
-    from dsv41.numerics import Numerics
+    from dsv41.core.numerics import Numerics
+    from dsv41.generation.generate import generate
 
     # parity numerics: a verify and one-token steps are the same arithmetic, so the tokens must agree
     model = dsv41.load(

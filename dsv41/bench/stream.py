@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from dsv41.config import RELEASED, Config
-from dsv41.errors import Dsv41Error
-from dsv41.headers import INDEX_NAME
-from dsv41.outdir import usable_folder
-from dsv41.text import LongInteger, bounded_ints
+from dsv41.checkpoint.headers import INDEX_NAME
+from dsv41.core.config import RELEASED, Config
+from dsv41.core.errors import Dsv41Error
+from dsv41.core.outdir import usable_folder
+from dsv41.core.text import LongInteger, bounded_ints
 
 from .common import (
     BenchError,
@@ -51,7 +51,7 @@ from .common import (
 )
 
 if TYPE_CHECKING:  # annotations only
-    from dsv41.model import Model
+    from dsv41.model.model import Model
 
 MARKER = "bench-stream.json"
 # The folder a checkpoint is written into before its files are moved beside the marker: a name of
@@ -102,7 +102,7 @@ def plan_run(cfg: Config, memory, positions: int):
     a budget above the machine's memory or one that cannot hold the dense part and one token's
     experts (`BudgetError`), or more positions than the config has, is refused here and not after
     the checkpoint is on disk."""
-    from dsv41.budget import budget_bytes, check_machine, plan_budget
+    from dsv41.runtime.budget import budget_bytes, check_machine, plan_budget
 
     if positions > cfg.max_seq_len:
         raise BenchError(
@@ -115,7 +115,7 @@ def plan_run(cfg: Config, memory, positions: int):
 
 def checkpoint_bytes(cfg: Config) -> int:
     """The disk space the checkpoint of `cfg` takes at most: its tensors' bytes and the allowance."""
-    from dsv41.inventory import expected_tensors
+    from dsv41.checkpoint.inventory import expected_tensors
 
     return sum(spec.nbytes for spec in expected_tensors(cfg)) + FILES_ALLOWANCE
 
@@ -204,8 +204,8 @@ def ensure_checkpoint(folder: str, cfg: Config, log: Callable[[str], None] = pri
     lists, STAGING) and writes anew. A folder without a marker that holds anything but STAGING is
     the user's and refused. Before writing, the folder must take new files and its disk must have
     room (`checkpoint_bytes`); a write that fails all the same removes its partial files."""
-    from dsv41.inventory import shard_names
-    from dsv41.synthetic import random_fill, write_release_layout
+    from dsv41.checkpoint.inventory import shard_names
+    from dsv41.checkpoint.synthetic import random_fill, write_release_layout
 
     want = {"config": json.loads(json.dumps(cfg.as_nested_dict(), default=str)), "complete": True}
     marker = read_marker(folder)
@@ -325,8 +325,8 @@ def recorded_steps(tokens: int, log: Callable[[str], None] = print):
     """(steps for `cache_policy.pool_hit_rates`, the keys there are): the embedded trained
     miniature's routing over the held-out text and `tokens` generated after it."""
     import dsv41
-    from dsv41.cache_policy import pool_steps
-    from dsv41.generate import generate
+    from dsv41.generation.generate import generate
+    from dsv41.observe.cache_policy import pool_steps
 
     model = dsv41.load(quiet=True, threads=None)
     result = generate(model, HELD_OUT, max_new_tokens=tokens, trace=True, stop_at_eos=False)
@@ -351,10 +351,10 @@ def measure(
 ) -> dict:
     """One measured run: page cache emptied, disk bandwidth, load under `memory`, prefill, decode."""
     import dsv41
-    from dsv41.cache_policy import pool_hit_rates, pool_steps
-    from dsv41.generate import decode_n, prefill
-    from dsv41.inventory import shard_names
-    from dsv41.trace import ForwardTrace
+    from dsv41.checkpoint.inventory import shard_names
+    from dsv41.generation.generate import decode_n, prefill
+    from dsv41.model.trace import ForwardTrace
+    from dsv41.observe.cache_policy import pool_hit_rates, pool_steps
 
     files = [os.path.join(folder, name) for name in shard_names(cfg)]  # this config's, whatever else lies there
     page_cache = drop_page_cache(files)
@@ -462,8 +462,8 @@ def predict_40(run: dict, cfg: Config, model: Model) -> dict:
     once) and the misses a budget of that size leaves (uniform routing: slots / experts held),
     read at the disk's bandwidth, for this machine (a budget of nine tenths of its RAM) and the
     stated workstation; overlapped (the larger of the two) and serial (their sum). A prediction."""
-    from dsv41.budget import plan_budget
-    from dsv41.config import RELEASED
+    from dsv41.core.config import RELEASED
+    from dsv41.runtime.budget import plan_budget
 
     out = {}
     expert = run["budget"]["slot_bytes"]
@@ -606,8 +606,8 @@ def bench_stream(
 def add_parser(sub) -> None:
     import argparse
 
-    from dsv41.argtypes import memory_size, whole_number
-    from dsv41.eviction import DEFAULT_POLICY, EXPERT_POLICIES
+    from dsv41.checkpoint.eviction import DEFAULT_POLICY, EXPERT_POLICIES
+    from dsv41.core.argtypes import memory_size, whole_number
 
     positions = RELEASED.max_seq_len
     st = sub.add_parser(

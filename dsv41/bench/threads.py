@@ -29,9 +29,9 @@ def bench_threads(
     from its median decode time (the best is reported too: on a shared machine one lucky run
     would decide a best-of); torch's thread count is put back afterwards."""
     import dsv41
-    from dsv41.generate import decode_n, prefill
+    from dsv41.core.threads import all_cores, auto_threads
+    from dsv41.generation.generate import decode_n, prefill
     from dsv41.kernels import native
-    from dsv41.threads import all_cores, auto_threads
 
     before = torch.get_num_threads()
     cores = all_cores()
@@ -130,8 +130,8 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from dsv41.cachedir import CacheError
-    from dsv41.checkpoint import LoadError
+    from dsv41.checkpoint.checkpoint import LoadError
+    from dsv41.core.cachedir import CacheError
 
     if args.tokens < 1 or args.repeats < 1:
         print("dsv41 bench: --tokens and --repeats must be at least 1", file=sys.stderr)
@@ -139,7 +139,7 @@ def main(args) -> int:
     try:
         path = args.checkpoint
         if path is None:
-            from dsv41.tiny import default_checkpoint
+            from dsv41.checkpoint.tiny import default_checkpoint
 
             path = default_checkpoint(progress=False)
         report = bench_threads(path, decode_tokens=args.tokens, repeats=args.repeats)

@@ -24,9 +24,9 @@ def bench_vision(
     """One image's vision tower (ViT and aligner, bf16 as the released runtime holds them) at the
     released geometry on synthetic weights: the resize plan of a `width x height` image, the seconds
     of the best of `repeats` runs and the tower's weight bytes. `blocks` overrides the 32 ViT blocks."""
-    from dsv41 import vision
-    from dsv41.config import RELEASED
-    from dsv41.layers import init_random_
+    from dsv41.core.config import RELEASED
+    from dsv41.model import vision
+    from dsv41.model.layers import init_random_
 
     cfg = RELEASED if blocks is None else RELEASED.replace(vision_n_layers=int(blocks))
     plan = vision.plan(width, height, cfg)

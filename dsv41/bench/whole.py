@@ -39,7 +39,7 @@ _CLOCK_PHASES = ("attention", "routed experts", "shared expert", "Engram", "head
 
 
 def _expert_shard(folder: str, cfg) -> str:
-    from dsv41.checkpoint import Checkpoint
+    from dsv41.checkpoint.checkpoint import Checkpoint
 
     ck = Checkpoint(folder)
     name = f"layers.{cfg.n_layers // 2}.ffn.experts.0.w1.weight"
@@ -93,7 +93,7 @@ def expert_kernel_rate(model, layer: int, repeats: int = 5) -> float:
 
 def _decode(model, cache, token: int, n: int, clock=None) -> tuple:
     """(seconds per token, the ids, stats delta, hits, misses) of n decode steps from `token`."""
-    from dsv41.generate import decode_n
+    from dsv41.generation.generate import decode_n
 
     stats0 = cache.stats.as_dict()
     hits0, misses0 = sum(cache.counters.hits.values()), sum(cache.counters.misses.values())
@@ -126,9 +126,9 @@ def measure_whole(
 ) -> dict:
     """One run on the checkpoint in `folder` (see the module's text); returns the report."""
     import dsv41
-    from dsv41.config import load_config
-    from dsv41.generate import prefill
-    from dsv41.inventory import shard_names
+    from dsv41.checkpoint.inventory import shard_names
+    from dsv41.core.config import load_config
+    from dsv41.generation.generate import prefill
 
     from .released import decode_token_bytes
     from .stream import drop_page_cache
@@ -308,10 +308,10 @@ def _log(r: dict, log: Callable[[str], None]) -> None:
 
 
 def main(args) -> int:
-    from dsv41.argtypes import byte_size
-    from dsv41.checkpoint import LoadError
-    from dsv41.outdir import OutDirError
-    from dsv41.released_synthetic import SyntheticError, read_marker, write_released_synthetic
+    from dsv41.checkpoint.checkpoint import LoadError
+    from dsv41.checkpoint.released_synthetic import SyntheticError, read_marker, write_released_synthetic
+    from dsv41.core.argtypes import byte_size
+    from dsv41.core.outdir import OutDirError
 
     try:
         memory = byte_size(args.memory)

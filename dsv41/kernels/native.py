@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from ..cachedir import CacheError, cache_dir, cache_error, current_umask, file_sha256
+from ..core.cachedir import CacheError, cache_dir, cache_error, current_umask, file_sha256
 
 SOURCE = Path(__file__).with_name("native.c")
 _ABI_VERSION = 11  # must equal ABI_VERSION in native.c

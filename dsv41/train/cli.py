@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 
-from ..errors import Dsv41Error
+from ..core.errors import Dsv41Error
 
 
 def finish(trainer, *, progress: bool, windows: int | None = None) -> dict:
@@ -21,8 +21,8 @@ def finish(trainer, *, progress: bool, windows: int | None = None) -> dict:
 
     import torch
 
-    from ..numerics import Numerics
-    from ..outdir import write_json
+    from ..core.numerics import Numerics
+    from ..core.outdir import write_json
     from .data import compressor_bits_per_byte
     from .masters import initialized_params, trainable_model
     from .release import write_miniature
@@ -96,7 +96,7 @@ def write_loss_curve(stem: str, state, facts: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..outdir import replace_file, write_json
+    from ..core.outdir import replace_file, write_json
 
     backbone = [r for r in state.log if r["phase"] != "draft"]
     steps = [r["step"] for r in backbone]
@@ -137,8 +137,8 @@ def write_loss_curve(stem: str, state, facts: dict) -> None:
 
 
 def cli_main(argv: list[str]) -> int:
-    from ..argtypes import whole_number
-    from ..threads import machine_cores
+    from ..core.argtypes import whole_number
+    from ..core.threads import machine_cores
     from .state import FLAGS, INT_BOUNDS, MAX_STEPS, MAX_WINDOWS, TrainSettings
 
     defaults = TrainSettings()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..outdir import replace_file
+from ..core.outdir import replace_file
 from .corpus import Corpus
 
 

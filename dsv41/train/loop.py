@@ -19,9 +19,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..model import Model
-from ..numerics import Numerics
-from ..outdir import replace_file
+from ..core.numerics import Numerics
+from ..core.outdir import replace_file
+from ..model.model import Model
 from .data import build_streams, held_out_windows, nats_to_bits, train_batch
 from .masters import (
     checkpoint_params,
@@ -87,8 +87,8 @@ def read_source(path: str) -> tuple[dict, dict]:
     """(what the run carries from it, its settings) of the miniature checkpoint at `path`, which
     --draft-from names: its manifest's files held to their sha256s, its fields to their kinds, and
     a tokenizer there; TrainError in one sentence when it cannot."""
-    from ..cachedir import file_sha256
-    from ..miniature import MANIFEST_NAME, MiniatureError, verify
+    from ..checkpoint.miniature import MANIFEST_NAME, MiniatureError, verify
+    from ..core.cachedir import file_sha256
 
     if not os.path.isdir(path):
         raise TrainError(
@@ -118,7 +118,7 @@ def read_source(path: str) -> tuple[dict, dict]:
             f"--draft-from {path} holds no {TOKENIZER_NAME}, which the run goes on with; give the "
             f"whole checkpoint folder"
         )
-    from ..config import load_config
+    from ..core.config import load_config
 
     _, cfg = miniature_tokenizer(os.path.join(path, TOKENIZER_NAME))
     ours = {name: logical_shape(spec) for name, (spec, _) in weight_specs(cfg).items()}
@@ -152,7 +152,7 @@ def miniature_tokenizer(path: str):
     miniature can use (unreadable, or another vocabulary)."""
     from tokenizers import Tokenizer
 
-    from ..tiny import tiny_config
+    from ..checkpoint.tiny import tiny_config
 
     try:
         tokenizer = Tokenizer.from_file(path)
@@ -222,7 +222,7 @@ class Trainer:
         progress: bool | None = None,
         draft_from: str | None = None,
     ):
-        from ..engram import NgramHasher
+        from ..checkpoint.engram import NgramHasher
         from .corpus import load_corpus
 
         given = dict(given or {})
@@ -271,7 +271,7 @@ class Trainer:
                 replace_file(tok_path, lambda tmp: shutil.copyfile(os.path.join(draft_from, TOKENIZER_NAME), tmp))
                 record_tokenizer(self.folder)
             elif not tokenizer_written(self.folder):  # else the one an interrupted start of this run wrote
-                from ..tokenizer import build_tiny_tokenizer
+                from ..checkpoint.tokenizer import build_tiny_tokenizer
 
                 replace_file(tok_path, build_tiny_tokenizer(texts=list(self.corpus.train.values())).save)
                 record_tokenizer(self.folder)

@@ -27,16 +27,22 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..attention import AttentionRuntime, attention_target
-from ..config import Config
-from ..dspark import DraftStack
-from ..formats import dequantize_fp4, dequantize_fp8_blocks, infer_fp8_block, quantize_fp4, quantize_fp8_blocks
-from ..inventory import expected_tensors
-from ..layers import Linear, straight_through
-from ..model import Model
-from ..moe import TrainableExperts
-from ..numerics import Numerics
-from ..stores import MasterEngramTable
+from ..checkpoint.formats import (
+    dequantize_fp4,
+    dequantize_fp8_blocks,
+    infer_fp8_block,
+    quantize_fp4,
+    quantize_fp8_blocks,
+)
+from ..checkpoint.inventory import expected_tensors
+from ..checkpoint.stores import MasterEngramTable
+from ..core.config import Config
+from ..core.numerics import Numerics
+from ..model.attention import AttentionRuntime, attention_target
+from ..model.dspark import DraftStack
+from ..model.layers import Linear, straight_through
+from ..model.model import Model
+from ..model.moe import TrainableExperts
 
 # What the trainer leaves at its initial values: the vision tower stays random (it must only load).
 UNTRAINED_PREFIXES = ("vision.", "aligner.", "image_start", "image_newline", "image_end")
@@ -99,16 +105,16 @@ def weights(params: dict[str, torch.Tensor], specs: dict, qat: bool) -> dict[str
 
 def initialized_params(cfg: Config, seed: int) -> dict[str, torch.Tensor]:
     """Weights drawn as the embedded random checkpoint draws them (`tiny._values`), float32."""
-    from ..tiny import _values
+    from ..checkpoint.tiny import _values
 
     return {name: _values(seed, name, logical_shape(spec)).float() for name, (spec, _) in weight_specs(cfg).items()}
 
 
 def checkpoint_params(path: str) -> dict[str, torch.Tensor]:
     """The weights of a checkpoint in the release format, decoded to float32."""
-    from ..checkpoint import Checkpoint
-    from ..config import load_config
-    from ..formats import dequantize
+    from ..checkpoint.checkpoint import Checkpoint
+    from ..checkpoint.formats import dequantize
+    from ..core.config import load_config
 
     ckpt = Checkpoint(path)
     return {

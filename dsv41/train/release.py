@@ -11,10 +11,10 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING
 
-from ..miniature import MANIFEST_FORMAT, MANIFEST_NAME, MiniatureError, verify
+from ..checkpoint.miniature import MANIFEST_FORMAT, MANIFEST_NAME, MiniatureError, verify
 
 if TYPE_CHECKING:  # annotations only
-    from ..config import Config
+    from ..core.config import Config
 
 
 def write_miniature(folder: str, cfg: Config, tokenizer, params: dict, facts: dict) -> str:
@@ -22,10 +22,10 @@ def write_miniature(folder: str, cfg: Config, tokenizer, params: dict, facts: di
     beside it and renamed into place (`outdir.replace_folder`: an earlier checkpoint there is
     removed only once the new one has its place; the work folder's claim has checked that it holds
     nothing else); returns the folder."""
-    from ..cachedir import file_sha256
-    from ..outdir import replace_folder
-    from ..synthetic import write_release_layout
-    from ..tiny import stored_tensors
+    from ..checkpoint.synthetic import write_release_layout
+    from ..checkpoint.tiny import stored_tensors
+    from ..core.cachedir import file_sha256
+    from ..core.outdir import replace_folder
 
     folder = os.path.realpath(folder)
     parent = os.path.dirname(folder)

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import Dsv41Error
-from ..outdir import replace_file
-from ..text import bounded_ints, brief, is_whole, json_kind, number_text
+from ..core.errors import Dsv41Error
+from ..core.outdir import replace_file
+from ..core.text import bounded_ints, brief, is_whole, json_kind, number_text
 
 STATE_NAME = "state.json"
 STATE_FORMAT = "dsv41-train-state"
@@ -161,7 +161,7 @@ def step_bytes(batch: int, seq_len: int) -> int:
 
 def check_memory(settings: TrainSettings) -> None:
     """TrainError when a step of `settings` would need more memory than this machine has."""
-    from ..budget import gib_text, machine_memory
+    from ..runtime.budget import gib_text, machine_memory
 
     have = machine_memory()
     need = step_bytes(settings.batch, settings.seq_len)

@@ -13,9 +13,9 @@ import re
 import shutil
 from pathlib import Path
 
-from ..cachedir import file_sha256
-from ..miniature import MANIFEST_NAME, MiniatureError, read_manifest
-from ..outdir import claim_folder, inspect_folder, listing, read_marker, write_json
+from ..checkpoint.miniature import MANIFEST_NAME, MiniatureError, read_manifest
+from ..core.cachedir import file_sha256
+from ..core.outdir import claim_folder, inspect_folder, listing, read_marker, write_json
 from .state import PICKLED_STATE_NAME, STATE_NAME, TrainError
 
 MARKER_NAME = "dsv41-train.json"

@@ -1,0 +1,1 @@
+"""A checkpoint on disk: inventory, headers, formats, tokenizer, audit, writers, the stores."""

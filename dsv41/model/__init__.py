@@ -1,0 +1,1 @@
+"""The forward: layers, sites, traces, attention, MoE, vision, the model, its sequence state, DSpark."""

@@ -1,0 +1,1 @@
+"""Studies of a model as plain data, and the figures that show them."""

@@ -1,0 +1,1 @@
+"""Loading a checkpoint into a model: `load`, its report, the memory budget, expert parallelism."""
