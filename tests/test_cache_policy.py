@@ -28,7 +28,6 @@ from dsv41.model.trace import (
 )
 from dsv41.observe import cache_policy as cp
 from dsv41.observe import viz
-from dsv41.widgets.cache import lru_replay as widgets_lru_replay
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -120,7 +119,7 @@ def _plain_lru(seq, capacity: int) -> list[bool]:
 
 
 def test_lru_is_a_plain_lru_and_the_widgets_use_it():
-    assert widgets_lru_replay is cp.lru_replay  # one home for the replay
+    assert widgets.cache.replay_counts is cp.replay_counts  # the cache view replays through the one home
     for n_experts, seq, _ in _sequences(300, seed=2):
         for capacity in range(n_experts + 2):
             assert cp.lru_replay(seq, capacity) == _plain_lru(seq, capacity), (capacity, seq)
@@ -418,7 +417,7 @@ def _plain():
 
 def test_render_draws_every_policy_with_a_legend():
     data = _plain()
-    fig = widgets.render_policy(data)
+    fig = widgets.policy.render(data)
     assert isinstance(fig, Figure)
     ax_rate, ax_layer, ax_disk = fig.axes
     for ax in fig.axes:
@@ -439,7 +438,7 @@ def test_render_draws_every_policy_with_a_legend():
     assert "disk MiB per decode token" == ax_disk.get_ylabel()
     # the recorded run is marked only when the trace recorded its cache (this one did not)
     assert "recorded run" not in " ".join(ln.get_label() for ln in ax_rate.get_lines())
-    picked = widgets.render_policy(data, policies=["belady"], capacity=3)
+    picked = widgets.policy.render(data, policies=["belady"], capacity=3)
     assert [ln.get_label() for ln in picked.axes[1].get_lines()] == ["Belady (optimal)"]
     assert "3 experts cached" in picked.axes[1].get_title()
 

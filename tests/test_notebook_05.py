@@ -11,7 +11,8 @@ from conftest import notebook_group, run_notebooks_smoke, sidecar
 from dsv41.core.config import RELEASED, TINY, load_config
 from dsv41.core.numerics import Numerics
 from dsv41.observe import cache_policy
-from dsv41.widgets import chance_balance, replay_counts
+from dsv41.observe.cache_policy import replay_counts
+from dsv41.widgets import chance_balance
 from dsv41.widgets.ties import never_cut
 
 pytestmark = notebook_group("05")

@@ -39,7 +39,7 @@ def test_data_follows_the_steps(run):
 
 
 def test_render_draws_three_panels(run):
-    fig = widgets.render_speculation(widgets.speculation_data(run))
+    fig = widgets.speculation.render(widgets.speculation_data(run))
     assert len(fig.axes) == 3
 
 

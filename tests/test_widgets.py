@@ -16,7 +16,7 @@ from dsv41 import widgets
 from dsv41.core.numerics import Numerics
 from dsv41.generation.generate import compare_prefill_decode, generate
 from dsv41.observe import viz
-from dsv41.widgets.cache import call_lookups, lru_replay, replay_counts
+from dsv41.observe.cache_policy import call_lookups, lru_replay, replay_counts
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the shared fixture in conftest.py
 
@@ -92,14 +92,14 @@ def _routing_layers(n_layers: int):
 def test_routing_render_at_forty_layers_labels_what_fits():
     """The released model's 40 layers: tick labels thinned to about a dozen, and the entropy values
     (in the sidecar) not written over 40 narrow bars, where they overprinted one another."""
-    fig = widgets.render_routing(_routing_layers(40), phase="prefill")
+    fig = widgets.routing.render(_routing_layers(40), phase="prefill")
     ax_load, ax_w, ax_max, ax_ent = fig.axes[:4]
     for ax in (ax_max, ax_ent):
         ticks = [t.get_text() for t in ax.get_xticklabels()]
         assert 6 <= len(ticks) <= 13 and ticks[0] == "0"
     assert len([t.get_text() for t in ax_load.get_yticklabels()]) <= 13
     assert not ax_ent.texts and len(_bars(ax_ent)) == 40
-    few = widgets.render_routing(_routing_layers(8), phase="prefill")
+    few = widgets.routing.render(_routing_layers(8), phase="prefill")
     assert len(few.axes[3].texts) == 8 and len(few.axes[2].get_xticklabels()) == 8
 
 
@@ -112,7 +112,7 @@ def test_balance_by_hand():
 
 def test_routing_render_draws_the_data():
     data = _routing_plain()
-    fig = widgets.render_routing(data, phase="prefill")
+    fig = widgets.routing.render(data, phase="prefill")
     assert isinstance(fig, Figure)
     ax_load, ax_w, ax_max, ax_ent = fig.axes[:4]
     assert len(fig.axes) == 6  # four panels and two colorbars
@@ -130,10 +130,10 @@ def test_routing_render_draws_the_data():
     assert f"chance {chance['max_over_mean']['mean']:.2f}" in ax_max.get_title()
     assert ax_w.get_images()[0].get_array().mask.tolist() == [[False, False, False, True], [False, True, True, True]]
     assert "2 tokens" in fig._suptitle.get_text()
-    decode = widgets.render_routing(data, phase="decode")
+    decode = widgets.routing.render(data, phase="decode")
     assert np.array_equal(decode.axes[0].get_images()[0].get_array(), np.array(data["load"]["decode"]))
     with pytest.raises(ValueError):
-        widgets.render_routing(data, phase="later")
+        widgets.routing.render(data, phase="later")
 
 
 def test_chance_balance_is_uniform_random_routing_of_as_many_tokens():
@@ -173,7 +173,7 @@ def _cache_plain():
 
 def test_cache_render_draws_the_data():
     data = _cache_plain()
-    fig = widgets.render_cache(data, highlight=2)
+    fig = widgets.cache.render(data, highlight=2)
     assert isinstance(fig, Figure)
     ax_map, ax_curve = fig.axes[:2]
     rate = ax_map.get_images()[0].get_array()
@@ -221,7 +221,7 @@ def _ties_plain(comparison=True):
 
 
 def test_tie_render_draws_the_data():
-    fig = widgets.render_ties(_ties_plain(), tol=0.0)
+    fig = widgets.ties.render(_ties_plain(), tol=0.0)
     assert isinstance(fig, Figure)
     ax_gap, ax_part, ax_diff, ax_margin = fig.axes[:4]
     assert len(fig.axes) == 5  # four rows and the gap colorbar
@@ -237,7 +237,7 @@ def test_tie_render_draws_the_data():
         to_rgba(c) for c in (viz.PALETTE[3], viz.PALETTE[2], viz.PALETTE[2])
     ]
     # a looser tolerance marks near-ties too: gaps 0.1 and margin 0.05
-    loose = widgets.render_ties(_ties_plain(), tol=0.1)
+    loose = widgets.ties.render(_ties_plain(), tol=0.1)
     ties = [ln for ln in loose.axes[0].get_lines() if ln.get_label().startswith("tie")][0]
     assert len(ties.get_xdata()) == 4
 
@@ -248,7 +248,7 @@ def test_tie_render_reads_for_a_person():
     data["row_layers"].append(2)
     data["gap"].append([None] * 6)
     data["ties"].append(0)
-    fig = widgets.render_ties(data)
+    fig = widgets.ties.render(data)
     ax_gap = fig.axes[0]
     # the all-grey row is not drawn; the title names it
     assert [t.get_text() for t in ax_gap.get_yticklabels()] == ["1 index", "1 blocks"]
@@ -261,13 +261,13 @@ def test_tie_render_reads_for_a_person():
     title = fig._suptitle.get_text()
     assert "the released model's arithmetic" in title and not any(k in title for k in Numerics().as_dict())
     data["comparison"]["numerics"] = Numerics.parity().as_dict()
-    assert "independent of how the tokens are split" in widgets.render_ties(data)._suptitle.get_text()
+    assert "independent of how the tokens are split" in widgets.ties.render(data)._suptitle.get_text()
     data["comparison"]["numerics"] = Numerics().with_options(tie_break="lowest").as_dict()
-    assert widgets.render_ties(data)._suptitle.get_text().endswith("With ties to the lower position")
+    assert widgets.ties.render(data)._suptitle.get_text().endswith("With ties to the lower position")
 
 
 def test_tie_render_without_a_comparison_says_so():
-    fig = widgets.render_ties(_ties_plain(comparison=False))
+    fig = widgets.ties.render(_ties_plain(comparison=False))
     assert any("no prefill / decode comparison" in t.get_text() for t in fig.axes[1].texts)
     assert all(len(ln.get_xdata()) == 2 for ln in fig.axes[2].get_lines())  # only the vertical markers, no curve
 

@@ -1,20 +1,21 @@
 """ipywidgets views over dsv41 results (each also renders a static figure headless).
 
-Each view is a pure `render(data) -> matplotlib Figure` over plain data, an adapter that makes that
-data from a traced `GenerationResult`, and a thin `View` wrapper (controls above the figure):
+Each view is a pure `render(data) -> matplotlib Figure` over plain data (its module's `render`), an
+adapter that makes that data from a traced `GenerationResult`, and a thin `View` wrapper (controls
+above the figure):
 
-- routing: `routing_data(result)`, `render_routing`, `RoutingView` — layer x expert load and weight,
-  per-layer balance against what uniform random routing of as many tokens gives (`chance_balance`),
-  all tokens or the text or image tokens alone.
-- cache: `cache_data(result, capacity)`, `render_cache`, `CacheView`, `lru_replay`,
-  `replay_accounting` — hit rates per layer and call, the recorded routing replayed through an LRU of
-  any size.
-- ties: `tie_data(result, comparison)`, `render_ties`, `TieView` — top-k score gaps, where prefill
+- routing: `routing_data(result)`, `routing.render`, `RoutingView` — layer x expert load and
+  weight, per-layer balance against what uniform random routing of as many tokens gives
+  (`chance_balance`), all tokens or the text or image tokens alone.
+- cache: `cache_data(result, capacity)`, `cache.render`, `CacheView`, `replay_accounting` — hit
+  rates per layer and call, the recorded routing replayed through an LRU of any size
+  (`cache_policy.lru_replay`).
+- ties: `tie_data(result, comparison)`, `ties.render`, `TieView` — top-k score gaps, where prefill
   and decode part, top-2 logit margins.
-- policy: `policy_data(result)` (from `dsv41.observe.cache_policy`), `render_policy`, `PolicyView` — the
-  recorded routing replayed through LRU, LFU, a static top-N and Belady's optimum at every cache
-  size, per layer and overall, with the disk bytes per token each size would read.
-- speculation: `speculation_data(result)`, `render_speculation`, `SpeculationView` — a speculative
+- policy: `PolicyView` over `cache_policy.policy_data(result)`, `policy.render` — the recorded
+  routing replayed through LRU, LFU, a static top-N and Belady's optimum at every cache size, per
+  layer and overall, with the disk bytes per token each size would read.
+- speculation: `speculation_data(result)`, `speculation.render`, `SpeculationView` — a speculative
   run's accepted length per step, acceptance by draft position and confidence calibration.
 - `PromptProbe(model)` — a text box and run button that regenerate and refresh all three.
 
@@ -22,17 +23,13 @@ Widgets import dsv41, never the reverse; `View.show()` shows the live widget in 
 static figure under papermill (`dsv41.observe.viz.show`).
 """
 
-from .cache import CacheView, cache_data, lru_replay, replay_accounting, replay_counts
-from .cache import render as render_cache
-from .policy import PolicyView, policy_data
-from .policy import render as render_policy
+from . import cache, policy, routing, speculation, ties
+from .cache import CacheView, cache_data, replay_accounting
+from .policy import PolicyView
 from .probe import PromptProbe, traced_ids
 from .routing import RoutingView, balance, chance_balance, routing_data
-from .routing import render as render_routing
 from .speculation import SpeculationView, speculation_data
-from .speculation import render as render_speculation
 from .ties import TieView, tie_data
-from .ties import render as render_ties
 
 __all__ = [
     "CacheView",
@@ -42,19 +39,16 @@ __all__ = [
     "SpeculationView",
     "TieView",
     "balance",
+    "cache",
     "cache_data",
     "chance_balance",
-    "lru_replay",
-    "policy_data",
-    "render_cache",
-    "render_policy",
-    "render_routing",
-    "render_speculation",
-    "render_ties",
+    "policy",
     "replay_accounting",
-    "replay_counts",
+    "routing",
     "routing_data",
+    "speculation",
     "speculation_data",
     "tie_data",
+    "ties",
     "traced_ids",
 ]

@@ -3,7 +3,7 @@ replayed through an LRU of any size.
 
 The loader's expert cache keeps, per layer, the `capacity` most recently used packed experts. On
 each forward call a layer looks up the distinct experts its tokens chose, in ascending id order;
-each lookup is a hit or a miss. `lru_replay` is that rule in plain Python over recorded ids, so the
+each lookup is a hit or a miss. `cache_policy.lru_replay` is that rule in plain Python over recorded ids, so the
 hit rate a different cache size would have had follows from one traced run, without running the
 model again. At the configured size, starting cold, the replay reproduces the recorded counts
 exactly; above the number of distinct experts it is left with the compulsory misses alone.
@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-# cache_policy is the one home of the replay; `as lru_replay`: dsv41/widgets/__init__.py and the tests take it from here
 from dsv41.observe.cache_policy import call_lookups, replay_counts
-from dsv41.observe.cache_policy import lru_replay as lru_replay
 
 from ._common import View, routing_calls
 

@@ -1,7 +1,7 @@
 """Policy view: a trace's routing replayed through expert-cache policies (LRU, LFU, static top-N,
 Belady's optimum) at every cache size, and what each size would read from disk per token.
 
-The numbers come from `dsv41.observe.cache_policy.policy_data` (re-exported here as `policy_data`), which
+The numbers come from `dsv41.observe.cache_policy.policy_data`, which
 takes a traced GenerationResult, a GenerationTrace or the path of a saved one; `render` plots them
 and `PolicyView` adds a policy picker and a cache-size slider. Headless, `show()` displays the
 static figure; `export()` writes it with a sidecar of the plotted numbers.
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from dsv41.observe.cache_policy import POLICY_NAMES, policy_data
+from dsv41.observe.cache_policy import POLICY_NAMES
 
 from ._common import View
 
-__all__ = ["PolicyView", "policy_data", "render"]
+__all__ = ["PolicyView", "render"]
 
 _MARKERS = {"lru": "o", "lfu": "s", "static": "^", "belady": "D"}
 

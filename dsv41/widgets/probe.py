@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from .cache import CacheView, cache_data
 from .routing import RoutingView, routing_data
 from .speculation import SpeculationView, speculation_data
 from .ties import TieView, tie_data
+
+if TYPE_CHECKING:  # annotations only
+    from ..model.model import Model
 
 TAB_TITLES = {"routing": "routing", "cache": "expert cache", "ties": "ties", "speculation": "speculation"}
 
@@ -47,7 +51,7 @@ class PromptProbe:
 
     def __init__(
         self,
-        model,
+        model: Model,
         prompt: str = "Once upon a time",
         max_new_tokens: int = 8,
         *,
