@@ -1,7 +1,8 @@
-"""docs/architecture.md stays true: every module of the package has one paragraph in its layer,
-every module the page names exists, each paragraph's Imports line is what the module imports of
-dsv41, and imports keep to the page's rule (a module imports from its own layer or below, with no
-exception; the bottom layer loads without torch)."""
+"""docs/architecture.md stays true: the package's folders are the page's sections, in the order of its
+picture, and a module's folder is its layer; every module of a folder has one paragraph in its folder's
+section, every module the page names exists, each paragraph's Imports line is what the module imports of
+dsv41, and imports keep to the page's rule (a module imports from its own folder or the folders below it;
+no upward lookup; the modules the page names load without torch)."""
 
 import ast
 import functools
@@ -14,41 +15,52 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "architecture.md"
 PACKAGE = ROOT / "dsv41"
-# the lazy facade and the command's entry stand outside the layers (the page says so)
-OUTSIDE = {"__init__", "__main__"}
+# (importer, imported): the upward lookups the rule allows, each named in the document's rule: none
+ALLOWED_UPWARD: set = set()
+# the lazy facade and the command's entry stand outside the folders (the page says so)
+OUTSIDE = {"dsv41", "dsv41.__main__"}
 
-_LAYER = re.compile(r"^### Layer (\d+): ", re.M)
-_PARAGRAPH = re.compile(r"^\*\*`([a-z_0-9]+)(\.py|/)`\*\*(.*?)(?=\n\n|\Z)", re.M | re.S)
+_FOLDER = re.compile(r"^### `([a-z_0-9]+)/`\n", re.M)
+_PARAGRAPH = re.compile(r"^\*\*`((?:[a-z_0-9]+/)*[a-z_0-9]+(?:\.py|/))`\*\*(.*?)(?=\n\n|\Z)", re.M | re.S)
 _NAMED = re.compile(r"`((?:[a-z_0-9]+/)*[a-z_0-9]+(?:\.py|\.c|/))`")
 _IMPORTS = re.compile(r"Imports: (.*?)\.\s*$", re.S)
+_UNIT_NAMED = re.compile(r"`((?:[a-z_0-9]+/)*[a-z_0-9]+(?:\.py|/))`")
+_PICTURE = re.compile(r"^## The folders\n\n```\n(.*?)^```", re.M | re.S)
+_RULE = re.compile(r"^## The import rule\n(.*)", re.M | re.S)
+_WITHOUT_TORCH = re.compile(r"^\*\*Without torch:\*\* (.*?)(?=\n\n|\Z)", re.M | re.S)
 
 
-def _paragraphs() -> dict[str, tuple[int, str]]:
-    """unit ("model", "attention") -> (its layer, its paragraph), as the page has them."""
+def _sections() -> list[tuple[str, str]]:
+    """(folder, the text of its section), in the page's order: bottom up."""
     text = DOC.read_text()
-    marks = [(m.start(), int(m.group(1))) for m in _LAYER.finditer(text)]
-    assert [layer for _, layer in marks] == list(range(len(marks))), "the layers are numbered 0, 1, 2, ... in order"
-    out: dict[str, tuple[int, str]] = {}
-    for m in _PARAGRAPH.finditer(text):
-        layer = max((layer for at, layer in marks if at < m.start()), default=None)
-        assert layer is not None, f"{m.group(1)}: its paragraph comes before the first layer"
-        assert m.group(1) not in out, f"{m.group(1)} has two paragraphs"
-        out[m.group(1)] = (layer, m.group(0))
+    marks = list(_FOLDER.finditer(text))
+    assert marks, "docs/architecture.md has no folder sections (### `folder/`)"
+    end = text.find("\n## ", marks[-1].end())
+    ends = [m.start() for m in marks[1:]] + [len(text) if end < 0 else end]
+    return [(m.group(1), text[m.end() : stop]) for m, stop in zip(marks, ends)]
+
+
+SECTIONS = _sections()
+ORDER = [folder for folder, _ in SECTIONS]
+
+
+def _paragraphs() -> dict[str, tuple[str, str]]:
+    """unit ("core/config.py", "model/attention/", "kernels/") -> (the folder whose section holds
+    its paragraph, the paragraph)."""
+    out: dict[str, tuple[str, str]] = {}
+    for folder, section in SECTIONS:
+        for m in _PARAGRAPH.finditer(section):
+            assert m.group(1) not in out, f"{m.group(1)} has two paragraphs"
+            out[m.group(1)] = (folder, m.group(0))
+    outside = DOC.read_text()
+    for _, section in SECTIONS:
+        outside = outside.replace(section, "")
+    stray = [m.group(1) for m in _PARAGRAPH.finditer(outside)]
+    assert stray == [], f"paragraphs outside the folders' sections: {stray}"
     return out
 
 
 PARAGRAPHS = _paragraphs()
-
-
-def _unit(module: str) -> str:
-    return module.split(".")[1]
-
-
-def _rank(module: str) -> int:
-    head = _unit(module)
-    if head not in PARAGRAPHS:
-        raise AssertionError(f"dsv41.{head} has no paragraph in docs/architecture.md")
-    return PARAGRAPHS[head][0]
 
 
 def _modules() -> dict[str, Path]:
@@ -61,35 +73,130 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+@functools.cache
+def _module_names() -> frozenset[str]:
+    return frozenset(_modules())
+
+
+def _folder(module: str) -> str | None:
+    return None if module in OUTSIDE else module.split(".")[1]
+
+
+def _unit(module: str) -> str | None:
+    """The paragraph a module belongs to: its folder where the folder is one paragraph, else the
+    module or package right below its folder; None for a folder's face (its __init__) and for the
+    modules outside the folders."""
+    parts = module.split(".")[1:]
+    if module in OUTSIDE:
+        return None
+    if f"{parts[0]}/" in PARAGRAPHS:
+        return f"{parts[0]}/"
+    if len(parts) == 1:
+        return None
+    return f"{parts[0]}/{parts[1]}/" if (PACKAGE / parts[0] / parts[1]).is_dir() else f"{parts[0]}/{parts[1]}.py"
+
+
+def _rank(module: str) -> int:
+    folder = _folder(module)
+    if folder not in ORDER:
+        raise AssertionError(f"dsv41/{folder} has no section in docs/architecture.md")
+    return ORDER.index(folder)
+
+
+def _type_checking_only(tree: ast.AST) -> set[ast.AST]:
+    """The nodes under `if TYPE_CHECKING:`, which never run (imports there serve annotations)."""
+    guarded = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.If)
+        and (
+            (isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING")
+            or (isinstance(n.test, ast.Attribute) and n.test.attr == "TYPE_CHECKING")
+        )
+    ]
+    return {inner for n in guarded for stmt in n.body for inner in ast.walk(stmt)}
+
+
+def _run_at_load(tree: ast.Module) -> set[ast.AST]:
+    """The nodes that run when the module loads: outside every function body and not under
+    `if TYPE_CHECKING:` (class bodies run)."""
+    later = _type_checking_only(tree)
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            later |= {inner for stmt in ([n.body] if isinstance(n, ast.Lambda) else n.body) for inner in ast.walk(stmt)}
+    return {n for n in ast.walk(tree)} - later
+
+
 def _imports(module: str, path: Path):
-    """(imported dsv41 module, at module level?) for every import statement in the file."""
+    """(imported module, at module load?) for every import statement in the file: a dsv41 module
+    (`from a.b import c` imports the module a.b.c where there is one, else a name of a.b) or torch."""
     tree = ast.parse(path.read_text())
-    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    at_load = _run_at_load(tree)
+    for node, target, _ in _imported(module, path.name == "__init__.py", tree):
+        yield target, node in at_load
     for node in ast.walk(tree):
-        top = node in tree.body
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            if not node.module:  # `from . import x`: each name is a module
-                for alias in node.names:
-                    yield f"{target}.{alias.name}", top
-            elif target.startswith("dsv41"):
-                yield target, top
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.split(".")[0] in ("dsv41", "torch"):
-                    yield alias.name, top
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] == "torch":
+                yield name, node in at_load
+
+
+def _names_in(paragraph: str) -> set[str]:
+    """The units a paragraph's text names in backticks (paths below dsv41/)."""
+    return set(_UNIT_NAMED.findall(paragraph))
+
+
+def test_the_folders_are_the_sections_in_the_pictures_order():
+    folders = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+    assert sorted(ORDER) == folders, "the folders of dsv41/ and the sections of docs/architecture.md differ"
+    loose = sorted(
+        m for m in _modules() if m.count(".") == 1 and m not in OUTSIDE and not (PACKAGE / _folder(m)).is_dir()
+    )
+    assert loose == [], "modules at the top of dsv41/, in no folder"
+    unpackaged = sorted(
+        str(d.relative_to(ROOT))
+        for d in PACKAGE.rglob("*")
+        if d.is_dir() and any(d.glob("*.py")) and not (d / "__init__.py").exists()
+    )
+    assert unpackaged == [], "folders of Python files without an __init__.py"
+    picture = _PICTURE.search(DOC.read_text())
+    assert picture, "docs/architecture.md has no picture of the folders"
+    rows = re.findall(r"^\s+([a-z_0-9]+)/\s", picture.group(1), re.M)
+    drawn = [row for row in rows if row in ORDER]
+    assert drawn[::-1] == ORDER, f"the picture draws the folders as {drawn[::-1]} bottom up; the sections are {ORDER}"
+
+
+def test_every_module_has_one_paragraph_in_its_folder():
+    units = {_unit(m) for m in _modules()} - {None}
+    assert sorted(units - set(PARAGRAPHS)) == [], "modules without a paragraph in docs/architecture.md"
+    assert sorted(set(PARAGRAPHS) - units) == [], "paragraphs of modules that do not exist"
+    for unit, (folder, _) in PARAGRAPHS.items():
+        assert unit.split("/")[0] == folder, f"{unit}'s paragraph stands in the section of {folder}/"
+        kind = "package" if (PACKAGE / unit).is_dir() else "module"
+        assert unit.endswith("/") == (kind == "package"), f"{unit} is a {kind}"
+
+
+def test_a_folder_of_several_paragraphs_has_a_face_that_imports_nothing():
+    """Its __init__.py says what the folder holds; names are imported from their modules."""
+    for folder in ORDER:
+        if f"{folder}/" in PARAGRAPHS:
+            continue
+        tree = ast.parse((PACKAGE / folder / "__init__.py").read_text())
+        assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))], folder
+        assert ast.get_docstring(tree), f"dsv41/{folder}/__init__.py says nothing of what the folder holds"
 
 
 def test_every_module_the_document_names_exists():
-    """A file named in a package's paragraph is that package's; elsewhere a name is the package's
-    own module or a path from the repository root."""
+    """A file named in a package's paragraph is that package's; elsewhere a name is a path below
+    dsv41/ or from the repository root."""
     found = 0
     for unit, (_, paragraph) in PARAGRAPHS.items():
-        base = PACKAGE / unit if (PACKAGE / unit).is_dir() else PACKAGE
+        base = PACKAGE / unit if unit.endswith("/") else PACKAGE
         for name in set(_NAMED.findall(paragraph)):
             found += 1
             assert any(c.exists() for c in (base / name, PACKAGE / name, ROOT / name)), (
@@ -105,56 +212,57 @@ def test_every_module_the_document_names_exists():
     assert found > 50, found  # the paragraphs name the whole package
 
 
-def test_every_module_has_one_paragraph_in_a_layer():
-    units = {_unit(m) for m in _modules() if m != "dsv41"} - OUTSIDE
-    assert sorted(units - set(PARAGRAPHS)) == [], "modules without a paragraph in docs/architecture.md"
-    assert sorted(set(PARAGRAPHS) - units) == [], "paragraphs of modules that do not exist"
-    for unit, (_, paragraph) in PARAGRAPHS.items():
-        kind = "/" if (PACKAGE / unit).is_dir() else ".py"
-        assert paragraph.startswith(f"**`{unit}{kind}`**"), f"{unit} is a {'package' if kind == '/' else 'module'}"
+def _imported_units() -> dict[str, set[str]]:
+    imported: dict[str, set[str]] = {unit: set() for unit in PARAGRAPHS}
+    for module, path in _modules().items():
+        unit = _unit(module)
+        if unit is None:
+            continue
+        for target, _ in _imports(module, path):
+            if target.startswith("dsv41.") and _unit(target) not in (None, unit):
+                imported[unit].add(_unit(target))
+    return imported
 
 
 def test_each_paragraph_names_what_its_module_imports():
-    imported: dict[str, set[str]] = {unit: set() for unit in PARAGRAPHS}
-    for module, path in _modules().items():
-        if module == "dsv41" or _unit(module) in OUTSIDE:
-            continue
-        for target, _ in _imports(module, path):
-            if target.startswith("dsv41.") and _unit(target) != _unit(module):
-                imported[_unit(module)].add(_unit(target))
+    imported = _imported_units()
     for unit, (_, paragraph) in PARAGRAPHS.items():
         line = _IMPORTS.search(paragraph)
         assert line, f"{unit}: its paragraph has no closing 'Imports: ...' line"
-        said = (
-            set()
-            if line.group(1) == "nothing of dsv41"
-            else set(re.findall(r"`([a-z_0-9]+)(?:\.py|/)`", line.group(1)))
-        )
+        said = set() if line.group(1) == "nothing of dsv41" else _names_in(line.group(1))
         assert said == imported[unit], (
             f"{unit}: the page says it imports {sorted(said)}, the code imports {sorted(imported[unit])}"
         )
 
 
-def test_imports_flow_down_the_layers():
+def test_imports_flow_down_the_folders():
+    """Every import, at module load, inside a function or for annotations: its folder is the
+    importer's or one below it."""
     upward = []
     for module, path in _modules().items():
-        if module == "dsv41" or _unit(module) in OUTSIDE:
+        if module in OUTSIDE:
             continue  # the package's lazy facade (`dsv41.load`, ...) stands above everything
         for target, _ in _imports(module, path):
-            if not target.startswith("dsv41.") or target == "dsv41":
+            if not target.startswith("dsv41.") or target in OUTSIDE:
                 continue
-            if _rank(target) > _rank(module):
-                upward.append(f"{module} imports {target}")
+            if _rank(target) > _rank(module) and (_unit(module), _unit(target)) not in ALLOWED_UPWARD:
+                upward.append(f"{module} ({_folder(module)}/) imports {target} ({_folder(target)}/)")
     assert upward == []
+    rule = _RULE.search(DOC.read_text()).group(1)
+    for importer, imported in ALLOWED_UPWARD:
+        assert importer.rsplit("/", 1)[-1] in rule or importer in rule, importer
+        assert imported in rule, f"the allowed lookup {importer} -> {imported} is not named in the import rule"
 
 
-def test_generation_knows_a_model_only_by_calling_it():
-    imported = {
-        t
-        for t, _ in _imports("dsv41.generation.generate", PACKAGE / "generation/generate.py")
-        if t.startswith("dsv41.")
-    }
-    assert not {t for t in imported if t.split(".")[1] in ("model", "loader")}, imported
+def test_generation_knows_a_model_only_by_its_methods():
+    """Nothing in generation/ imports the model or the loader when it runs (annotations aside)."""
+    for module, path in _modules().items():
+        if module in OUTSIDE or _folder(module) != "generation":
+            continue
+        tree = ast.parse(path.read_text())
+        never_run = _type_checking_only(tree)
+        runs = {t for n, t, _ in _imported(module, path.name == "__init__.py", tree) if n not in never_run}
+        assert not {t for t in runs if t == "dsv41.model.model" or _folder(t) == "runtime"}, (module, runs)
 
 
 def test_no_import_cycle_at_module_level():
@@ -181,10 +289,54 @@ def test_no_import_cycle_at_module_level():
             visit(m, [])
 
 
-def test_the_bottom_layer_never_imports_torch_at_module_load():
-    for module, path in _modules().items():
-        if module != "dsv41" and _unit(module) not in OUTSIDE and _rank(module) == 0:
-            assert not [t for t, top in _imports(module, path) if top and t.split(".")[0] == "torch"], module
+def _without_torch() -> set[str]:
+    """The modules the import rule's "Without torch" paragraph names (a folder or package: all of
+    its modules)."""
+    rule = _RULE.search(DOC.read_text()).group(1)
+    paragraph = _WITHOUT_TORCH.search(rule)
+    assert paragraph, "the import rule has no **Without torch:** paragraph"
+    out = set()
+    for name in _names_in(paragraph.group(1)):
+        assert (PACKAGE / name).exists(), f"the Without torch paragraph names {name}, which does not exist"
+        prefix = "dsv41." + name.removesuffix(".py").strip("/").replace("/", ".")
+        out |= {m for m in _modules() if m == prefix or (name.endswith("/") and m.startswith(prefix + "."))}
+    return out
+
+
+def test_the_modules_the_rule_names_load_without_torch():
+    """None of them imports torch when it loads, nor, when it loads, a module of dsv41 that does
+    (importing a module runs its packages' __init__ too); the bottom folder is among them."""
+    named = _without_torch()
+    modules = _modules()
+    bottom = {m for m in modules if m not in OUTSIDE and _folder(m) == ORDER[0]}
+    assert bottom <= named, f"the Without torch paragraph leaves out {sorted(bottom - named)} of {ORDER[0]}/"
+
+    @functools.cache
+    def at_load(module: str) -> frozenset[str]:
+        found = set()
+        for target, top in _imports(module, modules[module]):
+            if not top:
+                continue
+            if target.split(".")[0] == "torch":
+                found.add("torch")
+            elif target.startswith("dsv41."):
+                parts = target.split(".")
+                found |= {".".join(parts[:i]) for i in range(2, len(parts) + 1) if ".".join(parts[:i]) in modules}
+        return frozenset(found)
+
+    for start in sorted(named):
+        chain, seen, queue = {start: None}, {start}, [start]
+        for module in queue:
+            for target in sorted(at_load(module)):
+                if target == "torch":
+                    path = [module]
+                    while chain[path[-1]]:
+                        path.append(chain[path[-1]])
+                    pytest.fail(f"{start} imports torch when it loads: {' -> '.join(path[::-1])} -> torch")
+                if target not in seen:
+                    seen.add(target)
+                    chain[target] = module
+                    queue.append(target)
 
 
 # ---------------------------------------------------------------------- one way per thing
@@ -195,11 +347,6 @@ def _from_source(path: Path) -> str:
     cells = json.loads(path.read_text())["cells"]
     code = ("".join(c["source"]) for c in cells if c["cell_type"] == "code")
     return "\n".join(line for cell in code for line in cell.splitlines() if not line.lstrip().startswith(("%", "!")))
-
-
-@functools.cache
-def _module_names() -> frozenset[str]:
-    return frozenset(_modules())
 
 
 def _imported(module: str, is_package: bool, tree: ast.AST):
@@ -234,20 +381,6 @@ def _lazy_names() -> dict[str, tuple[str, str]]:
         if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in n.targets)
     )
     return ast.literal_eval(table)
-
-
-def _type_checking_only(tree: ast.AST) -> set[ast.AST]:
-    """The nodes under `if TYPE_CHECKING:`, which never run (imports there serve annotations)."""
-    guarded = [
-        n
-        for n in ast.walk(tree)
-        if isinstance(n, ast.If)
-        and (
-            (isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING")
-            or (isinstance(n.test, ast.Attribute) and n.test.attr == "TYPE_CHECKING")
-        )
-    ]
-    return {inner for n in guarded for stmt in n.body for inner in ast.walk(stmt)}
 
 
 def _import_graph() -> dict[str, set[str]]:
@@ -383,12 +516,11 @@ def _defines(module: str) -> set[str]:
 
 
 def _importers() -> list[Path]:
-    """Every file that imports dsv41: the package, the tests, the widgets, the scripts and the
-    notebooks."""
+    """Every file that imports dsv41: the package (the widgets with it), the tests, the scripts and
+    the notebooks."""
     files = [
         *sorted(PACKAGE.rglob("*.py")),
         *sorted((ROOT / "tests").rglob("*.py")),
-        *sorted((ROOT / "dsv41/widgets").rglob("*.py")),
         *sorted((ROOT / "notebooks").glob("*.ipynb")),
     ]
     scripts = ROOT / "scripts"
