@@ -137,7 +137,7 @@ class Indexer(nn.Module):
         arithmetic is `write_keys`, `scores` and `select`."""
         bsz, seqlen, _ = x.shape
         if self.owns_k and not runtime.cache:  # the whole sequence: its keys are published, not cached
-            runtime.index_k, runtime.index_k_from = HeldRows(self.keys(latent, 0, freqs_cis)), self.layer
+            runtime.index_k, runtime.index_k_from = HeldRows(self.index_keys(latent, 0, freqs_cis)), self.layer
         elif self.owns_k:
             if latent is not None:
                 self.write_keys(latent, start_pos, freqs_cis)
@@ -214,7 +214,7 @@ class Indexer(nn.Module):
         parts, _ = self.k_cache.quantize(k)  # FP4, one E8M0 scale per 32
         self.k_cache.write(slice(first, first + k.size(1)), parts)
 
-    def keys(self, latent: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def index_keys(self, latent: torch.Tensor, start_pos: int, freqs_cis: torch.Tensor) -> torch.Tensor:
         """`write_keys`' keys as values [b, groups, index_head_dim] on the cache's grid, without a
         cache (the whole-sequence path). No gradient: a key reaches the loss only through the
         selection, which has none, and the indexer's own loss reads its keys detached."""
