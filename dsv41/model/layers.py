@@ -320,20 +320,21 @@ def rotate_tail(x: torch.Tensor, freqs_cis: torch.Tensor, rope_dim: int, inverse
     if not x.requires_grad:
         apply_rotary_emb(x[..., -rope_dim:], freqs_cis, inverse)
         return x
-    pairs = torch.view_as_complex(x[..., -rope_dim:].float().unflatten(-1, (-1, 2)).contiguous())
+    return torch.cat([x[..., :-rope_dim], rotated(x[..., -rope_dim:], freqs_cis, inverse).to(x.dtype)], dim=-1)
+
+
+def rotated(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """float32 x [b, s, (h,) d] rotated: adjacent pairs (2i, 2i+1) as complex numbers times freqs_cis
+    [s, d/2] (or [b, s, d/2]: each row at its own positions), by the conjugate when `inverse`."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())  # [b, s, (h,) d/2]
     rot = freqs_cis.conj() if inverse else freqs_cis
-    rot = rot.view(rot.size(0) if rot.dim() == 3 else 1, x.size(1), *([1] * (x.dim() - 3)), rope_dim // 2)
-    tail = torch.view_as_real(pairs * rot).flatten(-2).to(x.dtype)
-    return torch.cat([x[..., :-rope_dim], tail], dim=-1)
+    rows = rot.size(0) if rot.dim() == 3 else 1
+    rot = rot.view(rows, x.size(1), *([1] * (x.dim() - 3)), x.size(-1) // 2)
+    return torch.view_as_real(pairs * rot).flatten(-2)
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate x in place and return it. x: [b, s, d] or [b, s, h, d], adjacent pairs (2i, 2i+1)
-    as complex numbers; freqs_cis: [s, d/2] (or [b, s, d/2]). `inverse` rotates by the conjugate, which is how the
-    attention output has its query-position rotation taken off again."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # [b, s, (h,) d/2]
-    rot = freqs_cis.conj() if inverse else freqs_cis
-    rows = rot.size(0) if rot.dim() == 3 else 1  # freqs [b, s, d/2]: each row at its own positions
-    rot = rot.view(rows, x.size(1), *([1] * (x.dim() - 3)), x.size(-1) // 2)
-    x.copy_(torch.view_as_real(pairs * rot).flatten(-2))
+    """Rotate x in place and return it (`rotated`). `inverse` rotates by the conjugate, which is how
+    the attention output has its query-position rotation taken off again."""
+    x.copy_(rotated(x, freqs_cis, inverse))
     return x

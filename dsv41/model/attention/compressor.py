@@ -105,12 +105,8 @@ class Compressor(nn.Module):
 
         x32 = x.float()
         kv, score = self.wkv(x32), self.wgate(x32)  # [b, s, head_dim] float32 each
-        if not keep_tail:
-            n_groups = seqlen // ratio
-            kv = kv[:, : n_groups * ratio].unflatten(1, (n_groups, ratio))  # [b, groups, ratio, head_dim]
-            score = score[:, : n_groups * ratio].unflatten(1, (n_groups, ratio))
-            return self.norm((kv * score.softmax(dim=2)).sum(dim=2).to(x.dtype)) if n_groups else None
-        self.last_call = (start_pos, kv, score) if 1 < seqlen <= self.window else None
+        if keep_tail:
+            self.last_call = (start_pos, kv, score) if 1 < seqlen <= self.window else None
         if start_pos == 0 or seqlen > 1:
             held = start_pos % ratio  # the partial group's earlier tokens, waiting in the state
             if held:  # [b, held + s, head_dim]: the group's held rows first, then this call's
@@ -119,7 +115,7 @@ class Compressor(nn.Module):
             rows = held + seqlen
             n_groups = rows // ratio
             cut = n_groups * ratio
-            if rows > cut:  # the partial trailing group waits for the next call (slot = position % ratio)
+            if rows > cut and keep_tail:  # the partial trailing group waits for the next call (slot = position % ratio)
                 self.kv_state[:bsz, : rows - cut] = kv[:, cut:]
                 self.score_state[:bsz, : rows - cut] = score[:, cut:]
             if n_groups == 0:
