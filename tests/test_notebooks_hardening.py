@@ -230,3 +230,25 @@ def test_a_parameter_goes_only_to_the_notebooks_that_declare_it(tmp_path, monkey
             nbmod.run_notebook(path, run_dir, {"memory": 1 << 34, "smoke": True, "output_dir": str(run_dir)})
     assert "memory" not in handed["01_audit.ipynb"] and handed["01_audit.ipynb"]["smoke"] is True
     assert handed["03_csa2_modes.ipynb"]["memory"] == 1 << 34
+
+
+def test_memory_is_the_kernels_budget_and_the_models_get_it_less_the_kernel_allowance(tmp_path, monkeypatch, capsys):
+    """A notebook kernel at the released geometry went 1.55 GiB past the budget its model was given
+    (figures, traces, a sibling's caches): `--memory` is the kernel's, and the models get it less
+    KERNEL_ALLOWANCE; a budget the allowance eats whole is one sentence, before a run folder exists."""
+    handed = {}
+
+    def record(notebooks, run_dir, parameters, cell_timeout=None):
+        handed.update(parameters)
+        return {"ok": True, "n_ok": len(notebooks), "notebooks": [], "run_dir": str(run_dir), "n_failed": 0}
+
+    monkeypatch.setattr(runner, "run_notebooks", record)
+    monkeypatch.setattr(runner, "check_kernel", lambda: None)
+    assert runner.cli_main(["--only", "03", "--memory", "20GiB", "--out", str(tmp_path / "run")]) == 0
+    assert handed["memory"] == (20 << 30) - runner.KERNEL_ALLOWANCE
+    assert "its models get 18.00 GiB" in capsys.readouterr().err
+
+    out = tmp_path / "never"
+    assert runner.cli_main(["--only", "03", "--memory", "2GiB", "--out", str(out)]) == 2
+    assert "leaves nothing for the models" in capsys.readouterr().err
+    assert not out.exists()

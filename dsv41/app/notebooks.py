@@ -53,6 +53,22 @@ KERNEL_NAME = "python3"
 STANDARD_PARAMETERS = ("checkpoint", "prompt", "device", "output_dir", "smoke")
 # --cell-timeout: a whole number of seconds (nbclient's timeout is an integer), at most a day
 MAX_CELL_TIMEOUT_S = 86_400
+# --memory is the whole kernel's: a notebook holds more beside its models than a command does (its
+# figures, traces, a sibling model's caches, the allocator's high-water mark of earlier cells).
+# Measured at the released geometry: notebook 05 with a 20 GiB model budget peaked at 21.55 GiB
+# resident, 1.55 GiB past it; the models get --memory less this.
+KERNEL_ALLOWANCE = 2 << 30
+
+
+def model_budget(memory: int) -> int:
+    """The budget the notebooks' models get out of a kernel's `memory` (bytes): `memory` less
+    KERNEL_ALLOWANCE; NotebookRunError when nothing is left for them."""
+    if memory <= KERNEL_ALLOWANCE:
+        raise NotebookRunError(
+            f"--memory {memory / 2**30:.2f} GiB leaves nothing for the models: a notebook's kernel keeps "
+            f"{KERNEL_ALLOWANCE / 2**30:.2f} GiB for itself; give more"
+        )
+    return memory - KERNEL_ALLOWANCE
 
 
 class NotebookRunError(Dsv41Error):
@@ -546,9 +562,10 @@ def cli_main(argv: list[str]) -> int:
         "--memory",
         type=memory_size,
         metavar="SIZE",
-        help="a memory budget for every model the notebooks load, e.g. 20GiB (the `memory` "
-        "parameter: routed experts read from disk into a pool that size); the way to run the "
-        "notebooks on the released checkpoint on a 24-32 GB machine",
+        help="a memory budget for each notebook's kernel, e.g. 20GiB: its models get the `memory` "
+        f"parameter, this less {KERNEL_ALLOWANCE >> 30} GiB for the kernel's figures, traces and caches (routed "
+        "experts read from disk into the pool that leaves); the way to run the notebooks on the "
+        "released checkpoint on a 24-32 GB machine",
     )
     parser.add_argument(
         "--cell-timeout",
@@ -571,7 +588,13 @@ def cli_main(argv: list[str]) -> int:
                     raise NotebookRunError(f"--checkpoint {args.checkpoint}: no such directory")
                 parameters["checkpoint"] = os.path.abspath(args.checkpoint)
             if args.memory is not None:
-                parameters["memory"] = args.memory
+                parameters["memory"] = model_budget(args.memory)
+                print(
+                    f"dsv41 notebooks: --memory {args.memory / 2**30:.2f} GiB per kernel: its models get "
+                    f"{parameters['memory'] / 2**30:.2f} GiB, {KERNEL_ALLOWANCE / 2**30:.2f} GiB kept for the "
+                    f"kernel's figures, traces and caches",
+                    file=sys.stderr,
+                )
             for name, value in args.parameter:
                 if name == "output_dir":
                     raise NotebookRunError("-p output_dir: the run folder is the output folder; use --out DIR")
