@@ -295,3 +295,12 @@ def test_default_checkpoint_builds_once_atomically(tiny_checkpoint, tmp_path, mo
     assert tiny.default_checkpoint(seed=0) == path and calls == [0], "built once, then reused"
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [Path(path).name]
     assert (Path(path) / INDEX_NAME).is_file()
+
+
+def test_every_source_the_content_version_hashes_exists():
+    """The tag hashed `engram.py` as absent after Engram became a package, so a change to the
+    Engram layout would have reused a stale cached checkpoint: every listed file must exist."""
+    here = Path(tiny.__file__).resolve().parents[1]
+    missing = [rel for rel in tiny.CONTENT_SOURCES if not (here / rel).is_file()]
+    assert missing == []
+    assert "checkpoint/engram/layout.py" in tiny.CONTENT_SOURCES and "checkpoint/engram/hasher.py" in tiny.CONTENT_SOURCES

@@ -304,6 +304,24 @@ def _occupied(out: Path, seed: int) -> str | None:
 
 
 # ---------------------------------------------------------------------- cache
+# The package files (relative to dsv41/) that decide the random checkpoint's bytes; a test holds
+# each to an existing file, so a move cannot leave one hashed as absent.
+CONTENT_SOURCES = (
+    "core/config.py",
+    "checkpoint/inventory.py",
+    "checkpoint/headers.py",
+    "checkpoint/engram/__init__.py",
+    "checkpoint/engram/layout.py",
+    "checkpoint/engram/hasher.py",
+    "checkpoint/tokenizer.py",
+    "checkpoint/formats.py",
+    "kernels/codecs.py",
+    "checkpoint/tiny.py",
+    "checkpoint/synthetic.py",
+    "data/corpus.txt",
+)
+
+
 def content_version() -> str:
     """A short tag that changes whenever anything the checkpoint is built from changes: the
     writer version, the sources of the modules that decide its bytes, the corpus and the library
@@ -312,18 +330,7 @@ def content_version() -> str:
 
     here = Path(__file__).resolve().parents[1]
     h = hashlib.sha256(f"writer {WRITER_VERSION}".encode())
-    for rel in (
-        "core/config.py",
-        "checkpoint/inventory.py",
-        "checkpoint/headers.py",
-        "engram.py",
-        "checkpoint/tokenizer.py",
-        "checkpoint/formats.py",
-        "kernels/codecs.py",
-        "checkpoint/tiny.py",
-        "checkpoint/synthetic.py",
-        "data/corpus.txt",
-    ):
+    for rel in CONTENT_SOURCES:
         path = here / rel
         h.update(rel.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"(absent)") + b"\0")
     for lib in ("torch", "numpy", "tokenizers", "safetensors"):
