@@ -109,6 +109,29 @@ def test_anchored_drafts_are_the_draft_stacks_drafts(tiny_checkpoint, params, na
         assert torch.equal(confidence[i], d.confidence[0])
 
 
+def test_the_confidence_head_learns_on_the_contexts_inference_judges():
+    """A draft row is judged at inference only after the anchor and every earlier proposal were the
+    target's greedy tokens: `greedy_context` keeps a row while the text agrees with the target's
+    argmax at the anchor and at each row before it, and drops it (and every later row) from the first
+    disagreement on; the mask follows each anchor, batch row by batch row."""
+    from dsv41.train.draft import greedy_context
+
+    text = torch.tensor([[5, 1, 2, 3, 4, 9, 7, 8], [0, 6, 6, 6, 6, 6, 6, 6]])
+    # the target's argmax at q predicts the token at q + 1
+    greedy = torch.tensor([[1, 2, 0, 4, 9, 7, 8, 0], [6, 0, 6, 6, 6, 6, 6, 6]])
+    anchors = torch.tensor([[0, 3], [0, 2]])
+    expected = torch.zeros(2, 2, 3, dtype=torch.bool)
+    for b in range(2):
+        for a in range(2):
+            p = int(anchors[b, a])
+            for i in range(3):
+                expected[b, a, i] = all(int(text[b, q + 1]) == int(greedy[b, q]) for q in range(p, p + i + 1))
+    got = greedy_context(text, greedy, anchors, 3)
+    assert torch.equal(got, expected)
+    assert got[0, 0].tolist() == [True, True, False] and got[1, 0].tolist() == [True, False, False]
+    assert got[0, 1].all() and got[1, 1].all()
+
+
 def test_one_backward_trains_through_every_mechanism(loaded, params):
     """One backward through the model's own forward (training's fast summation, QAT) reaches the
     hyper-connection mixes (through Sinkhorn), the Engram table and gates, every expert that

@@ -378,6 +378,11 @@ def check_document(document: dict, path: str) -> tuple[TrainSettings, int]:
     return settings, step
 
 
+# A draft step's per-row records: the agreement with the target's greedy token on every row, and on
+# the rows whose context inference gives them (`draft.greedy_context`), and that share of the rows.
+BY_ROW_KEYS = ("agreement_by_row", "agreement_in_greedy_context_by_row", "greedy_context_by_row")
+
+
 def _log_problem(log, settings: TrainSettings, step: int) -> str | None:
     """What is wrong with the log: one record per step run, the last one step - 1, each with its
     phase, a loss and the seconds it took; draft records with their agreement by row."""
@@ -401,7 +406,7 @@ def _log_problem(log, settings: TrainSettings, step: int) -> str | None:
         for key, value in record.items():
             if key == "phase" or _number(value):
                 continue
-            if key == "agreement_by_row" and isinstance(value, list) and all(_number(v) for v in value):
+            if key in BY_ROW_KEYS and isinstance(value, list) and all(_number(v) for v in value):
                 continue
             return f"{where}.{key} must be a number, got {brief(value)}"
         if record["phase"] == "draft":
