@@ -303,4 +303,6 @@ def test_every_source_the_content_version_hashes_exists():
     here = Path(tiny.__file__).resolve().parents[1]
     missing = [rel for rel in tiny.CONTENT_SOURCES if not (here / rel).is_file()]
     assert missing == []
-    assert "checkpoint/engram/layout.py" in tiny.CONTENT_SOURCES and "checkpoint/engram/hasher.py" in tiny.CONTENT_SOURCES
+    assert (
+        "checkpoint/engram/layout.py" in tiny.CONTENT_SOURCES and "checkpoint/engram/hasher.py" in tiny.CONTENT_SOURCES
+    )

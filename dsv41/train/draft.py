@@ -14,6 +14,12 @@ target's greedy choice at the anchor and at each earlier row count (`greedy_cont
 the head saw the text's harder contexts and learned to expect less than inference accepts (the
 miniature's first proposal: 0.50 agreement in training, 0.73 accepted at inference), and the
 confidence cut then dropped proposals that would have been accepted.
+
+Every other draft step reads the target's own greedy continuations instead of the text
+(`greedy_pool`, made once at the start of the phase from the released rounding of the target, as
+`dsv41.load` runs it): what speculative greedy decoding verifies is such a continuation, more
+regular than the text (it repeats itself), and a draft and confidence head trained on text alone
+expected less of it than it gives.
 """
 
 from __future__ import annotations
@@ -21,10 +27,64 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .data import train_batch
 from .masters import forward as run_forward
 from .masters import holding, set_qat, trainable_names, weights
 from .schedule import lr_at
 from .state import restore_moments
+
+# The greedy pool: sequences of the run's length, each a prompt from the train stream then the
+# target's greedy continuation, made in batches of POOL_BATCH (about 3 ms a token here).
+POOL_SEQUENCES = 256
+POOL_PROMPT = 64
+POOL_BATCH = 32
+
+
+def pool_shape(settings) -> tuple[int, int]:
+    """(sequences, prompt tokens) of a run's greedy pool: no more sequences than the phase's pool
+    steps read, and a prompt of at most a quarter of the sequence."""
+    return min(POOL_SEQUENCES, settings.batch * (settings.draft_steps // 2 + 1)), min(
+        POOL_PROMPT, settings.seq_len // 4
+    )
+
+
+def greedy_pool(trainer, target_weights: dict) -> torch.Tensor:
+    """[sequences, seq_len] int64 (`pool_shape`): BOS and the prompt's other tokens from the train
+    stream at seeded offsets, then the target's greedy tokens, decoded by the release checkpoint of
+    `target_weights` loaded as `dsv41.load` loads it (so the pool is what inference would generate)."""
+    import tempfile
+
+    from ..runtime.loader import load
+    from .release import write_miniature
+
+    s = trainer.settings
+    n, prompt = pool_shape(s)
+    gen = torch.Generator().manual_seed(s.seed * 9_000_011)
+    prompts, _ = train_batch(trainer.streams.train, n, prompt, int(trainer.cfg.bos_token_id), gen)
+    params = {**trainer.params, **target_weights}
+    with tempfile.TemporaryDirectory(prefix="dsv41-draft-pool-") as folder:
+        write_miniature(folder + "/checkpoint", trainer.cfg, trainer.tokenizer, params, {"steps": s.backbone_steps})
+        model = load(
+            folder + "/checkpoint",
+            quiet=True,
+            max_batch_size=POOL_BATCH,
+            max_seq_len=s.seq_len,
+            dspark=False,
+            expert_cache=trainer.cfg.n_routed_experts,
+        )
+        rows = []
+        with torch.no_grad():
+            for first in range(0, n, POOL_BATCH):
+                ids = prompts[first : first + POOL_BATCH]  # [rows, prompt]
+                logits = model(ids, 0)  # [n, vocab]: the prompt's last position
+                out = [ids]
+                for position in range(prompt, s.seq_len):
+                    chosen = logits.argmax(-1, keepdim=True)  # [n, 1]
+                    out.append(chosen)
+                    if position + 1 < s.seq_len:
+                        logits = model(chosen, position)
+                rows.append(torch.cat(out, dim=1))
+    return torch.cat(rows)  # [sequences, seq_len]
 
 
 def greedy_context(inputs: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tensor, block: int) -> torch.Tensor:
@@ -51,6 +111,7 @@ class DraftTrainer:
                 for k, v in weights(trainer.params, trainer.specs, qat=True).items()
                 if not k.startswith("mtp.")
             }
+        self.pool = greedy_pool(trainer, self.target_weights)
 
     def optimizer(self, saved=None):
         opt = self.trainer.optimizer_for(self.names, self.trainer.settings.draft_lr)
@@ -58,10 +119,22 @@ class DraftTrainer:
             restore_moments(opt, self.trainer.names_of, saved["moments"])
         return opt
 
+    def from_pool(self, step: int) -> bool:
+        return step % 2 == 1
+
+    def inputs(self, step: int) -> torch.Tensor:
+        """[b, s]: the text's batch of this step, or (every other step) rows of the greedy pool."""
+        if not self.from_pool(step):
+            return self.trainer.batch(step)[0]
+        gen = torch.Generator().manual_seed(self.trainer.settings.seed * 5_000_011 + step)
+        return self.pool[torch.randint(0, self.pool.size(0), (self.trainer.settings.batch,), generator=gen)]
+
     def anchors(self, step: int, seq_len: int, batch: int) -> torch.Tensor:
         c = self.trainer.cfg
         gen = torch.Generator().manual_seed(self.trainer.settings.seed * 7_000_003 + step)
         low, high = c.window_size - 1, seq_len - c.dspark_block_size - 1  # ring full, every row labelled
+        if self.from_pool(step):
+            low = max(low, pool_shape(self.trainer.settings)[1] - 1)  # the anchor and what follows it: greedy tokens
         return torch.stack(
             [
                 torch.randperm(high - low, generator=gen)[: self.trainer.settings.draft_anchors] + low
@@ -82,7 +155,7 @@ class DraftTrainer:
     def step(self, step: int, opt) -> dict:
         t, s = self.trainer, self.trainer.settings
         c = t.cfg
-        inputs, _ = t.batch(step)
+        inputs = self.inputs(step)
         set_qat(self.model, True)
         draft_weights = {k: v for k, v in weights(t.params, t.specs, qat=True).items() if k.startswith("mtp.")}
         with torch.no_grad(), holding(self.model, self.target_weights):
@@ -122,4 +195,5 @@ class DraftTrainer:
             "agreement_by_row": by_row,
             "agreement_in_greedy_context_by_row": in_context,
             "greedy_context_by_row": judged.mean(0).tolist(),
+            "greedy_pool": int(self.from_pool(step)),
         }
