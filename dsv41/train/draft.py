@@ -52,7 +52,10 @@ def greedy_pool(trainer, target_weights: dict) -> torch.Tensor:
     """[sequences, seq_len] int64 (`pool_shape`): BOS and the prompt's other tokens from the train
     stream at seeded offsets, then the target's greedy tokens, decoded by the release checkpoint of
     `target_weights` loaded as `dsv41.load` loads it (so the pool is what inference would generate)."""
+    import sys
     import tempfile
+
+    from tqdm import tqdm
 
     from ..runtime.loader import load
     from .release import write_miniature
@@ -73,7 +76,8 @@ def greedy_pool(trainer, target_weights: dict) -> torch.Tensor:
             expert_cache=trainer.cfg.n_routed_experts,
         )
         rows = []
-        with torch.no_grad():
+        bar = tqdm(total=n, desc="greedy pool", unit="seq", leave=False, file=sys.stderr, disable=not trainer.progress)
+        with torch.no_grad(), bar:
             for first in range(0, n, POOL_BATCH):
                 ids = prompts[first : first + POOL_BATCH]  # [rows, prompt]
                 logits = model(ids, 0)  # [n, vocab]: the prompt's last position
@@ -84,6 +88,7 @@ def greedy_pool(trainer, target_weights: dict) -> torch.Tensor:
                     if position + 1 < s.seq_len:
                         logits = model(chosen, position)
                 rows.append(torch.cat(out, dim=1))
+                bar.update(ids.size(0))
     return torch.cat(rows)  # [sequences, seq_len]
 
 
