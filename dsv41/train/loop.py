@@ -49,7 +49,15 @@ from .state import (
     restore_moments,
     settings_from,
 )
-from .workdir import TOKENIZER_NAME, TOKENS_NAME, claim, inspect, record_tokenizer, tokenizer_written
+from .workdir import (
+    TOKENIZER_NAME,
+    TOKENS_NAME,
+    claim,
+    inspect,
+    miniature_tokenizer,
+    record_tokenizer,
+    tokenizer_written,
+)
 
 # The settings a --draft-from run takes from its source (its backbone's), unless given alike.
 SOURCE_SETTINGS = ("backbone_steps", "seed", "batch", "seq_len")
@@ -145,28 +153,6 @@ def read_source(path: str) -> tuple[dict, dict]:
         "tokens_seen": manifest.get("tokens_seen"),
     }
     return carried, {name: getattr(source_settings, name) for name in SOURCE_SETTINGS}
-
-
-def miniature_tokenizer(path: str):
-    """(the tokenizer at `path`, the miniature's config for it); TrainError when it is not one the
-    miniature can use (unreadable, or another vocabulary)."""
-    from tokenizers import Tokenizer
-
-    from ..checkpoint.tiny import tiny_config
-
-    try:
-        tokenizer = Tokenizer.from_file(path)
-        cfg = tiny_config(tokenizer)
-        problem = None
-    except Exception as exc:  # noqa: BLE001 (tokenizers' own error types: a tokenizer it cannot use)
-        problem = str(exc)[:80]
-    if problem is None and tokenizer.get_vocab_size(with_added_tokens=True) != cfg.vocab_size:
-        problem = f"{tokenizer.get_vocab_size(with_added_tokens=True):,} ids, not {cfg.vocab_size:,}"
-    if problem:
-        raise TrainError(
-            f"{path} is not a tokenizer the miniature can use ({problem}); give another --draft-from, or another --out"
-        )
-    return tokenizer, cfg
 
 
 def draft_settings(given: dict, carried: dict, source: dict, path: str) -> TrainSettings:

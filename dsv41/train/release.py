@@ -62,9 +62,8 @@ def write_initialization(folder: str, source: str) -> tuple[str, int]:
     a run) for the tokenizer and seed of the miniature checkpoint at `source`, written in the
     release format like a trained one, so a measure that loads checkpoints sets the two side by
     side. MiniatureError when `source` holds no miniature manifest."""
-    from .loop import miniature_tokenizer
     from .masters import initialized_params
-    from .workdir import TOKENIZER_NAME
+    from .workdir import TOKENIZER_NAME, miniature_tokenizer
 
     manifest = verify(source)
     if manifest is None or "seed" not in manifest:

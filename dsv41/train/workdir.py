@@ -125,3 +125,25 @@ def record_tokenizer(folder) -> None:
     marker = read_marker(folder, MARKER_NAME, MARKER_FORMAT) or {"format": MARKER_FORMAT}
     marker["tokenizer_sha256"] = file_sha256(folder / TOKENIZER_NAME)
     write_json(folder / MARKER_NAME, marker)
+
+
+def miniature_tokenizer(path: str):
+    """(the tokenizer at `path`, the miniature's config for it); TrainError when it is not one the
+    miniature can use (unreadable, or another vocabulary)."""
+    from tokenizers import Tokenizer
+
+    from ..checkpoint.tiny import tiny_config
+
+    try:
+        tokenizer = Tokenizer.from_file(path)
+        cfg = tiny_config(tokenizer)
+        problem = None
+    except Exception as exc:  # noqa: BLE001 (tokenizers' own error types: a tokenizer it cannot use)
+        problem = str(exc)[:80]
+    if problem is None and tokenizer.get_vocab_size(with_added_tokens=True) != cfg.vocab_size:
+        problem = f"{tokenizer.get_vocab_size(with_added_tokens=True):,} ids, not {cfg.vocab_size:,}"
+    if problem:
+        raise TrainError(
+            f"{path} is not a tokenizer the miniature can use ({problem}); give another --draft-from, or another --out"
+        )
+    return tokenizer, cfg
