@@ -309,3 +309,14 @@ def test_notebook_08_under_a_budget_too_small_for_its_models_is_one_sentence(tmp
         learned.LearnedError, match=r"^notebook 08 holds 2 checkpoints side by side: .*more than the memory budget"
     ):
         learned.check_side_by_side([mini, mini], 2 * dense - 1)
+
+
+def test_studies_of_two_geometries_share_an_axis_and_pair_only_common_layers():
+    a = {"layers": [0, 1, 2, 3], "x": [10, 11, 12, 13]}
+    b = {"layers": [2, 3, 7], "x": [22, 23, 27]}
+    ids, at = learned.shared_axis({"a": a, "b": b})
+    assert ids == [0, 1, 2, 3, 7] and at == {"a": [0, 1, 2, 3], "b": [2, 3, 4]}
+    assert learned.by_common_layer(a, b, "x") == [(12, 22), (13, 23)]
+    same = {"layers": [0, 1], "x": [5, 6]}
+    assert learned.shared_axis({"a": same, "b": same}) == ([0, 1], {"a": [0, 1], "b": [0, 1]})
+    assert learned.by_common_layer(same, same, "x") == list(zip(same["x"], same["x"]))

@@ -169,3 +169,23 @@ def test_mechanism_facts_hold_on_both_checkpoints(smoke_run):
     # the facts are the sidecars' numbers
     assert facts["routing"]["affinity_spread"] == {k: r[k]["affinity_spread"] for k in ("trained", "random")}
     assert facts["engram"]["trained"]["bins"] == e["trained"]["bins"] and facts["ties"] == ts
+
+
+def test_at_the_released_layer_plan_each_checkpoint_is_drawn_at_its_own_layers(tmp_path_factory, tiny_checkpoint):
+    """Pointed at a checkpoint of the released layer plan (40 layers, its own index and Engram layers,
+    `make-synthetic --small`), notebook 08 still compares it with the random tiny checkpoint (8
+    layers): it failed on the first per-layer figure at the full size; now each checkpoint is drawn
+    at its own layer ids and the layer-by-layer counts pair only the layers both have."""
+    from dsv41.checkpoint.released_synthetic import write_released_synthetic
+
+    folder = str(tmp_path_factory.mktemp("released-plan") / "ck")
+    write_released_synthetic(folder, small=True, progress=False, log=lambda _: None)
+    run, summary = run_notebooks_smoke(tmp_path_factory, folder, "08", parameters={"comparison": str(tiny_checkpoint)})
+    assert summary["notebooks"][0]["status"] == "ok", summary["notebooks"][0].get("error")
+    routing = sidecar(run, "08_routing")
+    assert len(routing["trained"]["layers"]) == load_config(folder).n_layers
+    assert len(routing["random"]["layers"]) == load_config(str(tiny_checkpoint)).n_layers
+    common = set(routing["trained"]["layers"]) & set(routing["random"]["layers"])
+    facts = sidecar(run, "08_learned_facts")
+    assert facts["trained_vs_random"] is False  # a synthetic checkpoint has no training manifest
+    assert 0 <= facts["routing"]["layers_below_random"] <= len(common)

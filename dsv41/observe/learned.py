@@ -95,6 +95,22 @@ def held_out_texts(n: int, chars: int = 1600, corpus=None) -> list[str]:
     return out
 
 
+def shared_axis(studies: dict[str, dict]) -> tuple[list[int], dict[str, list[int]]]:
+    """(every layer id the studies measured, sorted; per study the positions of its own layers on
+    that axis): two checkpoints of different geometries (the released one against the random tiny
+    one) are drawn each at its own layers, and checkpoints of one geometry at 0, 1, 2, ..."""
+    ids = sorted({layer for study in studies.values() for layer in study["layers"]})
+    at = {layer: i for i, layer in enumerate(ids)}
+    return ids, {name: [at[layer] for layer in study["layers"]] for name, study in studies.items()}
+
+
+def by_common_layer(a: dict, b: dict, key: str) -> list[tuple]:
+    """(a's value, b's value) of `key` at each layer both studies measured, in a's order: what a
+    comparison layer by layer may pair when the two geometries differ."""
+    other = dict(zip(b["layers"], b[key]))
+    return [(value, other[layer]) for layer, value in zip(a["layers"], a[key]) if layer in other]
+
+
 def prompt_ids(model: Model, text: str, tokens: int, at_least: int = 1) -> list[int]:
     """`text` as the model's prompt ids (BOS first where the model adds one), cut to `tokens`; a
     text that gives fewer than `at_least` ids is refused (a study would have nothing to measure)."""
