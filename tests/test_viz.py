@@ -148,6 +148,9 @@ def test_sidecar_reads_back_and_numbers_read_in_a_sentence(tmp_path):
     paths = viz.export_figure(_figure(), "fig", str(tmp_path), DATA)
     assert viz.read_sidecar(paths["json"]) == json.loads(open(paths["json"], encoding="utf-8").read())
     assert viz.numbers([0.12345, None, 2]) == "0.123, -, 2.000" and viz.numbers([1.25], 1) == "1.2"
+    # a non-finite value comes back from a sidecar as its string (a constant gate's correlation is NaN)
+    written = viz.read_sidecar(viz.write_sidecar({"r": [0.5, float("nan")]}, str(tmp_path / "nan.json")))
+    assert viz.numbers(written["r"]) == "0.500, NaN"
 
 
 def test_sidecar_rejects_what_it_cannot_write(tmp_path):

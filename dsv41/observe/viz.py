@@ -290,8 +290,9 @@ def table(rows, columns=None, title: str | None = None) -> Table:
 
 
 def numbers(values, digits: int = 3) -> str:
-    """Numbers for a sentence: "0.912, 0.874, -" (`digits` decimals; None, nothing measured, a dash)."""
-    return ", ".join("-" if v is None else f"{v:.{digits}f}" for v in values)
+    """Numbers for a sentence: "0.912, 0.874, -, NaN" (`digits` decimals; None, nothing measured, a
+    dash; a non-finite value as a sidecar writes it, "NaN", "Infinity" or "-Infinity")."""
+    return ", ".join("-" if v is None else v if isinstance(v, str) else f"{v:.{digits}f}" for v in values)
 
 
 def _cell(value) -> str:
