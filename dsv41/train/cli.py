@@ -151,7 +151,8 @@ def cli_main(argv: list[str]) -> int:
         description=(
             "Train the miniature V4.1 from scratch on the running Python's standard library (2 cores, no GPU, "
             "40 to 60 min at the default steps here: 36 min of training and 4 of final measurement alone, "
-            "55 and 6 beside other jobs), then write it in the release format to OUT/checkpoint. "
+            "55 and 6 beside other jobs, measured before the draft phase decoded its greedy pool, a few "
+            "minutes more), then write it in the release format to OUT/checkpoint. "
             "OUT must be new, empty or a folder dsv41 train wrote; "
             "--resume goes on with the settings the run was started with."
         ),
