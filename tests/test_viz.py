@@ -151,6 +151,8 @@ def test_sidecar_reads_back_and_numbers_read_in_a_sentence(tmp_path):
     # a non-finite value comes back from a sidecar as its string (a constant gate's correlation is NaN)
     written = viz.read_sidecar(viz.write_sidecar({"r": [0.5, float("nan")]}, str(tmp_path / "nan.json")))
     assert viz.numbers(written["r"]) == "0.500, NaN"
+    with pytest.raises(ValueError, match="not a number a sidecar writes"):
+        viz.numbers([0.5, "0.5"])
 
 
 def test_sidecar_rejects_what_it_cannot_write(tmp_path):

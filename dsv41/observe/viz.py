@@ -292,7 +292,20 @@ def table(rows, columns=None, title: str | None = None) -> Table:
 def numbers(values, digits: int = 3) -> str:
     """Numbers for a sentence: "0.912, 0.874, -, NaN" (`digits` decimals; None, nothing measured, a
     dash; a non-finite value as a sidecar writes it, "NaN", "Infinity" or "-Infinity")."""
-    return ", ".join("-" if v is None else v if isinstance(v, str) else f"{v:.{digits}f}" for v in values)
+
+    def one(v) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, str):
+            if v not in NON_FINITE:  # only the strings a sidecar writes for a float
+                raise ValueError(f"not a number a sidecar writes: {v!r}")
+            return v
+        return f"{v:.{digits}f}"
+
+    return ", ".join(one(v) for v in values)
+
+
+NON_FINITE = ("NaN", "Infinity", "-Infinity")
 
 
 def _cell(value) -> str:

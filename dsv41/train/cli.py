@@ -152,7 +152,7 @@ def cli_main(argv: list[str]) -> int:
             "Train the miniature V4.1 from scratch on the running Python's standard library (2 cores, no GPU, "
             "about 2 h 20 min at the default steps on an idle two-core machine here: 4,080 backbone steps at "
             "about 1.07 s, 720 quantization-aware ones at 1.6 s, the greedy pool in about 3 min, 1,600 draft "
-            "steps at 1.47 s, 6 min of final measurement; the shipped miniature's run), then write it in the "
+            "steps at 1.47 s, 3.4 min of final measurement; the shipped miniature's run), then write it in the "
             "release format to OUT/checkpoint. "
             "OUT must be new, empty or a folder dsv41 train wrote; "
             "--resume goes on with the settings the run was started with."
