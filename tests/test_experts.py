@@ -988,3 +988,42 @@ def test_routed_experts_on_the_bf16_path_match_the_reference(monkeypatch, native
     got = routed_experts(x, ids, weights, experts, 10.0, cpu_kernel="native")
     ref = routed_experts_reference(x, ids, weights, experts, 10.0)
     _assert_bf16_close(got, ref)
+
+
+@needs_cc
+@pytest.mark.parametrize("k", [288, 512])
+def test_one_tokens_fp4_products_have_the_portable_bits_at_every_level(fresh_native, k):
+    """One token's FP4 products take a different body per level (the BF16 dot product, the AVX-512
+    and AVX2 float bodies, plain C): each gives plain C's bits, on activations of every E4M3 byte
+    (NaN, -0, subnormals), every E2M1 code (-0 included), scales 50 octaves apart, an odd last
+    block (k = 288) and a row count that is not a multiple of four."""
+    g = _gen(311)
+    codes = torch.randint(0, 256, (3, k), dtype=torch.uint8, generator=g)
+    codes[1:][(codes[1:] & 0x7F) == 0x7F] = 0x7E  # tokens 1 and 2 without E4M3's NaN
+    codes[0, : min(k, 256)] = torch.arange(min(k, 256), dtype=torch.uint8)  # every byte once
+    a = codes.view(torch.float8_e4m3fn)
+    a_s = torch.randint(100, 150, (3, k // 32), dtype=torch.uint8, generator=g)
+    packed, scale = _fp4_weight(42, k, g, lo=100, hi=150)
+    got = {}
+    for level in fresh_native.runnable_isa_levels():
+        with fresh_native.forced_isa(level) as kernels:
+            assert kernels is not None, fresh_native.unavailable_reason()
+            if level in ("avx512_bf16", "amx"):
+                assert kernels.fp4_dot, "a CPU with AVX-512 BF16 takes the dot-product body"
+            elif level != "plain":
+                assert not kernels.fp4_dot
+            got[level] = [
+                fp4_gemm_fused(
+                    a[t : t + 1],
+                    a_s[t : t + 1].view(torch.float8_e8m0fnu),
+                    packed,
+                    scale,
+                    out_dtype=torch.float32,
+                    cpu_kernel="native",
+                )
+                for t in range(3)
+            ]
+    for level, outs in got.items():
+        for t, (out, want) in enumerate(zip(outs, got["plain"])):
+            assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (level, t)
+    assert got["plain"][0].isnan().all() and got["plain"][1].isfinite().all() and got["plain"][2].isfinite().all()

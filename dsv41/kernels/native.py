@@ -14,10 +14,11 @@ plain-PyTorch path.
 Which of the kernels' paths run is read from the CPU at run time and can be held lower, so that
 any machine runs every path a smaller CPU would take: `$DSV41_ISA` (or `forced_isa` in Python)
 names the highest instruction-set level the kernels may use, one of ISA_LEVELS. "amx" and
-"avx512_bf16" keep the many-token products in BF16 (torch's BF16 GEMM); "avx512" computes them in
-float32, as a CPU with AVX-512 but no BF16 instructions does, and keeps the AVX-512 body for one
-token's products; "avx2" is a build with AVX-512 turned off (an AVX2-only CPU's kernels); "plain"
-the portable C build. A level above what the CPU has is refused.
+"avx512_bf16" keep the many-token products in BF16 (torch's BF16 GEMM) and take one token's FP4
+products on the BF16 dot-product instruction; "avx512" is a build without the BF16 instructions,
+as a CPU with AVX-512 but not them has: the many-token products in float32, one token's on the
+AVX-512 float body; "avx2" is a build with AVX-512 turned off (an AVX2-only CPU's kernels);
+"plain" the portable C build. A level above what the CPU has is refused.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 from ..core.cachedir import CacheError, cache_dir, cache_error, current_umask, file_sha256
 
 SOURCE = Path(__file__).with_name("native.c")
-_ABI_VERSION = 11  # must equal ABI_VERSION in native.c
+_ABI_VERSION = 12  # must equal ABI_VERSION in native.c
 # Instruction-set levels the kernels can be held to, lowest first (see the module docstring).
 ISA_LEVELS = ("plain", "avx2", "avx512", "avx512_bf16", "amx")
 ISA_ENV = "DSV41_ISA"
@@ -85,6 +86,7 @@ class NativeKernels:
         lib.dsv41_act_quant.argtypes = [ptr, c_int, i64, i64, i64, ptr, ptr, c_int]
         self.simd = bool(lib.dsv41_simd())
         self.avx512 = bool(lib.dsv41_avx512())  # one token's products on the AVX-512 body
+        self.fp4_dot = bool(lib.dsv41_fp4_dot())  # one token's FP4 products on the BF16 dot product
         self.openmp = bool(lib.dsv41_openmp())
         self._kept = threading.local()
 
@@ -474,11 +476,12 @@ def unavailable_reason() -> Optional[str]:
 
 def _flag_sets(level: str) -> list[list[str]]:
     """The builds to try for `level`, best first: -march=native (AVX2/FMA/F16C and AVX-512 where
-    the CPU has them; "avx2" turns AVX-512 off) with OpenMP (torch's runtime, see native.c), then
-    without OpenMP, then the portable build, which is all "plain" tries."""
+    the CPU has them; "avx2" turns AVX-512 off, "avx512" its BF16 instructions) with OpenMP
+    (torch's runtime, see native.c), then without OpenMP, then the portable build, which is all
+    "plain" tries."""
     if level == "plain":
         return [["-O3"]]
-    native = ["-O3", "-march=native"] + (["-mno-avx512f"] if level == "avx2" else [])
+    native = ["-O3", "-march=native"] + {"avx2": ["-mno-avx512f"], "avx512": ["-mno-avx512bf16"]}.get(level, [])
     return [native + ["-fopenmp"], native, ["-O3"]]
 
 
