@@ -992,11 +992,12 @@ def test_routed_experts_on_the_bf16_path_match_the_reference(monkeypatch, native
 
 @needs_cc
 @pytest.mark.parametrize("k", [288, 512])
-def test_one_tokens_fp4_products_have_the_portable_bits_at_every_level(fresh_native, k):
-    """One token's FP4 products take a different body per level (the BF16 dot product, the AVX-512
+@pytest.mark.parametrize("kind", ["fp4", "fp8"])
+def test_one_tokens_products_have_the_portable_bits_at_every_level(fresh_native, k, kind):
+    """One token's products take a different body per level (the BF16 dot product, the AVX-512
     and AVX2 float bodies, plain C): each gives plain C's bits, on activations of every E4M3 byte
-    (NaN, -0, subnormals), every E2M1 code (-0 included), scales 50 octaves apart, an odd last
-    block (k = 288) and a row count that is not a multiple of four."""
+    (NaN, -0, subnormals), every E2M1 code or E4M3 weight byte (-0 and 0x7F included), scales
+    50 octaves apart, an odd last block (k = 288) and a row count that is not a multiple of four."""
     g = _gen(311)
     codes = torch.randint(0, 256, (3, k), dtype=torch.uint8, generator=g)
     codes[1:][(codes[1:] & 0x7F) == 0x7F] = 0x7E  # tokens 1 and 2 without E4M3's NaN
@@ -1004,16 +1005,21 @@ def test_one_tokens_fp4_products_have_the_portable_bits_at_every_level(fresh_nat
     a = codes.view(torch.float8_e4m3fn)
     a_s = torch.randint(100, 150, (3, k // 32), dtype=torch.uint8, generator=g)
     packed, scale = _fp4_weight(42, k, g, lo=100, hi=150)
+    if kind == "fp8":
+        packed = torch.randint(0, 256, (42, k), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+        scale = torch.randint(100, 150, (2, k // 32), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+    product = fp4_gemm_fused if kind == "fp4" else fp8_gemm_fused
     got = {}
     for level in fresh_native.runnable_isa_levels():
         with fresh_native.forced_isa(level) as kernels:
             assert kernels is not None, fresh_native.unavailable_reason()
-            if level in ("avx512_bf16", "amx"):
-                assert kernels.fp4_dot, "a CPU with AVX-512 BF16 takes the dot-product body"
-            elif level != "plain":
-                assert not kernels.fp4_dot
+            dot = kernels.fp4_dot if kind == "fp4" else kernels.fp8_dot
+            if level in ("avx512_bf16", "amx") and (kind == "fp4" or fresh_native.cpu_capability().get("avx512_vbmi")):
+                assert dot, "a CPU with AVX-512 BF16 (and VBMI for FP8) takes the dot-product body"
+            elif level not in ("avx512_bf16", "amx"):
+                assert not dot
             got[level] = [
-                fp4_gemm_fused(
+                product(
                     a[t : t + 1],
                     a_s[t : t + 1].view(torch.float8_e8m0fnu),
                     packed,

@@ -29,8 +29,8 @@
  * every product is the reference's product. Without AVX2/FMA/F16C the same arithmetic runs as
  * plain C, in the same order; with AVX-512 one token's products take two blocks per 512-bit
  * vector, reduced per 256-bit half, so they too are the same sums in the same order. With
- * AVX-512 BF16 one token's FP4 products are taken two at a time by the BF16 dot-product
- * instruction instead (see fp4_dot_rows): the same sums in fewer instructions.
+ * AVX-512 BF16 (and VBMI, for FP8) one token's products are taken two at a time by the BF16 dot-product
+ * instruction instead (see fp4_dot_rows, fp8_dot_rows): the same sums in fewer instructions.
  *
  * Tokens go in groups of eight (one vector lane each for the block sums); work is split by weight
  * rows over `threads` threads (see parallel_rows), in tiles of rows that stay in cache while
@@ -55,7 +55,7 @@
 /* A row tile's weight scales as floats, four rows side by side per block: [rows / 4, nb, 4]. */
 #define SW_INDEX(row, b, nb) ((((row) / 4) * (nb) + (b)) * 4 + (row) % 4)
 #define MAX_THREADS 64
-#define ABI_VERSION 12
+#define ABI_VERSION 13
 
 int dsv41_abi_version(void) { return ABI_VERSION; }
 int dsv41_simd(void) { return DSV41_SIMD; }
@@ -103,7 +103,7 @@ typedef struct {
     const uint8_t *w_scale;  /* E8M0 [ceil(n / rows_per_scale), k / 32] */
     const float *a;          /* [m, k] activation values times the decode's factor, FP4 arranged */
     const float *a_scale;    /* [groups, k / 32, GROUP] activation scales, 0 past the last token */
-    const uint16_t *a_pairs; /* FP4 with FP4_DOT: [m, k] activations as BF16 bits in pair_index order, else NULL */
+    const uint16_t *a_pairs; /* with FP4_DOT / FP8_DOT: [m, k] activations as BF16 in (fp8_)pair_index order */
     float *out;              /* [n, m] */
     int64_t m, n, k, rows_per_scale;
     int fp4;
@@ -451,9 +451,91 @@ static void fp4_dot_rows(const job_t *j, int64_t r0, int64_t g0, const float *sw
     store_four_rows(sum, acc);
 }
 #define FP4_ONE_TOKEN fp4_dot_rows
+
+#if defined(__AVX512VBMI__)
+#define FP8_DOT 1
+/* The BF16 bits of each E4M3 magnitude code 0-127 (0x7F read as 480, as e4m3_value reads it):
+ * low bytes, then high bytes; the sign bit is the code's own, moved to the high byte's top. */
+static const uint8_t E4M3_BF16_LOW[128] = {
+    0x00, 0x00, 0x80, 0xC0, 0x00, 0x20, 0x40, 0x60, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0};
+static const uint8_t E4M3_BF16_HIGH[128] = {
+    0x00, 0x3B, 0x3B, 0x3B, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C,
+    0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D,
+    0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E,
+    0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F,
+    0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40,
+    0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41,
+    0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42,
+    0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43};
+
+/* Where activation element i of a row goes in a_pairs for FP8 weights: per pair of blocks (four
+ * 16-byte lanes: block A's first and second half, then block B's), each lane's bytes in
+ * PAIR_BYTES order, the first eight of every lane (32 values), then the last eight. A last odd
+ * block keeps its natural order; fp8_dot_rows reads it from the float activations instead. */
+static inline int64_t fp8_pair_index(int64_t i, int64_t k) {
+    int64_t block = i / BLOCK, e = i % BLOCK;
+    if ((block | 1) * BLOCK >= k) return i;
+    int64_t lane = (block & 1) * 2 + e / 16, j = e % 16, u = (j % 8) * 2 + j / 8;
+    return (block & ~(int64_t)1) * BLOCK + (u / 8) * 32 + lane * 8 + u % 8;
+}
+
+/* fp8_four_rows_512 on the BF16 dot-product instruction: each weight byte is looked up as the
+ * BF16 of its E4M3 value (exact), each 32-bit lane takes the products of elements l and l + 8 (or
+ * l + 16 and l + 24) of a block, rounded once, as the float body's multiply and fused
+ * multiply-add round them; the sum of the two lanes is the float body's lane sum, bit for bit.
+ * The lanes come out as [A 0-3, B 0-3, A 4-7, B 4-7] for blocks A, B: the same reductions, read
+ * from other lanes. */
+static void fp8_dot_rows(const job_t *j, int64_t r0, int64_t g0, const float *sw, float *acc) {
+    const int64_t nb = j->k / BLOCK, row_bytes = j->k;
+    const uint8_t *w = j->w + r0 * row_bytes;
+    const float *a = j->a + g0 * j->k, *a_scale = j->a_scale + (g0 / GROUP) * nb * GROUP;
+    const uint16_t *pairs = j->a_pairs + g0 * j->k;
+    const __m512i pair_bytes = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)PAIR_BYTES));
+    const __m512i low0 = _mm512_loadu_si512(E4M3_BF16_LOW), low1 = _mm512_loadu_si512(E4M3_BF16_LOW + 64);
+    const __m512i high0 = _mm512_loadu_si512(E4M3_BF16_HIGH), high1 = _mm512_loadu_si512(E4M3_BF16_HIGH + 64);
+    const __m512i sign = _mm512_set1_epi8((char)0x80);
+    const __m512 minus_zero = _mm512_set1_ps(-0.0f);
+    __m128 sum = _mm_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const __m512bh first_a = (__m512bh)_mm512_loadu_si512(pairs + b * BLOCK);
+        const __m512bh last_a = (__m512bh)_mm512_loadu_si512(pairs + b * BLOCK + 32);
+        __m512 s[4];
+        for (int q = 0; q < 4; q++) {
+            __m512i bytes = _mm512_shuffle_epi8(_mm512_loadu_si512(w + q * row_bytes + b * BLOCK), pair_bytes);
+            __m512i low = _mm512_permutex2var_epi8(low0, bytes, low1);  /* the index's top bit: ignored */
+            __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(high0, bytes, high1), bytes, sign, 0xF8);
+            __m512bh first = (__m512bh)_mm512_unpacklo_epi8(low, high), last = (__m512bh)_mm512_unpackhi_epi8(low, high);
+            __m512 d0 = _mm512_dpbf16_ps(minus_zero, first, first_a), d1 = _mm512_dpbf16_ps(minus_zero, last, last_a);
+            /* d0 lanes: pairs (l, l+8) of A, (l+16, l+24) of A, then B's, l = 0-3; d1 the same, l = 4-7 */
+            s[q] = _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+        }
+        __m512 h = hadd512(hadd512(s[0], s[1]), hadd512(s[2], s[3]));
+        __m128 part[2] = {_mm_add_ps(_mm512_castps512_ps128(h), _mm512_extractf32x4_ps(h, 2)),
+                          _mm_add_ps(_mm512_extractf32x4_ps(h, 1), _mm512_extractf32x4_ps(h, 3))};
+        for (int half = 0; half < 2; half++)
+            sum = add_scaled_block(0, sum, part[half], a_scale[(b + half) * GROUP], sw + SW_INDEX(0, b + half, nb));
+    }
+    for (; b < nb; b++) sum = four_rows_block(0, w, row_bytes, b, a, a_scale, sw, nb, sum);
+    store_four_rows(sum, acc);
+}
+#define FP8_ONE_TOKEN fp8_dot_rows
+#endif
 #else
 #define FP4_DOT 0
 #define FP4_ONE_TOKEN fp4_four_rows_512
+#endif
+#ifndef FP8_DOT  /* no BF16 dot product, or no VBMI byte permutes for the E4M3 lookup */
+#define FP8_DOT 0
+#define FP8_ONE_TOKEN fp8_four_rows_512
 #endif
 
 /* One FP4 row -> BF16 values * 2**(byte - top) straight from the codes (decode_rows' BF16 result,
@@ -497,7 +579,7 @@ static void group_rows(const job_t *j, int64_t r0, int64_t r1, int64_t g0, const
     if (tokens == 1)
         for (; r0 + 4 <= r1; r0 += 4, sw += 4 * nb, acc += 4 * GROUP)
 #if DSV41_AVX512
-            (j->fp4 ? FP4_ONE_TOKEN : fp8_four_rows_512)(j, r0, g0, sw, acc);
+            (j->fp4 ? FP4_ONE_TOKEN : FP8_ONE_TOKEN)(j, r0, g0, sw, acc);
 #else
             (j->fp4 ? fp4_four_rows : fp8_four_rows)(j, r0, g0, sw, acc);
 #endif
@@ -613,6 +695,9 @@ static void decode_rows(const void *job, int64_t r0, int64_t r1) {
 #ifndef FP4_DOT
 #define FP4_DOT 0
 #endif
+#ifndef FP8_DOT
+#define FP8_DOT 0
+#endif
 
 #if DSV41_SIMD
 /* Eight E8M0 bytes -> the float32 bit patterns e8m0_value gives them. */
@@ -718,9 +803,13 @@ static void prepare_activation(const dsv41_gemm_desc *d, float *values, float *s
         for (int64_t i = 0; i < k; i++) {
             float value = e4m3_activation(d->a[t * k + i]);
             values[t * k + (d->fp4 ? arranged_index(i) : i)] = value * factor;
-#if FP4_DOT
             union { float f; uint32_t u; } bits = {value};  /* exact in BF16: its top half */
-            if (pairs) pairs[t * k + pair_index(i, k)] = (uint16_t)(bits.u >> 16);
+            (void)bits;
+#if FP4_DOT
+            if (pairs && d->fp4) pairs[t * k + pair_index(i, k)] = (uint16_t)(bits.u >> 16);
+#endif
+#if FP8_DOT
+            if (pairs && !d->fp4) pairs[t * k + fp8_pair_index(i, k)] = (uint16_t)(bits.u >> 16);
 #endif
         }
         for (int64_t b = 0; b < nb; b++)
@@ -748,11 +837,12 @@ int dsv41_gemm_many(const dsv41_gemm_desc *descs, int64_t count, int threads) {
         int64_t groups = (d->m + GROUP - 1) / GROUP, nb = d->k / BLOCK;
         float *values = malloc(sizeof(float) * (size_t)(d->m * d->k + 1));
         float *scales = calloc((size_t)(groups * nb * GROUP + 1), sizeof(float));
-        uint16_t *pairs = FP4_DOT && d->fp4 ? malloc(sizeof(uint16_t) * (size_t)(d->m * d->k + 1)) : NULL;
+        int dot = d->fp4 ? FP4_DOT : FP8_DOT;  /* one token's products on the BF16 dot product */
+        uint16_t *pairs = dot ? malloc(sizeof(uint16_t) * (size_t)(d->m * d->k + 1)) : NULL;
         /* a product with no tokens keeps n = 0: it has no rows to hand out */
         jobs[i] = (job_t){d->w, d->w_scale, values, scales, pairs, d->out, d->m, d->m > 0 ? d->n : 0, d->k,
                           d->rows_per_scale, (int)d->fp4, &failed};
-        if (!values || !scales || (FP4_DOT && d->fp4 && !pairs)) failed = 1;
+        if (!values || !scales || (dot && !pairs)) failed = 1;
         else prepare_activation(d, values, scales, pairs);
     }
     if (!failed && total > 0) {
@@ -1024,3 +1114,4 @@ int dsv41_apply_powers(uint16_t *out, int64_t m, int64_t n, int64_t ld, const in
 #endif
 int dsv41_avx512(void) { return DSV41_AVX512; }
 int dsv41_fp4_dot(void) { return FP4_DOT; }
+int dsv41_fp8_dot(void) { return FP8_DOT; }

@@ -15,9 +15,9 @@ Which of the kernels' paths run is read from the CPU at run time and can be held
 any machine runs every path a smaller CPU would take: `$DSV41_ISA` (or `forced_isa` in Python)
 names the highest instruction-set level the kernels may use, one of ISA_LEVELS. "amx" and
 "avx512_bf16" keep the many-token products in BF16 (torch's BF16 GEMM) and take one token's FP4
-products on the BF16 dot-product instruction; "avx512" is a build without the BF16 instructions,
-as a CPU with AVX-512 but not them has: the many-token products in float32, one token's on the
-AVX-512 float body; "avx2" is a build with AVX-512 turned off (an AVX2-only CPU's kernels);
+(and, with AVX-512 VBMI, FP8) products on the BF16 dot-product instruction; "avx512" is a build
+without the BF16 instructions, as a CPU with AVX-512 but not them has: the many-token products in
+float32, one token's on the AVX-512 float body; "avx2" is a build with AVX-512 turned off (an AVX2-only CPU's kernels);
 "plain" the portable C build. A level above what the CPU has is refused.
 """
 
@@ -41,7 +41,7 @@ import torch
 from ..core.cachedir import CacheError, cache_dir, cache_error, current_umask, file_sha256
 
 SOURCE = Path(__file__).with_name("native.c")
-_ABI_VERSION = 12  # must equal ABI_VERSION in native.c
+_ABI_VERSION = 13  # must equal ABI_VERSION in native.c
 # Instruction-set levels the kernels can be held to, lowest first (see the module docstring).
 ISA_LEVELS = ("plain", "avx2", "avx512", "avx512_bf16", "amx")
 ISA_ENV = "DSV41_ISA"
@@ -87,6 +87,7 @@ class NativeKernels:
         self.simd = bool(lib.dsv41_simd())
         self.avx512 = bool(lib.dsv41_avx512())  # one token's products on the AVX-512 body
         self.fp4_dot = bool(lib.dsv41_fp4_dot())  # one token's FP4 products on the BF16 dot product
+        self.fp8_dot = bool(lib.dsv41_fp8_dot())  # and its FP8 ones (AVX-512 VBMI too)
         self.openmp = bool(lib.dsv41_openmp())
         self._kept = threading.local()
 
