@@ -70,13 +70,17 @@ def test_the_load_report_says_how_the_budget_was_spent(tiny_checkpoint, plain):
 
 
 # ---------------------------------------------------------------------- the slot cache
-@pytest.mark.parametrize("reader, drop", [("preadv", "auto"), ("pread", False)])
+@pytest.mark.parametrize("reader, drop", [("direct", "auto"), ("preadv", "auto"), ("pread", False)])
 def test_slot_reads_are_the_stored_bytes(plain, reader, drop):
     ckpt = Checkpoint(plain.checkpoint.path)
     old = ExpertCache(ckpt, capacity=0)
     cache = SlotCache(ckpt, 3, reader=reader, drop_pages=drop, n_layers=plain.cfg.n_layers, policy="lru")
-    assert cache.reader == reader and cache.drop_pages == (drop == "auto" and hasattr(os, "posix_fadvise"))
-    assert ("dropped" in cache.page_cache) == cache.drop_pages
+    assert cache.drop_pages == (drop == "auto" and hasattr(os, "posix_fadvise"))
+    if reader == "direct":
+        assert cache.reader == ("direct" if hasattr(os, "O_DIRECT") else "preadv")
+        assert cache._pool.data_ptr() % 4096 == 0 and cache._pool.stride(0) % 4096 == 0
+    else:
+        assert cache.reader == reader and ("dropped" in cache.page_cache) == cache.drop_pages
     for layer, ids in ((0, [1, 5, 9]), (1, [0, 2]), (0, [7, 9])):
         got = cache.fetch(layer, ids)
         for e, packed in zip(ids, got):
@@ -86,6 +90,44 @@ def test_slot_reads_are_the_stored_bytes(plain, reader, drop):
                 )
     assert cache.counters.bytes_read == cache.stats.bytes_read == 6 * cache.slot_bytes  # 3 + 2 + 1 misses
     assert [got.hits, got.misses] == [1, 1]  # expert 9 of layer 0 was still held
+    if cache.reader == "direct":  # the shards of this folder opened directly, or the report says why not
+        assert "O_DIRECT" in cache.page_cache
+        assert any(direct for _, direct in cache._fds) or "would not open" in cache.page_cache
+    cache.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this system: the direct reader is not offered")
+@pytest.mark.parametrize("refusal", ["open", "read"])
+def test_a_file_system_that_refuses_direct_reads_gets_buffered_ones(plain, monkeypatch, refusal):
+    """tmpfs refuses O_DIRECT at open, some file systems at the read: either way the experts are
+    the stored bytes, read buffered, and the report says which shard."""
+    import errno
+
+    ckpt = Checkpoint(plain.checkpoint.path)
+    old = ExpertCache(ckpt, capacity=0)
+    cache = SlotCache(ckpt, 3, reader="direct", n_layers=plain.cfg.n_layers, policy="lru")
+    real_open, real_preadv, direct_fds = os.open, os.preadv, set()
+
+    def refusing_open(path, flags, *args):
+        if flags & os.O_DIRECT and refusal == "open":
+            raise OSError(errno.EINVAL, "Invalid argument")
+        fd = real_open(path, flags, *args)
+        if flags & os.O_DIRECT:
+            direct_fds.add(fd)
+        return fd
+
+    def refusing_preadv(fd, buffers, offset):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    monkeypatch.setattr(os, "preadv", refusing_preadv)
+    for layer, ids in ((0, [1, 5, 9]), (1, [0, 2])):
+        for e, packed in zip(ids, cache.fetch(layer, ids)):
+            for a, b in zip(packed, old.fetch(layer, [e])[0]):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert "buffered" in cache.page_cache and ckpt.entries["layers.0.ffn.experts.1.w1.weight"][0] in cache.page_cache
     cache.close()
 
 
