@@ -994,16 +994,17 @@ def test_routed_experts_on_the_bf16_path_match_the_reference(monkeypatch, native
 @pytest.mark.parametrize("k", [288, 512])
 @pytest.mark.parametrize("kind", ["fp4", "fp8"])
 def test_one_tokens_products_have_the_portable_bits_at_every_level(fresh_native, k, kind):
-    """One token's products take a different body per level (the BF16 dot product, the AVX-512
-    and AVX2 float bodies, plain C): each gives plain C's bits, on activations of every E4M3 byte
-    (NaN, -0, subnormals), every E2M1 code or E4M3 weight byte (-0 and 0x7F included), scales
-    50 octaves apart, an odd last block (k = 288) and a row count that is not a multiple of four."""
+    """Products of up to 8 tokens take a different body per level (the BF16 dot product, the
+    AVX-512 and AVX2 float bodies, plain C), one token's another again: each gives plain C's bits,
+    on activations of every E4M3 byte (NaN, -0, subnormals), every E2M1 code or E4M3 weight byte
+    (-0 and 0x7F included), scales 50 octaves apart, an odd last block (k = 288) and a row count
+    that is not a multiple of four."""
     g = _gen(311)
-    codes = torch.randint(0, 256, (3, k), dtype=torch.uint8, generator=g)
+    codes = torch.randint(0, 256, (8, k), dtype=torch.uint8, generator=g)
     codes[1:][(codes[1:] & 0x7F) == 0x7F] = 0x7E  # tokens 1 and 2 without E4M3's NaN
     codes[0, : min(k, 256)] = torch.arange(min(k, 256), dtype=torch.uint8)  # every byte once
     a = codes.view(torch.float8_e4m3fn)
-    a_s = torch.randint(100, 150, (3, k // 32), dtype=torch.uint8, generator=g)
+    a_s = torch.randint(100, 150, (8, k // 32), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
     packed, scale = _fp4_weight(42, k, g, lo=100, hi=150)
     if kind == "fp8":
         packed = torch.randint(0, 256, (42, k), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
@@ -1018,18 +1019,13 @@ def test_one_tokens_products_have_the_portable_bits_at_every_level(fresh_native,
                 assert dot, "a CPU with AVX-512 BF16 (and VBMI for FP8) takes the dot-product body"
             elif level not in ("avx512_bf16", "amx"):
                 assert not dot
+            calls = [(0, 1), (1, 2), (2, 3), (0, 3), (1, 5), (0, 8)]  # one token, then groups of 2-8
             got[level] = [
-                product(
-                    a[t : t + 1],
-                    a_s[t : t + 1].view(torch.float8_e8m0fnu),
-                    packed,
-                    scale,
-                    out_dtype=torch.float32,
-                    cpu_kernel="native",
-                )
-                for t in range(3)
+                product(a[i:j], a_s[i:j], packed, scale, out_dtype=torch.float32, cpu_kernel="native") for i, j in calls
             ]
     for level, outs in got.items():
-        for t, (out, want) in enumerate(zip(outs, got["plain"])):
-            assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (level, t)
-    assert got["plain"][0].isnan().all() and got["plain"][1].isfinite().all() and got["plain"][2].isfinite().all()
+        for call, out, want in zip(calls, outs, got["plain"]):
+            assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (level, call)
+    plain = got["plain"]
+    assert plain[0].isnan().all() and plain[1].isfinite().all() and plain[2].isfinite().all()
+    assert torch.equal(plain[5][1:5].view(torch.int32), plain[4].view(torch.int32))  # a token's bits, any company

@@ -261,6 +261,21 @@ GROUP_BOTH(6)
 GROUP_BOTH(7)
 GROUP_BOTH(8)
 
+/* GROUP_BODY's steps for block b of row w against the group's T tokens: the block's partials,
+ * scaled (row_in_tile: the row's place in sw). */
+static inline __attribute__((unused)) __m256 group_block(int fp4, int T, const job_t *j, const uint8_t *w, int64_t b,
+                                                         int64_t g0, const float *a_scale, const float *sw,
+                                                         int64_t row_in_tile) {
+    const int64_t nb = j->k / BLOCK, block_bytes = fp4 ? BLOCK / 2 : BLOCK;
+    const float *a = j->a + g0 * j->k;
+    __m256 v[4], s[GROUP];
+    decode_block(fp4, w + b * block_bytes, v);
+    for (int t = 0; t < GROUP; t++) s[t] = t < T ? lane_sums(v, a + t * j->k + b * BLOCK) : _mm256_setzero_ps();
+    __m256 partial = T > 4 ? block_sums(8, s) : T > 1 ? block_sums(4, s) : block_sums(1, s);
+    __m256 sa = _mm256_loadu_ps(a_scale + b * GROUP), sb = _mm256_broadcast_ss(sw + SW_INDEX(row_in_tile, b, nb));
+    return fp4 ? _mm256_mul_ps(_mm256_mul_ps(partial, sa), sb) : _mm256_mul_ps(partial, _mm256_mul_ps(sa, sb));
+}
+
 typedef void (*group_fn)(const job_t *, int64_t, int64_t, int64_t, const float *, float *);
 static const group_fn FP4_GROUP[GROUP + 1] = {
     0, fp4_group_1, fp4_group_2, fp4_group_3, fp4_group_4, fp4_group_5, fp4_group_6, fp4_group_7, fp4_group_8};
@@ -404,53 +419,13 @@ static const uint16_t FP4_BF16[32] = {0, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040,
 
 /* Where activation element i of a row goes in a_pairs: per pair of blocks, 32 values for the low
  * nibbles (block by block, bytes in PAIR_BYTES order), then 32 for the high nibbles. A last odd
- * block keeps its natural order; fp4_dot_rows reads it from the float activations instead. */
+ * block keeps its natural order; dot_rows reads it from the float activations instead. */
 static inline int64_t pair_index(int64_t i, int64_t k) {
     int64_t block = i / BLOCK, e = i % BLOCK;
     if ((block | 1) * BLOCK >= k) return i;
     int64_t u = (e / 2) % 8 * 2 + (e / 2) / 8;  /* PAIR_BYTES position of byte e / 2 */
     return (block & ~(int64_t)1) * BLOCK + (e & 1) * 32 + (block & 1) * 16 + u;
 }
-
-/* FOUR_ROWS_512 for FP4 on the BF16 dot-product instruction: every code is looked up as the BF16
- * of its value and the activations are held as BF16 (both exact: E2M1 and E4M3 values have at
- * most four significant bits), and each 32-bit lane takes the products of elements 2m and
- * 2m + 16 (low nibbles) or 2m + 1 and 2m + 17 (high nibbles): exact in float32 (E2M1 times E4M3
- * values are multiples of 2**-10 below 2**12), and so is the sum of the two lanes, which is one
- * lane of FOUR_ROWS_512's sums, bit for bit, zero signs included (each lane starts from -0).
- * From there both bodies are one: the same reductions, scalings and K-order additions. */
-static void fp4_dot_rows(const job_t *j, int64_t r0, int64_t g0, const float *sw, float *acc) {
-    const int64_t nb = j->k / BLOCK, row_bytes = j->k / 2;
-    const uint8_t *w = j->w + r0 * row_bytes;
-    const float *a = j->a + g0 * j->k, *a_scale = j->a_scale + (g0 / GROUP) * nb * GROUP;
-    const uint16_t *pairs = j->a_pairs + g0 * j->k;
-    const __m256i pair_bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)PAIR_BYTES));
-    const __m512i table = _mm512_loadu_si512(FP4_BF16);
-    const __m512 minus_zero = _mm512_set1_ps(-0.0f);
-    __m128 sum = _mm_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        const __m512bh low_a = (__m512bh)_mm512_loadu_si512(pairs + b * BLOCK);
-        const __m512bh high_a = (__m512bh)_mm512_loadu_si512(pairs + b * BLOCK + 32);
-        __m512 s[4];
-        for (int q = 0; q < 4; q++) {
-            __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + q * row_bytes + b * BLOCK / 2));
-            /* one word per byte, bytes m and m + 8 of each block side by side */
-            __m512i words = _mm512_cvtepu8_epi16(_mm256_shuffle_epi8(bytes, pair_bytes));
-            __m512bh low = (__m512bh)_mm512_permutexvar_epi16(words, table);
-            __m512bh high = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
-            s[q] = _mm512_add_ps(_mm512_dpbf16_ps(minus_zero, low, low_a), _mm512_dpbf16_ps(minus_zero, high, high_a));
-        }
-        __m512 h = hadd512(hadd512(s[0], s[1]), hadd512(s[2], s[3]));
-        __m128 part[2] = {_mm_add_ps(_mm512_castps512_ps128(h), _mm512_extractf32x4_ps(h, 1)),
-                          _mm_add_ps(_mm512_extractf32x4_ps(h, 2), _mm512_extractf32x4_ps(h, 3))};
-        for (int half = 0; half < 2; half++)
-            sum = add_scaled_block(1, sum, part[half], a_scale[(b + half) * GROUP], sw + SW_INDEX(0, b + half, nb));
-    }
-    for (; b < nb; b++) sum = four_rows_block(1, w, row_bytes, b, a, a_scale, sw, nb, sum);
-    store_four_rows(sum, acc);
-}
-#define FP4_ONE_TOKEN fp4_dot_rows
 
 #if defined(__AVX512VBMI__)
 #define FP8_DOT 1
@@ -475,57 +450,153 @@ static const uint8_t E4M3_BF16_HIGH[128] = {
     0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42,
     0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43};
 
-/* Where activation element i of a row goes in a_pairs for FP8 weights: per pair of blocks (four
- * 16-byte lanes: block A's first and second half, then block B's), each lane's bytes in
- * PAIR_BYTES order, the first eight of every lane (32 values), then the last eight. A last odd
- * block keeps its natural order; fp8_dot_rows reads it from the float activations instead. */
+/* The order two E4M3 blocks' 64 bytes are looked up in: 128-bit lane 2 * block + half holds, for
+ * l = 4 * half + 0..3, the bytes l and l + 8 side by side, then l + 16 and l + 24, so that the low
+ * and high halves of each lane, looked up and unpacked into BF16 words, pair a block's elements
+ * as the float body's lanes do. */
+static const uint8_t FP8_PAIR_BYTES[64] = {
+    0, 8, 1, 9, 2, 10, 3, 11, 16, 24, 17, 25, 18, 26, 19, 27,
+    4, 12, 5, 13, 6, 14, 7, 15, 20, 28, 21, 29, 22, 30, 23, 31,
+    32, 40, 33, 41, 34, 42, 35, 43, 48, 56, 49, 57, 50, 58, 51, 59,
+    36, 44, 37, 45, 38, 46, 39, 47, 52, 60, 53, 61, 54, 62, 55, 63};
+
+/* Where activation element i of a row goes in a_pairs for FP8 weights: the FP8_PAIR_BYTES order
+ * per pair of blocks, the low half of every lane's words (32 values), then the high half. A last
+ * odd block keeps its natural order; dot_rows reads it from the float activations instead. */
 static inline int64_t fp8_pair_index(int64_t i, int64_t k) {
     int64_t block = i / BLOCK, e = i % BLOCK;
     if ((block | 1) * BLOCK >= k) return i;
-    int64_t lane = (block & 1) * 2 + e / 16, j = e % 16, u = (j % 8) * 2 + j / 8;
-    return (block & ~(int64_t)1) * BLOCK + (u / 8) * 32 + lane * 8 + u % 8;
+    int64_t part = e / 16, l = e % 8, second = (e % 16) / 8;  /* element l (+ 8) of its 16-byte part */
+    int64_t lane = (block & 1) * 2 + l / 4, word = (l % 4) * 2 + second;
+    return (block & ~(int64_t)1) * BLOCK + part * 32 + lane * 8 + word;
 }
 
-/* fp8_four_rows_512 on the BF16 dot-product instruction: each weight byte is looked up as the
- * BF16 of its E4M3 value (exact), each 32-bit lane takes the products of elements l and l + 8 (or
- * l + 16 and l + 24) of a block, rounded once, as the float body's multiply and fused
- * multiply-add round them; the sum of the two lanes is the float body's lane sum, bit for bit.
- * The lanes come out as [A 0-3, B 0-3, A 4-7, B 4-7] for blocks A, B: the same reductions, read
- * from other lanes. */
-static void fp8_dot_rows(const job_t *j, int64_t r0, int64_t g0, const float *sw, float *acc) {
-    const int64_t nb = j->k / BLOCK, row_bytes = j->k;
+#endif
+
+/* The bodies below take one token's products (or a group's) on the BF16 dot-product instruction.
+ * Every FP4 code and E4M3 weight byte is looked up as the BF16 of its value and the activations
+ * are held as BF16 (all exact: at most four significant bits). Each 32-bit lane of a dot product,
+ * started from -0, takes two of a block's products: for FP4 elements 2m and 2m + 16 (low nibbles)
+ * or 2m + 1 and 2m + 17 (high nibbles), whose sum is exact in float32 (E2M1 times E4M3 values are
+ * multiples of 2**-10 below 2**12); for FP8 elements l and l + 8 (or l + 16 and l + 24), their
+ * sum rounded once, as the float bodies' multiply and fused multiply-add round it. Two such lanes
+ * added give one lane of the float bodies' sums, bit for bit, zero signs included; from there
+ * the reductions, scalings and K-order additions are theirs. */
+
+/* Two blocks of a weight row (FP4 16 bytes each, E4M3 32) -> two vectors of BF16 values laid out
+ * as the activations' pair_index (FP4) or fp8_pair_index (FP8) order, so that the two dot
+ * products of dot_lanes added are the float bodies' lanes. */
+static inline __attribute__((always_inline)) void dot_decode(int fp4, const uint8_t *src, __m512bh w[2]) {
+    if (fp4) {
+        const __m128i pair_bytes = _mm_loadu_si128((const __m128i *)PAIR_BYTES);
+        const __m512i table = _mm512_loadu_si512(FP4_BF16);
+        __m256i bytes = _mm256_loadu_si256((const __m256i *)src);
+        /* one word per byte, bytes m and m + 8 of each block side by side */
+        __m512i words = _mm512_cvtepu8_epi16(_mm256_shuffle_epi8(bytes, _mm256_broadcastsi128_si256(pair_bytes)));
+        w[0] = (__m512bh)_mm512_permutexvar_epi16(words, table);
+        w[1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+    } else {
+#if FP8_DOT
+        const __m512i low0 = _mm512_loadu_si512(E4M3_BF16_LOW), low1 = _mm512_loadu_si512(E4M3_BF16_LOW + 64);
+        const __m512i high0 = _mm512_loadu_si512(E4M3_BF16_HIGH), high1 = _mm512_loadu_si512(E4M3_BF16_HIGH + 64);
+        __m512i bytes = _mm512_permutexvar_epi8(_mm512_loadu_si512(FP8_PAIR_BYTES), _mm512_loadu_si512(src));
+        __m512i low = _mm512_permutex2var_epi8(low0, bytes, low1); /* the index's top bit: ignored */
+        __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(high0, bytes, high1), bytes,
+                                                 _mm512_set1_epi8((char)0x80), 0xF8); /* | the sign */
+        w[0] = (__m512bh)_mm512_unpacklo_epi8(low, high), w[1] = (__m512bh)_mm512_unpackhi_epi8(low, high);
+#endif
+    }
+}
+
+/* One token's lane sums of the two blocks dot_decode gave, laid out as the float bodies' are:
+ * lanes 0-7 block A's, 8-15 block B's. `pairs`: the token's BF16 activations of the two blocks. */
+static inline __attribute__((always_inline)) __m512 dot_lanes(const __m512bh w[2], const uint16_t *pairs) {
+    const __m512 minus_zero = _mm512_set1_ps(-0.0f);
+    __m512 d0 = _mm512_dpbf16_ps(minus_zero, w[0], (__m512bh)_mm512_loadu_si512(pairs));
+    __m512 d1 = _mm512_dpbf16_ps(minus_zero, w[1], (__m512bh)_mm512_loadu_si512(pairs + 32));
+    return _mm512_add_ps(d0, d1);
+}
+
+/* FOUR_ROWS_512 on the dot product: four rows against one token. */
+static inline __attribute__((always_inline)) void dot_rows(int fp4, const job_t *j, int64_t r0, int64_t g0,
+                                                           const float *sw, float *acc) {
+    const int64_t nb = j->k / BLOCK, row_bytes = fp4 ? j->k / 2 : j->k, block_bytes = fp4 ? BLOCK / 2 : BLOCK;
     const uint8_t *w = j->w + r0 * row_bytes;
     const float *a = j->a + g0 * j->k, *a_scale = j->a_scale + (g0 / GROUP) * nb * GROUP;
     const uint16_t *pairs = j->a_pairs + g0 * j->k;
-    const __m512i pair_bytes = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)PAIR_BYTES));
-    const __m512i low0 = _mm512_loadu_si512(E4M3_BF16_LOW), low1 = _mm512_loadu_si512(E4M3_BF16_LOW + 64);
-    const __m512i high0 = _mm512_loadu_si512(E4M3_BF16_HIGH), high1 = _mm512_loadu_si512(E4M3_BF16_HIGH + 64);
-    const __m512i sign = _mm512_set1_epi8((char)0x80);
-    const __m512 minus_zero = _mm512_set1_ps(-0.0f);
     __m128 sum = _mm_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
-        const __m512bh first_a = (__m512bh)_mm512_loadu_si512(pairs + b * BLOCK);
-        const __m512bh last_a = (__m512bh)_mm512_loadu_si512(pairs + b * BLOCK + 32);
         __m512 s[4];
         for (int q = 0; q < 4; q++) {
-            __m512i bytes = _mm512_shuffle_epi8(_mm512_loadu_si512(w + q * row_bytes + b * BLOCK), pair_bytes);
-            __m512i low = _mm512_permutex2var_epi8(low0, bytes, low1);  /* the index's top bit: ignored */
-            __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(high0, bytes, high1), bytes, sign, 0xF8);
-            __m512bh first = (__m512bh)_mm512_unpacklo_epi8(low, high), last = (__m512bh)_mm512_unpackhi_epi8(low, high);
-            __m512 d0 = _mm512_dpbf16_ps(minus_zero, first, first_a), d1 = _mm512_dpbf16_ps(minus_zero, last, last_a);
-            /* d0 lanes: pairs (l, l+8) of A, (l+16, l+24) of A, then B's, l = 0-3; d1 the same, l = 4-7 */
-            s[q] = _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+            __m512bh v[2];
+            dot_decode(fp4, w + q * row_bytes + b * block_bytes, v);
+            s[q] = dot_lanes(v, pairs + b * BLOCK);
         }
         __m512 h = hadd512(hadd512(s[0], s[1]), hadd512(s[2], s[3]));
-        __m128 part[2] = {_mm_add_ps(_mm512_castps512_ps128(h), _mm512_extractf32x4_ps(h, 2)),
-                          _mm_add_ps(_mm512_extractf32x4_ps(h, 1), _mm512_extractf32x4_ps(h, 3))};
+        __m128 part[2] = {_mm_add_ps(_mm512_castps512_ps128(h), _mm512_extractf32x4_ps(h, 1)),
+                          _mm_add_ps(_mm512_extractf32x4_ps(h, 2), _mm512_extractf32x4_ps(h, 3))};
         for (int half = 0; half < 2; half++)
-            sum = add_scaled_block(0, sum, part[half], a_scale[(b + half) * GROUP], sw + SW_INDEX(0, b + half, nb));
+            sum = add_scaled_block(fp4, sum, part[half], a_scale[(b + half) * GROUP], sw + SW_INDEX(0, b + half, nb));
     }
-    for (; b < nb; b++) sum = four_rows_block(0, w, row_bytes, b, a, a_scale, sw, nb, sum);
+    for (; b < nb; b++) sum = four_rows_block(fp4, w, row_bytes, b, a, a_scale, sw, nb, sum);
     store_four_rows(sum, acc);
+}
+
+/* GROUP_BODY on the dot product: rows [r0, r1) against the group's T tokens (2 to 8), each row's
+ * two blocks decoded once for all of them; the group's block sums reduced as block_sums reduces
+ * them (tokens 0-3, then 4-7, each first half of a block's lanes plus its second). An odd last
+ * block takes GROUP_BODY's steps (group_block). */
+static inline __attribute__((always_inline)) void dot_group(int fp4, const job_t *j, int64_t r0, int64_t r1,
+                                                            int64_t g0, int T, const float *sw, float *acc) {
+    const int64_t nb = j->k / BLOCK, row_bytes = fp4 ? j->k / 2 : j->k, block_bytes = fp4 ? BLOCK / 2 : BLOCK;
+    const float *a_scale = j->a_scale + (g0 / GROUP) * nb * GROUP;
+    const uint16_t *pairs = j->a_pairs + g0 * j->k;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *w = j->w + r * row_bytes;
+        __m256 sum = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            __m512bh v[2];
+            __m512 s[GROUP];
+            dot_decode(fp4, w + b * block_bytes, v);
+            for (int t = 0; t < GROUP; t++)
+                s[t] = t < T ? dot_lanes(v, pairs + t * j->k + b * BLOCK) : _mm512_setzero_ps();
+            /* per 128-bit lane: tokens 0-3 (h0) and 4-7 (h1), each the lane's four values summed */
+            __m512 h0 = hadd512(hadd512(s[0], s[1]), hadd512(s[2], s[3]));
+            __m512 h1 = T > 4 ? hadd512(hadd512(s[4], s[5]), hadd512(s[6], s[7])) : _mm512_setzero_ps();
+            for (int half = 0; half < 2; half++) {  /* block A's lanes 0-1, block B's 2-3 */
+                __m128 t0 = _mm_add_ps(_mm512_extractf32x4_ps(h0, 0), _mm512_extractf32x4_ps(h0, 1));
+                __m128 t4 = _mm_add_ps(_mm512_extractf32x4_ps(h1, 0), _mm512_extractf32x4_ps(h1, 1));
+                if (half) {
+                    t0 = _mm_add_ps(_mm512_extractf32x4_ps(h0, 2), _mm512_extractf32x4_ps(h0, 3));
+                    t4 = _mm_add_ps(_mm512_extractf32x4_ps(h1, 2), _mm512_extractf32x4_ps(h1, 3));
+                }
+                __m256 partial = _mm256_set_m128(t4, t0);
+                __m256 sa = _mm256_loadu_ps(a_scale + (b + half) * GROUP);
+                __m256 sb = _mm256_broadcast_ss(sw + SW_INDEX(r - r0, b + half, nb));
+                partial = fp4 ? _mm256_mul_ps(_mm256_mul_ps(partial, sa), sb) : _mm256_mul_ps(partial, _mm256_mul_ps(sa, sb));
+                sum = _mm256_add_ps(sum, partial);
+            }
+        }
+        if (b < nb) sum = _mm256_add_ps(sum, group_block(fp4, T, j, w, b, g0, a_scale, sw, r - r0));
+        _mm256_storeu_ps(acc + (r - r0) * GROUP, sum);
+    }
+}
+
+static void fp4_dot_rows(const job_t *j, int64_t r0, int64_t g0, const float *sw, float *acc) {
+    dot_rows(1, j, r0, g0, sw, acc);
+}
+static void fp4_dot_group(const job_t *j, int64_t r0, int64_t r1, int64_t g0, int T, const float *sw, float *acc) {
+    dot_group(1, j, r0, r1, g0, T, sw, acc);
+}
+#define FP4_ONE_TOKEN fp4_dot_rows
+#if FP8_DOT
+static void fp8_dot_rows(const job_t *j, int64_t r0, int64_t g0, const float *sw, float *acc) {
+    dot_rows(0, j, r0, g0, sw, acc);
+}
+static void fp8_dot_group(const job_t *j, int64_t r0, int64_t r1, int64_t g0, int T, const float *sw, float *acc) {
+    dot_group(0, j, r0, r1, g0, T, sw, acc);
 }
 #define FP8_ONE_TOKEN fp8_dot_rows
 #endif
@@ -582,6 +653,12 @@ static void group_rows(const job_t *j, int64_t r0, int64_t r1, int64_t g0, const
             (j->fp4 ? FP4_ONE_TOKEN : FP8_ONE_TOKEN)(j, r0, g0, sw, acc);
 #else
             (j->fp4 ? fp4_four_rows : fp8_four_rows)(j, r0, g0, sw, acc);
+#endif
+#if FP4_DOT
+    if (tokens > 1 && j->fp4) return fp4_dot_group(j, r0, r1, g0, (int)tokens, sw, acc);
+#endif
+#if FP8_DOT
+    if (tokens > 1 && !j->fp4) return fp8_dot_group(j, r0, r1, g0, (int)tokens, sw, acc);
 #endif
     (j->fp4 ? FP4_GROUP : FP8_GROUP)[tokens](j, r0, r1, g0, sw, acc);
 }
