@@ -122,6 +122,29 @@ def test_cache_hits_and_misses_are_the_routed_lookups_and_the_replay_reproduces_
 
 
 @pytest.mark.slow
+def test_under_a_budget_the_cache_figure_is_the_shared_pool(tmp_path_factory, tiny_checkpoint):
+    """With `memory` the experts sit in one pool of slots for every layer: the notebook replays
+    that pool (the running cache's own bookkeeping), which reproduces the run's counts, and its
+    figure and table speak of the pool, not of a cache per layer."""
+    import dsv41
+
+    plan = dsv41.load(tiny_checkpoint, quiet=True, threads=1, memory="2GiB").report.budget_plan  # as the notebook loads
+    memory = plan["memory"] - (plan["slots"] - 40) * plan["slot_bytes"]  # 40 slots for the tiny model's layers
+    run, _ = run_notebooks_smoke(tmp_path_factory, tiny_checkpoint, "05", parameters={"memory": str(memory)})
+    facts, cache = _sidecar(run, "05_generation_facts"), _sidecar(run, "05_expert_cache")
+    pool = cache["pool"]
+    assert pool == facts["cache"]["pool"] and pool["slots"] == cache["capacity"] == 40
+    assert pool["layers_sharing"] == len(cache["layers"]) and pool["policy"] == "decay"
+    assert pool["replay_equals_recorded"] and pool["replay_hit_rate"] == cache["recorded_hit_rate"]
+    assert pool["replay_hits"] == sum(map(sum, cache["hits"]))
+    assert pool["replay_misses"] == sum(map(sum, cache["misses"]))
+    assert "replay_at_capacity" not in cache  # no per-layer LRU claims this run's counts
+    executed = nbformat.read(run / "05_generation.ipynb", as_version=4)
+    shown = "".join(str(o.get("data", {}).get("text/html", "")) for c in executed.cells for o in c.get("outputs", []))
+    assert "expert pool of 40 slots shared by" in shown and "equal to the run: True" in shown
+
+
+@pytest.mark.slow
 def test_policy_replay_reproduces_the_cache_and_belady_bounds_every_policy(smoke_run):
     facts = _sidecar(smoke_run, "05_generation_facts")
     policy, cache = _sidecar(smoke_run, "05_expert_policy"), _sidecar(smoke_run, "05_expert_cache")

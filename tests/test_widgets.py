@@ -486,3 +486,37 @@ def test_prompt_probe_stop_button_ends_a_background_run_early(model):
     probe.wait(60)
     assert probe.runs == 1 and probe.result.finish_reason == "callback" and len(probe.result.ids) < 400
     assert "stopped" in probe.status.value and not probe.button.disabled and probe.stop_button.disabled
+
+
+def test_a_budgeted_runs_cache_view_is_its_shared_pool(tiny_checkpoint):
+    """Under a memory budget the experts sit in one pool of slots for every layer: the view says
+    so, marks the run at the pool's share per layer, and replays the pool through the running
+    cache's own bookkeeping, which gives the recorded counts (no per-layer LRU claims them)."""
+    from dsv41.runtime.budget import plan_budget
+    from dsv41.runtime.loader import load
+
+    probe = load(tiny_checkpoint, quiet=True, threads=1)
+    plan = plan_budget(probe.cfg, 1 << 40, max_seq_len=64)
+    slots = 40
+    model = load(
+        tiny_checkpoint,
+        quiet=True,
+        threads=1,
+        max_seq_len=64,
+        memory=plan.memory - plan.slots * plan.slot_bytes + slots * plan.slot_bytes,
+    )
+    assert model.experts.slots == slots
+    result = generate(model, "a pool of slots for every layer", max_new_tokens=4, trace=True, stop_at_eos=False)
+    pool = {"slots": model.experts.slots, "policy": model.experts.policy, "half_life": model.experts.half_life}
+    data = widgets.cache_data(result, capacity=model.experts.capacity, n_experts=model.cfg.n_routed_experts, pool=pool)
+    got = data["pool"]
+    assert got["replay_equals_recorded"] and got["replay_hit_rate"] == pytest.approx(data["recorded_hit_rate"])
+    assert got["layers_sharing"] == model.cfg.n_layers and got["share_per_layer"] == slots / model.cfg.n_layers
+    assert 0 < data["recorded_hit_rate"] < 1  # the pool both hit and missed
+    with pytest.raises(ValueError, match="pooled run"):
+        widgets.replay_accounting(data)
+    fig = widgets.cache.render(data)
+    title = fig.axes[0].get_title()
+    assert f"{slots} slots for {model.cfg.n_layers} layers" in title and "per layer" not in title
+    labels = fig.axes[1].get_legend_handles_labels()[1]
+    assert any(f"a pool of {slots}" in label for label in labels) and any("pool replayed" in label for label in labels)

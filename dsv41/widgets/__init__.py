@@ -7,9 +7,10 @@ above the figure):
 - routing: `routing_data(result)`, `routing.render`, `RoutingView` — layer x expert load and
   weight, per-layer balance against what uniform random routing of as many tokens gives
   (`chance_balance`), all tokens or the text or image tokens alone.
-- cache: `cache_data(result, capacity)`, `cache.render`, `CacheView`, `replay_accounting` — hit
-  rates per layer and call, the recorded routing replayed through an LRU of any size
-  (`cache_policy.lru_replay`).
+- cache: `cache_data(result, capacity, pool=pool_of(model.experts))`, `cache.render`, `CacheView`,
+  `replay_accounting` — hit rates per layer and call, the recorded routing replayed through an
+  LRU of any size (`cache_policy.lru_replay`); under a memory budget, through the one pool of
+  slots every layer shares, as the running pool keeps it (`cache_policy.pool_hit_rates`).
 - ties: `tie_data(result, comparison)`, `ties.render`, `TieView` — top-k score gaps, where prefill
   and decode part, top-2 logit margins.
 - policy: `PolicyView` over `cache_policy.policy_data(result)`, `policy.render` — the recorded
@@ -24,7 +25,7 @@ static figure under papermill (`dsv41.observe.viz.show`).
 """
 
 from . import cache, policy, routing, speculation, ties
-from .cache import CacheView, cache_data, replay_accounting
+from .cache import CacheView, cache_data, pool_of, replay_accounting
 from .policy import PolicyView
 from .probe import PromptProbe, traced_ids
 from .routing import RoutingView, balance, chance_balance, routing_data
@@ -41,6 +42,7 @@ __all__ = [
     "balance",
     "cache",
     "cache_data",
+    "pool_of",
     "chance_balance",
     "policy",
     "replay_accounting",

@@ -13,19 +13,27 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from dsv41.observe.cache_policy import call_lookups, replay_counts
+from dsv41.observe.cache_policy import call_lookups, pool_hit_rates, pool_steps, replay_counts
 
 from ._common import View, routing_calls
 
 
 # ---------------------------------------------------------------------- trace -> plain data
 def cache_data(
-    result, capacity: int | None = None, sizes: Sequence[int] | None = None, n_experts: int | None = None
+    result,
+    capacity: int | None = None,
+    sizes: Sequence[int] | None = None,
+    n_experts: int | None = None,
+    pool: dict | None = None,
 ) -> dict:
     """Plain cache data from a traced GenerationResult: the recorded hits / misses per layer and
     forward call, each layer's lookup ids, and the LRU replay's hit rate for every size in `sizes`
     (default 0 .. n_experts; n_experts defaults to the largest routed id + 1). `capacity` is the
-    cache size the run used (`model.experts.capacity`), marked on the curve; the replay starts cold."""
+    cache size the run used (`model.experts.capacity`), marked on the curve; the replay starts cold.
+    `pool`: for a run under a memory budget, whose experts sat in one pool of slots shared by every
+    layer (`stores.SlotCache`), {"slots", "policy", "half_life"}: the recorded run is then marked
+    at the pool's share per layer, and the pool itself replayed (`cache_policy.pool_hit_rates`,
+    the running pool's own bookkeeping), which must give the recorded counts."""
     calls = routing_calls(result)
     layers = list(calls)
     lookups = {layer: [call_lookups(c["expert_ids"]) for c in calls[layer]] for layer in layers}
@@ -67,9 +75,30 @@ def cache_data(
         "replay_hit_rate": overall,
         "replay_hit_rate_by_layer": by_layer,
     }
-    if capacity is not None:
+    if pool is not None:
+        replayed = pool_hit_rates(pool_steps(result), int(pool["slots"]), (pool["policy"],), pool.get("half_life"))
+        data["pool"] = {
+            "slots": int(pool["slots"]),
+            "policy": pool["policy"],
+            "layers_sharing": len(layers),
+            "share_per_layer": int(pool["slots"]) / max(1, len(layers)),
+            "replay_hits": replayed[pool["policy"]]["hits"],
+            "replay_misses": replayed[pool["policy"]]["misses"],
+            "replay_hit_rate": replayed[pool["policy"]]["hit_rate"],
+            "replay_equals_recorded": replayed[pool["policy"]]["hits"] == recorded_hits
+            and replayed[pool["policy"]]["misses"] == sum(map(sum, misses)),
+        }
+    elif capacity is not None:
         data["replay_at_capacity"] = {str(layer): replay_counts(lookups[layer], capacity) for layer in layers}
     return data
+
+
+def pool_of(experts) -> dict | None:
+    """`cache_data`'s `pool` for a model's expert store: {"slots", "policy", "half_life"} where it is
+    one pool of slots for every layer (`stores.SlotCache`, a load under a memory budget), else None."""
+    if not hasattr(experts, "slots") or not hasattr(experts, "residency"):
+        return None
+    return {"slots": int(experts.slots), "policy": experts.policy, "half_life": experts.half_life}
 
 
 def replay_accounting(data: dict) -> dict[str, dict]:
@@ -77,7 +106,8 @@ def replay_accounting(data: dict) -> dict[str, dict]:
     that capacity, whether it reproduces the recorded counts call by call, and the distinct experts."""
     if "replay_at_capacity" not in data:
         raise ValueError(
-            "this cache data has no replay at the run's capacity; make it with cache_data(result, capacity=...)"
+            "this cache data has no per-layer replay at the run's capacity; make it with cache_data(result, "
+            "capacity=...) (a pooled run's replay is data['pool'])"
         )
     out = {}
     for i, layer in enumerate(data["layers"]):
@@ -115,10 +145,15 @@ def render(data: dict, highlight: int | None = None):
         ax_map.set_yticks(range(len(layers)), [str(layer) for layer in layers])
         ticks = list(range(0, len(steps), max(1, len(steps) // 8)))
         ax_map.set_xticks(ticks, ["prefill" if steps[t]["start_pos"] == 0 else str(t) for t in ticks])
+        pool = data.get("pool")
         ax_map.set(
             xlabel="forward call (decode step)",
             ylabel="layer",
-            title=f"expert-cache hit rate (cache {data['capacity']} per layer)",
+            title=(
+                f"expert-pool hit rate ({pool['slots']} slots for {pool['layers_sharing']} layers, {pool['policy']})"
+                if pool
+                else f"expert-cache hit rate (cache {data['capacity']} per layer)"
+            ),
         )
         ax_map.grid(False)
         fig.colorbar(image, ax=ax_map, shrink=0.9, label="hits / lookups")
@@ -134,7 +169,27 @@ def render(data: dict, highlight: int | None = None):
             )
         overall = np.array([np.nan if r is None else r for r in data["replay_hit_rate"]], dtype=float)
         ax_curve.plot(sizes, overall, color=viz.PALETTE[0], marker="o", ms=3, label="LRU replay, all layers")
-        if data["capacity"] is not None and data["recorded_hit_rate"] is not None:
+        if pool and data["recorded_hit_rate"] is not None:  # the pool's share per layer: where its rate compares
+            ax_curve.plot(
+                [pool["share_per_layer"]],
+                [data["recorded_hit_rate"]],
+                ls="none",
+                marker="*",
+                ms=11,
+                color=viz.PALETTE[1],
+                label=f"recorded, a pool of {pool['slots']} ({pool['share_per_layer']:.1f} per layer)",
+            )
+            ax_curve.plot(
+                [pool["share_per_layer"]],
+                [pool["replay_hit_rate"]],
+                ls="none",
+                marker="o",
+                mfc="none",
+                ms=9,
+                color=viz.PALETTE[2],
+                label=f"the pool replayed ({pool['policy']})",
+            )
+        elif data["capacity"] is not None and data["recorded_hit_rate"] is not None:
             ax_curve.plot(
                 [data["capacity"]],
                 [data["recorded_hit_rate"]],
@@ -167,7 +222,9 @@ class CacheView(View):
     render = staticmethod(render)
 
     def __init__(self, data: dict, highlight: int | None = None):
-        super().__init__(data, highlight=data.get("capacity") if highlight is None else highlight)
+        if highlight is None and data.get("pool") is None:
+            highlight = data.get("capacity")
+        super().__init__(data, highlight=highlight)
 
     def _controls(self) -> list:
         import ipywidgets as w

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from .cache import CacheView, cache_data
+from .cache import CacheView, cache_data, pool_of
 from .routing import RoutingView, routing_data
 from .speculation import SpeculationView, speculation_data
 from .ties import TieView, tie_data
@@ -167,7 +167,9 @@ class PromptProbe:
         n_experts = self.model.cfg.n_routed_experts
         data = {
             "routing": routing_data(result, n_experts),
-            "cache": cache_data(result, capacity=self.model.experts.capacity, n_experts=n_experts),
+            "cache": cache_data(
+                result, capacity=self.model.experts.capacity, n_experts=n_experts, pool=pool_of(self.model.experts)
+            ),
             "ties": tie_data(result, comparison),
         }
         kinds = {"routing": RoutingView, "cache": CacheView, "ties": TieView, "speculation": SpeculationView}
