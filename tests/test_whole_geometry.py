@@ -110,6 +110,16 @@ def test_the_whole_bench_adds_its_phases_up(small, tmp_path, capsys):
     assert ahead["speedup"] == pytest.approx(ahead["seconds_per_token_without"] / ahead["seconds_per_token_with"])
     kernel = run["expert_compute_vs_kernel"]
     assert run["expert_kernel_bytes_per_s"] > 0 and kernel["floor_seconds"] > 0
+    # the report says how the misses were read and which kernel bodies ran, as the run took them
+    from dsv41.kernels import native
+
+    assert run["expert_reads"]["reader"] in ("direct", "preadv", "pread") and run["expert_reads"]["how"]
+    loaded = native.load()
+    assert run["kernels"]["native"] == (loaded is not None)
+    if loaded is not None:
+        assert (run["kernels"]["fp4_dot"], run["kernels"]["fp8_dot"]) == (loaded.fp4_dot, loaded.fp8_dot)
+    out = capsys.readouterr().out
+    assert "expert misses read" in out and run["expert_reads"]["how"] in out
 
 
 def test_a_folder_it_did_not_write_is_refused(tmp_path):

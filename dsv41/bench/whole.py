@@ -206,6 +206,8 @@ def measure_whole(
         "memory": plan["memory"],
         "budget": plan,
         "page_cache": page_cache,
+        "expert_reads": {"reader": cache.reader, "how": cache.page_cache},
+        "kernels": _kernel_paths(),
         "io_threads": io_threads,
         "threads": torch.get_num_threads(),
         "memory_read_bytes_per_s": memory_rate,
@@ -263,8 +265,27 @@ def measure_whole(
     return report
 
 
+def _kernel_paths() -> dict:
+    """Which CPU kernel bodies this run's products took (`native`'s level and its dot-product bodies)."""
+    from dsv41.kernels import native
+
+    kernels = native.load()
+    if kernels is None:
+        return {"native": False, "why": native.unavailable_reason()}
+    return {"native": True, "level": kernels.level, "fp4_dot": kernels.fp4_dot, "fp8_dot": kernels.fp8_dot}
+
+
 def _log(r: dict, log: Callable[[str], None]) -> None:
     gb = 1e9
+    k = r["kernels"]
+    body = {True: "BF16 dot product", False: "float body"}
+    bodies = (
+        f"native kernels at {k['level']}, one to eight tokens' FP4 / FP8 products on the "
+        f"{body[k['fp4_dot']]} / {body[k['fp8_dot']]}"
+        if k["native"]
+        else f"no native kernels ({k['why']})"
+    )
+    log(f"{bodies}; expert misses read {r['expert_reads']['how']}")
     log(
         f"memory read {r['memory_read_bytes_per_s'] / gb:.2f} GB/s; "
         f"expert source {r['source_read_bytes_per_s_before'] / gb:.2f} GB/s before, "
