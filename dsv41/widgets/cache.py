@@ -169,35 +169,35 @@ def render(data: dict, highlight: int | None = None):
             )
         overall = np.array([np.nan if r is None else r for r in data["replay_hit_rate"]], dtype=float)
         ax_curve.plot(sizes, overall, color=viz.PALETTE[0], marker="o", ms=3, label="LRU replay, all layers")
-        if pool and data["recorded_hit_rate"] is not None:  # the pool's share per layer: where its rate compares
+        # the run: at its cache size, or at a pool's share per layer (where its rate compares)
+        if pool:
+            recorded_at, recorded_label = (
+                pool["share_per_layer"],
+                f"recorded, a pool of {pool['slots']} ({pool['share_per_layer']:.1f} per layer)",
+            )
+        else:
+            recorded_at, recorded_label = data["capacity"], f"recorded, size {data['capacity']}"
+        if recorded_at is not None and data["recorded_hit_rate"] is not None:
             ax_curve.plot(
-                [pool["share_per_layer"]],
+                [recorded_at],
                 [data["recorded_hit_rate"]],
                 ls="none",
                 marker="*",
                 ms=11,
                 color=viz.PALETTE[1],
-                label=f"recorded, a pool of {pool['slots']} ({pool['share_per_layer']:.1f} per layer)",
+                label=recorded_label,
             )
+        if pool:
+            replayed = np.nan if pool["replay_hit_rate"] is None else pool["replay_hit_rate"]
             ax_curve.plot(
-                [pool["share_per_layer"]],
-                [pool["replay_hit_rate"]],
+                [recorded_at],
+                [replayed],
                 ls="none",
                 marker="o",
                 mfc="none",
                 ms=9,
                 color=viz.PALETTE[2],
                 label=f"the pool replayed ({pool['policy']})",
-            )
-        elif data["capacity"] is not None and data["recorded_hit_rate"] is not None:
-            ax_curve.plot(
-                [data["capacity"]],
-                [data["recorded_hit_rate"]],
-                ls="none",
-                marker="*",
-                ms=11,
-                color=viz.PALETTE[1],
-                label=f"recorded, size {data['capacity']}",
             )
         if highlight is not None and highlight in data["replay_sizes"]:
             value = overall[list(data["replay_sizes"]).index(highlight)]
