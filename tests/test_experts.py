@@ -1029,3 +1029,42 @@ def test_one_tokens_products_have_the_portable_bits_at_every_level(fresh_native,
     plain = got["plain"]
     assert plain[0].isnan().all() and plain[1].isfinite().all() and plain[2].isfinite().all()
     assert torch.equal(plain[5][1:5].view(torch.int32), plain[4].view(torch.int32))  # a token's bits, any company
+
+
+@needs_cc
+@pytest.mark.skipif(
+    not __import__("dsv41.kernels.native", fromlist=["x"]).cpu_capability().get("avx512_bf16"),
+    reason="no AVX-512 BF16 on this CPU: the dot-product bodies are not built here",
+)
+def test_a_cpu_with_bf16_but_no_vbmi_takes_the_fp4_dot_and_the_fp8_float_body(fresh_native, monkeypatch):
+    """A CPU with AVX-512 BF16 but no VBMI (Cooper Lake) builds the FP4 dot-product body and keeps
+    FP8 on the float body: the same build flags with VBMI turned off give that mix here, and its
+    products of 1 and 5 tokens are the portable build's bits."""
+    g = _gen(313)
+    k = 288  # an odd last block as well
+    codes = torch.randint(0, 256, (5, k), dtype=torch.uint8, generator=g)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E
+    a, a_s = codes.view(torch.float8_e4m3fn), torch.randint(100, 150, (5, k // 32), dtype=torch.uint8, generator=g)
+    a_s = a_s.view(torch.float8_e8m0fnu)
+    fp4, fp4_s = _fp4_weight(42, k, g, lo=100, hi=150)
+    fp8 = torch.randint(0, 256, (42, k), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    fp8_s = torch.randint(100, 150, (2, k // 32), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+
+    def products():
+        return [
+            fn(a[:m], a_s[:m], w, s, out_dtype=torch.float32, cpu_kernel="native")
+            for fn, w, s in ((fp4_gemm_fused, fp4, fp4_s), (fp8_gemm_fused, fp8, fp8_s))
+            for m in (1, 5)
+        ]
+
+    with fresh_native.forced_isa("plain"):
+        want = products()
+    flag_sets = fresh_native._flag_sets
+    monkeypatch.setattr(
+        fresh_native, "_flag_sets", lambda level: [flags + ["-mno-avx512vbmi"] for flags in flag_sets(level)]
+    )
+    with fresh_native.forced_isa("avx512_bf16") as kernels:
+        assert kernels is not None and kernels.fp4_dot and not kernels.fp8_dot
+        got = products()
+    for i, (out, ref) in enumerate(zip(got, want)):
+        assert torch.equal(out.view(torch.int32), ref.view(torch.int32)), i

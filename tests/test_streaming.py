@@ -301,13 +301,18 @@ def test_large_tensors_are_filled_in_slabs_with_the_same_values(tiny_checkpoint,
 def test_auto_reads_small_experts_buffered_and_released_sized_ones_directly(plain):
     """Widening a miniature's 13 KiB experts (six ranges) to 4 KiB boundaries would grow each slot
     several times over: "auto" reads those buffered and says why; a released expert (one 17.93 MiB
-    range) grows by 0.13% at most, under DIRECT_SLACK."""
+    range) grows by a few KiB per tensor, under DIRECT_SLACK."""
     from dsv41.checkpoint.stores import DIRECT_ALIGN, DIRECT_SLACK
 
     cache = SlotCache(Checkpoint(plain.checkpoint.path), 3, n_layers=plain.cfg.n_layers)
     assert cache.reader != "direct" and "too small for direct reads" in cache.page_cache
     assert cache.pool_bytes == 3 * cache.slot_bytes
     cache.close()
-    released = [5_898_240, 368_640] * 3  # w1, w2, w3 and their scales (inventory sizes)
+    from dsv41.checkpoint.inventory import expected_tensors
+    from dsv41.core.config import RELEASED
+
+    prefix = "layers.0.ffn.experts.0."  # w1, w2, w3 and their scales, as the inventory sizes them
+    released = [t.nbytes for t in expected_tensors(RELEASED) if t.name.startswith(prefix)]
+    assert len(released) == 6
     widest = sum(-(-(n + DIRECT_ALIGN - 1) // DIRECT_ALIGN) * DIRECT_ALIGN for n in released)
-    assert widest <= sum(released) * (1 + DIRECT_SLACK) and (widest - sum(released)) / sum(released) < 0.0014
+    assert sum(released) < widest <= sum(released) * (1 + DIRECT_SLACK)

@@ -29,8 +29,9 @@
  * every product is the reference's product. Without AVX2/FMA/F16C the same arithmetic runs as
  * plain C, in the same order; with AVX-512 one token's products take two blocks per 512-bit
  * vector, reduced per 256-bit half, so they too are the same sums in the same order. With
- * AVX-512 BF16 (and VBMI, for FP8) one token's products are taken two at a time by the BF16 dot-product
- * instruction instead (see fp4_dot_rows, fp8_dot_rows): the same sums in fewer instructions.
+ * AVX-512 BF16 (and VBMI, for FP8) the products of up to 8 tokens are taken two at a time by the
+ * BF16 dot-product instruction instead (see dot_rows, dot_group): the same sums in fewer
+ * instructions.
  *
  * Tokens go in groups of eight (one vector lane each for the block sums); work is split by weight
  * rows over `threads` threads (see parallel_rows), in tiles of rows that stay in cache while
@@ -411,11 +412,9 @@ FOUR_ROWS_512(0, fp8_four_rows_512)
 /* Byte order within a block's 16 bytes that puts byte m beside byte m + 8. */
 static const int8_t PAIR_BYTES[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
 /* BF16 bits of each E2M1 code's value (code 8, -0, read as 0, as FP4_TWICE reads it), given
- * twice: the word permute reads five index bits, so a byte's high nibble may stay in the index. */
-static const uint16_t FP4_BF16[32] = {0, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
-                                      0, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
-                                      0, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
-                                      0, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+ * twice: the word permute reads five index bits, so a byte's high nibble may stay in the index.
+ * Filled from FP4_TWICE when the library loads (dot_tables). */
+static uint16_t FP4_BF16[32];
 
 /* Where activation element i of a row goes in a_pairs: per pair of blocks, 32 values for the low
  * nibbles (block by block, bytes in PAIR_BYTES order), then 32 for the high nibbles. A last odd
@@ -430,25 +429,9 @@ static inline int64_t pair_index(int64_t i, int64_t k) {
 #if defined(__AVX512VBMI__)
 #define FP8_DOT 1
 /* The BF16 bits of each E4M3 magnitude code 0-127 (0x7F read as 480, as e4m3_value reads it):
- * low bytes, then high bytes; the sign bit is the code's own, moved to the high byte's top. */
-static const uint8_t E4M3_BF16_LOW[128] = {
-    0x00, 0x00, 0x80, 0xC0, 0x00, 0x20, 0x40, 0x60, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
-    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
-    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
-    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
-    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
-    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
-    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
-    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0};
-static const uint8_t E4M3_BF16_HIGH[128] = {
-    0x00, 0x3B, 0x3B, 0x3B, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C,
-    0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D,
-    0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E,
-    0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F,
-    0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40,
-    0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41,
-    0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42,
-    0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43};
+ * low bytes, then high bytes; the sign bit is the code's own, moved to the high byte's top.
+ * Filled from e4m3_value when the library loads (dot_tables). */
+static uint8_t E4M3_BF16_LOW[128], E4M3_BF16_HIGH[128];
 
 /* The order two E4M3 blocks' 64 bytes are looked up in: 128-bit lane 2 * block + half holds, for
  * l = 4 * half + 0..3, the bytes l and l + 8 side by side, then l + 16 and l + 24, so that the low
@@ -472,6 +455,23 @@ static inline int64_t fp8_pair_index(int64_t i, int64_t k) {
 }
 
 #endif
+
+/* The dot-product bodies' lookup tables, from the one definition of each value (FP4_TWICE,
+ * e4m3_value): every value there is exact in BF16, the top half of its float32. Run once when the
+ * library is loaded, before any thread can use them. */
+static uint16_t bf16_top(float value) {
+    union { float f; uint32_t u; } bits = {value};
+    return (uint16_t)(bits.u >> 16);
+}
+__attribute__((constructor)) static void dot_tables(void) {
+    for (int code = 0; code < 32; code++) FP4_BF16[code] = bf16_top(0.5f * (float)FP4_TWICE[code % 16]);
+#if FP8_DOT
+    for (int code = 0; code < 128; code++) {
+        uint16_t bits = bf16_top(e4m3_value((uint8_t)code));
+        E4M3_BF16_LOW[code] = (uint8_t)(bits & 0xFF), E4M3_BF16_HIGH[code] = (uint8_t)(bits >> 8);
+    }
+#endif
+}
 
 /* The bodies below take one token's products (or a group's) on the BF16 dot-product instruction.
  * Every FP4 code and E4M3 weight byte is looked up as the BF16 of its value and the activations
@@ -880,13 +880,11 @@ static void prepare_activation(const dsv41_gemm_desc *d, float *values, float *s
         for (int64_t i = 0; i < k; i++) {
             float value = e4m3_activation(d->a[t * k + i]);
             values[t * k + (d->fp4 ? arranged_index(i) : i)] = value * factor;
-            union { float f; uint32_t u; } bits = {value};  /* exact in BF16: its top half */
-            (void)bits;
 #if FP4_DOT
-            if (pairs && d->fp4) pairs[t * k + pair_index(i, k)] = (uint16_t)(bits.u >> 16);
+            if (pairs && d->fp4) pairs[t * k + pair_index(i, k)] = bf16_top(value);  /* exact in BF16 */
 #endif
 #if FP8_DOT
-            if (pairs && !d->fp4) pairs[t * k + fp8_pair_index(i, k)] = (uint16_t)(bits.u >> 16);
+            if (pairs && !d->fp4) pairs[t * k + fp8_pair_index(i, k)] = bf16_top(value);
 #endif
         }
         for (int64_t b = 0; b < nb; b++)
