@@ -27,8 +27,7 @@ def plain(tiny_checkpoint):
 
 def _memory_for(cfg, slots: int, max_seq_len: int) -> int:
     """The budget that leaves exactly `slots` expert slots."""
-    plan = plan_budget(cfg, 1 << 40, max_seq_len=max_seq_len)
-    return plan.memory - plan.slots * plan.slot_bytes + slots * plan.slot_bytes
+    return plan_budget(cfg, 1 << 40, max_seq_len=max_seq_len).budget_for(slots)
 
 
 def _budgeted(path, cfg, slots, max_seq_len=64, **kw):
@@ -49,10 +48,20 @@ def test_the_budget_gives_what_is_left_to_whole_expert_slots(plain):
     cfg = plain.cfg
     plan = plan_budget(cfg, "4GiB", max_seq_len=64)
     fixed = plan.dense + plan.kv + plan.draft + plan.baseline
+    assert plan.fixed == fixed
     assert plan.slot_bytes == routed_expert_bytes(cfg) == ExpertCache(plain.checkpoint, 1).fetch(0, [0])[0].nbytes
-    assert plan.slots == (4 * 2**30 - fixed) // plan.slot_bytes
+    every = cfg.n_layers * cfg.n_routed_experts + sum(
+        cfg.moe_shape(cfg.n_layers + stage)[0] for stage in range(cfg.n_mtp_layers if plan.draft else 0)
+    )
+    assert plan.n_experts == every
+    # a few slots short of every expert: the rest of the budget, to the last whole slot
+    short = plan.budget_for(every - 3) + plan.slot_bytes - 1
+    assert plan_budget(cfg, short, max_seq_len=64).slots == (short - fixed) // plan.slot_bytes == every - 3
+    assert "of the" in plan_budget(cfg, short, max_seq_len=64).line()
+    # 4 GiB holds the tiny model's experts many times over: one slot each, the rest unspent
+    assert (4 * 2**30 - fixed) // plan.slot_bytes > every and plan.slots == every and plan.holds_every_expert
     assert plan.minimum == fixed + cfg.n_activated_experts * plan.slot_bytes
-    assert "expert slots" in plan.line() and plan.as_dict()["slots"] == plan.slots
+    assert "every expert fits" in plan.line() and plan.as_dict()["slots"] == plan.slots
 
 
 def test_a_budget_below_the_minimum_names_it(plain):

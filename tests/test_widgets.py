@@ -503,7 +503,7 @@ def test_a_budgeted_runs_cache_view_is_its_shared_pool(tiny_checkpoint):
         quiet=True,
         threads=1,
         max_seq_len=64,
-        memory=plan.memory - plan.slots * plan.slot_bytes + slots * plan.slot_bytes,
+        memory=plan.budget_for(slots),
     )
     assert model.experts.slots == slots
     result = generate(model, "a pool of slots for every layer", max_new_tokens=4, trace=True, stop_at_eos=False)

@@ -6,7 +6,8 @@ beside it.
 positions asked (`attention.kv_cache_bytes`), the DSpark draft stack's dense part
 (`report.predict_draft_bytes`) and a fixed allowance for the process itself (`BASELINE_BYTES`),
 and gives the rest to the expert cache as whole slots of one packed expert's stored size
-(`stores.SlotCache`). A budget that cannot hold all that plus one token's experts (top-k of the
+(`stores.SlotCache`), never more slots than the checkpoint has routed experts (a small model under
+a large budget holds them all and leaves the rest unspent). A budget that cannot hold all that plus one token's experts (top-k of the
 widest layer) is a `BudgetError` naming the minimum, rounded up so that the size it names is
 enough; `check_machine` refuses a budget above the memory this machine has, before anything is
 allocated for it.
@@ -94,7 +95,8 @@ def check_machine(memory: int) -> None:
 @dataclass(frozen=True)
 class BudgetPlan:
     """How `memory` bytes are spent: dense, kv, draft, baseline, and `slots` experts of
-    `slot_bytes` each (the rest of the budget, rounded down to whole slots)."""
+    `slot_bytes` each (the rest of the budget, rounded down to whole slots, at most `n_experts`:
+    every routed expert the loaded layers have)."""
 
     memory: int
     dense: int
@@ -104,6 +106,20 @@ class BudgetPlan:
     slot_bytes: int
     slots: int
     minimum: int
+    n_experts: int
+
+    @property
+    def holds_every_expert(self) -> bool:
+        return self.slots == self.n_experts
+
+    @property
+    def fixed(self) -> int:
+        """The bytes spent before any slot: dense, attention caches, draft stack, process."""
+        return self.dense + self.kv + self.draft + self.baseline
+
+    def budget_for(self, slots: int) -> int:
+        """The budget that leaves exactly `slots` expert slots (at most `n_experts`)."""
+        return self.fixed + slots * self.slot_bytes
 
     @property
     def expert_bytes(self) -> int:
@@ -114,8 +130,10 @@ class BudgetPlan:
         return (
             f"memory budget {self.memory / g:.2f} GiB: dense {self.dense / g:.2f} + attention caches "
             f"{self.kv / g:.2f} + draft stack {self.draft / g:.2f} + process allowance {self.baseline / g:.2f} "
-            f"GiB; the rest holds {self.slots} expert slots x {self.slot_bytes / 2**20:.2f} MiB = "
-            f"{self.expert_bytes / g:.2f} GiB (the minimum for this checkpoint is "
+            f"GiB; {'every expert fits:' if self.holds_every_expert else 'the rest holds'} {self.slots} expert "
+            f"slots x {self.slot_bytes / 2**20:.2f} MiB = {self.expert_bytes / g:.2f} GiB"
+            f"{' of the ' + format(self.n_experts, ',') + ' routed experts' if not self.holds_every_expert else ''} "
+            f"(the minimum for this checkpoint is "
             f"{gib_text(self.minimum, up=True)} GiB)"
         )
 
@@ -130,6 +148,7 @@ class BudgetPlan:
             "slots": self.slots,
             "expert_bytes": self.expert_bytes,
             "minimum": self.minimum,
+            "n_experts": self.n_experts,
         }
 
 
@@ -158,7 +177,9 @@ def plan_budget(
     kv = kv_cache_bytes(cfg, "stored" if cache_format == "packed" else "runtime").total(max_seq_len) * max_batch_size
     draft = predict_draft_bytes(cfg) if dspark and cfg.n_mtp_layers and cfg.dspark_block_size else 0
     slot = routed_expert_bytes(cfg)
-    topk = max(cfg.moe_shape(layer)[1] for layer in range(cfg.n_layers + (cfg.n_mtp_layers if draft else 0)))
+    layers = range(cfg.n_layers + (cfg.n_mtp_layers if draft else 0))
+    topk = max(cfg.moe_shape(layer)[1] for layer in layers)
+    n_experts = sum(cfg.moe_shape(layer)[0] for layer in layers)
     fixed = dense + kv + draft + baseline
     minimum = fixed + topk * slot
     if memory < minimum:
@@ -176,6 +197,7 @@ def plan_budget(
         draft=draft,
         baseline=baseline,
         slot_bytes=slot,
-        slots=(memory - fixed) // slot,
+        slots=min((memory - fixed) // slot, n_experts),
         minimum=minimum,
+        n_experts=n_experts,
     )
