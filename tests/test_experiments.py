@@ -89,7 +89,7 @@ def test_the_expert_grid_is_cut_to_a_budget(model):
     layers, experts = experiments.expert_grid(model)
     assert layers == list(range(model.cfg.n_layers)) and experts == list(range(model.cfg.n_routed_experts))
     layers, experts = experiments.expert_grid(model, max_runs=40)
-    assert len(layers) * len(experts) <= 40 and experts == list(range(16)) and layers == [0, 4]
+    assert len(layers) * len(experts) <= 40 and experts == list(range(16)) and layers == [0, 7]  # first and last
     with pytest.raises(ExperimentError):
         experiments.expert_grid(model, layers=[99])
 
@@ -137,3 +137,16 @@ def test_dsv41_ablate_writes_its_numbers_and_figures(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["ablate", "--studies", "everything"])
     assert exit_.value.code == 2
+
+
+def test_spaced_layers_run_from_the_first_to_the_last():
+    from dsv41.observe.experiments import spaced
+
+    for n in range(1, 50):
+        for most in range(1, n + 3):
+            got = spaced(range(n), most)
+            assert got == sorted(set(got)) and len(got) == min(n, most)  # distinct, in order, as many as asked
+            assert got[0] == 0 and (most == 1 or got[-1] == n - 1)  # both ends (the first alone for one)
+            gaps = np.diff(got)
+            assert len(gaps) == 0 or gaps.max() - gaps.min() <= 1  # evenly spaced
+    assert spaced(range(40), 8) == [0, 6, 11, 17, 22, 28, 33, 39]  # the released 40 layers, patched at 8

@@ -253,11 +253,15 @@ def indexer_study(model: Model, windows: HeldOut, base: np.ndarray, seed: int = 
 
 
 def spaced(items: Sequence, most: int) -> list:
-    """At most `most` of `items`, evenly spaced from the first (all of them when they are few)."""
+    """At most `most` of `items`, evenly spaced from the first to the last (all of them when they are
+    few; the first alone when `most` is 1): a patched stack's last layer is where most is carried."""
     items = list(items)
     if len(items) <= most:
         return items
-    return [items[(i * len(items)) // most] for i in range(most)]
+    if most <= 1:
+        return items[:1]
+    gaps = most - 1
+    return [items[(i * (len(items) - 1) + gaps // 2) // gaps] for i in range(most)]
 
 
 def expert_grid(model: Model, max_runs: Optional[int] = None, layers: Optional[Sequence[int]] = None):

@@ -7,9 +7,9 @@ positions asked (`attention.kv_cache_bytes`), the DSpark draft stack's dense par
 (`report.predict_draft_bytes`) and a fixed allowance for the process itself (`BASELINE_BYTES`),
 and gives the rest to the expert cache as whole slots of one packed expert's stored size
 (`stores.SlotCache`), never more slots than the checkpoint has routed experts (a small model under
-a large budget holds them all and leaves the rest unspent). A budget that cannot hold all that plus one token's experts (top-k of the
-widest layer) is a `BudgetError` naming the minimum, rounded up so that the size it names is
-enough; `check_machine` refuses a budget above the memory this machine has, before anything is
+a large budget holds them all and leaves the rest unspent). A budget that cannot hold all that
+plus one token's experts (top-k of the widest layer) is a `BudgetError` naming the minimum,
+rounded up so that the size it names is enough; `check_machine` refuses a budget above the memory this machine has, before anything is
 allocated for it.
 """
 
