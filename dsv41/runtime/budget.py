@@ -9,8 +9,8 @@ and gives the rest to the expert cache as whole slots of one packed expert's sto
 (`stores.SlotCache`), never more slots than the checkpoint has routed experts (a small model under
 a large budget holds them all and leaves the rest unspent). A budget that cannot hold all that
 plus one token's experts (top-k of the widest layer) is a `BudgetError` naming the minimum,
-rounded up so that the size it names is enough; `check_machine` refuses a budget above the memory this machine has, before anything is
-allocated for it.
+rounded up so that the size it names is enough; `check_machine` refuses a budget above the memory
+this machine has, before anything is allocated for it.
 """
 
 from __future__ import annotations
