@@ -267,7 +267,7 @@ def spaced(items: Sequence, most: int) -> list:
 def expert_grid(model: Model, max_runs: Optional[int] = None, layers: Optional[Sequence[int]] = None):
     """(layers, experts) the expert map covers: `layers` (default every MoE layer) and every routed
     expert, cut to at most `max_runs` cells by keeping evenly spaced layers and the lowest expert
-    ids (a released-size model has 43 x 384)."""
+    ids (a released-size model has 40 x 384)."""
     cfg = model.cfg
     layers = list(range(cfg.n_layers)) if layers is None else sorted({int(i) for i in layers})
     if any(not 0 <= i < cfg.n_layers for i in layers) or not layers:
@@ -376,7 +376,7 @@ def patching_study(
     run gets the clean run's `layers.L.resid_pre` at p: recovered = (mean patched metric - mean
     corrupted) / (mean clean - mean corrupted), 1 where that one stream carries the whole
     difference, with a bootstrap interval over the pairs. `names`: default `patch_names`;
-    `max_layers`: patch at most that many layers, evenly spaced (a released-size model's 43 layers
+    `max_layers`: patch at most that many layers, evenly spaced (a released-size model's 40 layers
     times every position is many forwards)."""
     names = patch_names(model, template) if names is None else list(names)
     prompts, firsts = patch_prompts(model, template, names)
@@ -784,14 +784,14 @@ def cli_main(argv: list[str]) -> int:
         default=None,
         metavar="N",
         help="at most N expert removals: evenly spaced layers and the lowest expert ids (a released-size model has "
-        "43 x 384)",
+        "40 x 384)",
     )
     parser.add_argument(
         "--max-patch-layers",
         type=whole_number(1, 1 << 20, "layers"),
         default=None,
         metavar="N",
-        help="patch at most N layers, evenly spaced (default every layer)",
+        help="patch at most N layers, evenly spaced from the first to the last (default every layer)",
     )
     parser.add_argument("--memory", type=memory_size, default=None, metavar="SIZE", help="a memory budget, e.g. 20GiB")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or summary on stderr")
