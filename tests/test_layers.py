@@ -189,3 +189,38 @@ def test_parity_float32_products_and_elementwise_ops_do_not_depend_on_the_row_co
     together = rowwise(torch.sigmoid, z, pad_f32_rows=True)
     alone = torch.cat([rowwise(torch.sigmoid, z[i : i + 1], pad_f32_rows=True) for i in range(len(z))])
     assert torch.equal(together, alone)
+
+
+def test_a_large_bf16_weight_is_widened_into_one_kept_buffer_per_thread():
+    import threading
+
+    from dsv41.model.layers import WIDEN_IN_PLACE_BYTES, f32_linear, widened
+
+    g = torch.Generator().manual_seed(0)
+    # the released router's shape: 384 experts x 5,120 (7.5 MiB widened)
+    gate = torch.randn(RELEASED.n_routed_experts, RELEASED.dim, generator=g).to(torch.bfloat16)
+    assert gate.numel() * 4 >= WIDEN_IN_PLACE_BYTES
+    first = widened(gate)
+    assert first.dtype == torch.float32 and torch.equal(first, gate.float())  # exact: the same values
+    other = torch.randn(gate.shape, generator=g).to(torch.bfloat16)
+    again = widened(other)
+    assert again.data_ptr() == first.data_ptr() and torch.equal(again, other.float())  # the buffer, reused
+    there = {}
+    worker = threading.Thread(target=lambda: there.setdefault("ptr", widened(gate).data_ptr()))
+    worker.start()
+    worker.join()
+    assert there["ptr"] != first.data_ptr()  # another thread widens into its own
+    # the product is the plain one's, bit for bit, with and without padded rows
+    x = torch.randn(3, RELEASED.dim, generator=g)
+    for pad in (False, True):
+        want = torch.nn.functional.linear(x, gate.float()) if not pad else None
+        got = f32_linear(x, gate, pad_f32_rows=pad)
+        if want is not None:
+            assert torch.equal(got, want)
+        assert torch.equal(got, f32_linear(x, gate.float(), pad_f32_rows=pad))
+    # a float32 weight is used as it is (a training master keeps its gradient); a small one is copied
+    master = gate.float().requires_grad_()
+    assert widened(master) is master
+    small = torch.randn(8, 16, generator=g).to(torch.bfloat16)
+    one, two = widened(small), widened(small)  # both alive: fresh tensors, no shared buffer
+    assert one.data_ptr() != two.data_ptr() and torch.equal(one, small.float())
