@@ -129,7 +129,8 @@ def test_under_a_budget_the_cache_figure_is_the_shared_pool(tmp_path_factory, ti
     import dsv41
 
     plan = dsv41.load(tiny_checkpoint, quiet=True, threads=1, memory="2GiB").report.budget_plan  # as the notebook loads
-    memory = plan["memory"] - (plan["slots"] - 40) * plan["slot_bytes"]  # 40 slots for the tiny model's layers
+    fixed = plan["dense"] + plan["kv"] + plan["draft"] + plan["baseline"]
+    memory = fixed + 40 * plan["slot_bytes"]  # 40 slots for the tiny model's layers
     run, _ = run_notebooks_smoke(tmp_path_factory, tiny_checkpoint, "05", parameters={"memory": str(memory)})
     facts, cache = _sidecar(run, "05_generation_facts"), _sidecar(run, "05_expert_cache")
     pool = cache["pool"]
