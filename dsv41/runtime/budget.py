@@ -118,7 +118,8 @@ class BudgetPlan:
         return self.dense + self.kv + self.draft + self.baseline
 
     def budget_for(self, slots: int) -> int:
-        """The budget that leaves exactly `slots` expert slots (at most `n_experts`)."""
+        """The budget that leaves exactly `slots` expert slots (`slots` at most `n_experts`: a plan
+        never holds more)."""
         return self.fixed + slots * self.slot_bytes
 
     @property
@@ -127,13 +128,14 @@ class BudgetPlan:
 
     def line(self) -> str:
         g = GIB
+        held, of_all = "every expert fits:", ""
+        if not self.holds_every_expert:
+            held, of_all = "the rest holds", f" of the {self.n_experts:,} routed experts"
         return (
             f"memory budget {self.memory / g:.2f} GiB: dense {self.dense / g:.2f} + attention caches "
             f"{self.kv / g:.2f} + draft stack {self.draft / g:.2f} + process allowance {self.baseline / g:.2f} "
-            f"GiB; {'every expert fits:' if self.holds_every_expert else 'the rest holds'} {self.slots} expert "
-            f"slots x {self.slot_bytes / 2**20:.2f} MiB = {self.expert_bytes / g:.2f} GiB"
-            f"{' of the ' + format(self.n_experts, ',') + ' routed experts' if not self.holds_every_expert else ''} "
-            f"(the minimum for this checkpoint is "
+            f"GiB; {held} {self.slots} expert slots x {self.slot_bytes / 2**20:.2f} MiB = "
+            f"{self.expert_bytes / g:.2f} GiB{of_all} (the minimum for this checkpoint is "
             f"{gib_text(self.minimum, up=True)} GiB)"
         )
 
