@@ -685,6 +685,10 @@ DRAFT_SOURCES = {
         "config.json",
     ),
     "no steps": (lambda f: _edit_manifest(f, lambda m: m.pop("steps")), "steps"),
+    "its source's facts a list": (
+        lambda f: _edit_manifest(f, lambda m: m.update(initialized_from=[m["steps"]])),
+        "initialized_from",
+    ),
     "no tokenizer": (
         lambda f: (_edit_manifest(f, lambda m: m["files"].pop("tokenizer.json")), (f / "tokenizer.json").unlink()),
         "tokenizer.json",
@@ -701,6 +705,87 @@ def test_a_draft_from_source_that_is_damaged_or_tampered_is_one_sentence(runs, t
     monkeypatch.setattr(corpus_module, "load_corpus", lambda root=None: pytest.fail("the corpus was read"))
     assert cli_main(["--out", str(tmp_path / "out"), "--draft-from", str(source), "--draft-steps", "9", *RUN]) == 1
     one_line(capsys, "--draft-from", named)
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------- --init-from
+def test_init_from_starts_a_new_run_from_the_sources_released_weights(runs, tmp_path, capsys):
+    from dsv41.train.loop import Trainer
+    from dsv41.train.masters import checkpoint_params
+
+    source = runs["finished"] / "checkpoint"
+    given = {"backbone_steps": 2, "draft_steps": 1, "batch": 2, "seq_len": 32}
+    trainer = Trainer(str(tmp_path / "a"), given, compile=False, progress=False, init_from=str(source))
+    released = checkpoint_params(str(source))
+    assert set(trainer.params) == set(released)
+    assert all(torch.equal(trainer.params[n], released[n]) for n in released)  # the draft's too
+    source_seed = json.loads((source / miniature.MANIFEST_NAME).read_text())["seed"]
+    assert trainer.state.step == 0 and trainer.settings.seed == source_seed + 1
+    # the source's seed would draw its batches again
+    with pytest.raises(TrainError, match="--seed"):
+        Trainer(str(tmp_path / "b"), {**given, "seed": source_seed}, compile=False, init_from=str(source))
+    assert not (tmp_path / "b").exists()
+
+
+def test_an_init_from_run_counts_its_sources_time_and_tokens_and_keeps_its_facts(runs, tmp_path, capsys):
+    source = runs["finished"] / "checkpoint"
+    out = tmp_path / "further"
+    args = ["--out", str(out), "--init-from", str(source), "--steps", "2", "--draft-steps", "1", "--lr", "1e-3"]
+    assert cli_main([*args, *RUN]) == 0
+    capsys.readouterr()
+    before = json.loads((source / miniature.MANIFEST_NAME).read_text())
+    after = json.loads((out / "checkpoint" / miniature.MANIFEST_NAME).read_text())
+    assert after["steps"] == 3 and after["settings"]["lr"] == 1e-3 and after["settings"]["backbone_steps"] == 2
+    total = before["training_seconds"] + after["run_training_seconds"]
+    assert after["training_seconds"] == pytest.approx(total, abs=0.1)
+    assert after["tokens_seen"] == before["tokens_seen"] + 2 * 2 * 32
+    kept = after["initialized_from"]
+    assert kept["manifest_sha256"] == hashlib.sha256((source / miniature.MANIFEST_NAME).read_bytes()).hexdigest()
+    assert {k: v for k, v in kept.items() if k != "manifest_sha256"} == {
+        k: v for k, v in before.items() if k not in ("files", "format")
+    }
+    assert f"trained {before['steps'] + 3} steps in 2 runs" in miniature.describe(out / "checkpoint")
+    state = json.loads((out / STATE_NAME).read_text())
+    assert state["initialized_from"]["path"] == str(source) and state["continued_from"] is None
+    # resuming it may name the same source, not another, and a run started at random none
+    assert cli_main(["--out", str(out), "--resume", "--init-from", str(runs["stopped"]), *RUN]) == 1
+    one_line(capsys, "started from", str(source), "without --init-from")
+    stopped = copy_of(runs, "stopped", tmp_path)
+    assert cli_main(["--out", str(stopped), "--resume", "--init-from", str(source), *RUN]) == 1
+    one_line(capsys, "started from random weights")
+    assert cli_main(["--out", str(tmp_path / "both"), "--init-from", str(source), "--draft-from", str(source)]) == 1
+    one_line(capsys, "--draft-from and --init-from")
+    assert not (tmp_path / "both").exists()
+
+
+def test_a_state_written_before_init_from_existed_resumes(runs, tmp_path, capsys):
+    folder = copy_of(runs, "stopped", tmp_path)
+    path = folder / STATE_NAME
+    document = json.loads(path.read_text())
+    assert document.pop("initialized_from") is None
+    path.write_text(json.dumps(document))
+    assert cli_main(["--out", str(folder), "--resume", "--stop-at", "3", *RUN]) == 0
+    assert "stopped at step 3 of 5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", [{"path": "x"}, [1], {"path": 1, "manifest_sha256": "0" * 64, "facts": {}}])
+def test_a_damaged_initialized_from_is_one_sentence(runs, tmp_path, capsys, value):
+    folder = copy_of(runs, "stopped", tmp_path)
+    path = folder / STATE_NAME
+    path.write_text(json.dumps({**json.loads(path.read_text()), "initialized_from": value}))
+    before = snapshot(folder)
+    assert cli_main(["--out", str(folder), "--resume", *RUN]) == 1
+    one_line(capsys, "initialized_from must be")
+    assert snapshot(folder) == before
+
+
+@pytest.mark.parametrize("value", ["0", "-1e-3", "nan", "inf", "11", "fast"])
+def test_an_lr_that_is_no_rate_is_a_usage_error(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as done:
+        cli_main(["--out", str(tmp_path / "out"), f"--lr={value}"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --lr: must be a number above 0" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
 
 

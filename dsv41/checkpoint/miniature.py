@@ -113,6 +113,11 @@ def manifest_problem(manifest: dict) -> str | None:
             "an object of numbers",
         ),
         (
+            "initialized_from",
+            lambda v: isinstance(v, dict) and _count(v.get("steps")) and _number(v.get("training_seconds")),
+            "an object of the source's facts with its steps and training_seconds",
+        ),
+        (
             "held_out",
             lambda v: isinstance(v, dict) and _bits_per_byte(v) is not False,
             "an object with release_format.bits_per_byte a number",
@@ -214,9 +219,11 @@ def describe(path) -> str:
             what = f"a miniature written by dsv41 train at {path}"
         bpb = _bits_per_byte(manifest.get("held_out", {}))
         python = manifest.get("corpus", {}).get("python")
+        steps, runs = lineage(manifest)
         return (
-            f"{what}: trained {manifest.get('steps', '?')} steps "
-            f"({manifest.get('training_seconds', 0) / 60:.0f} min) on the Python {python or '?'} "
+            f"{what}: trained {steps if steps is not None else '?'} steps"
+            + (f" in {runs} runs" if runs > 1 else "")
+            + f" ({manifest.get('training_seconds', 0) / 60:.0f} min) on the Python {python or '?'} "
             f"standard library, seed {manifest.get('seed', '?')}" + (f", held-out {bpb:.3f} bits/byte" if bpb else "")
         )
     from .tiny import MANIFEST_NAME as TINY_MANIFEST
@@ -224,6 +231,21 @@ def describe(path) -> str:
     if os.path.isfile(os.path.join(path, TINY_MANIFEST)):
         return "the random tiny checkpoint (dsv41 make-tiny): its generations are noise"
     return ""
+
+
+def lineage(manifest: dict) -> tuple[int | None, int]:
+    """(steps, runs) of the training that made a miniature: its own run's steps plus those of each
+    run it was started from (`dsv41 train --init-from`, kept in `initialized_from`); None when a
+    run's steps are not recorded."""
+    steps, runs = 0, 0
+    while isinstance(manifest, dict):
+        if not _count(manifest.get("steps")) or steps is None:
+            steps = None
+        else:
+            steps += manifest["steps"]
+        runs += 1
+        manifest = manifest.get("initialized_from")
+    return steps, runs
 
 
 def _same_manifest(folder: str) -> bool:

@@ -70,6 +70,14 @@ def finish(trainer, *, progress: bool, windows: int | None = None) -> dict:
         # the backbone steps ran in the source's run: its tokens, and the draft phase went on here
         facts["tokens_seen"] = trainer.continued_from["tokens_seen"]
         facts["draft_continued_from"] = {k: v for k, v in trainer.continued_from.items() if k != "path"}
+    if trainer.initialized_from is not None:
+        # the weights began as the source's: its time and tokens count toward these, and its
+        # facts (recipe, held-out loss, its own source) are kept beside this run's
+        source = trainer.initialized_from["facts"]
+        facts["run_training_seconds"] = facts["training_seconds"]
+        facts["training_seconds"] = round(facts["training_seconds"] + float(source.get("training_seconds") or 0), 1)
+        facts["tokens_seen"] += int(source.get("tokens_seen") or 0)
+        facts["initialized_from"] = {"manifest_sha256": trainer.initialized_from["manifest_sha256"], **source}
     write_loss_curve(os.path.join(trainer.folder, LOSS_CURVE_STEM), state, facts)
     out = write_miniature(
         os.path.join(trainer.folder, CHECKPOINT_NAME), trainer.cfg, trainer.tokenizer, state.params, facts
@@ -138,13 +146,23 @@ def write_loss_curve(stem: str, state, facts: dict) -> None:
 
 def cli_main(argv: list[str]) -> int:
     from ..core.argtypes import whole_number
+    from ..core.text import brief
     from ..core.threads import machine_cores
-    from .state import FLAGS, INT_BOUNDS, MAX_STEPS, MAX_WINDOWS, TrainSettings
+    from .state import FLAGS, INT_BOUNDS, MAX_RATE, MAX_STEPS, MAX_WINDOWS, TrainSettings
 
     defaults = TrainSettings()
 
     def bounded(name: str, unit: str):
         return whole_number(*INT_BOUNDS[name], unit)
+
+    def rate(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value is None or not 0 < value <= MAX_RATE:
+            raise argparse.ArgumentTypeError(f"must be a number above 0 and at most {MAX_RATE}, got {brief(text)}")
+        return value
 
     parser = argparse.ArgumentParser(
         prog="dsv41 train",
@@ -205,6 +223,21 @@ def cli_main(argv: list[str]) -> int:
         "and its settings (--steps, --seed, --batch, --seq-len) kept, up to --draft-steps draft steps in all",
     )
     parser.add_argument(
+        "--init-from",
+        default=None,
+        metavar="CHECKPOINT",
+        help="start from the weights of a miniature checkpoint (backbone and draft, as released; its files held "
+        "to its manifest's sha256s) instead of random ones: a new run of --steps and --draft-steps more, with its "
+        "own warm-up and schedule, its seed the source's plus one unless given; the checkpoint's manifest counts "
+        "the source's time and tokens and keeps its facts",
+    )
+    parser.add_argument(
+        "--lr",
+        type=rate,
+        default=None,
+        help=f"the backbone's peak learning rate (default {defaults.lr:g})",
+    )
+    parser.add_argument(
         "--stop-at",
         type=whole_number(1, 2 * MAX_STEPS, "steps"),
         default=None,
@@ -242,7 +275,13 @@ def cli_main(argv: list[str]) -> int:
     trainer = None
     try:
         trainer = Trainer(
-            args.out, given, resume=args.resume, compile=not args.no_compile, progress=None, draft_from=args.draft_from
+            args.out,
+            given,
+            resume=args.resume,
+            compile=not args.no_compile,
+            progress=None,
+            draft_from=args.draft_from,
+            init_from=args.init_from,
         )
         trainer.run(stop_at=args.stop_at)
         if trainer.state.step < trainer.settings.steps:

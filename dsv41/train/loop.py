@@ -91,40 +91,39 @@ def conflicting(given: dict, settings: TrainSettings, what: str) -> None:
             )
 
 
-def read_source(path: str) -> tuple[dict, dict]:
-    """(what the run carries from it, its settings) of the miniature checkpoint at `path`, which
-    --draft-from names: its manifest's files held to their sha256s, its fields to their kinds, and
-    a tokenizer there; TrainError in one sentence when it cannot."""
+def read_source(path: str, flag: str = "--draft-from") -> tuple[dict, dict, dict]:
+    """(what the run carries from it, its settings, its manifest) of the miniature checkpoint at
+    `path`, which `flag` (--draft-from or --init-from) names: its manifest's files held to their
+    sha256s, its fields to their kinds, and a tokenizer there; TrainError in one sentence when it
+    cannot."""
     from ..checkpoint.miniature import MANIFEST_NAME, MiniatureError, verify
     from ..core.cachedir import file_sha256
 
     if not os.path.isdir(path):
         raise TrainError(
-            f"--draft-from {path} is not a folder; it takes what dsv41 train wrote (OUT/checkpoint) "
-            f"or the packaged miniature"
+            f"{flag} {path} is not a folder; it takes what dsv41 train wrote (OUT/checkpoint) or the packaged miniature"
         )
     try:
         manifest = verify(path)
     except MiniatureError as exc:
-        raise TrainError(f"--draft-from: {exc}") from None
+        raise TrainError(f"{flag}: {exc}") from None
     if manifest is None:
         raise TrainError(
-            f"--draft-from {path} is not a miniature checkpoint (no {MANIFEST_NAME}); it takes what "
+            f"{flag} {path} is not a miniature checkpoint (no {MANIFEST_NAME}); it takes what "
             f"dsv41 train wrote (OUT/checkpoint) or the packaged miniature"
         )
     where = os.path.join(path, MANIFEST_NAME)
     for name in ("steps", "training_seconds", "settings"):
         if name not in manifest:
-            raise TrainError(f"--draft-from: {where} lacks {name}, which a run that goes on from it needs")
+            raise TrainError(f"{flag}: {where} lacks {name}, which a run that goes on from it needs")
     before = manifest["settings"]
-    source_settings = settings_from(before, f"--draft-from: {where}: settings")
+    source_settings = settings_from(before, f"{flag}: {where}: settings")
     missing = [name for name in SOURCE_SETTINGS if name not in before]
     if missing:
-        raise TrainError(f"--draft-from: {where}: settings lacks {missing[0]}")
+        raise TrainError(f"{flag}: {where}: settings lacks {missing[0]}")
     if not os.path.isfile(os.path.join(path, TOKENIZER_NAME)):
         raise TrainError(
-            f"--draft-from {path} holds no {TOKENIZER_NAME}, which the run goes on with; give the "
-            f"whole checkpoint folder"
+            f"{flag} {path} holds no {TOKENIZER_NAME}, which the run goes on with; give the whole checkpoint folder"
         )
     from ..core.config import load_config
 
@@ -134,14 +133,14 @@ def read_source(path: str) -> tuple[dict, dict]:
     wrong = next((n for n in sorted(set(ours) | set(theirs)) if theirs.get(n) != ours.get(n)), None)
     if wrong is not None:
         raise TrainError(
-            f"--draft-from {path} is not of the miniature's geometry ({wrong}: "
+            f"{flag} {path} is not of the miniature's geometry ({wrong}: "
             f"{list(theirs[wrong]) if wrong in theirs else 'none'}, not "
             f"{list(ours[wrong]) if wrong in ours else 'none'})"
         )
     steps = manifest["steps"]
     if not source_settings.backbone_steps <= steps <= source_settings.steps:
         raise TrainError(
-            f"--draft-from: {where}: steps {steps:,} is not within its run of "
+            f"{flag}: {where}: steps {steps:,} is not within its run of "
             f"{source_settings.backbone_steps:,} backbone and {source_settings.draft_steps:,} draft steps"
         )
     carried = {
@@ -152,7 +151,7 @@ def read_source(path: str) -> tuple[dict, dict]:
         "final_train_loss": manifest.get("final_train_loss"),
         "tokens_seen": manifest.get("tokens_seen"),
     }
-    return carried, {name: getattr(source_settings, name) for name in SOURCE_SETTINGS}
+    return carried, {name: getattr(source_settings, name) for name in SOURCE_SETTINGS}, manifest
 
 
 def draft_settings(given: dict, carried: dict, source: dict, path: str) -> TrainSettings:
@@ -173,6 +172,29 @@ def draft_settings(given: dict, carried: dict, source: dict, path: str) -> Train
             f"so ask for more than {done}"
         )
     return settings
+
+
+def init_settings(given: dict, source_seed: int, path: str) -> TrainSettings:
+    """The settings of a new run that starts from the weights of `path`: those given, its seed by
+    default the source's plus one, never the source's own (the same seed draws the same batches,
+    so the run would see again what the source was trained on, step for step)."""
+    if given.get("seed", source_seed + 1) == source_seed:
+        raise TrainError(
+            f"--init-from {path} was trained with --seed {source_seed}, whose batches the run would draw "
+            f"again; give another --seed, or leave it out for {source_seed + 1}"
+        )
+    return new_settings({"seed": source_seed + 1, **given})
+
+
+def initialized_record(carried: dict, manifest: dict) -> dict:
+    """What a run started with --init-from keeps of its source: where it was, the sha256 of its
+    manifest, and the manifest's facts (its recipe, time, tokens and held-out loss; its own source,
+    if it had one), without the file list."""
+    return {
+        "path": carried["path"],
+        "manifest_sha256": carried["manifest_sha256"],
+        "facts": {k: v for k, v in manifest.items() if k not in ("files", "format")},
+    }
 
 
 def compiled_sinkhorn(enabled: bool):
@@ -196,7 +218,10 @@ class Trainer:
     `given`: the settings chosen (TrainSettings field -> value); the rest are the defaults for a
     new run, the source's backbone settings for one that goes on from `draft_from`, and, with
     `resume`, the run's own, which those given must equal. Everything about the folder, the
-    source and the saved state's settings is checked before any work (TrainError otherwise)."""
+    source and the saved state's settings is checked before any work (TrainError otherwise).
+    `init_from`: a miniature checkpoint whose weights (backbone and draft, as released) the run
+    starts from instead of the seed's random ones; the run is otherwise new, with its own settings
+    and schedule."""
 
     def __init__(
         self,
@@ -207,15 +232,24 @@ class Trainer:
         compile: bool = True,
         progress: bool | None = None,
         draft_from: str | None = None,
+        init_from: str | None = None,
     ):
         from ..checkpoint.engram import NgramHasher
         from .corpus import load_corpus
 
         given = dict(given or {})
         settings_from(given, "the settings given")  # kinds and ranges, before anything is read
-        carried = source = None
+        if draft_from is not None and init_from is not None:
+            raise TrainError(
+                "--draft-from and --init-from cannot be given together: --draft-from goes on with a "
+                "checkpoint's draft phase, --init-from starts a new run from its weights"
+            )
+        carried = source = initialized = None
         if draft_from is not None and not resume:
-            carried, source = read_source(draft_from)
+            carried, source, _ = read_source(draft_from)
+        if init_from is not None and not resume:
+            found, source_settings, manifest = read_source(init_from, "--init-from")
+            initialized = initialized_record(found, manifest)
         self.folder = str(inspect(folder))
         state_path = os.path.join(self.folder, STATE_NAME)
         if resume:
@@ -231,6 +265,10 @@ class Trainer:
             if draft_from is not None and (recorded is None or os.path.realpath(draft_from) != recorded["path"]):
                 went_on = f"went on from {recorded['path']}" if recorded else "did not go on from a checkpoint"
                 raise TrainError(f"the run in {folder} {went_on}; resume it without --draft-from")
+            started = document.get("initialized_from")
+            if init_from is not None and (started is None or os.path.realpath(init_from) != started["path"]):
+                began = f"started from {started['path']}" if started else "started from random weights"
+                raise TrainError(f"the run in {folder} {began}; resume it without --init-from")
             if not tokenizer_written(self.folder):
                 raise TrainError(
                     f"{os.path.join(self.folder, TOKENIZER_NAME)} is missing or not the tokenizer the "
@@ -241,8 +279,12 @@ class Trainer:
                 f"{folder} already holds a training run ({STATE_NAME}); pass --resume to go on "
                 f"with it, or give another --out"
             )
+        elif carried:
+            settings = draft_settings(given, carried, source, draft_from)
+        elif initialized:
+            settings = init_settings(given, source_settings["seed"], init_from)
         else:
-            settings = draft_settings(given, carried, source, draft_from) if carried else new_settings(given)
+            settings = new_settings(given)
         check_memory(settings)
         claim(folder)  # created and marked, now that the run can start
 
@@ -253,8 +295,9 @@ class Trainer:
             self.corpus = load_corpus()
         else:
             self.corpus = load_corpus()
-            if carried is not None:
-                replace_file(tok_path, lambda tmp: shutil.copyfile(os.path.join(draft_from, TOKENIZER_NAME), tmp))
+            source_path = draft_from if carried is not None else init_from
+            if source_path is not None:
+                replace_file(tok_path, lambda tmp: shutil.copyfile(os.path.join(source_path, TOKENIZER_NAME), tmp))
                 record_tokenizer(self.folder)
             elif not tokenizer_written(self.folder):  # else the one an interrupted start of this run wrote
                 from ..checkpoint.tokenizer import build_tiny_tokenizer
@@ -271,6 +314,9 @@ class Trainer:
                     seconds=carried["training_seconds"],
                     continued_from=carried,
                 )
+            elif initialized is not None:
+                # the source's weights as released, decoded: the run trains on from them
+                self.state = TrainState(settings, checkpoint_params(init_from), initialized_from=initialized)
             else:
                 self.state = TrainState(settings, initialized_params(self.cfg, settings.seed))
         self.streams = build_streams(
@@ -278,6 +324,7 @@ class Trainer:
         )
         self.hasher = NgramHasher.from_tokenizer(self.cfg, self.tokenizer)
         self.continued_from = self.state.continued_from
+        self.initialized_from = self.state.initialized_from
         self.settings = self.state.settings
         self.params, self.specs = self.state.params, weight_specs(self.cfg)
         s = self.settings

@@ -70,6 +70,7 @@ FLAGS = {
     "seed": "--seed",
     "batch": "--batch",
     "seq_len": "--seq-len",
+    "lr": "--lr",
 }
 
 # Memory of one training step, measured on the miniature's geometry (peak resident growth over
@@ -193,6 +194,8 @@ class TrainState:
     seconds: float = 0.0  # training time over all sessions
     # a --draft-from run: what it carries from its source's manifest (`CONTINUED_KEYS`)
     continued_from: dict | None = None
+    # a --init-from run: its source's path, manifest sha256 and facts (`loop.initialized_record`)
+    initialized_from: dict | None = None
 
     def save(self, folder: str) -> None:
         """Write the state into `folder`: the tensors file, then state.json naming it, then the
@@ -223,6 +226,7 @@ class TrainState:
             "log": self.log,
             "evals": self.evals,
             "continued_from": self.continued_from,
+            "initialized_from": self.initialized_from,
         }
         text = json.dumps(document, indent=None, sort_keys=True)
 
@@ -256,6 +260,7 @@ class TrainState:
             document["evals"],
             float(document["seconds"]),
             document["continued_from"],
+            document.get("initialized_from"),
         )
 
 
@@ -299,6 +304,8 @@ def read_state_json(folder: str) -> dict:
 
 
 _KEYS = ("continued_from", "evals", "format", "log", "optimizer", "seconds", "settings", "step", "tensors", "version")
+# Written since --init-from came; a state written before has none (its run started from random weights).
+_LATER_KEYS = ("initialized_from",)
 # What a --draft-from run carries from its source, and the kind of each.
 CONTINUED_KEYS = {
     "path": "a path",
@@ -320,7 +327,7 @@ def check_document(document: dict, path: str) -> tuple[TrainSettings, int]:
     def bad(message: str):
         return TrainStateError(f"{path}: {message}; the run cannot go on from it")
 
-    keys = set(document)
+    keys = set(document) - {k for k in _LATER_KEYS if k in document}
     if keys != set(_KEYS):
         extra, missing = sorted(keys - set(_KEYS), key=str), sorted(set(_KEYS) - keys)
         raise bad(f"{brief(extra[0])} is not a field of a training state" if extra else f"{missing[0]} is missing")
@@ -373,6 +380,7 @@ def check_document(document: dict, path: str) -> tuple[TrainSettings, int]:
         _log_problem(document["log"], settings, step)
         or _evals_problem(document["evals"], step)
         or continued_problem(document["continued_from"], allow_none=True)
+        or initialized_problem(document.get("initialized_from"))
     )
     if problem:
         raise bad(problem)
@@ -439,6 +447,25 @@ def continued_problem(continued, *, allow_none: bool = False) -> str | None:
     }
     wrong = next((key for key, good in ok.items() if not good), None)
     return f"continued_from.{wrong} must be {CONTINUED_KEYS[wrong]}, got {brief(continued[wrong])}" if wrong else None
+
+
+def initialized_problem(initialized) -> str | None:
+    """What is wrong with what a --init-from run keeps of its source (None: nothing)."""
+    if initialized is None:
+        return None
+    if not (
+        isinstance(initialized, dict)
+        and set(initialized) == {"path", "manifest_sha256", "facts"}
+        and isinstance(initialized["path"], str)
+        and isinstance(initialized["manifest_sha256"], str)
+        and re.fullmatch(r"[0-9a-f]{64}", initialized["manifest_sha256"])
+        and isinstance(initialized["facts"], dict)
+    ):
+        return (
+            "initialized_from must be null or an object of path, manifest_sha256 (64 hex digits) and facts "
+            f"(an object), got {brief(initialized)}"
+        )
+    return None
 
 
 def _evals_problem(evals, step: int) -> str | None:
