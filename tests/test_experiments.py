@@ -113,6 +113,32 @@ def test_patch_prompts_line_up_or_are_refused(model, tiny_checkpoint):
         experiments.patch_prompts(model, names=["value"])
 
 
+def test_patching_only_the_renamed_positions_measures_those_cells_alone(model, tmp_path):
+    names = experiments.patch_names(model, pairs=3)
+    every = experiments.patching_study(model, names=names, max_layers=2)
+    few = experiments.patching_study(model, names=names, max_layers=2, positions="renamed")
+    length = len(every["tokens"])
+    renamed = every["renamed_positions"]
+    assert every["patched_positions"] == list(range(length))
+    assert few["patched_positions"] == sorted({*renamed, length - 1}) and few["positions"] == "renamed"
+    assert few["gap"] == every["gap"] and few["gap_interval"] == every["gap_interval"]
+    rec_all, rec_few = (np.array(s["recovered"], dtype=float) for s in (every, few))
+    assert not np.isnan(rec_all).any()
+    measured = ~np.isnan(rec_few)
+    # the cells it measures are the full map's, bit for bit; what it leaves is after the first rename
+    assert np.array_equal(rec_few[measured], rec_all[measured])
+    assert measured[:, few["patched_positions"]].all() and measured[:, : renamed[0]].all()
+    left = np.argwhere(~measured)
+    assert left.size and all(p not in few["patched_positions"] and p > renamed[0] for _, p in left)
+    for key in ("interval_low", "interval_high"):
+        assert all(v is None for row, m in zip(few[key], measured) for v, ok in zip(row, m) if not ok)
+    assert not np.array(few["spans_zero"])[~measured].any()
+    fig = experiments.patching_figure(few)  # the unmeasured cells drawn apart, named in the legend
+    assert "not patched" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    with pytest.raises(ExperimentError, match="positions must be one of all, renamed"):
+        experiments.patching_study(model, names=names, positions="some")
+
+
 def test_dsv41_ablate_writes_its_numbers_and_figures(tmp_path, capsys):
     out = tmp_path / "ablate"
     args = ["ablate", "--out", str(out), "--windows", "2", "--tokens", "24", "--batch", "2"]
@@ -127,6 +153,13 @@ def test_dsv41_ablate_writes_its_numbers_and_figures(tmp_path, capsys):
     low, high = plain["interval"]
     assert low <= plain["difference"] <= high and plain["spans_zero"] == (low <= 0 <= high)
     # its own folder again is fine; one it did not write, or a study it does not know, is refused
+    assert (
+        main([*args, "--studies", "patching", "--patch-positions", "renamed", "--max-patch-layers", "2", "--quiet"])
+        == 0
+    )
+    patching = json.loads((out / "ablate.json").read_text())["patching"]
+    assert patching["positions"] == "renamed" and len(patching["layers"]) == 2
+    assert patching["patched_positions"] == sorted({*patching["renamed_positions"], len(patching["tokens"]) - 1})
     assert main([*args, "--studies", "hyper_connections", "--quiet"]) == 0
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")

@@ -99,8 +99,9 @@ def test_hyper_connections_carry_work(smoke_run, cfg):
 
 def test_patching_finds_the_renamed_argument(smoke_run, cfg):
     p = sidecar(smoke_run, "09_patching")
-    rec, low, high = (np.array(p[k]) for k in ("recovered", "interval_low", "interval_high"))
-    most = sidecar(smoke_run, "09_experiments_facts")["max_patch_layers"]
+    rec, low, high = (np.array(p[k], dtype=float) for k in ("recovered", "interval_low", "interval_high"))
+    facts = sidecar(smoke_run, "09_experiments_facts")
+    most = facts["max_patch_layers"]
     assert most == 2 and p["layers"] == spaced(range(cfg.n_layers), most) == [0, cfg.n_layers - 1]
     assert rec.shape == (most, len(p["tokens"])) == low.shape == high.shape
     assert len(p["pairs"]) == 4 and p["names"][:2] == p["pairs"][0]
@@ -109,6 +110,12 @@ def test_patching_finds_the_renamed_argument(smoke_run, cfg):
     assert [p["tokens"][i].strip() for i in renamed] == [p["names"][0]] * len(renamed)
     first = renamed[0]
     assert not rec[:, :first].any()  # before the rename both runs hold the same stream
+    # smoke mode patches the renamed positions and the last; a cell after the rename elsewhere is not measured
+    assert facts["patch_positions"] == p["positions"] == "renamed"
+    assert p["patched_positions"] == [*renamed, len(p["tokens"]) - 1]
+    unmeasured = np.argwhere(np.isnan(rec))
+    assert unmeasured.size and all(q > first and q not in p["patched_positions"] for _, q in unmeasured)
+    assert np.array_equal(np.isnan(low), np.isnan(rec)) and np.array_equal(np.isnan(high), np.isnan(rec))
     assert p["gap_interval"][0] > 0 and not p["gap_spans_zero"]  # the trained model tells the names apart
     # the last layer's input at the last position carries most of it; layer 0's there, none
     assert rec[-1, -1] > 0.5 and rec[0, -1] == 0

@@ -54,6 +54,10 @@ PATCH_NAMES = (
     *("words", "obj", "func", "msg", "source", "target", "parent", "child", "buffer", "config", "options"),
 )
 PATCH_PAIRS = 10
+# Which positions the patching study patches: every one, or only those where the pairs' prompts differ
+# and the last (where the metric is read): the rest of a row is left unmeasured, a forward per
+# position being minutes at the released size.
+PATCH_POSITIONS = ("all", "renamed")
 STUDIES = ("engram", "indexer", "experts", "hyper_connections", "patching")
 
 
@@ -366,6 +370,7 @@ def patching_study(
     template: str = PATCH_TEMPLATE,
     names: Optional[Sequence[str]] = None,
     max_layers: Optional[int] = None,
+    positions: str = "all",
     draws: int = BOOTSTRAP_DRAWS,
     seed: int = BOOTSTRAP_SEED,
     progress=None,
@@ -377,10 +382,16 @@ def patching_study(
     corrupted) / (mean clean - mean corrupted), 1 where that one stream carries the whole
     difference, with a bootstrap interval over the pairs. `names`: default `patch_names`;
     `max_layers`: patch at most that many layers, evenly spaced (a released-size model's 40 layers
-    times every position is many forwards)."""
+    times every position is many forwards); `positions` (PATCH_POSITIONS): "renamed" patches only the
+    positions where the prompts differ and the last, the cells of the others where the two runs' streams
+    differ None (not measured; where they are equal a patch changes nothing, so 0 without a forward)."""
+    if positions not in PATCH_POSITIONS:
+        raise ExperimentError(f"positions must be one of {', '.join(PATCH_POSITIONS)}, got {brief(positions)}")
     names = patch_names(model, template) if names is None else list(names)
     prompts, firsts = patch_prompts(model, template, names)
     n, length = prompts.shape
+    renamed = [int(p) for p in (prompts != prompts[:1]).any(0).nonzero().flatten()]
+    patched_positions = positions_to_patch(renamed, length, positions)
     clean_ids, corrupt_ids = prompts, prompts.roll(-1, dims=0)
     good, bad = firsts, firsts.roll(-1, dims=0)
     layers = spaced(range(model.cfg.n_layers), max_layers or model.cfg.n_layers)
@@ -406,15 +417,19 @@ def patching_study(
     clean, corrupt = activations(clean_ids), activations(corrupt_ids)
     clean_metric, corrupt_metric = metric(clean_ids), metric(corrupt_ids)
     patched = corrupt_metric.expand(len(layers), length, n).clone()
+    unmeasured = np.zeros((len(layers), length), dtype=bool)
     for i, site in enumerate(sites):
         for p in range(length):
-            # where both runs already hold the same stream (before the rename, say), a patch changes nothing
-            if not torch.equal(clean[site][:, p], corrupt[site][:, p]):
+            if progress is not None and p in patched_positions:
+                progress.update(n)
+            if torch.equal(clean[site][:, p], corrupt[site][:, p]):
+                continue  # both runs already hold the same stream (before the rename, say): a patch changes nothing
+            if p in patched_positions:
                 patched[i, p] = metric(
                     corrupt_ids, lambda rows: ablations.patch({site: clean[site][rows]}, positions=[p])
                 )
-            if progress is not None:
-                progress.update(n)
+            else:
+                unmeasured[i, p] = True
     gap = clean_metric - corrupt_metric  # [pairs]
     picks = np.random.default_rng(seed).integers(0, n, size=(draws, n))
     shift = (patched - corrupt_metric).numpy()  # [L, T, pairs]
@@ -423,6 +438,11 @@ def patching_study(
     tail = (1 - CONFIDENCE) / 2 * 100
     low, high = np.nanpercentile(resampled, [tail, 100 - tail], axis=-1)
     recovered = shift.mean(-1) / float(gap.mean())
+    recovered, low, high = (np.where(unmeasured, np.nan, a) for a in (recovered, low, high))  # [L, T]
+
+    def cells(a: np.ndarray) -> list:  # None where not measured (JSON null)
+        return [[None if math.isnan(v) else float(v) for v in row] for row in a]
+
     gap_draws = gap.numpy()[picks].mean(-1)
     gap_low, gap_high = np.percentile(gap_draws, [tail, 100 - tail])
     return {
@@ -432,17 +452,27 @@ def patching_study(
         "layers": layers,
         "site": "resid_pre",
         "tokens": [model.decode([int(t)]) for t in prompts[0]],
-        "renamed_positions": [int(p) for p in (prompts != prompts[:1]).any(0).nonzero().flatten()],
+        "renamed_positions": renamed,
+        "positions": positions,
+        "patched_positions": patched_positions,
         "clean_metric": float(clean_metric.mean()),
         "corrupted_metric": float(corrupt_metric.mean()),
         "gap": float(gap.mean()),
         "gap_interval": [float(gap_low), float(gap_high)],
         "gap_spans_zero": bool(gap_low <= 0 <= gap_high),
-        "recovered": recovered.tolist(),
-        "interval_low": low.tolist(),
-        "interval_high": high.tolist(),
-        "spans_zero": ((low <= 0) & (high >= 0)).tolist(),
+        "recovered": cells(recovered),
+        "interval_low": cells(low),
+        "interval_high": cells(high),
+        "spans_zero": ((low <= 0) & (high >= 0)).tolist(),  # False where not measured
     }
+
+
+def positions_to_patch(renamed: Sequence[int], length: int, positions: str = "all") -> list[int]:
+    """The positions `patching_study` may patch in prompts of `length` tokens that differ at `renamed`
+    (a patch runs only where the two runs' streams differ)."""
+    if positions == "all":
+        return list(range(length))
+    return sorted({*renamed, length - 1})
 
 
 def run_studies(
@@ -453,6 +483,7 @@ def run_studies(
     expert_layers: Optional[Sequence[int]] = None,
     max_expert_runs: Optional[int] = None,
     max_patch_layers: Optional[int] = None,
+    patch_positions: str = "all",
     progress: bool = False,
 ) -> dict:
     """The unablated run and each study of `studies` (STUDIES' names) on `windows`, with a progress
@@ -470,7 +501,10 @@ def run_studies(
     total = windows.n * (1 + sum(runs.get(s, 0) for s in studies))
     if "patching" in studies:
         prompts, _ = patch_prompts(model)
-        total += prompts.numel() * len(spaced(range(model.cfg.n_layers), max_patch_layers or model.cfg.n_layers))
+        n, length = prompts.shape
+        renamed = [int(p) for p in (prompts != prompts[:1]).any(0).nonzero().flatten()]
+        patched = len(positions_to_patch(renamed, length, patch_positions))
+        total += n * patched * len(spaced(range(model.cfg.n_layers), max_patch_layers or model.cfg.n_layers))
     out: dict = {}
     with _bar(total, "ablate", progress) as bar:
         base = baseline(model, windows, bar)
@@ -485,12 +519,13 @@ def run_studies(
             elif study == "hyper_connections":
                 out[study] = hyper_connection_study(model, windows, base["bits"], bar)
             else:
-                out[study] = patching_study(model, max_layers=max_patch_layers, progress=bar)
+                out[study] = patching_study(model, max_layers=max_patch_layers, positions=patch_positions, progress=bar)
     return out
 
 
 # ---------------------------------------------------------------------- figures
 SPANS_ZERO_HATCH = "////"
+UNMEASURED_GREY = "0.85"
 
 
 def _bars(ax, labels: list[str], results: list[dict], color, *, shift: float = 0.0, width: float = 0.6, label=None):
@@ -621,17 +656,20 @@ def hyper_connections_figure(study: dict):
 def patching_figure(study: dict):
     """Activation patching: the share of the clean-minus-corrupted difference one layer's input at
     one position carries, a dot where its interval over the pairs spans zero."""
+    from matplotlib import colormaps
     from matplotlib.colors import TwoSlopeNorm
 
     from . import viz
 
-    recovered = np.array(study["recovered"])  # [L, T]
+    recovered = np.array(study["recovered"], dtype=float)  # [L, T], NaN where not measured
     fig, ax = viz.new_figure(figsize=(10.0, 3.8))
-    bound = max(1.0, float(np.abs(recovered).max()))
+    bound = max(1.0, float(np.nanmax(np.abs(recovered))))
+    if np.isnan(recovered).any():
+        ax.plot([], [], "s", color=UNMEASURED_GREY, label="not patched")
     image = ax.imshow(
         recovered,
         aspect="auto",
-        cmap="RdBu_r",
+        cmap=colormaps["RdBu_r"].with_extremes(bad=UNMEASURED_GREY),
         norm=TwoSlopeNorm(vcenter=0.0, vmin=-bound, vmax=bound),
         interpolation="nearest",
     )
@@ -793,6 +831,13 @@ def cli_main(argv: list[str]) -> int:
         metavar="N",
         help="patch at most N layers, evenly spaced from the first to the last (default every layer)",
     )
+    parser.add_argument(
+        "--patch-positions",
+        choices=PATCH_POSITIONS,
+        default="all",
+        help="patch every position (default) or only the renamed ones and the last (a forward each: minutes at the "
+        "released size)",
+    )
     parser.add_argument("--memory", type=memory_size, default=None, metavar="SIZE", help="a memory budget, e.g. 20GiB")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or summary on stderr")
     args = parser.parse_args(argv)
@@ -826,6 +871,7 @@ def _ablate(args) -> int:
         expert_layers=args.expert_layers,
         max_expert_runs=args.max_expert_runs,
         max_patch_layers=args.max_patch_layers,
+        patch_positions=args.patch_positions,
         progress=not args.quiet,
     )
     facts = {
