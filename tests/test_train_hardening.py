@@ -756,6 +756,19 @@ def test_an_init_from_run_counts_its_sources_time_and_tokens_and_keeps_its_facts
     assert cli_main(["--out", str(tmp_path / "both"), "--init-from", str(source), "--draft-from", str(source)]) == 1
     one_line(capsys, "--draft-from and --init-from")
     assert not (tmp_path / "both").exists()
+    # more draft steps on it (--draft-from) go on with that run: its lineage and its own time stay
+    more = tmp_path / "more"
+    assert cli_main(["--out", str(more), "--draft-from", str(out / "checkpoint"), "--draft-steps", "2", *RUN[4:]]) == 0
+    capsys.readouterr()
+    last = json.loads((more / "checkpoint" / miniature.MANIFEST_NAME).read_text())
+    assert last["steps"] == 4 and last["initialized_from"] == kept
+    assert "initialized_from" not in last["draft_continued_from"]
+    assert last["tokens_seen"] == after["tokens_seen"]
+    this_phase = last["training_seconds"] - after["training_seconds"]
+    assert this_phase > 0 and last["run_training_seconds"] == pytest.approx(
+        after["run_training_seconds"] + this_phase, abs=0.1
+    )
+    assert f"trained {before['steps'] + 4} steps in 2 runs" in miniature.describe(more / "checkpoint")
 
 
 def test_a_state_written_before_init_from_existed_resumes(runs, tmp_path, capsys):
@@ -766,6 +779,25 @@ def test_a_state_written_before_init_from_existed_resumes(runs, tmp_path, capsys
     path.write_text(json.dumps(document))
     assert cli_main(["--out", str(folder), "--resume", "--stop-at", "3", *RUN]) == 0
     assert "stopped at step 3 of 5" in capsys.readouterr().err
+
+
+def test_what_a_draft_from_run_carries_is_checked_its_later_keys_optional():
+    from dsv41.train.state import CONTINUED_KEYS, continued_problem
+
+    older = {
+        "path": "/x",
+        "manifest_sha256": "0" * 64,
+        "steps": 5,
+        "training_seconds": 1.0,
+        "final_train_loss": None,
+        "tokens_seen": 128,
+    }
+    assert set(older) == set(CONTINUED_KEYS) and continued_problem(older) is None  # written before the lineage keys
+    assert continued_problem({**older, "initialized_from": {"steps": 4}, "run_training_seconds": 2.5}) is None
+    for key, value in (("initialized_from", [4]), ("run_training_seconds", -1.0), ("run_training_seconds", "2")):
+        assert continued_problem({**older, key: value}).startswith(f"continued_from.{key} must be")
+    assert continued_problem({**older, "surprise": 1}).startswith("continued_from must be")
+    assert continued_problem({k: v for k, v in older.items() if k != "steps"}).startswith("continued_from must be")
 
 
 @pytest.mark.parametrize("value", [{"path": "x"}, [1], {"path": 1, "manifest_sha256": "0" * 64, "facts": {}}])

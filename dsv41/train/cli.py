@@ -69,7 +69,16 @@ def finish(trainer, *, progress: bool, windows: int | None = None) -> dict:
     if trainer.continued_from is not None:
         # the backbone steps ran in the source's run: its tokens, and the draft phase went on here
         facts["tokens_seen"] = trainer.continued_from["tokens_seen"]
-        facts["draft_continued_from"] = {k: v for k, v in trainer.continued_from.items() if k != "path"}
+        carried = trainer.continued_from
+        facts["draft_continued_from"] = {
+            k: v for k, v in carried.items() if k not in ("path", "initialized_from", "run_training_seconds")
+        }
+        if carried.get("initialized_from") is not None:
+            # the source's run began from another checkpoint: this one goes on with that run, so its
+            # lineage stays, and the run's own time is the source run's plus this draft phase's
+            facts["initialized_from"] = carried["initialized_from"]
+            own = float(carried.get("run_training_seconds") or 0) + state.seconds - carried["training_seconds"]
+            facts["run_training_seconds"] = round(own, 1)
     if trainer.initialized_from is not None:
         # the weights began as the source's: its time and tokens count toward these, and its
         # facts (recipe, held-out loss, its own source) are kept beside this run's

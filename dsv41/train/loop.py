@@ -150,6 +150,9 @@ def read_source(path: str, flag: str = "--draft-from") -> tuple[dict, dict, dict
         "training_seconds": float(manifest["training_seconds"]),
         "final_train_loss": manifest.get("final_train_loss"),
         "tokens_seen": manifest.get("tokens_seen"),
+        # a source that was itself a --init-from run: its lineage, for the new manifest to keep
+        "initialized_from": manifest.get("initialized_from"),
+        "run_training_seconds": manifest.get("run_training_seconds"),
     }
     return carried, {name: getattr(source_settings, name) for name in SOURCE_SETTINGS}, manifest
 

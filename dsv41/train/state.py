@@ -315,6 +315,12 @@ CONTINUED_KEYS = {
     "final_train_loss": "a number or null",
     "tokens_seen": "a whole number or null",
 }
+# Keys a --draft-from state gained later (optional on read, so older states resume): the source's
+# own lineage, when it was a --init-from run, for the manifest to keep.
+CONTINUED_LATER_KEYS = {
+    "initialized_from": "null or an object",
+    "run_training_seconds": "a number or null",
+}
 
 
 def _number(value) -> bool:
@@ -430,8 +436,12 @@ def continued_problem(continued, *, allow_none: bool = False) -> str | None:
     """What is wrong with what a --draft-from run carries from its source (None: nothing)."""
     if continued is None and allow_none:
         return None
-    if not isinstance(continued, dict) or set(continued) != set(CONTINUED_KEYS):
+    if not isinstance(continued, dict) or not set(CONTINUED_KEYS) <= set(continued) <= {
+        *CONTINUED_KEYS,
+        *CONTINUED_LATER_KEYS,
+    }:
         return f"continued_from must be null or an object of {', '.join(CONTINUED_KEYS)}, got {brief(continued)}"
+    later = continued.get("run_training_seconds")
     ok = {
         "path": isinstance(continued["path"], str),
         "manifest_sha256": isinstance(continued["manifest_sha256"], str)
@@ -444,9 +454,13 @@ def continued_problem(continued, *, allow_none: bool = False) -> str | None:
         "tokens_seen": continued["tokens_seen"] is None
         or is_whole(continued["tokens_seen"])
         and continued["tokens_seen"] >= 0,
+        "initialized_from": continued.get("initialized_from") is None
+        or isinstance(continued["initialized_from"], dict),
+        "run_training_seconds": later is None or _number(later) and math.isfinite(later) and later >= 0,
     }
     wrong = next((key for key, good in ok.items() if not good), None)
-    return f"continued_from.{wrong} must be {CONTINUED_KEYS[wrong]}, got {brief(continued[wrong])}" if wrong else None
+    kind = {**CONTINUED_KEYS, **CONTINUED_LATER_KEYS}
+    return f"continued_from.{wrong} must be {kind[wrong]}, got {brief(continued.get(wrong))}" if wrong else None
 
 
 def initialized_problem(initialized) -> str | None:
