@@ -181,8 +181,8 @@ def cli_main(argv: list[str]) -> int:
             "it is the first of the shipped miniature's two runs: about 2 h 20 min on an idle two-core AMD EPYC "
             "with AVX-512 BF16 (4,080 backbone steps at about 1.07 s, 720 quantization-aware ones at 1.6 s, the "
             "greedy pool in about 3 min, 1,600 draft steps at 1.47 s, 3.4 min of final measurement); the second "
-            "is --init-from that checkpoint with --steps 2000 --draft-steps 800 --lr 1e-3 (README: the trained "
-            "miniature). "
+            "is --init-from that checkpoint with --steps 2000 --draft-steps 800 --lr 1e-3, its draft stack then "
+            "taken on with --draft-from and --draft-steps 1600 (README: the trained miniature). "
             "OUT must be new, empty or a folder dsv41 train wrote; "
             "--resume goes on with the settings the run was started with."
         ),
