@@ -390,8 +390,9 @@ def patching_study(
     names = patch_names(model, template) if names is None else list(names)
     prompts, firsts = patch_prompts(model, template, names)
     n, length = prompts.shape
-    renamed = [int(p) for p in (prompts != prompts[:1]).any(0).nonzero().flatten()]
+    renamed = renamed_positions(prompts)
     patched_positions = positions_to_patch(renamed, length, positions)
+    patching = set(patched_positions)
     clean_ids, corrupt_ids = prompts, prompts.roll(-1, dims=0)
     good, bad = firsts, firsts.roll(-1, dims=0)
     layers = spaced(range(model.cfg.n_layers), max_layers or model.cfg.n_layers)
@@ -420,11 +421,11 @@ def patching_study(
     unmeasured = np.zeros((len(layers), length), dtype=bool)
     for i, site in enumerate(sites):
         for p in range(length):
-            if progress is not None and p in patched_positions:
+            if progress is not None and p in patching:
                 progress.update(n)
             if torch.equal(clean[site][:, p], corrupt[site][:, p]):
                 continue  # both runs already hold the same stream (before the rename, say): a patch changes nothing
-            if p in patched_positions:
+            if p in patching:
                 patched[i, p] = metric(
                     corrupt_ids, lambda rows: ablations.patch({site: clean[site][rows]}, positions=[p])
                 )
@@ -467,6 +468,11 @@ def patching_study(
     }
 
 
+def renamed_positions(prompts: torch.Tensor) -> list[int]:
+    """The positions where the pairs' prompts [names, T] differ: every place the name is written."""
+    return [int(p) for p in (prompts != prompts[:1]).any(0).nonzero().flatten()]
+
+
 def positions_to_patch(renamed: Sequence[int], length: int, positions: str = "all") -> list[int]:
     """The positions `patching_study` may patch in prompts of `length` tokens that differ at `renamed`
     (a patch runs only where the two runs' streams differ)."""
@@ -502,8 +508,7 @@ def run_studies(
     if "patching" in studies:
         prompts, _ = patch_prompts(model)
         n, length = prompts.shape
-        renamed = [int(p) for p in (prompts != prompts[:1]).any(0).nonzero().flatten()]
-        patched = len(positions_to_patch(renamed, length, patch_positions))
+        patched = len(positions_to_patch(renamed_positions(prompts), length, patch_positions))
         total += n * patched * len(spaced(range(model.cfg.n_layers), max_patch_layers or model.cfg.n_layers))
     out: dict = {}
     with _bar(total, "ablate", progress) as bar:
