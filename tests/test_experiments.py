@@ -154,11 +154,15 @@ def test_dsv41_ablate_writes_its_numbers_and_figures(tmp_path, capsys):
     assert low <= plain["difference"] <= high and plain["spans_zero"] == (low <= 0 <= high)
     # its own folder again is fine; one it did not write, or a study it does not know, is refused
     assert (
-        main([*args, "--studies", "patching", "--patch-positions", "renamed", "--max-patch-layers", "2", "--quiet"])
+        main(
+            [*args, "--studies", "patching", "--patch-positions", "renamed", "--max-patch-layers", "2"]
+            + ["--patch-pairs", "3", "--quiet"]
+        )
         == 0
     )
     patching = json.loads((out / "ablate.json").read_text())["patching"]
     assert patching["positions"] == "renamed" and len(patching["layers"]) == 2
+    assert patching["names"] == list(experiments.PATCH_NAMES[:3]) and len(patching["pairs"]) == 3
     assert patching["patched_positions"] == sorted({*patching["renamed_positions"], len(patching["tokens"]) - 1})
     assert main([*args, "--studies", "hyper_connections", "--quiet"]) == 0
     (tmp_path / "other").mkdir()

@@ -490,6 +490,7 @@ def run_studies(
     max_expert_runs: Optional[int] = None,
     max_patch_layers: Optional[int] = None,
     patch_positions: str = "all",
+    patch_pairs: int = PATCH_PAIRS,
     progress: bool = False,
 ) -> dict:
     """The unablated run and each study of `studies` (STUDIES' names) on `windows`, with a progress
@@ -505,8 +506,9 @@ def run_studies(
         "hyper_connections": 1,
     }
     total = windows.n * (1 + sum(runs.get(s, 0) for s in studies))
-    if "patching" in studies:
-        prompts, _ = patch_prompts(model)
+    names = patch_names(model, pairs=patch_pairs) if "patching" in studies else []
+    if names:
+        prompts, _ = patch_prompts(model, names=names)
         n, length = prompts.shape
         patched = len(positions_to_patch(renamed_positions(prompts), length, patch_positions))
         total += n * patched * len(spaced(range(model.cfg.n_layers), max_patch_layers or model.cfg.n_layers))
@@ -524,7 +526,9 @@ def run_studies(
             elif study == "hyper_connections":
                 out[study] = hyper_connection_study(model, windows, base["bits"], bar)
             else:
-                out[study] = patching_study(model, max_layers=max_patch_layers, positions=patch_positions, progress=bar)
+                out[study] = patching_study(
+                    model, names=names, max_layers=max_patch_layers, positions=patch_positions, progress=bar
+                )
     return out
 
 
@@ -843,6 +847,14 @@ def cli_main(argv: list[str]) -> int:
         help="patch every position (default) or only the renamed ones and the last (a forward each: minutes at the "
         "released size)",
     )
+    parser.add_argument(
+        "--patch-pairs",
+        type=whole_number(2, len(PATCH_NAMES), "pairs"),
+        default=PATCH_PAIRS,
+        metavar="N",
+        help=f"renamed-argument pairs in the patching study (default {PATCH_PAIRS}; each pair is a forward per "
+        "patched cell)",
+    )
     parser.add_argument("--memory", type=memory_size, default=None, metavar="SIZE", help="a memory budget, e.g. 20GiB")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or summary on stderr")
     args = parser.parse_args(argv)
@@ -877,6 +889,7 @@ def _ablate(args) -> int:
         max_expert_runs=args.max_expert_runs,
         max_patch_layers=args.max_patch_layers,
         patch_positions=args.patch_positions,
+        patch_pairs=args.patch_pairs,
         progress=not args.quiet,
     )
     facts = {
