@@ -640,6 +640,27 @@ def test_ctrl_c_after_a_checkpoint_names_its_step(runs, tmp_path, monkeypatch, c
     one_line(capsys, "--resume` goes on from the checkpoint at step 2")
 
 
+def test_sigterm_stops_like_ctrl_c_and_leaves_the_handler_as_it_was(runs, tmp_path, monkeypatch, capsys):
+    """A run started in the background by a shell without job control ignores SIGINT: `kill` stops it
+    the same way, naming the checkpoint to go on from, exit code 128 + SIGTERM."""
+    import os
+    import signal
+
+    from dsv41.train.loop import Trainer
+
+    folder = copy_of(runs, "stopped", tmp_path)
+
+    def killed(self, step, opt):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not stop the step")
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(Trainer, "backbone_step", killed)
+    assert cli_main(["--out", str(folder), "--resume", *RUN]) == 128 + signal.SIGTERM
+    one_line(capsys, "--resume` goes on from the checkpoint at step 2")
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 # ---------------------------------------------------------------------- --draft-from
 def test_draft_from_goes_on_with_the_sources_settings(runs, tmp_path, capsys):
     """No backbone settings given: they are the source's; the draft steps go on from its 5."""

@@ -9,8 +9,12 @@ with its manifest in OUT/checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 import time
+from typing import Iterator
 
 from ..core.errors import Dsv41Error
 
@@ -153,6 +157,28 @@ def write_loss_curve(stem: str, state, facts: dict) -> None:
     write_json(stem + ".json", {"steps": steps, "loss": loss, "evals": evals, "held_out": facts["held_out"]})
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a scheduler's stop): the run stops as on Ctrl-C, at once, its checkpoints kept."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While inside, SIGTERM raises Terminated in the main thread. A run started in the background by
+    a shell without job control ignores SIGINT, so `kill` is how such a run is stopped."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def cli_main(argv: list[str]) -> int:
     from ..core.argtypes import whole_number
     from ..core.text import brief
@@ -184,7 +210,8 @@ def cli_main(argv: list[str]) -> int:
             "is --init-from that checkpoint with --steps 2000 --draft-steps 800 --lr 1e-3, its draft stack then "
             "taken on with --draft-from and --draft-steps 1600 (README: the trained miniature). "
             "OUT must be new, empty or a folder dsv41 train wrote; "
-            "--resume goes on with the settings the run was started with."
+            "--resume goes on with the settings the run was started with; Ctrl-C or SIGTERM stops a run at once, "
+            "its last checkpoint (every 25 steps) kept."
         ),
     )
     parser.add_argument(
@@ -285,25 +312,26 @@ def cli_main(argv: list[str]) -> int:
     started = time.perf_counter()
     trainer = None
     try:
-        trainer = Trainer(
-            args.out,
-            given,
-            resume=args.resume,
-            compile=not args.no_compile,
-            progress=None,
-            draft_from=args.draft_from,
-            init_from=args.init_from,
-        )
-        trainer.run(stop_at=args.stop_at)
-        if trainer.state.step < trainer.settings.steps:
-            print(
-                f"dsv41 train: stopped at step {trainer.state.step} of {trainer.settings.steps}; "
-                f"`dsv41 train --out {args.out} --resume` goes on",
-                file=sys.stderr,
+        with sigterm_as_interrupt():
+            trainer = Trainer(
+                args.out,
+                given,
+                resume=args.resume,
+                compile=not args.no_compile,
+                progress=None,
+                draft_from=args.draft_from,
+                init_from=args.init_from,
             )
-            return 0
-        facts = finish(trainer, progress=True, windows=args.held_out_windows)
-    except KeyboardInterrupt:
+            trainer.run(stop_at=args.stop_at)
+            if trainer.state.step < trainer.settings.steps:
+                print(
+                    f"dsv41 train: stopped at step {trainer.state.step} of {trainer.settings.steps}; "
+                    f"`dsv41 train --out {args.out} --resume` goes on",
+                    file=sys.stderr,
+                )
+                return 0
+            facts = finish(trainer, progress=True, windows=args.held_out_windows)
+    except KeyboardInterrupt as exc:
         step = saved_step(trainer.folder if trainer is not None else args.out)
         if step is None:
             print(
@@ -317,7 +345,7 @@ def cli_main(argv: list[str]) -> int:
                 f"at step {step}",
                 file=sys.stderr,
             )
-        return 130
+        return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
     except (TrainError, Dsv41Error) as exc:
         print(f"dsv41 train: {exc}", file=sys.stderr)
         return 1
