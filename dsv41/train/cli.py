@@ -157,19 +157,20 @@ def write_loss_curve(stem: str, state, facts: dict) -> None:
     write_json(stem + ".json", {"steps": steps, "loss": loss, "evals": evals, "held_out": facts["held_out"]})
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a scheduler's stop): the run stops as on Ctrl-C, at once, its checkpoints kept."""
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """While inside, SIGTERM raises RunInterrupted (a KeyboardInterrupt that knows its signal) in the
-    main thread, so the run stops as on Ctrl-C. A run started in the background by a shell without
-    job control ignores SIGINT, so `kill` is how such a run is stopped."""
-    from ..app.notebook_signals import RunInterrupted
-
+    """While inside, SIGTERM raises Terminated in the main thread. A run started in the background by
+    a shell without job control ignores SIGINT, so `kill` is how such a run is stopped."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def stop(signum, frame):
-        raise RunInterrupted(signum)
+        raise Terminated()
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
@@ -303,7 +304,6 @@ def cli_main(argv: list[str]) -> int:
     }
     import torch
 
-    from ..app.notebook_signals import as_interrupt
     from .loop import Trainer
     from .state import TrainError, saved_step
 
@@ -345,7 +345,7 @@ def cli_main(argv: list[str]) -> int:
                 f"at step {step}",
                 file=sys.stderr,
             )
-        return as_interrupt(exc).exit_code  # 130 for Ctrl-C, 143 for SIGTERM
+        return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
     except (TrainError, Dsv41Error) as exc:
         print(f"dsv41 train: {exc}", file=sys.stderr)
         return 1
