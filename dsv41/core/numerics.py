@@ -7,9 +7,10 @@ any split of them into chunks agree bit for bit:
 - window_layout "uniform": every query lists its window rows the same way in a prefill and a
   decode step (`attention.window_rows`); the reference's decode lists the ring with its empty
   slots first, which regroups sparse_attn's 64-column sums.
-- pad_f32_rows: the float32 GEMMs (router, hyper-connection mixes, head, compressor pooling) run
-  as GEMMs of exactly 8 rows (the last zero-padded) so CPU BLAS takes one kernel for any row count
-  (`layers.f32_linear`), and routed experts run batch-invariant (`kernels.experts`).
+- pad_f32_rows: the float32 GEMMs (router, hyper-connection mixes, head, compressor pooling) and
+  the bf16 grouped output projection run as GEMMs of exactly 8 rows (the last zero-padded) so CPU
+  BLAS takes one kernel for any row count (`layers.in_row_blocks`), and routed experts run
+  batch-invariant (`kernels.experts`).
 
 - tie_break "lowest": equal scores in the indexer's top-k and the candidate-block cut go to the
   lower position (`attention.top_k`); torch.topk's own order (the reference's) follows memory

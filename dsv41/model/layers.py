@@ -197,9 +197,11 @@ def master_product(product, x: torch.Tensor, w: torch.Tensor, *args, fast: bool)
 # decoded one at a time by float32 rounding (~1e-7 relative); on AVX-512 Xeons a call of 16 rows
 # or more also rounds differently from one of 8 (K >= 256). The released runtime does not pad.
 # pad_f32_rows=True runs every call as GEMMs of exactly 8 rows, so every row takes the same kernel: an
-# opt-in for bit parity between prefill and decode, not the reference's arithmetic. Only the
-# float32 paths need it (the compressor's pooling projections, the router, the hyper-connection
-# mixes, the head); the bf16 and quantized paths measure row-count invariant here.
+# opt-in for bit parity between prefill and decode, not the reference's arithmetic. The float32
+# paths need it (the compressor's pooling projections, the router, the hyper-connection mixes,
+# the head), and so does the one bf16 GEMM, the grouped output projection: its one-row call rounds
+# differently from a many-row one at any K measured (256-4,096), where a call of exactly 8 rows
+# gives the many-row result bit for bit. The quantized paths are row-count invariant by design.
 F32_ROW_PAD = 8
 
 
@@ -232,16 +234,21 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, *, pad_f32_rows: bool) -> 
     reference's plain GEMM)."""
     if not pad_f32_rows:
         return F.linear(x.float(), widened(weight))
-    rows = x.float().reshape(-1, x.size(-1))  # [M, K]
-    pad = -rows.size(0) % F32_ROW_PAD
-    if pad:
-        rows = F.pad(rows, (0, 0, 0, pad))
     w = widened(weight)
-    # Padding alone is not enough: BLAS may pick another kernel (another K blocking) for 16 rows
-    # than for 8 (seen on AVX-512 Xeons), so each block of 8 rows is its own GEMM.
-    out = torch.cat([F.linear(rows[i : i + F32_ROW_PAD], w) for i in range(0, rows.size(0), F32_ROW_PAD)])
-    out = out[: rows.size(0) - pad]  # [M, N]
+    out = in_row_blocks(lambda block: F.linear(block, w), x.float().reshape(-1, x.size(-1)))  # [M, N]
     return out.reshape(*x.shape[:-1], weight.size(0))
+
+
+def in_row_blocks(product, rows: torch.Tensor) -> torch.Tensor:
+    """product(rows) for a product that treats each row [M, ...] on its own, run as calls of exactly
+    F32_ROW_PAD rows (the last zero-padded), so every row takes the kernel an 8-row call takes
+    whatever M is. Padding alone is not enough: BLAS may pick another kernel (another K blocking)
+    for 16 rows than for 8 (seen on AVX-512 Xeons), so each block is its own call."""
+    n = rows.size(0)
+    pad = -n % F32_ROW_PAD
+    if pad:
+        rows = F.pad(rows, (0, 0) * (rows.dim() - 1) + (0, pad))
+    return torch.cat([product(rows[i : i + F32_ROW_PAD]) for i in range(0, rows.size(0), F32_ROW_PAD)])[:n]
 
 
 # Elementwise transcendental ops (sigmoid, softplus, exp) run SIMD over the body of a buffer and a

@@ -12,7 +12,16 @@ from ...core.config import Config
 from ...core.numerics import WINDOW_LAYOUTS, Numerics
 from ...kernels import masked_attention, sparse_attn
 from ..hooks import NO_SITES, site
-from ..layers import Linear, RMSNorm, activation_dtype, linear_dtype, master_product, precompute_freqs_cis, rotate_tail
+from ..layers import (
+    Linear,
+    RMSNorm,
+    activation_dtype,
+    in_row_blocks,
+    linear_dtype,
+    master_product,
+    precompute_freqs_cis,
+    rotate_tail,
+)
 from .caches import (
     CACHE_PARTS,
     COMPRESSED_ENCODING,
@@ -345,7 +354,10 @@ class Attention(nn.Module):
         o = rotate_tail(o, freqs, self.rope_head_dim, inverse=True)
         o = o.reshape(bsz, seqlen, self.n_groups, -1)  # [b, s, groups, heads/groups * head_dim]
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-        if wo_a.dtype == o.dtype:
+        if wo_a.dtype == o.dtype and self.numerics.pad_f32_rows:  # parity: one kernel for any row count
+            rows = o.flatten(0, 1)  # [b * s, groups, heads/groups * head_dim]
+            o = in_row_blocks(lambda block: torch.einsum("mgd,grd->mgr", block, wo_a), rows).unflatten(0, (bsz, seqlen))
+        elif wo_a.dtype == o.dtype:
             o = torch.einsum("bsgd,grd->bsgr", o, wo_a)  # [b, s, groups, o_lora_rank]
         else:  # a float32 master weight (training)
             o = master_product(torch.einsum, o, wo_a, "bsgd,grd->bsgr", fast=self.wo_a.fast)
