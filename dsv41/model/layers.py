@@ -200,8 +200,9 @@ def master_product(product, x: torch.Tensor, w: torch.Tensor, *args, fast: bool)
 # opt-in for bit parity between prefill and decode, not the reference's arithmetic. The float32
 # paths need it (the compressor's pooling projections, the router, the hyper-connection mixes,
 # the head), and so does the one bf16 GEMM, the grouped output projection: its one-row call rounds
-# differently from a many-row one at any K measured (256-4,096), where a call of exactly 8 rows
-# gives the many-row result bit for bit. The quantized paths are row-count invariant by design.
+# differently from a many-row one (measured on an AVX-512 Xeon without BF16: at K 256-4,096 on two
+# threads, at the released 4,096 on one), where a call of exactly 8 rows gave the many-row result
+# bit for bit. The quantized paths are row-count invariant by design.
 F32_ROW_PAD = 8
 
 
