@@ -354,13 +354,13 @@ class Attention(nn.Module):
         o = rotate_tail(o, freqs, self.rope_head_dim, inverse=True)
         o = o.reshape(bsz, seqlen, self.n_groups, -1)  # [b, s, groups, heads/groups * head_dim]
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-        if wo_a.dtype == o.dtype and self.numerics.pad_f32_rows:  # parity: one kernel for any row count
+        if wo_a.dtype != o.dtype:  # a float32 master weight (training)
+            o = master_product(torch.einsum, o, wo_a, "bsgd,grd->bsgr", fast=self.wo_a.fast)
+        elif self.numerics.pad_f32_rows:  # parity: one kernel for any row count
             rows = o.flatten(0, 1)  # [b * s, groups, heads/groups * head_dim]
             o = in_row_blocks(lambda block: torch.einsum("mgd,grd->mgr", block, wo_a), rows).unflatten(0, (bsz, seqlen))
-        elif wo_a.dtype == o.dtype:
+        else:
             o = torch.einsum("bsgd,grd->bsgr", o, wo_a)  # [b, s, groups, o_lora_rank]
-        else:  # a float32 master weight (training)
-            o = master_product(torch.einsum, o, wo_a, "bsgd,grd->bsgr", fast=self.wo_a.fast)
         return self.wo_b(o.flatten(2))
 
     def _window(self, x: torch.Tensor, freqs: torch.Tensor, start_pos: int, cache: bool):
