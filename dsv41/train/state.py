@@ -95,7 +95,7 @@ class TrainStateError(TrainError):
 
 @dataclass(frozen=True)
 class TrainSettings:
-    # the shipped miniature's recipe: `dsv41 train` with no flags rebuilds it
+    # the shipped miniature's first run: `dsv41 train` with no flags rebuilds it
     backbone_steps: int = 4800
     draft_steps: int = 1600
     batch: int = 8
