@@ -681,6 +681,21 @@ def test_draft_from_goes_on_with_the_sources_settings(runs, tmp_path, capsys):
     one_line(capsys, "went on from", str(source))
 
 
+def test_draft_from_keeps_the_sources_learning_rate(runs, tmp_path, capsys):
+    """The backbone's peak learning rate is the source's: the new manifest records the recipe of the
+    backbone it ships, and a different --lr is refused rather than recorded."""
+    source = _source_copy(runs, tmp_path)
+    trained_with = json.loads((source / miniature.MANIFEST_NAME).read_text())["settings"]["lr"]
+    other = trained_with / 3
+    _edit_manifest(source, lambda m: m["settings"].update(lr=other))
+    out = tmp_path / "more"
+    assert cli_main(["--out", str(out), "--draft-from", str(source), "--draft-steps", "2", "--lr", str(trained_with), *RUN]) == 1
+    one_line(capsys, f"--lr {other}")
+    assert cli_main(["--out", str(out), "--draft-from", str(source), "--draft-steps", "2", *RUN]) == 0
+    capsys.readouterr()
+    assert json.loads((out / "facts.json").read_text())["settings"]["lr"] == other
+
+
 def _source_copy(runs, tmp_path) -> Path:
     return Path(shutil.copytree(runs["finished"] / "checkpoint", tmp_path / "source"))
 

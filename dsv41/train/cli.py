@@ -259,7 +259,7 @@ def cli_main(argv: list[str]) -> int:
         metavar="CHECKPOINT",
         help="go on with the draft phase of a miniature checkpoint (OUT/checkpoint of a finished run, or "
         "the packaged one; its files held to its manifest's sha256s), its backbone frozen as released "
-        "and its settings (--steps, --seed, --batch, --seq-len) kept, up to --draft-steps draft steps in all",
+        "and its settings (--steps, --seed, --batch, --seq-len, --lr) kept, up to --draft-steps draft steps in all",
     )
     parser.add_argument(
         "--init-from",

@@ -59,8 +59,9 @@ from .workdir import (
     tokenizer_written,
 )
 
-# The settings a --draft-from run takes from its source (its backbone's), unless given alike.
-SOURCE_SETTINGS = ("backbone_steps", "seed", "batch", "seq_len")
+# The settings a --draft-from run takes from its source (its backbone's), unless given alike: its
+# manifest then records the recipe of the backbone it ships, the learning rate included.
+SOURCE_SETTINGS = ("backbone_steps", "seed", "batch", "seq_len", "lr")
 
 
 def optimizer_names(names) -> dict[str, list[str]]:
