@@ -689,7 +689,8 @@ def test_draft_from_keeps_the_sources_learning_rate(runs, tmp_path, capsys):
     other = trained_with / 3
     _edit_manifest(source, lambda m: m["settings"].update(lr=other))
     out = tmp_path / "more"
-    assert cli_main(["--out", str(out), "--draft-from", str(source), "--draft-steps", "2", "--lr", str(trained_with), *RUN]) == 1
+    given = ["--draft-steps", "2", "--lr", str(trained_with), *RUN]
+    assert cli_main(["--out", str(out), "--draft-from", str(source), *given]) == 1
     one_line(capsys, f"--lr {other}")
     assert cli_main(["--out", str(out), "--draft-from", str(source), "--draft-steps", "2", *RUN]) == 0
     capsys.readouterr()
