@@ -260,7 +260,8 @@ def cli_main(argv: list[str]) -> int:
         metavar="CHECKPOINT",
         help="go on with the draft phase of a miniature checkpoint (OUT/checkpoint of a finished run, or "
         "the packaged one; its files held to its manifest's sha256s), its backbone frozen as released "
-        "and its settings (--steps, --seed, --batch, --seq-len, --lr) kept, up to --draft-steps draft steps in all",
+        "and its settings (--steps, --seed, --batch, --seq-len, --lr) kept, up to --draft-steps draft steps in all "
+        "(new optimizer moments, the draft schedule's cosine over them all taken up where it stands: no warm-up)",
     )
     parser.add_argument(
         "--init-from",
