@@ -962,7 +962,9 @@ def test_the_draft_phase_reads_the_targets_own_greedy_continuations(miniature_ch
 
     monkeypatch.setattr(draft, "POOL_SEQUENCES", 4)
     monkeypatch.setattr(draft, "POOL_BATCH", 4)
-    trainer = Trainer(str(tmp_path / "out"), {"draft_steps": 2400}, draft_from=miniature_checkpoint, compile=False)
+    shipped = json.loads((Path(miniature_checkpoint) / miniature.MANIFEST_NAME).read_text())
+    more = {"draft_steps": shipped["steps"] - shipped["settings"]["backbone_steps"] + 800}  # past those it has had
+    trainer = Trainer(str(tmp_path / "out"), more, draft_from=miniature_checkpoint, compile=False)
     phase = draft.DraftTrainer(trainer)
     pool = phase.pool
     n, prompt = draft.pool_shape(trainer.settings)
