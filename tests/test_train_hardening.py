@@ -500,6 +500,8 @@ def test_out_that_cannot_be_written_is_one_sentence_before_any_work(tmp_path, mo
         ("--draft-steps", "-1"),
         ("--seq-len", "100000"),
         ("--stop-at", "0"),
+        ("--pool-sequences", "0"),
+        ("--pool-sequences", "100001"),
     ],
 )
 def test_a_flag_out_of_range_is_a_usage_error(tmp_path, capsys, flag, value):
@@ -960,10 +962,12 @@ def test_the_draft_phase_reads_the_targets_own_greedy_continuations(miniature_ch
     from dsv41.train import draft
     from dsv41.train.loop import Trainer
 
-    monkeypatch.setattr(draft, "POOL_SEQUENCES", 4)
     monkeypatch.setattr(draft, "POOL_BATCH", 4)
     shipped = json.loads((Path(miniature_checkpoint) / miniature.MANIFEST_NAME).read_text())
-    more = {"draft_steps": shipped["steps"] - shipped["settings"]["backbone_steps"] + 800}  # past those it has had
+    more = {
+        "draft_steps": shipped["steps"] - shipped["settings"]["backbone_steps"] + 800,  # past those it has had
+        "pool_sequences": 4,
+    }
     trainer = Trainer(str(tmp_path / "out"), more, draft_from=miniature_checkpoint, compile=False)
     phase = draft.DraftTrainer(trainer)
     pool = phase.pool

@@ -237,6 +237,16 @@ def cli_main(argv: list[str]) -> int:
         help=f"DSpark draft steps after them (default {defaults.draft_steps})",
     )
     parser.add_argument(
+        "--pool-sequences",
+        type=bounded("pool_sequences", "sequences"),
+        default=None,
+        metavar="N",
+        help=f"sequences of the target's own greedy continuations the draft phase reads every other step, "
+        f"decoded at its start (default {defaults.pool_sequences}: about 3 minutes here; each run on one seed "
+        "draws the same prompts, the first N of a larger pool alike, so a --draft-from run that goes on with "
+        "the same N reads the continuations its source read)",
+    )
+    parser.add_argument(
         "--seed",
         type=bounded("seed", "the seed"),
         default=None,

@@ -33,9 +33,9 @@ from .masters import holding, set_qat, trainable_names, weights
 from .schedule import lr_at
 from .state import restore_moments
 
-# The greedy pool: sequences of the run's length, each a prompt from the train stream then the
-# target's greedy continuation, made in batches of POOL_BATCH (about 3 ms a token here).
-POOL_SEQUENCES = 256
+# The greedy pool: `settings.pool_sequences` sequences of the run's length, each a prompt from the
+# train stream then the target's greedy continuation, made in batches of POOL_BATCH (about 3.7 ms a
+# token here, so about 3 minutes for the default 256 sequences of 256 tokens).
 POOL_PROMPT = 64
 POOL_BATCH = 32
 
@@ -43,7 +43,7 @@ POOL_BATCH = 32
 def pool_shape(settings) -> tuple[int, int]:
     """(sequences, prompt tokens) of a run's greedy pool: no more sequences than the phase's pool
     steps read, and a prompt of at most a quarter of the sequence."""
-    return min(POOL_SEQUENCES, settings.batch * (settings.draft_steps // 2 + 1)), min(
+    return min(settings.pool_sequences, settings.batch * (settings.draft_steps // 2 + 1)), min(
         POOL_PROMPT, settings.seq_len // 4
     )
 

@@ -48,6 +48,8 @@ MAX_STEPS = 100_000
 MAX_SEED = 2**32 - 1  # seed * 7,000,003 + step stays a valid torch generator seed
 MIN_SEQ_LEN, MAX_SEQ_LEN = 16, 4096
 MAX_WINDOWS = 10**7
+# The greedy pool's sequences: about 0.7 s each to decode here (192 greedy tokens), so 100,000 are a day.
+MAX_POOL_SEQUENCES = 100_000
 INT_BOUNDS = {
     "backbone_steps": (1, MAX_STEPS),
     "draft_steps": (0, MAX_STEPS),
@@ -55,6 +57,7 @@ INT_BOUNDS = {
     "seq_len": (MIN_SEQ_LEN, MAX_SEQ_LEN),
     "warmup": (0, MAX_STEPS),
     "draft_anchors": (1, MAX_SEQ_LEN),
+    "pool_sequences": (1, MAX_POOL_SEQUENCES),
     "seed": (0, MAX_SEED),
     "checkpoint_every": (1, MAX_STEPS),
     "eval_every": (1, MAX_STEPS),
@@ -71,6 +74,7 @@ FLAGS = {
     "batch": "--batch",
     "seq_len": "--seq-len",
     "lr": "--lr",
+    "pool_sequences": "--pool-sequences",
 }
 
 # Memory of one training step, measured on the miniature's geometry (peak resident growth over
@@ -109,6 +113,9 @@ class TrainSettings:
     balance_rate: float = 1e-3  # routing bias step per unit of load imbalance sign
     draft_lr: float = 2e-3
     draft_anchors: int = 32  # anchor positions drawn per sequence for the draft
+    # sequences of the target's greedy continuations the draft phase reads every other step
+    # (`draft.greedy_pool`); every run on one seed draws the same prompts, the first of them alike
+    pool_sequences: int = 256
     seed: int = 0
     checkpoint_every: int = 25
     eval_every: int = 100
