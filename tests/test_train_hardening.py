@@ -605,6 +605,7 @@ def test_a_flag_that_conflicts_with_the_run_is_one_sentence(runs, tmp_path, caps
         ("--seed", "1"),
         ("--batch", "3"),
         ("--seq-len", "48"),
+        ("--pool-sequences", "5"),
     ):
         assert cli_main(["--out", str(folder), "--resume", flag, value, "--no-compile"]) == 1
         one_line(capsys, flag, "leave")
@@ -818,6 +819,18 @@ def test_a_state_written_before_init_from_existed_resumes(runs, tmp_path, capsys
     path.write_text(json.dumps(document))
     assert cli_main(["--out", str(folder), "--resume", "--stop-at", "3", *RUN]) == 0
     assert "stopped at step 3 of 5" in capsys.readouterr().err
+
+
+def test_a_state_written_before_pool_sequences_existed_resumes_with_the_pool_it_had(runs, tmp_path, capsys):
+    folder = copy_of(runs, "stopped", tmp_path)
+    path = folder / STATE_NAME
+    document = json.loads(path.read_text())
+    assert document["settings"].pop("pool_sequences") == TrainSettings.pool_sequences
+    path.write_text(json.dumps(document))
+    code = cli_main(["--out", str(folder), "--resume", "--stop-at", "3", *RUN])
+    assert code == 0, capsys.readouterr().err
+    assert "stopped at step 3 of 5" in capsys.readouterr().err
+    assert json.loads(path.read_text())["settings"]["pool_sequences"] == TrainSettings.pool_sequences
 
 
 def test_what_a_draft_from_run_carries_is_checked_its_later_keys_optional():

@@ -242,7 +242,7 @@ def cli_main(argv: list[str]) -> int:
         default=None,
         metavar="N",
         help=f"sequences of the target's own greedy continuations the draft phase reads every other step, "
-        f"decoded at its start (default {defaults.pool_sequences}: about 3 minutes here; each run on one seed "
+        f"decoded at its start (default {defaults.pool_sequences}: about 2.5 minutes here; each run on one seed "
         "draws the same prompts, the first N of a larger pool alike, so a --draft-from run that goes on with "
         "the same N reads the continuations its source read)",
     )

@@ -48,7 +48,7 @@ MAX_STEPS = 100_000
 MAX_SEED = 2**32 - 1  # seed * 7,000,003 + step stays a valid torch generator seed
 MIN_SEQ_LEN, MAX_SEQ_LEN = 16, 4096
 MAX_WINDOWS = 10**7
-# The greedy pool's sequences: about 0.7 s each to decode here (192 greedy tokens), so 100,000 are a day.
+# The greedy pool's sequences: about 0.6 s each to decode here (192 greedy tokens), so 100,000 take most of a day.
 MAX_POOL_SEQUENCES = 100_000
 INT_BOUNDS = {
     "backbone_steps": (1, MAX_STEPS),
@@ -313,6 +313,9 @@ def read_state_json(folder: str) -> dict:
 _KEYS = ("continued_from", "evals", "format", "log", "optimizer", "seconds", "settings", "step", "tensors", "version")
 # Written since --init-from came; a state written before has none (its run started from random weights).
 _LATER_KEYS = ("initialized_from",)
+# Settings added since states were first written: a state without one resumes with its default,
+# the value every run before it used.
+LATER_SETTINGS = ("pool_sequences",)
 # What a --draft-from run carries from its source, and the kind of each.
 CONTINUED_KEYS = {
     "path": "a path",
@@ -348,7 +351,7 @@ def check_document(document: dict, path: str) -> tuple[TrainSettings, int]:
         raise bad(f"version {brief(document['version'])} is not {STATE_VERSION}, the one this dsv41 reads")
     if not isinstance(document["settings"], dict):
         raise bad(f"settings must be an object, got {json_kind(document['settings'])}")
-    missing = sorted(set(FIELDS) - set(document["settings"]))
+    missing = sorted(set(FIELDS) - set(document["settings"]) - set(LATER_SETTINGS))
     if missing:
         raise bad(f"settings lacks {missing[0]}")
     try:
